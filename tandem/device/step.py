@@ -1,0 +1,71 @@
+"""StepInput: the small message a launch sends to the device side (index tensors, no weights, no tokens
+of earlier steps: decode rows read their input ids from the FutureMap)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Layout of the packed int64 header: B rows, T new tokens, P poisoned rows.
+_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k")   # each [B]
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "uniform")               # each [B]
+
+
+@dataclass
+class StepInput:
+    step_id: int
+    rows: np.ndarray          # [B] request-table row of each batch row
+    extend_lens: np.ndarray   # [B] new tokens this step (1 for decode)
+    seq_lens: np.ndarray      # [B] KV length after this step
+    use_future: np.ndarray    # [B] 1: the row's one input token comes from the FutureMap
+    input_ids: np.ndarray     # [T] host ids for prefill rows (ignored where use_future)
+    out_cache_loc: np.ndarray # [T] KV slot each new token is written to
+    temperature: np.ndarray   # [B] float
+    top_p: np.ndarray
+    top_k: np.ndarray         # [B] int, <= 0 off
+    min_p: np.ndarray
+    uniform: np.ndarray       # [B] float64, from (seed, output position)
+    poison_rows: np.ndarray   # [P] rows freed since the last launch (FutureMap poison in debug mode)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def int_words(self) -> int:
+        return 3 + 5 * self.batch_size + 2 * self.num_tokens + len(self.poison_rows)
+
+    def pack(self, ints: np.ndarray, floats: np.ndarray) -> None:
+        """Write into preallocated shared buffers (int64 and float64)."""
+        b, t, p = self.batch_size, self.num_tokens, len(self.poison_rows)
+        ints[:3] = (b, t, p)
+        o = 3
+        for name in _INT_FIELDS:
+            ints[o:o + b] = getattr(self, name)
+            o += b
+        ints[o:o + t] = self.input_ids
+        ints[o + t:o + 2 * t] = self.out_cache_loc
+        o += 2 * t
+        ints[o:o + p] = self.poison_rows
+        for i, name in enumerate(_FLOAT_FIELDS):
+            floats[i * b:(i + 1) * b] = getattr(self, name)
+
+    @classmethod
+    def unpack(cls, step_id: int, ints: np.ndarray, floats: np.ndarray) -> "StepInput":
+        """Copies out of the shared buffers, so the host may reuse them once the step is done."""
+        b, t, p = (int(x) for x in ints[:3])
+        o = 3
+        fields = {}
+        for name in _INT_FIELDS:
+            fields[name] = ints[o:o + b].copy()
+            o += b
+        fields["input_ids"] = ints[o:o + t].copy()
+        fields["out_cache_loc"] = ints[o + t:o + 2 * t].copy()
+        o += 2 * t
+        fields["poison_rows"] = ints[o:o + p].copy()
+        for i, name in enumerate(_FLOAT_FIELDS):
+            fields[name] = floats[i * b:(i + 1) * b].copy()
+        return cls(step_id=step_id, **fields)

@@ -1,0 +1,145 @@
+"""The engine: model source, device runner and scheduler, driven by the loop the config names.
+
+The offline LLM API and the server's engine process both drive this class.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import uuid
+from typing import Callable
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, StopStrings
+from .device.executor import ExecutorSpec
+from .request import Req, StepOutput
+from .sampling_params import SamplingParams
+from .scheduler.loops import LOOPS
+from .scheduler.scheduler import Scheduler
+from .trace.recorder import Recorder
+
+MAX_IDLE_SPINS = 10_000
+
+
+def default_device_threads() -> int:
+    """Torch threads of the device process: all cores (measured best for the real model, README)."""
+    import os
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, sink: Callable[[list[StepOutput]], None] | None = None,
+                 poll: Callable[[], None] | None = None) -> None:
+        from .model.loader import load_tokenizer, resolve_model
+        self.config = config
+        self.source = resolve_model(config.model, config.cache_dir)
+        self.model_config = self.source.config
+        self.tokenizer = load_tokenizer(self.source)
+        self.model_name = self.source.name
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        spec = ExecutorSpec(
+            source=self.source, device=config.resolved_device(), dtype=config.resolved_dtype(),
+            max_running=config.max_running_requests, max_model_len=config.max_model_len,
+            kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
+            poison_future_map=config.poison_future_map)
+        if config.resolved_backend() == "process":
+            from .device.cpu_process import ProcessRunner
+            cap = config.max_model_len or self.model_config.max_position_embeddings
+            if config.kv_cache_tokens is not None:
+                cap = min(cap, config.kv_cache_tokens)
+            self.runner = ProcessRunner(spec, config.device_threads or default_device_threads(),
+                                        max(config.max_prefill_tokens, cap) + config.max_running_requests)
+        else:
+            from .device.runner import InlineRunner
+            self.runner = InlineRunner(spec)
+        self.max_context = self.runner.max_context
+        self.recorder = Recorder(enabled=True, loop=config.scheduler,
+                                 ring_steps=config.trace_ring_steps)
+        self._sink = sink
+        self.scheduler = Scheduler(config, self.runner, self._emit, self.recorder, poll)
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.output_tokens = 0
+        self._closed = False
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Req:
+        """Validate and build a request; raises ValueError naming the field. Nothing is queued here."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise ValueError("prompt token ids must be integers")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        limit = min(self.max_context, self.runner.num_slots)
+        if len(prompt_ids) + 1 > limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this engine can hold "
+                             f"(context {self.max_context}, KV cache {self.runner.num_slots} tokens, "
+                             f"one generated token included)")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Req(rid=rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids=list(prompt_ids),
+                  params=params, seed=seed, eos_token_ids=self.eos_token_ids,
+                  max_len=min(self.max_context, self.runner.num_slots))
+        if params.stop:
+            req.stop_checker = StopStrings(self.detokenizer(prompt_ids, params), params.stop)
+        return req
+
+    def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+
+    def add_request(self, req: Req) -> str:
+        if len(self.scheduler.waiting) + len(self.scheduler.inbox) >= self.config.max_waiting_requests:
+            raise OverflowError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+        self.scheduler.inbox.append(("add", req))
+        return req.rid
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.inbox.append(("abort", rid))
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        self.output_tokens += sum(len(o.new_token_ids) for o in outputs)
+        if self._sink is not None:
+            self._sink(outputs)
+
+    def run(self, idle: Callable[[], bool] | None = None) -> None:
+        """Run the configured loop until `idle()` returns False (default: until no work is left)."""
+        spins = 0
+
+        def until_done() -> bool:
+            nonlocal spins
+            if not self.scheduler.has_work():
+                return False
+            spins += 1
+            if spins > MAX_IDLE_SPINS:
+                raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
+            return True
+
+        LOOPS[self.config.scheduler](self.scheduler, idle or until_done)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.runner.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

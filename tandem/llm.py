@@ -1,0 +1,125 @@
+"""The offline API: LLM(model, **config).generate(prompts, sampling_params) and .chat(conversations)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .config import EngineConfig
+from .engine import Engine
+from .request import CompletionOutput, RequestOutput, StepOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **config)
+        self.engine = Engine(self.config, sink=self._collect)
+        self.tokenizer = self.engine.tokenizer
+        self._results: dict[str, list[StepOutput]] = {}
+        self._bar = None
+
+    # ---- public API ----------------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = self._as_list(prompts)
+        params = self._params_for(sampling_params, len(prompts))
+        encoded = [(p, self._encode(p)) for p in prompts]
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        texts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        params = self._params_for(sampling_params, len(texts))
+        encoded = [(t, self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        return self._run(encoded, params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m for m in conversation):
+            raise ValueError("a conversation is a list of {'role': ..., 'content': ...} messages")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]      # one prompt of token ids
+        for p in prompts:
+            if not isinstance(p, (str, list)):
+                raise ValueError(f"a prompt is a string or a list of token ids, got {type(p).__name__}")
+        return prompts
+
+    @staticmethod
+    def _params_for(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, dict):
+            return [SamplingParams.from_dict(sampling_params) for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
+        return [SamplingParams.from_dict(p) if isinstance(p, dict) else p for p in sampling_params]
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character")
+            return self.engine.tokenize(prompt)
+        return list(prompt)
+
+    def _run(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        # Validate everything before queueing anything: a bad input raises and leaves the engine untouched.
+        reqs = [self.engine.make_request(ids, p) for (_, ids), p in zip(encoded, params)]
+        for req in reqs:
+            self._results[req.rid] = []
+            self.engine.add_request(req)
+        if use_tqdm:
+            from tqdm import tqdm
+            self._bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        try:
+            self.engine.run()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+        outs = []
+        for (prompt, ids), req, p in zip(encoded, reqs, params):
+            steps = self._results.pop(req.rid)
+            token_ids = [t for s in steps for t in s.new_token_ids]
+            last = steps[-1] if steps else None
+            text = last.text if last is not None and last.text is not None else \
+                self.engine.detokenizer(ids, p).add(token_ids)
+            reason = last.finish_reason if last is not None else None
+            outs.append(RequestOutput(req.rid, prompt if isinstance(prompt, str) else None, ids, text, token_ids,
+                                      reason, [CompletionOutput(0, text, token_ids, reason)]))
+        return outs
+
+    def _collect(self, outputs: list[StepOutput]) -> None:
+        for o in outputs:
+            if o.rid in self._results:
+                self._results[o.rid].append(o)
+            if o.finished and self._bar is not None:
+                self._bar.update(1)

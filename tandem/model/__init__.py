@@ -1,0 +1,1 @@
+"""Model loading: configs, GGUF / Hugging Face weights, tokenizers."""

@@ -1,0 +1,146 @@
+"""The one decoder definition (Llama and Qwen2): RMSNorm, RoPE, GQA, SwiGLU over a paged KV cache.
+
+Ragged prefill and batched decode take the same path: every layer writes the step's new K/V at its KV slots,
+then attends over the slots the request table maps each row's positions to.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+@dataclass
+class AttentionMeta:
+    """Per-step attention layout, built once and shared by every layer.
+
+    B rows (requests), T new tokens in all, Lq = longest extend, Lk = longest sequence.
+    """
+    out_cache_loc: torch.Tensor   # [T] KV slot each new token writes
+    kv_index: torch.Tensor        # [B, Lk] KV slot of each key position (past seq_len: masked)
+    mask: torch.Tensor            # [B, 1, Lq, Lk] bool, True = attend
+    q_index: torch.Tensor | None  # [B, Lq] flat token of each query slot (None: pure decode, Lq == 1)
+    token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout
+    last_index: torch.Tensor      # [B] flat index of each row's last token (the one that samples)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin: [T, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], max_context: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return state[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")                    # [V, hidden]
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
+            qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                        if c.attention_bias else None)
+            self.layers.append(dict(
+                attn_norm=w(p + "input_layernorm.weight"),
+                qkv=qkv, qkv_bias=qkv_bias,
+                o=w(p + "self_attn.o_proj.weight"),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),  # [2I, hidden]
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        inv_freq = rope_inv_freq(c)
+        freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32)."""
+        c = self.config
+        x = F.embedding(input_ids, self.embed)                          # [T, hidden]
+        cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        for layer, kc, vc in zip(self.layers, k_cache, v_cache):
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            attn = self._attention(q, k, v.view(-1, c.num_kv_heads, c.head_dim), meta, kc, vc)
+            x = x + F.linear(attn, layer["o"])
+            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        x = rms_norm(x[meta.last_index], self.final_norm, c.rms_norm_eps)  # [B, hidden]
+        return F.linear(x, self.lm_head).float()                          # [B, V]
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]
+        k_cache[meta.out_cache_loc] = k
+        v_cache[meta.out_cache_loc] = v
+        keys = k_cache[meta.kv_index].transpose(1, 2)                   # [B, KVH, Lk, D]
+        values = v_cache[meta.kv_index].transpose(1, 2)
+        if meta.q_index is None:
+            queries = q.unsqueeze(2)                                    # [B, H, 1, D]
+        else:
+            queries = q[meta.q_index].transpose(1, 2)                   # [B, H, Lq, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        out = out.transpose(1, 2)                                       # [B, Lq, H, D]
+        if meta.token_rc is None:
+            return out.reshape(q.shape[0], -1)                          # [T, H*D]
+        rows, cols = meta.token_rc
+        return out[rows, cols].reshape(q.shape[0], -1)

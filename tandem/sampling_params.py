@@ -1,0 +1,63 @@
+"""What a user asks of one generation, with the field names of vLLM and the OpenAI API."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16          # None: up to the context length
+    temperature: float = 1.0             # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = -1                      # -1 (or 0): off
+    min_p: float = 0.0
+    seed: int | None = None              # same seed, same output, whatever the batch mates
+    stop: str | list[str] | None = None  # stop strings, not included in the text
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field; called before anything is queued."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
+                or self.temperature < 0:
+            bad("temperature", "must be a number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", "must be an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", f"ids must be integers in [0, {vocab_size or 'vocab_size'})")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

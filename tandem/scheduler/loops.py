@@ -1,0 +1,57 @@
+"""The two scheduler loops, side by side. They call the same pick_batch, launch_step and process_results
+and differ only in *when* results are processed.
+
+serial:  pick batch k, launch it, wait, process its results, then pick k+1 (the device idles meanwhile).
+overlap: pick batch k, launch it and queue its result handle, then process batch k-1 while the device runs
+         batch k. Host state lags one step: batch k is picked before k-1's tokens are known, so its decode
+         input ids come from the FutureMap on the device, and a request that finished in k-1 may ride in k
+         (its token is dropped in process_results).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .pick import pick_batch
+from .results import process_results
+from .scheduler import Scheduler
+
+
+def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
+    rec = s.recorder
+    while True:
+        with rec.span("recv"):
+            s.recv_requests()
+        with rec.span("pick"):
+            batch = pick_batch(s)
+        if batch is not None:
+            with rec.span("launch", batch.step_id):
+                handle = s.launch_step(batch)
+            with rec.span("process", batch.step_id):
+                process_results(s, batch, handle)
+        elif not idle():
+            return
+
+
+def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
+    rec, queue = s.recorder, s.result_queue
+    while True:
+        with rec.span("recv"):
+            s.recv_requests()
+        with rec.span("pick"):
+            batch = pick_batch(s)                     # host state lags one step
+        if batch is not None and batch.needs_previous:
+            s.process_pending()
+        if batch is not None:
+            with rec.span("launch", batch.step_id):
+                queue.append((batch, s.launch_step(batch)))
+        # At most one result pending: process batch k-1 while the device runs batch k, or flush it at once
+        # when nothing was scheduled (no result waits for new traffic).
+        if len(queue) > 1 or (batch is None and queue):
+            prev, handle = queue.popleft()
+            with rec.span("process", prev.step_id):
+                process_results(s, prev, handle)
+        elif batch is None and not idle():
+            return
+
+
+LOOPS = {"serial": event_loop_serial, "overlap": event_loop_overlap}

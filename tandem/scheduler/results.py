@@ -1,0 +1,60 @@
+"""Process results: the only place sampled tokens become host truth.
+
+Waits on the step's copy_done, appends tokens, checks stops (one stop-check path for both loops), frees
+finished requests and emits outputs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..device.runner import ResultHandle
+from ..device.streams import now
+from ..request import Req, StepOutput
+from .batch import Batch
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
+    with s.recorder.span("wait", batch.step_id):
+        tokens = handle.wait()                       # copy_done.wait()
+    s.recorder.device(batch, handle.device_span)
+    t = now()
+    outputs: list[StepOutput] = []
+    for req, tok in zip(batch.reqs, tokens.tolist()):
+        if req.finished:
+            # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
+            # never appended, streamed or counted.
+            continue
+        req.kv_committed = req.allocated
+        if req.aborted:
+            s.finish(req, "abort")
+            outputs.append(StepOutput(req.rid, [], True, "abort", None, len(req.prompt_ids), len(req.output_ids)))
+            continue
+        req.output_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = t
+        reason = check_stop(req, tok)
+        if reason is not None:
+            s.finish(req, reason)
+        outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
+                                  len(req.prompt_ids), len(req.output_ids)))
+    s.emit(outputs)
+
+
+def check_stop(req: Req, tok: int) -> str | None:
+    """EOS (unless ignore_eos), stop token ids, stop strings, then max_tokens / context length."""
+    p = req.params
+    if tok in req.eos_token_ids and not p.ignore_eos:
+        return "stop"
+    if tok in p.stop_token_ids:
+        return "stop"
+    if req.stop_checker is not None:
+        cut = req.stop_checker.add(tok)
+        if cut is not None:
+            req.text = cut
+            return "stop"
+    if len(req.output_ids) >= req.max_new_tokens():
+        return "length"
+    return None

@@ -1,0 +1,151 @@
+"""The scheduler: all request state and memory bookkeeping of the engine (host side only).
+
+The device side (weights, KV cache, request table, FutureMap) sits behind `runner`; the scheduler sends it
+index arrays through launch_step and reads sampled ids back through result handles.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..device.runner import ModelRunner, ResultHandle
+from ..memory.kv_allocator import KVSlotAllocator
+from ..memory.req_table import ReqRowAllocator
+from ..request import Req, ReqStatus, StepOutput
+from ..trace.recorder import Recorder
+from .batch import Batch
+from .results import process_results
+
+NEW_TOKEN_RATIO_INIT = 0.5
+NEW_TOKEN_RATIO_MIN = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, sink: Callable[[list[StepOutput]], None],
+                 recorder: Recorder | None = None, poll: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.poll = poll                    # pulls new messages (e.g. from ZMQ) into the inbox
+        self.runner = runner
+        self.sink = sink
+        self.recorder = recorder or Recorder(enabled=False)
+        self.kv = KVSlotAllocator(runner.num_slots)
+        self.rows = ReqRowAllocator(config.max_running_requests)
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe
+        self.result_queue: collections.deque[tuple[Batch, ResultHandle]] = collections.deque()
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self._freed_rows: list[int] = []
+        self._step_ids = itertools.count()
+        self._live: dict[str, Req] = {}
+
+    # ---- requests in ---------------------------------------------------------------------------------------
+    def recv_requests(self) -> None:
+        if self.poll is not None:
+            self.poll()
+        while self.inbox:
+            kind, item = self.inbox.popleft()
+            if kind == "add":
+                self._live[item.rid] = item
+                self.waiting.append(item)
+            elif kind == "abort":
+                self._abort(item)
+
+    def _abort(self, rid: str) -> None:
+        """Aborts only mark a request; the finish path frees it (never under an in-flight step)."""
+        req = self._live.get(rid)
+        if req is None or req.finished:
+            return
+        req.aborted = True
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+            self.finish(req, "abort")
+            self.emit([StepOutput(rid, [], True, "abort", None, len(req.prompt_ids), len(req.output_ids))])
+
+    def finish_idle_aborts(self) -> None:
+        """Finish aborted running requests that no launched, unprocessed step holds."""
+        in_flight = {id(r) for b, _ in self.result_queue for r in b.reqs}
+        done = [r for r in self.running if r.aborted and id(r) not in in_flight]
+        for req in done:
+            self.finish(req, "abort")
+        if done:
+            self.emit([StepOutput(r.rid, [], True, "abort", None, len(r.prompt_ids), len(r.output_ids))
+                       for r in done])
+
+    # ---- launch and results --------------------------------------------------------------------------------
+    def launch_step(self, batch: Batch) -> ResultHandle:
+        if not batch.is_prefill:
+            self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.recorder.launched(batch)
+        return self.runner.launch_step(batch.step)
+
+    def process_pending(self) -> None:
+        """The "process the previous result first" hook: bring host state up to date with the device."""
+        while self.result_queue:
+            batch, handle = self.result_queue.popleft()
+            with self.recorder.span("process", batch.step_id):
+                process_results(self, batch, handle)
+
+    def emit(self, outputs: list[StepOutput]) -> None:
+        if outputs:
+            self.sink(outputs)
+
+    # ---- memory --------------------------------------------------------------------------------------------
+    def finish(self, req: Req, reason: str) -> None:
+        """Free a finished request's KV slots and row.
+
+        Safe even though the request may still ride in the launched batch k (one-step lag): every later
+        launch queues behind batch k on the device (one forward stream; one device process that runs steps
+        in order), so a freed slot or row is reused only by steps that run after batch k's writes.
+        """
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        self._live.pop(req.rid, None)
+
+    def retract(self, req: Req) -> None:
+        """Give back a running request's KV; it re-prefills prompt + outputs later (host truth is current)."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.kv_committed = 0
+        req.num_launched = len(req.output_ids)
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        if req.slots:
+            self.kv.free(req.slots)
+            req.slots = []
+        if req.row:
+            self.rows.free(req.row)
+            self._freed_rows.append(req.row)
+            req.row = 0
+
+    def take_freed_rows(self) -> np.ndarray:
+        rows, self._freed_rows = self._freed_rows, []
+        return np.array(rows if self.config.poison_future_map else [], dtype=np.int64)
+
+    def next_step_id(self) -> int:
+        return next(self._step_ids)
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.waiting or self.running or self.result_queue)
+
+    def stats(self) -> dict:
+        return {
+            "total_kv_slots": self.kv.num_slots,
+            "free_kv_slots": self.kv.available(),
+            "total_req_rows": self.rows.size,
+            "free_req_rows": self.rows.available(),
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting) + sum(1 for k, _ in list(self.inbox) if k == "add"),
+            "kv_usage": 1.0 - self.kv.available() / self.kv.num_slots,
+        }

@@ -1,0 +1,86 @@
+"""The recorder: host spans of every loop iteration and the device span of every forward.
+
+Cheap by design (a perf_counter pair and a tuple per span, in bounded rings), so a live server can keep it
+on. From the spans: device busy and idle time, and the device idle fraction of a run.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..device.streams import now
+
+HOST_SPANS = ("recv", "pick", "launch", "process", "wait")
+
+
+@dataclass(frozen=True)
+class DeviceSpan:
+    step: int
+    start: float
+    end: float
+    batch_size: int
+    num_tokens: int
+    is_prefill: bool
+    launch: float
+
+
+class Recorder:
+    def __init__(self, enabled: bool = True, loop: str = "", ring_steps: int | None = None) -> None:
+        self.enabled = enabled
+        self.loop = loop
+        maxlen = None if ring_steps is None else ring_steps * 8
+        self.host: collections.deque[tuple[str, int, float, float]] = collections.deque(maxlen=maxlen)
+        self.devices: collections.deque[DeviceSpan] = collections.deque(maxlen=ring_steps)
+        self._launch: dict[int, float] = {}
+        self.output_tokens = 0
+
+    @contextlib.contextmanager
+    def _span(self, name: str, step: int) -> Iterator[None]:
+        start = now()
+        try:
+            yield
+        finally:
+            self.host.append((name, step, start, now()))
+
+    def span(self, name: str, step: int = -1):
+        return self._span(name, step) if self.enabled else contextlib.nullcontext()
+
+    def launched(self, batch) -> None:
+        if self.enabled:
+            self._launch[batch.step_id] = now()
+
+    def device(self, batch, span: tuple[float, float]) -> None:
+        if not self.enabled:
+            return
+        launch = self._launch.pop(batch.step_id, span[0])
+        self.devices.append(DeviceSpan(batch.step_id, span[0], span[1], batch.size, batch.num_tokens,
+                                       batch.is_prefill, launch))
+        self.output_tokens += batch.size
+
+    def clear(self) -> None:
+        self.host.clear()
+        self.devices.clear()
+        self._launch.clear()
+        self.output_tokens = 0
+
+    def summary(self, wall_s: float | None = None, output_tokens: int | None = None) -> dict:
+        dev = sorted(self.devices, key=lambda d: d.start)
+        steps = len(dev)
+        busy = sum(d.end - d.start for d in dev)
+        window = (dev[-1].end - dev[0].start) if dev else 0.0
+        host_total = sum(e - s for n, _, s, e in self.host if n in ("recv", "pick", "launch", "process"))
+        waited = sum(e - s for n, _, s, e in self.host if n == "wait")
+        wall = wall_s if wall_s is not None else window
+        out = self.output_tokens if output_tokens is None else output_tokens
+        return {
+            "loop": self.loop,
+            "device_idle_fraction": (1.0 - busy / window) if window > 0 else 0.0,
+            "steps": steps,
+            "wall_s": wall,
+            "output_tokens": out,
+            "tokens_per_s": out / wall if wall > 0 else 0.0,
+            "host_ms_per_step": 1e3 * (host_total - waited) / steps if steps else 0.0,
+            "device_ms_per_step": 1e3 * busy / steps if steps else 0.0,
+        }

