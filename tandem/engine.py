@@ -136,7 +136,12 @@ class Engine:
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            self.runner.shutdown()
+            try:
+                if self.config.trace_dir:
+                    from .trace.export import write_live_trace
+                    write_live_trace(self.recorder, self.config.trace_dir, self.model_name)
+            finally:
+                self.runner.shutdown()
 
     def __del__(self) -> None:
         try:
