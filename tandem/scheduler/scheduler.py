@@ -43,6 +43,7 @@ class Scheduler:
         self._freed_rows: list[int] = []
         self._step_ids = itertools.count()
         self._live: dict[str, Req] = {}
+        self.retractions = 0
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def recv_requests(self) -> None:
@@ -114,6 +115,7 @@ class Scheduler:
         """Give back a running request's KV; it re-prefills prompt + outputs later (host truth is current)."""
         self.running.remove(req)
         self._release(req)
+        self.retractions += 1
         req.status = ReqStatus.WAITING
         req.kv_committed = 0
         req.num_launched = len(req.output_ids)

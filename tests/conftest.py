@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random models built by transformers, engines that are checked for leaks."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+def assert_no_leaks(llm) -> None:
+    """After a run every KV slot and request row is back in its free list."""
+    s = llm.stats()
+    assert s["free_kv_slots"] == s["total_kv_slots"], s
+    assert s["free_req_rows"] == s["total_req_rows"], s
+    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLMs that are leak-checked and shut down when the test ends."""
+    from tandem import LLM
+    made = []
+
+    def make(model, **kw):
+        kw.setdefault("kv_cache_tokens", 8192)
+        kw.setdefault("max_running_requests", 32)
+        kw.setdefault("poison_future_map", True)
+        llm = LLM(model, **kw)
+        made.append(llm)
+        return llm
+
+    yield make
+    try:
+        for llm in made:
+            assert_no_leaks(llm)
+    finally:
+        for llm in made:
+            llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model, loaded once (overlap loop; tests switch loops per run)."""
+    from tandem import LLM
+    llm = LLM(poison_future_map=True)
+    yield llm
+    llm.shutdown()
+
+
+def run_with(llm, scheduler: str, prompts, params, **kw):
+    """Run one generate call through the given loop on the same engine."""
+    llm.engine.config = llm.engine.config.replace(scheduler=scheduler)
+    outs = llm.generate(prompts, params, use_tqdm=False, **kw)
+    assert_no_leaks(llm)
+    return outs

@@ -1,0 +1,159 @@
+"""Engine behaviour on tiny models: stops, sampling, seeds, retraction, bad inputs, memory."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_no_leaks
+from tandem import SamplingParams
+from tandem.sampler import sample, seeded_uniform
+
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500], [42] * 17, list(range(1000, 1031))]
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, **kw)
+
+
+def test_max_tokens_one_and_two(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    for n in (1, 2):
+        outs = llm.generate(PROMPTS, greedy(n, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.token_ids) == n and o.finish_reason == "length" for o in outs)
+
+
+def test_stop_token_ids_and_eos(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    base = llm.generate(PROMPTS, greedy(10, ignore_eos=True), use_tqdm=False)
+    stop_at = {i: o.token_ids[3] for i, o in enumerate(base)}
+    outs = llm.generate(PROMPTS, [greedy(10, stop_token_ids=[stop_at[i]], ignore_eos=True)
+                                  for i in range(len(PROMPTS))], use_tqdm=False)
+    for b, o, i in zip(base, outs, range(len(PROMPTS))):
+        cut = b.token_ids.index(stop_at[i]) + 1
+        assert o.token_ids == b.token_ids[:cut] and o.finish_reason == "stop"
+    # EOS: pretend the 3rd token is EOS by adding it to the engine's EOS set for one run.
+    eos = base[0].token_ids[2]
+    llm.engine.eos_token_ids = frozenset({eos})
+    try:
+        out = llm.generate([PROMPTS[0]], greedy(10), use_tqdm=False)[0]
+        cut = base[0].token_ids.index(eos) + 1
+        assert out.token_ids == base[0].token_ids[:cut] and out.finish_reason == "stop"
+        ignored = llm.generate([PROMPTS[0]], greedy(10, ignore_eos=True), use_tqdm=False)[0]
+        assert ignored.token_ids == base[0].token_ids
+    finally:
+        llm.engine.eos_token_ids = frozenset(llm.engine.model_config.eos_token_ids)
+
+
+def test_stop_string_across_tokens(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    base = llm.generate(PROMPTS[1], greedy(12, ignore_eos=True), use_tqdm=False)[0]
+    text = base.text
+    # A stop string that straddles tokens: the tail of token 3's text plus the head of token 4's.
+    tok = llm.tokenizer
+    pieces = [tok.decode(base.token_ids[:i]) for i in range(1, 13)]
+    k = next(i for i in range(3, 11) if len(pieces[i]) > len(pieces[i - 1]) + 1 and len(pieces[i - 1]) > 2)
+    boundary = len(pieces[k - 1])
+    stop = text[boundary - 2:boundary + 1]
+    assert len(stop) == 3
+    out = llm.generate(PROMPTS[1], greedy(12, ignore_eos=True, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.find(stop)]
+    assert stop not in out.text
+    assert len(out.token_ids) < 12
+
+
+def test_seeded_sampling_reproducible_across_batch_mates(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], p, use_tqdm=False)[0].token_ids
+    crowd = llm.generate(PROMPTS + [PROMPTS[2]] * 3, [SamplingParams(temperature=1.0, max_tokens=9,
+                                                                    ignore_eos=True)] * 4 + [p] * 3,
+                         use_tqdm=False)
+    assert all(o.token_ids == alone for o in crowd[4:])
+    other = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
+                                                      max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert other.token_ids != alone
+
+
+def test_retraction_gives_same_outputs(tiny_llama, make_llm):
+    prompts = [[7 + i] * (20 + 3 * i) for i in range(8)]
+    params = greedy(40, ignore_eos=True)
+    big = make_llm(tiny_llama, kv_cache_tokens=8192).generate(prompts, params, use_tqdm=False)
+    for scheduler in ("serial", "overlap"):
+        small = make_llm(tiny_llama, kv_cache_tokens=300, scheduler=scheduler)
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in big]
+        assert small.engine.scheduler.retractions > 0      # the small cache really forced retraction
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params_raise(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_bad_inputs_queue_nothing(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], greedy(4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], greedy(4))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, vocab]], greedy(4))
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        llm.generate(["hi"], {"max_tokens": 4, "bogus": 1})
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["hi"], greedy(4, stop_token_ids=[vocab + 5]))
+    with pytest.raises(ValueError, match="prompt has"):
+        llm.generate([[5] * 600], greedy(4))          # tiny model context is 512
+    # One bad prompt among good ones: nothing of the batch is queued.
+    with pytest.raises(ValueError):
+        llm.generate([[5, 6], [1, vocab]], greedy(4))
+    assert_no_leaks(llm)
+    assert llm.generate([[5, 6]], greedy(3), use_tqdm=False)[0].finish_reason == "length"
+
+
+def test_unknown_engine_option(tiny_llama):
+    from tandem import LLM
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(tiny_llama, not_an_option=1)
+
+
+def test_sampler_respects_top_k_top_p_min_p():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000) * 3
+    order = logits[0].argsort(descending=True)
+    n = 400
+    u = torch.from_numpy(seeded_uniform(np.arange(n), np.zeros(n)))
+    rep = logits.repeat(n, 1)
+    ones = torch.ones(n)
+
+    def draw(top_k=-1, top_p=1.0, min_p=0.0):
+        return sample(rep, ones, torch.full((n,), top_p), torch.full((n,), top_k, dtype=torch.int64),
+                      torch.full((n,), min_p), u)
+
+    assert set(draw(top_k=5).tolist()) <= set(order[:5].tolist())
+    probs = torch.softmax(logits[0], -1)[order]
+    keep = int((probs.cumsum(0) - probs < 0.5).sum())
+    assert set(draw(top_p=0.5).tolist()) <= set(order[:keep].tolist())
+    allowed = (torch.softmax(logits[0], -1) >= 0.2 * torch.softmax(logits[0], -1).max()).nonzero().squeeze(1)
+    assert set(draw(min_p=0.2).tolist()) <= set(allowed.tolist())
+    plain = draw()
+    assert len(set(plain.tolist())) > 20        # a real distribution, not argmax
+    greedy_rows = sample(rep, torch.zeros(n), ones, torch.full((n,), -1, dtype=torch.int64),
+                         torch.zeros(n), u)
+    assert (greedy_rows == logits.argmax()).all()
+
+
+def test_seeded_uniform_is_deterministic_and_spread():
+    a = seeded_uniform(np.array([1, 1, 2]), np.array([0, 1, 0]))
+    b = seeded_uniform(np.array([1, 1, 2]), np.array([0, 1, 0]))
+    assert (a == b).all() and len(set(a.tolist())) == 3
+    many = seeded_uniform(np.zeros(10000, np.int64), np.arange(10000))
+    assert 0 < many.min() and many.max() < 1 and abs(many.mean() - 0.5) < 0.02
