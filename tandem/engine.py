@@ -35,12 +35,7 @@ class Engine:
         self.config = config
         self.source = resolve_model(config.model, config.cache_dir)
         self.model_config = self.source.config
-        self.tokenizer = load_tokenizer(self.source)
         self.model_name = self.source.name
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         spec = ExecutorSpec(
             source=self.source, device=config.resolved_device(), dtype=config.resolved_dtype(),
             max_running=config.max_running_requests, max_model_len=config.max_model_len,
@@ -56,6 +51,16 @@ class Engine:
         else:
             from .device.runner import InlineRunner
             self.runner = InlineRunner(spec)
+        try:
+            self.tokenizer = load_tokenizer(self.source)     # while the device process loads the weights
+            self.runner.wait_ready()
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
         self.max_context = self.runner.max_context
         self.recorder = Recorder(enabled=True, loop=config.scheduler,
                                  ring_steps=config.trace_ring_steps)

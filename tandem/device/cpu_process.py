@@ -102,9 +102,18 @@ class ProcessRunner:
         self.proc.stdin.close()
         self._done: dict[int, tuple[float, float]] = {}
         self._closed = False
+        self._listener, self._shm_path, self._spec, self._timeout = listener, shm_path, spec, start_timeout
+        self.num_slots = self.max_context = 0
+
+    def wait_ready(self) -> None:
+        """Finish the start: hand over the spec and wait until the weights and KV cache are in place.
+        Split from __init__ so the scheduler's process can load its tokenizer meanwhile."""
+        if self.num_slots:
+            return
+        listener, shm_path = self._listener, self._shm_path
         try:
-            self.conn = self._accept(listener, start_timeout)
-            self.conn.send((spec, self.buffers.sizes))
+            self.conn = self._accept(listener, self._timeout)
+            self.conn.send((self._spec, self.buffers.sizes))
             info = self._recv()
             if info[0] != "ready":
                 raise DeviceProcessError(f"device process sent {info[0]!r} at start")

@@ -59,10 +59,15 @@ class ModelExecutor:
         self.num_slots = num_slots
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype)
         del state
-        # KV cache: per layer [num_slots, KVH, D]
-        self.k_cache = [torch.zeros(num_slots, c.num_kv_heads, c.head_dim, dtype=dtype, device=self.device)
+        # KV cache: per layer [num_slots + 1, KVH, D]. Left uninitialized (a fast start; untouched pages cost no
+        # memory) except the extra zero slot `pad_slot`, which key positions past a row's length gather from,
+        # so masked-out keys never bring in garbage (NaN * 0 is NaN).
+        self.pad_slot = num_slots
+        self.k_cache = [torch.empty(num_slots + 1, c.num_kv_heads, c.head_dim, dtype=dtype, device=self.device)
                         for _ in range(c.num_layers)]
-        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.v_cache = [torch.empty_like(k) for k in self.k_cache]
+        for t in self.k_cache + self.v_cache:
+            t[self.pad_slot].zero_()
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
                                         device=self.device)
@@ -106,9 +111,9 @@ class ModelExecutor:
         dev = self.device
         lk = int(step.seq_lens.max())
         lq = int(step.extend_lens.max())
-        kv_index = self.req_to_token[rows, :lk].long()                             # [B, Lk]
         k_pos = torch.arange(lk, device=dev)
         valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
+        kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.pad_slot)  # [B, Lk]
         last_index = starts + ext - 1
         if lq == 1:
             return AttentionMeta(out_cache_loc, kv_index, valid[:, None, None, :], None, None, last_index)

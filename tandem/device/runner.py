@@ -30,6 +30,7 @@ class ModelRunner(Protocol):
     num_slots: int
     max_context: int
 
+    def wait_ready(self) -> None: ...
     def launch_step(self, step: StepInput) -> ResultHandle: ...
     def shutdown(self) -> None: ...
 
@@ -67,7 +68,9 @@ class InlineRunner:
         self.num_slots = self.executor.num_slots
         self.max_context = self.executor.max_context
         self.streams = DeviceStreams(self.executor.device)
-        self._last_end = 0.0
+
+    def wait_ready(self) -> None:
+        return None
 
     def launch_step(self, step: StepInput) -> InlineHandle:
         start = now()
@@ -77,12 +80,8 @@ class InlineRunner:
             finish = self.streams.record(timing=True) if self.streams.cuda else None
         host, copy_done = self.streams.copy_to_host(tokens)
         if self.streams.cuda:
-            # The forward starts when the stream reaches it: after the previous one, not before the launch.
-            start = max(start, self._last_end)
-            handle = InlineHandle(step, host, copy_done, start, None, (begin, finish))
-        else:
-            handle = InlineHandle(step, host, copy_done, start, now(), None)
-        return handle
+            return InlineHandle(step, host, copy_done, start, None, (begin, finish))
+        return InlineHandle(step, host, copy_done, start, now(), None)
 
     def shutdown(self) -> None:
         self.executor = None

@@ -1,0 +1,161 @@
+"""The engine process: the scheduler loop and the model, fed over ZMQ by the frontend.
+
+Started by the frontend as `python -m tandem.server.engine_proc IN_ADDR OUT_ADDR` with the pickled
+EngineConfig on stdin. It dies with its parent (PR_SET_PDEATHSIG); it runs in a session of its own, so a
+terminal's Ctrl-C reaches only the frontend, which stops it in order (Shutdown: abort all, then exit).
+Nothing a client sends reaches this interpreter except validated token ids and sampling fields, and every
+error in building a request is answered as a rejection, never raised into the loop.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+import zmq
+
+from ..config import EngineConfig
+from ..device.streams import now
+from ..engine import Engine
+from ..request import StepOutput
+from ..sampling_params import SamplingParams
+from . import ipc
+
+IDLE_POLL_MS = 50         # idle(): block this long on the request socket, then let the loop look again
+IDLE_WINDOW_S = 10.0      # device_idle_fraction covers the device steps of the last IDLE_WINDOW_S
+IDLE_EVERY_S = 1.0        # ... recomputed at most this often
+INT64 = 2 ** 63
+
+
+class EngineProc:
+    def __init__(self, config: EngineConfig, rx: zmq.Socket, tx: zmq.Socket) -> None:
+        self.rx, self.tx = rx, tx
+        self.engine = Engine(config, sink=self.sink, poll=self.poll)
+        self.live: set[str] = set()        # accepted, not yet finished
+        self.stopping = False
+        self._last_stats: dict | None = None
+        self._idle_at, self._idle = -1e18, 0.0
+
+    def send(self, msg) -> None:
+        self.tx.send(ipc.encode(msg))
+
+    # ---- called by the scheduler loop ----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Every loop iteration: pull pending messages (non-blocking) and answer each AddRequest."""
+        replies = []
+        while True:
+            try:
+                msg = ipc.decode(self.rx.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if isinstance(msg, ipc.AddRequest):
+                replies.append(self._add(msg))
+            elif isinstance(msg, ipc.AbortRequest):
+                if msg.rid in self.live:
+                    self.engine.abort(msg.rid)
+            elif isinstance(msg, ipc.Shutdown):
+                self.stopping = True
+                for rid in self.live:
+                    self.engine.abort(rid)
+        if replies:
+            self.send(ipc.Replies(replies))
+
+    def _add(self, msg: ipc.AddRequest) -> list:
+        if self.stopping:
+            return [msg.rid, 503, "the server is shutting down"]
+        try:
+            seed = msg.params.get("seed")
+            if seed is not None and not -INT64 <= seed < INT64:
+                raise ValueError(f"invalid sampling parameter seed={seed}: must fit in 64 bits")
+            req = self.engine.make_request(msg.prompt_ids, SamplingParams(**msg.params), msg.rid)
+            self.engine.add_request(req)
+        except OverflowError as e:
+            return [msg.rid, 503, str(e)]
+        except ValueError as e:
+            return [msg.rid, 400, str(e)]
+        except Exception as e:          # a bad request must never take the loop down
+            traceback.print_exc()
+            return [msg.rid, 400, f"{type(e).__name__}: {e}"]
+        self.live.add(msg.rid)
+        return [msg.rid, ipc.ACCEPTED, ""]
+
+    def sink(self, outputs: list[StepOutput]) -> None:
+        """Once per processed step: all of its outputs in one message, with the state after it."""
+        for o in outputs:
+            if o.finished:
+                self.live.discard(o.rid)
+        self._last_stats = self.stats()
+        self.send(ipc.Outputs(outputs, self._last_stats))
+
+    def idle(self) -> bool:
+        """Nothing to schedule: publish changed stats, then wait briefly for messages. False ends the loop."""
+        if self.stopping:
+            return False
+        stats = self.stats()
+        if stats != self._last_stats:
+            self._last_stats = stats
+            self.send(ipc.Stats(stats))
+        self.rx.poll(IDLE_POLL_MS)
+        return True
+
+    # ---- stats ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "device_idle_fraction": self._idle_fraction()}
+
+    def _idle_fraction(self) -> float:
+        """1 - busy / span over the device steps that ended in the last IDLE_WINDOW_S (0 when none ran)."""
+        t = now()
+        if t - self._idle_at >= IDLE_EVERY_S:
+            self._idle_at = t
+            busy, first, last = 0.0, None, None
+            for d in reversed(self.engine.recorder.devices):     # newest first
+                if d.end < t - IDLE_WINDOW_S:
+                    break
+                busy += d.end - d.start
+                first, last = d.start, last if last is not None else d.end
+            window = (last - first) if first is not None else 0.0
+            self._idle = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
+        return self._idle
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(in_addr: str, out_addr: str) -> int:
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # run the finally: stop the device process
+    config: EngineConfig = pickle.loads(sys.stdin.buffer.read())
+    ctx = zmq.Context()
+    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    rx.connect(in_addr)
+    tx.setsockopt(zmq.LINGER, 2000)
+    tx.connect(out_addr)
+    proc, code = None, 0
+    try:
+        proc = EngineProc(config, rx, tx)
+        e = proc.engine
+        proc.send(ipc.Ready(e.model_name, min(e.max_context, e.runner.num_slots), e.model_config.vocab_size,
+                            os.getpid()))
+        e.run(proc.idle)
+    except BaseException as exc:
+        traceback.print_exc()
+        tx.send(ipc.encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
+        code = 1
+    finally:
+        if proc is not None:
+            proc.engine.shutdown()
+        rx.close(0)
+        tx.close()
+        ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
