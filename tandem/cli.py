@@ -16,7 +16,8 @@ SUBCOMMANDS = ("tandem.server.cli", "tandem.trace.cli", "tandem.bench.cli")
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (--max-running-requests ...)."""
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        # EngineConfig.seed (for requests that give none) is --engine-seed: --seed is a request's own seed.
+        flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", dest="seed_sampling", type=int, default=None, help="sampling seed")
+    g.add_argument("--seed", dest="seed_sampling", type=int, default=None, help="sampling seed of the request")
     g.add_argument("--stop", action="append")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(g)

@@ -105,8 +105,9 @@ class Engine:
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
 
-    def add_request(self, req: Req) -> str:
-        if len(self.scheduler.waiting) + len(self.scheduler.inbox) >= self.config.max_waiting_requests:
+    def add_request(self, req: Req, bounded: bool = True) -> str:
+        """Queue a validated request. `bounded`: refuse past max_waiting_requests (the server's 503)."""
+        if bounded and len(self.scheduler.waiting) + len(self.scheduler.inbox) >= self.config.max_waiting_requests:
             raise OverflowError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         self.scheduler.inbox.append(("add", req))
         return req.rid

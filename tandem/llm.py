@@ -95,7 +95,7 @@ class LLM:
         reqs = [self.engine.make_request(ids, p) for (_, ids), p in zip(encoded, params)]
         for req in reqs:
             self._results[req.rid] = []
-            self.engine.add_request(req)
+            self.engine.add_request(req, bounded=False)
         if use_tqdm:
             from tqdm import tqdm
             self._bar = tqdm(total=len(reqs), desc="generate", unit="req")

@@ -7,7 +7,7 @@ import torch
 
 from conftest import assert_no_leaks
 from tandem import SamplingParams
-from tandem.sampler import sample, seeded_uniform
+from tandem.sampler import SamplingBatch, sample, seeded_uniform
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500], [42] * 17, list(range(1000, 1031))]
 
@@ -130,13 +130,13 @@ def test_sampler_respects_top_k_top_p_min_p():
     logits = torch.randn(1, 1000) * 3
     order = logits[0].argsort(descending=True)
     n = 400
-    u = torch.from_numpy(seeded_uniform(np.arange(n), np.zeros(n)))
+    u = seeded_uniform(np.arange(n), np.zeros(n))
     rep = logits.repeat(n, 1)
-    ones = torch.ones(n)
 
-    def draw(top_k=-1, top_p=1.0, min_p=0.0):
-        return sample(rep, ones, torch.full((n,), top_p), torch.full((n,), top_k, dtype=torch.int64),
-                      torch.full((n,), min_p), u)
+    def draw(top_k=-1, top_p=1.0, min_p=0.0, temperature=1.0):
+        full = np.full
+        return sample(rep, SamplingBatch.from_host(full(n, temperature), full(n, top_p), full(n, top_k),
+                                                   full(n, min_p), u, torch.device("cpu")))
 
     assert set(draw(top_k=5).tolist()) <= set(order[:5].tolist())
     probs = torch.softmax(logits[0], -1)[order]
@@ -146,9 +146,12 @@ def test_sampler_respects_top_k_top_p_min_p():
     assert set(draw(min_p=0.2).tolist()) <= set(allowed.tolist())
     plain = draw()
     assert len(set(plain.tolist())) > 20        # a real distribution, not argmax
-    greedy_rows = sample(rep, torch.zeros(n), ones, torch.full((n,), -1, dtype=torch.int64),
-                         torch.zeros(n), u)
-    assert (greedy_rows == logits.argmax()).all()
+    assert (draw(temperature=0.0) == logits.argmax()).all()
+    # Mixed batch: greedy, plain and sorted rows in one call keep their own semantics.
+    mixed = sample(rep[:3], SamplingBatch.from_host(np.array([0.0, 1.0, 1.0]), np.array([1.0, 1.0, 1.0]),
+                                                    np.array([-1, -1, 1]), np.zeros(3), u[:3],
+                                                    torch.device("cpu")))
+    assert mixed[0] == logits.argmax() and mixed[2] == logits.argmax()
 
 
 def test_seeded_uniform_is_deterministic_and_spread():

@@ -12,7 +12,7 @@ import torch
 
 from ..model.loader import ModelSource, load_weights
 from ..model.llama import AttentionMeta, LlamaModel
-from ..sampler import sample
+from ..sampler import SamplingBatch, sample
 from .future_map import FutureMap
 from .step import StepInput
 
@@ -86,7 +86,7 @@ class ModelExecutor:
         if len(step.poison_rows):
             self.future_map.poison(self._tensor(step.poison_rows))
         b, t = step.batch_size, step.num_tokens
-        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext)        # [T]
+        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
         starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
         tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
         positions = (seq - ext)[tok_row] + tok_col                                 # [T]
@@ -100,9 +100,8 @@ class ModelExecutor:
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
         meta = self._attention_meta(step, rows, ext, seq, starts, tok_row, tok_col, out_cache_loc)
         logits = self.model.forward(input_ids, positions, meta, self.k_cache, self.v_cache)
-        tokens = sample(logits, self._tensor(step.temperature, torch.float32), self._tensor(step.top_p, torch.float32),
-                        self._tensor(step.top_k), self._tensor(step.min_p, torch.float32),
-                        self._tensor(step.uniform, torch.float64))
+        tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
+                                                        step.uniform, dev))
         # FutureMap write: the next step of these rows reads its input ids from here.
         self.future_map.stash(rows, tokens)
         return tokens
