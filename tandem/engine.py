@@ -72,6 +72,17 @@ class Engine:
         self.output_tokens = 0
         self._closed = False
 
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        """Swap run-time options (e.g. the loop) between runs; the scheduler reads the same config."""
+        self._config = config
+        if hasattr(self, "scheduler"):
+            self.scheduler.config = config
+
     # ---- requests ------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)

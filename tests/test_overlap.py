@@ -197,3 +197,12 @@ def test_device_process_dies_with_its_parent(tiny_llama, tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_process_previous_before_consecutive_prefill_keeps_outputs(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, max_prefill_tokens=16)        # several prefill batches back to back
+    initial = [(f"p{i}", [20 + i] * 12, greedy(6, ignore_eos=True)) for i in range(6)]
+    plain = run_script(llm, "overlap", initial, {})
+    llm.engine.config = llm.engine.config.replace(process_prev_before_prefill=True)
+    flushed = run_script(llm, "overlap", initial, {})
+    assert plain == flushed == run_script(llm, "serial", initial, {})

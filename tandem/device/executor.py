@@ -13,6 +13,7 @@ import torch
 from ..model.loader import ModelSource, load_weights
 from ..model.llama import AttentionMeta, LlamaModel
 from ..sampler import SamplingBatch, sample
+from ..model.kv_cache import PagedKVCache
 from .future_map import FutureMap
 from .step import StepInput
 
@@ -59,15 +60,7 @@ class ModelExecutor:
         self.num_slots = num_slots
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype)
         del state
-        # KV cache: per layer [num_slots + 1, KVH, D]. Left uninitialized (a fast start; untouched pages cost no
-        # memory) except the extra zero slot `pad_slot`, which key positions past a row's length gather from,
-        # so masked-out keys never bring in garbage (NaN * 0 is NaN).
-        self.pad_slot = num_slots
-        self.k_cache = [torch.empty(num_slots + 1, c.num_kv_heads, c.head_dim, dtype=dtype, device=self.device)
-                        for _ in range(c.num_layers)]
-        self.v_cache = [torch.empty_like(k) for k in self.k_cache]
-        for t in self.k_cache + self.v_cache:
-            t[self.pad_slot].zero_()
+        self.kv_cache = PagedKVCache(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
                                         device=self.device)
@@ -98,24 +91,27 @@ class ModelExecutor:
             # FutureMap read: decode input ids are the tokens the previous step sampled, gathered on the device.
             fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
-        meta = self._attention_meta(step, rows, ext, seq, starts, tok_row, tok_col, out_cache_loc)
-        logits = self.model.forward(input_ids, positions, meta, self.k_cache, self.v_cache)
+        meta = self._attention_meta(step, rows, ext, seq, starts, tok_row, positions, out_cache_loc, tok_col)
+        logits = self.model.forward(input_ids, positions, meta)
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.uniform, dev))
         # FutureMap write: the next step of these rows reads its input ids from here.
         self.future_map.stash(rows, tokens)
         return tokens
 
-    def _attention_meta(self, step: StepInput, rows, ext, seq, starts, tok_row, tok_col, out_cache_loc):
+    def _attention_meta(self, step: StepInput, rows, ext, seq, starts, tok_row, positions, out_cache_loc,
+                        tok_col) -> AttentionMeta:
         dev = self.device
         lk = int(step.seq_lens.max())
         lq = int(step.extend_lens.max())
         k_pos = torch.arange(lk, device=dev)
         valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
-        kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.pad_slot)  # [B, Lk]
+        kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.kv_cache.pad_slot)  # [B, Lk]
+        has_prefix = bool((step.seq_lens > step.extend_lens).any())
+        kv = self.kv_cache.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix)
         last_index = starts + ext - 1
         if lq == 1:
-            return AttentionMeta(out_cache_loc, kv_index, valid[:, None, None, :], None, None, last_index)
+            return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
         q_col = torch.arange(lq, device=dev)
         q_pos = (seq - ext)[:, None] + q_col[None, :]                              # [B, Lq]
         causal = k_pos[None, None, :] <= q_pos[:, :, None]                         # [B, Lq, Lk]
@@ -123,5 +119,5 @@ class ModelExecutor:
         pad = (q_col[None, :] >= ext[:, None])[:, :, None]
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
-        return AttentionMeta(out_cache_loc, kv_index, mask[:, None], q_index, (tok_row, tok_col), last_index)
+        return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index)
 

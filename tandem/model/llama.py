@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kv_cache import StepKV
 
 
 @dataclass
@@ -20,8 +21,7 @@ class AttentionMeta:
 
     B rows (requests), T new tokens in all, Lq = longest extend, Lk = longest sequence.
     """
-    out_cache_loc: torch.Tensor   # [T] KV slot each new token writes
-    kv_index: torch.Tensor        # [B, Lk] KV slot of each key position (past seq_len: masked)
+    kv: "StepKV"                  # the step's view of the paged KV cache
     mask: torch.Tensor            # [B, 1, Lq, Lk] bool, True = attend
     q_index: torch.Tensor | None  # [B, Lq] flat token of each query slot (None: pure decode, Lq == 1)
     token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout
@@ -106,20 +106,19 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32)."""
         c = self.config
         x = F.embedding(input_ids, self.embed)                          # [T, hidden]
         cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
-        for layer, kc, vc in zip(self.layers, k_cache, v_cache):
+        for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            attn = self._attention(q, k, v.view(-1, c.num_kv_heads, c.head_dim), meta, kc, vc)
+            attn = self._attention(i, q, k, v.view(-1, c.num_kv_heads, c.head_dim), meta)
             x = x + F.linear(attn, layer["o"])
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
@@ -127,16 +126,10 @@ class LlamaModel:
         x = rms_norm(x[meta.last_index], self.final_norm, c.rms_norm_eps)  # [B, hidden]
         return F.linear(x, self.lm_head).float()                          # [B, V]
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]
-        k_cache[meta.out_cache_loc] = k
-        v_cache[meta.out_cache_loc] = v
-        # index_select over a flat index: a row copy per slot (advanced indexing is ~10x slower on CPU)
-        b, lk = meta.kv_index.shape
-        flat = meta.kv_index.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(b, lk, *k_cache.shape[1:]).transpose(1, 2)  # [B, KVH, Lk, D]
-        values = v_cache.index_select(0, flat).view(b, lk, *v_cache.shape[1:]).transpose(1, 2)
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   meta: AttentionMeta) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]
+        keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
         else:

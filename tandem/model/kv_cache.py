@@ -1,0 +1,78 @@
+"""The paged KV cache on the device, and the per-step view attention reads through.
+
+Layout: one tensor [num_slots + 1, layers, 2 (K, V), KVH, D]. A slot holds every layer's K and V of one token,
+so a step gathers its rows' keys for a group of layers in one index_select of large rows, instead of one
+small-row gather per layer and per K/V (measured here: ~14x less time for SmolLM2 at batch 64). The extra slot
+`pad_slot` stays zero: key positions past a row's length gather from it, so masked keys never bring in
+garbage (NaN * 0 is NaN).
+"""
+from __future__ import annotations
+
+import torch
+
+GATHER_BUDGET_BYTES = 256 << 20     # cap on the per-step gather buffer; layers are gathered in groups below it
+
+
+class PagedKVCache:
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.pad_slot = num_slots
+        self.num_layers = num_layers
+        # Left uninitialized: a fast start, and pages never touched cost no memory. Every position a step
+        # attends to below its length was written by that step or an earlier one.
+        self.data = torch.empty(num_slots + 1, num_layers, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.data[self.pad_slot].zero_()
+        self._buf = torch.zeros(0, dtype=dtype, device=device)
+
+    def step_view(self, kv_index: torch.Tensor, tok_row: torch.Tensor, positions: torch.Tensor,
+                  out_cache_loc: torch.Tensor, has_prefix: bool) -> "StepKV":
+        return StepKV(self, kv_index, tok_row, positions, out_cache_loc, has_prefix)
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        """A reused gather buffer (always finite: zero-initialized, then only K/V values written)."""
+        if self._buf.numel() < numel:
+            self._buf = torch.zeros(numel, dtype=self.data.dtype, device=self.data.device)
+        return self._buf[:numel]
+
+
+class StepKV:
+    """One step's keys and values per layer: [B, KVH, Lk, D] views into a gathered buffer."""
+
+    def __init__(self, cache: PagedKVCache, kv_index: torch.Tensor, tok_row: torch.Tensor,
+                 positions: torch.Tensor, out_cache_loc: torch.Tensor, has_prefix: bool) -> None:
+        self.cache = cache
+        self.kv_index = kv_index                 # [B, Lk] slot of each key position (pad_slot past the length)
+        self.tok_row, self.positions = tok_row, positions    # [T] where each new token sits in [B, Lk]
+        self.out_cache_loc = out_cache_loc       # [T]
+        self.has_prefix = has_prefix             # False: every key is new this step, nothing to gather
+        b, lk = kv_index.shape
+        per_layer = b * lk * cache.data[0, 0].numel()
+        self.group = max(1, min(cache.num_layers, GATHER_BUDGET_BYTES // (per_layer * cache.data.element_size())))
+        self._first = -1
+        self._view: torch.Tensor | None = None   # [B, Lk, group, 2, KVH, D]
+
+    def _gather(self, layer: int) -> None:
+        data = self.cache.data
+        g = min(self.group, self.cache.num_layers - layer)
+        b, lk = self.kv_index.shape
+        shape = (b * lk, g) + tuple(data.shape[2:])
+        buf = self.cache.buffer(b * lk * g * data[0, 0].numel()).view(shape)
+        if self.has_prefix:
+            torch.index_select(data[:, layer:layer + g], 0, self.kv_index.reshape(-1), out=buf)
+        self._view = buf.view(b, lk, *shape[1:])
+        self._first = layer
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new k, v ([T, KVH, D]) to the cache and the view; return keys, values of the layer."""
+        if self._view is None or layer >= self._first + self.group:
+            self._gather(layer)
+        data = self.cache.data
+        data[self.out_cache_loc, layer, 0] = k
+        data[self.out_cache_loc, layer, 1] = v
+        g = layer - self._first
+        self._view[self.tok_row, self.positions, g, 0] = k
+        self._view[self.tok_row, self.positions, g, 1] = v
+        keys = self._view[:, :, g, 0].transpose(1, 2)       # [B, KVH, Lk, D], strided: SDPA reads it as is
+        values = self._view[:, :, g, 1].transpose(1, 2)
+        return keys, values
