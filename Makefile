@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install test generate serve bench clean
+.PHONY: install test generate serve clean
+SERVE_ARGS ?= --port 8000
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ test: $(STAMP)
 
 generate: $(STAMP)
 	$(VENV)/bin/tandem generate "$(PROMPT)" --chat
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV)

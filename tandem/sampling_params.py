@@ -42,8 +42,9 @@ class SamplingParams:
             bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < (1 << 63)):
+            bad("seed", "must be a 64-bit integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
         for t in self.stop_token_ids:

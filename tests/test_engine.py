@@ -90,7 +90,8 @@ def test_retraction_gives_same_outputs(tiny_llama, make_llm):
 @pytest.mark.parametrize("bad, field", [
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(top_k=-5), "top_k"),
-    (dict(min_p=2.0), "min_p"),
+    (dict(min_p=2.0), "min_p"), (dict(seed=1 << 64), "seed"), (dict(seed=1.5), "seed"),
+    (dict(stop=[""]), "stop"), (dict(max_tokens=2.0), "max_tokens"),
 ])
 def test_bad_sampling_params_raise(bad, field):
     with pytest.raises(ValueError, match=field):

@@ -142,11 +142,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-               use: dict | None, stream: bool) -> dict:
+def completion(rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            **({"usage": use} if use is not None or not stream else {})}
+            "usage": use}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None,
+                     use: dict | None = None, include_usage: bool = False) -> dict:
+    """text None: the usage-only chunk (choices []) that ends a stream with include_usage."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if include_usage:
+        out["usage"] = use
+    return out
 
 
 def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict) -> dict:

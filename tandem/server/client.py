@@ -1,0 +1,227 @@
+"""The frontend's handle on the engine process: start it, send requests, route its outputs to each request.
+
+One reader task receives every engine message and puts each StepOutput on its request's queue; a watcher
+notices an engine that died, and from then on every pending and new request fails fast with a 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from ..config import EngineConfig
+from ..device.streams import now
+from ..request import StepOutput
+from . import ipc
+
+log = logging.getLogger("tandem.server")
+WATCH_S = 0.2            # how often the watcher looks at the engine process
+STOP_TIMEOUT_S = 5.0     # Shutdown -> exit; then it is killed
+
+
+class EngineError(Exception):
+    """A request the engine refused (400, 503) or could not finish (engine down: 503)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(eq=False)
+class RequestStream:
+    rid: str
+    arrival: float
+    accepted: asyncio.Future
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # StepOutput | EngineError
+    first_token: float | None = None
+    last_token: float | None = None
+    aborted: bool = False     # nobody reads it any more; kept until the engine says it finished (metrics)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: ipc.Ready | None = None
+        self.reqs: dict[str, RequestStream] = {}
+        self.stats: dict[str, float] = {}
+        self.dead: str | None = None         # why the engine is down, once it is
+        self.closing = False
+        self.on_output: Callable[[RequestStream, StepOutput, float], None] | None = None   # metrics hook
+        self.proc: subprocess.Popen | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- life cycle ----------------------------------------------------------------------------------------
+    async def start(self) -> ipc.Ready:
+        """Spawn the engine process and wait until its model is loaded; RuntimeError if it fails."""
+        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
+        self._tx = self._ctx.socket(zmq.PUSH)
+        self._tx.setsockopt(zmq.SNDHWM, 100_000)
+        self._tx.setsockopt(zmq.LINGER, 0)
+        self._tx.bind(in_addr)
+        self._rx = self._actx.socket(zmq.PULL)
+        self._rx.bind(out_addr)
+        # Spawned from the main thread: PR_SET_PDEATHSIG in the child follows this thread's life.
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.server.engine_proc", in_addr, out_addr],
+                                     stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+        self.proc.stdin.write(pickle.dumps(self.config))
+        self.proc.stdin.close()
+        while not await self._rx.poll(int(WATCH_S * 1000)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited with code {self.proc.returncode} while starting")
+        msg = ipc.decode(await self._rx.recv())
+        if isinstance(msg, ipc.Failed):
+            raise RuntimeError(f"the engine failed to start: {msg.message}")
+        self.info = msg
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        return msg
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting; end every in-flight request (finish_reason "abort"); the engine aborts them too."""
+        if self.closing:
+            return
+        self.closing = True
+        for rid, st in list(self.reqs.items()):
+            if st.accepted.done():
+                st.queue.put_nowait(StepOutput(rid, [], True, "abort"))
+            else:
+                st.accepted.set_exception(EngineError(503, "the server is shutting down"))
+        self.reqs.clear()
+        self._send(ipc.Shutdown())
+
+    async def close(self) -> None:
+        self.begin_shutdown()
+        for t in self._tasks:
+            t.cancel()
+        if self.proc is not None:
+            deadline = now() + STOP_TIMEOUT_S
+            while self.proc.poll() is None and now() < deadline:
+                await asyncio.sleep(0.05)
+            if self.proc.poll() is None:
+                log.warning("engine process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+                self.proc.kill()
+                self.proc.wait()
+        if hasattr(self, "_tx"):
+            self._tx.close(0)
+            self._rx.close(0)
+            self._ctx.term()
+            self._actx.term()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    async def submit(self, rid: str, prompt_ids: list[int], params: dict, arrival: float) -> RequestStream:
+        """Queue a request; return once the engine accepted it (EngineError with 400/503 if not)."""
+        if self.dead is not None:
+            raise EngineError(503, f"the engine is not running: {self.dead}")
+        if self.closing:
+            raise EngineError(503, "the server is shutting down")
+        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future())
+        self.reqs[rid] = st
+        if not self._send(ipc.AddRequest(rid, prompt_ids, params)):
+            self.reqs.pop(rid, None)
+            raise EngineError(503, "the engine's request queue is full")
+        try:
+            await st.accepted
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+        return st
+
+    async def outputs(self, st: RequestStream) -> AsyncIterator[StepOutput]:
+        while True:
+            item = await st.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def abort(self, rid: str) -> None:
+        """Abort a request that has not finished (no-op otherwise); the engine frees its KV and answers with a
+        finished output (finish_reason "abort"), which drops it here."""
+        st = self.reqs.get(rid)
+        if st is not None and not st.aborted:
+            st.aborted = True
+            if not self._send(ipc.AbortRequest(rid)):
+                del self.reqs[rid]
+
+    def _send(self, msg) -> bool:
+        if self.dead is not None or not hasattr(self, "_tx"):
+            return False
+        try:
+            self._tx.send(ipc.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    # ---- engine messages -----------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            msg = ipc.decode(await self._rx.recv())
+            try:
+                self._dispatch(msg, now())
+            except Exception:             # a bug here must not leave every request hanging
+                log.exception("failed to dispatch %s", type(msg).__name__)
+
+    def _dispatch(self, msg, t: float) -> None:
+        if isinstance(msg, ipc.Outputs):
+            self.stats = msg.stats
+            for o in msg.outputs:
+                st = self.reqs.get(o.rid)
+                if st is None:
+                    continue                  # ended here already (shutdown)
+                if self.on_output is not None:
+                    self.on_output(st, o, t)
+                if not st.aborted:
+                    st.queue.put_nowait(o)
+                if o.finished:
+                    del self.reqs[o.rid]
+        elif isinstance(msg, ipc.Replies):
+            for rid, status, message in msg.items:
+                st = self.reqs.get(rid)
+                if st is None or st.accepted.done():
+                    continue
+                if st.aborted:                # its client left before the answer
+                    if status != ipc.ACCEPTED:
+                        del self.reqs[rid]
+                    continue
+                if status == ipc.ACCEPTED:
+                    st.accepted.set_result(None)
+                else:
+                    del self.reqs[rid]
+                    st.accepted.set_exception(EngineError(status, message))
+        elif isinstance(msg, ipc.Stats):
+            self.stats = msg.stats
+        elif isinstance(msg, ipc.Failed):
+            self._fail(f"the engine failed: {msg.message}")
+
+    async def _watch(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(WATCH_S)
+            if self.proc.poll() is not None:
+                self._fail(f"the engine process exited (code {self.proc.returncode})")
+
+    def _fail(self, reason: str) -> None:
+        if self.dead is None:
+            if not self.closing:
+                log.error("%s", reason)
+            self.dead = reason
+        err = EngineError(503, reason)
+        for st in self.reqs.values():
+            if st.accepted.done():
+                st.queue.put_nowait(err)
+            else:
+                st.accepted.set_exception(err)
+        self.reqs.clear()
+        self.stats = {**self.stats, "num_running": 0, "num_waiting": 0}

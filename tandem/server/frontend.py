@@ -1,0 +1,114 @@
+"""Frontend text work: prompts and chat messages to token ids (validated), token ids back to text deltas.
+
+Everything a client sends is checked here before it reaches the engine: token ids in the vocabulary,
+prompt and prompt + max_tokens within the context, sampling fields in range. The engine checks again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ..detokenizer import IncrementalDetokenizer
+from ..sampling_params import SamplingParams
+from .protocol import INT64, APIError, ChatCompletionRequest, CompletionRequest
+
+_PARAM = re.compile(r"invalid sampling parameter (\w+)=")
+
+
+class Frontend:
+    def __init__(self, tokenizer, max_context: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_context = max_context      # prompt + output tokens, capped by the KV cache
+        self.vocab_size = vocab_size
+
+    # ---- prompts -------------------------------------------------------------------------------------------
+    def completion_prompt(self, prompt: str | list) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported (n=1)", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = prompt
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt")
+        if not ids:
+            raise APIError(400, "prompt is empty", "prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.as_template_dict() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:          # the template may reject roles or orderings
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise APIError(400, "the messages produce an empty prompt", "messages")
+        return ids
+
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int,
+                        default_max_tokens: int | None) -> SamplingParams:
+        """SamplingParams for a request, or APIError(400) naming the field (context limits included)."""
+        kw = req.sampling_kwargs(default_max_tokens)
+        try:
+            params = SamplingParams(**kw)
+            params.validate(self.vocab_size)
+        except ValueError as e:
+            m = _PARAM.match(str(e))
+            raise APIError(400, str(e), m.group(1) if m else None) from None
+        if params.seed is not None and not -INT64 <= params.seed < INT64:
+            raise APIError(400, "seed must fit in 64 bits", "seed")
+        ctx = self.max_context
+        if num_prompt + 1 > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+                                f"{num_prompt} tokens (one generated token at least must fit).",
+                           "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                           "context_length_exceeded")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                                f"{params.max_tokens} for the completion).", "max_tokens", "context_length_exceeded")
+        return params
+
+    def text_stream(self, prompt_ids: list[int], params: SamplingParams) -> "TextStream":
+        return TextStream(self.tokenizer, prompt_ids, params)
+
+    @staticmethod
+    def params_dict(params: SamplingParams) -> dict:
+        return dataclasses.asdict(params)
+
+
+class TextStream:
+    """Token ids in, text deltas out: each delta is valid UTF-8 and never part of a stop string.
+
+    The detokenizer holds back incomplete multi-byte characters; with stop strings, the last
+    (longest stop - 1) characters are held back too, until more text proves they start no stop string, or
+    the request finishes (then the engine's cut text, if any, is the truth).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.sent = 0                       # characters handed out so far
+
+    def add(self, token_ids: list[int]) -> str:
+        self.detok.add(token_ids)
+        safe = len(self.detok.text) - self.hold
+        if safe <= self.sent:
+            return ""
+        delta = self.detok.text[self.sent:safe]
+        self.sent = safe
+        return delta
+
+    def finish(self, token_ids: list[int], final_text: str | None) -> str:
+        """The rest of the text, given the last tokens; `final_text` is the engine's text when a stop string cut
+        it (the stop string may end inside these tokens, so they are not passed through add())."""
+        self.detok.add(token_ids)
+        text = self.detok.text if final_text is None else final_text
+        delta = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return delta

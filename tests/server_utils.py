@@ -1,0 +1,165 @@
+"""Helpers for the server tests: run `tandem serve` as a real process on a free 127.0.0.1 port.
+
+Every wait is bounded (a hang fails the test instead of blocking the suite); no assertion depends on speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (a snapshot: take it while the server runs)."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children(p)
+    return tree
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = STOP_TIMEOUT_S) -> list[int]:
+    """Wait until none of pids is alive; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "warning", *args], stdout=self._log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=60.0, trust_env=False)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.http.get("/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-6000:]
+
+    def engine_pid(self) -> int:
+        kids = children(self.proc.pid)
+        assert len(kids) == 1, f"expected one engine process, found {kids}"
+        return kids[0]
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` -> value, and bare `name` -> value of the first series with that name."""
+        out: dict[str, float] = {}
+        for line in self.http.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+                out.setdefault(key.split("{", 1)[0], float(value))
+        return out
+
+    def wait_metric(self, name: str, pred, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metrics().get(name)
+            if value is not None and pred(value):
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} = {value} after {timeout} s")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the server; return its exit code (bounded wait)."""
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"server did not exit {STOP_TIMEOUT_S} s after signal {sig}:\n{self.log()}")
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        for pid in reversed(process_tree(self.proc.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=STOP_TIMEOUT_S)
+        self._log.close()
+
+
+def sse_events(lines) -> list:
+    """Parse SSE `data:` lines into JSON objects, with the string "[DONE]" for the end marker."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = ...) -> dict:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not ...:
+        assert err["param"] == param, err
+    return err

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible server on a tiny model: a real `tandem serve` process, real clients (openai, httpx).
+
+Greedy outputs are compared with the offline LLM on the same weights; every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_utils import ServerProcess, assert_error, sse_events
+
+KV = "8192"
+PROMPTS = [f"Request {i}: the quick brown fox" + " jumps over" * (i % 5) for i in range(32)]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about tandem bikes."}]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama):
+    return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Offline greedy outputs: the 32 prompts, one longer run (for stop strings) and the chat."""
+    from tandem import LLM, SamplingParams
+    llm = LLM(model_dir, kv_cache_tokens=int(KV), device_threads=1)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        long = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                            use_tqdm=False)[0]
+        chat = llm.chat(CHAT, greedy, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    return {"outs": outs, "long": long, "chat": chat}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("log") / "server.log")
+    srv = ServerProcess(["--model", model_dir, "--kv-cache-tokens", KV, "--device-threads", "1",
+                         "--served-model-name", "tiny"], log)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60,
+                      http_client=httpx.Client(trust_env=False))
+    yield c
+    c.close()
+
+
+def test_models_and_health(server):
+    assert server.http.get("/health").status_code == 200
+    models = server.http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == 512
+
+
+def test_completion_stream_equals_nonstream_and_offline(client, reference):
+    ref = reference["outs"][0]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_token_id_prompt(client, reference):
+    ref = reference["outs"][3]
+    out = client.completions.create(model="tiny", prompt=ref.prompt_token_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].text == ref.text
+
+
+def test_chat_stream_equals_nonstream_and_offline(client, reference):
+    ref = reference["chat"]
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stop_string_is_held_back_in_stream(client, reference):
+    text = reference["long"].text
+    k = len(text) // 2
+    stop = text[k:k + 3]
+    expected = text[:text.find(stop)]
+    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+    deltas = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+    assert "".join(deltas) == expected
+    assert all(stop not in d for d in deltas)
+
+
+def test_32_concurrent_streams_match_offline(server, reference):
+    async def one(c: openai.AsyncOpenAI, prompt: str) -> tuple[str, str]:
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+        text, reason = [], None
+        async for chunk in stream:
+            text.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(text), reason
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120,
+                                      http_client=httpx.AsyncClient(trust_env=False)) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, p) for p in PROMPTS)), 300)
+
+    results = asyncio.run(run())
+    assert results == [(r.text, r.finish_reason) for r in reference["outs"]]
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    aborted = server.metrics().get('tandem:request_success_total{finished_reason="abort",model_name="tiny"}', 0.0)
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as h:
+        with h.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            got = 0
+            for line in resp.iter_lines():
+                got += line.startswith("data: ")
+                if got == 3:
+                    break                      # leave mid-stream: closing the connection aborts the request
+    server.wait_metric('tandem:request_success_total{finished_reason="abort",model_name="tiny"}',
+                       lambda v: v == aborted + 1)
+    assert server.wait_metric("tandem:kv_cache_usage_perc", lambda v: v == 0.0) == 0.0
+    assert server.wait_metric("tandem:num_requests_running", lambda v: v == 0.0) == 0.0
+
+
+def test_metrics_names(server):
+    text = server.http.get("/metrics").text
+    for name in ("tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_cache_usage_perc",
+                 "tandem:prompt_tokens_total", "tandem:generation_tokens_total",
+                 "tandem:time_to_first_token_seconds_bucket", "tandem:inter_token_latency_seconds_bucket",
+                 "tandem:device_idle_fraction"):
+        assert name in text, name
+    m = server.metrics()
+    assert m["tandem:generation_tokens_total"] > 0 and m["tandem:prompt_tokens_total"] > 0
+    assert 0.0 <= m["tandem:device_idle_fraction"] <= 1.0
+
+
+CMPL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
+OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+BAD = [  # (id, path, raw body or dict, param)
+    ("malformed-json", CMPL, '{"prompt": "a", ', None),
+    ("not-an-object", CMPL, "[1, 2]", None),
+    ("missing-prompt", CMPL, {"model": "tiny"}, "prompt"),
+    ("missing-messages", CHAT_URL, {"model": "tiny"}, "messages"),
+    ("empty-messages", CHAT_URL, {"messages": []}, "messages"),
+    ("message-content-type", CHAT_URL, {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("prompt-type", CMPL, {"prompt": 5}, "prompt"),
+    ("temperature-type", CMPL, {**OK, "temperature": "hot"}, "temperature"),
+    ("max-tokens-type", CMPL, {**OK, "max_tokens": "5"}, "max_tokens"),
+    ("stream-type", CMPL, {**OK, "stream": "yes"}, "stream"),
+    ("stop-type", CMPL, {**OK, "stop": 5}, "stop"),
+    ("temperature-range", CMPL, {**OK, "temperature": -1}, "temperature"),
+    ("top-p-zero", CMPL, {**OK, "top_p": 0}, "top_p"),
+    ("top-p-range", CMPL, {**OK, "top_p": 1.5}, "top_p"),
+    ("top-k-range", CMPL, {**OK, "top_k": -5}, "top_k"),
+    ("min-p-range", CMPL, {**OK, "min_p": 2}, "min_p"),
+    ("max-tokens-zero", CMPL, {**OK, "max_tokens": 0}, "max_tokens"),
+    ("max-tokens-negative", CMPL, {**OK, "max_tokens": -3}, "max_tokens"),
+    ("huge-max-tokens", CMPL, {**OK, "max_tokens": 10 ** 9}, "max_tokens"),
+    ("giant-max-tokens", CMPL, {**OK, "max_tokens": 10 ** 30}, "max_tokens"),
+    ("chat-huge-max-tokens", CHAT_URL, {"messages": CHAT, "max_tokens": 10 ** 9}, "max_tokens"),
+    ("n-2", CMPL, {**OK, "n": 2}, "n"),
+    ("echo", CMPL, {**OK, "echo": True}, "echo"),
+    ("stop-token-id-negative", CMPL, {**OK, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("stop-token-id-vocab", CMPL, {**OK, "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ("seed-too-big", CMPL, {**OK, "seed": 2 ** 70}, "seed"),
+    ("empty-prompt", CMPL, {**OK, "prompt": ""}, "prompt"),
+    ("token-id-out-of-vocab", CMPL, {**OK, "prompt": [1, 10 ** 6]}, "prompt"),
+    ("token-id-negative", CMPL, {**OK, "prompt": [-1]}, "prompt"),
+    ("two-prompts", CMPL, {**OK, "prompt": ["a", "b"]}, "prompt"),
+    ("over-long-prompt", CMPL, {**OK, "prompt": "hello " * 2000}, "prompt"),
+    ("over-long-token-prompt", CMPL, {**OK, "prompt": [42] * 600}, "prompt"),
+    ("over-long-chat", CHAT_URL, {"messages": [{"role": "user", "content": "hi " * 2000}]}, "messages"),
+    ("unknown-model", CMPL, {**OK, "model": "gpt-4"}, "model"),
+    ("unknown-model-chat", CHAT_URL, {"model": "gpt-4", "messages": CHAT}, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gives_400_then_normal_request_works(server, path, body, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    resp = server.http.post(path, content=content, headers={"content-type": "application/json"})
+    assert_error(resp, 400, param)
+    ok = server.http.post(CMPL, json=OK)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_route_is_404_in_error_shape(server):
+    assert_error(server.http.get("/v1/nothing"), 404)
+
+
+def test_stream_events_are_well_formed(server):
+    body = {**OK, "max_tokens": 5, "stream": True}
+    with server.http.stream("POST", CMPL, json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
