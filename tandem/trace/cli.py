@@ -57,6 +57,7 @@ def run_trace(args: argparse.Namespace) -> int:
           f"(bound (host+device)/max(host,device) {summary['overlap_speedup_bound']:.2f})")
     if overhead is not None:
         print(f"recording overhead {100 * overhead['overhead_fraction']:+.1f} % "
-              f"({overhead['median_on']:.1f} vs {overhead['median_off']:.1f} tok/s)")
+              f"({overhead['median_on']:.1f} vs {overhead['median_off']:.1f} tok/s; scheduler CPU "
+              f"{overhead['host_cpu_us_per_token_on']:.1f} vs {overhead['host_cpu_us_per_token_off']:.1f} us/token)")
     print("wrote " + ", ".join(paths.values()))
     return 0

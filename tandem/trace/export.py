@@ -50,7 +50,7 @@ class StepRow:
     host_ms: float        # host busy time of that iteration (waits on copy_done excluded)
     wait_ms: float        # host time blocked on copy_done in that iteration
     device_ms: float      # forward k
-    idle_ms: float        # device idle right before forward k (since forward k-1 ended, or since launch k)
+    idle_ms: float        # device idle right before forward k: since forward k-1 ended (step 0: since launch)
 
 
 def iterations(rec: Recording) -> list[tuple[int, list[HostSpan]]]:
@@ -85,7 +85,7 @@ def step_rows(rec: Recording) -> list[StepRow]:
         spans = iters.get(d.step, [])
         wait = sum(e - s for n, _, s, e in spans if n == "wait")
         busy = sum(e - s for n, _, s, e in spans if n != "wait") - wait
-        idle = d.start - (prev_end if prev_end is not None and prev_end > d.launch else d.launch)
+        idle = d.start - (prev_end if prev_end is not None else d.launch)
         rows.append(StepRow(d.step, d.is_prefill, d.batch_size, d.num_tokens,
                             1e3 * ((spans[0][2] if spans else d.launch) - t0), 1e3 * busy, 1e3 * wait,
                             1e3 * (d.end - d.start), 1e3 * max(idle, 0.0)))
@@ -144,10 +144,10 @@ def chrome_trace(recs: Iterable[Recording], meta: dict | None = None) -> dict:
 
 
 # ---- summary ------------------------------------------------------------------------------------------------
-def summarize(recs: list[Recording], rounds: dict[str, list[float]] | None = None, **meta) -> dict:
+def summarize(recs: list[Recording], tokens_per_s_rounds: dict[str, list[float]] | None = None, **meta) -> dict:
     """Per-loop Recorder summaries, plus overlap/serial tokens/s and its bound from the serial run's spans."""
     loops = {r.loop: dict(r.summary) for r in recs}
-    for loop, tps in (rounds or {}).items():
+    for loop, tps in (tokens_per_s_rounds or {}).items():
         if loop in loops and len(tps) > 1:
             loops[loop]["tokens_per_s_rounds"] = tps
             loops[loop]["tokens_per_s_median"] = median(tps)

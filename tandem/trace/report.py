@@ -72,7 +72,9 @@ def summary_table(summary: dict) -> str:
         o = summary["recording_overhead"]
         extra += (f"<p>recording overhead ({o['loop']} loop, {o['rounds']} rounds): "
                   f"<b>{100 * o['overhead_fraction']:+.1f} %</b> tokens/s "
-                  f"({o['median_on']:.1f} on vs {o['median_off']:.1f} off)</p>")
+                  f"({o['median_on']:.1f} on vs {o['median_off']:.1f} off); scheduler CPU per output token "
+                  f"{o['host_cpu_us_per_token_on']:.1f} &micro;s on vs "
+                  f"{o['host_cpu_us_per_token_off']:.1f} &micro;s off</p>")
     return f"<table class=summary><tr><th></th>{head}</tr>{rows}</table>{extra}"
 
 

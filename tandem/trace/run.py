@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from statistics import median
 
 from ..sampling_params import SamplingParams
 from .export import Recording
@@ -72,21 +73,30 @@ def trace_loops(llm, workload: Workload, rounds: int = 1,
 
 
 def recording_overhead(llm, workload: Workload, rounds: int = 3, loop: str = "overlap") -> dict:
-    """tokens/s with the recorder on and off (Recorder(enabled=False)), interleaved rounds, medians."""
+    """tokens/s with the recorder on and off (Recorder(enabled=False)), interleaved rounds, medians.
+
+    Also the scheduler process's CPU time per output token (process_time: the host's own work, which is what
+    recording adds to), a steadier figure than tokens/s on a shared machine.
+    """
     prompts, params = workload.prompts(llm.engine.model_config.vocab_size), workload.params()
     engine = llm.engine
     on, off = engine.recorder, Recorder(enabled=False, loop=loop)
     tps: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     try:
         for r in range(rounds):
             for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 engine.recorder = engine.scheduler.recorder = on if mode == "on" else off
+                c = time.process_time()
                 wall, out = run_once(llm, loop, prompts, params)
+                cpu[mode].append(1e6 * (time.process_time() - c) / max(out, 1))
                 tps[mode].append(out / wall if wall > 0 else 0.0)
     finally:
         engine.recorder = engine.scheduler.recorder = on
         on.clear()
-    med = {mode: sorted(v)[len(v) // 2] for mode, v in tps.items()}
+    med = {mode: median(v) for mode, v in tps.items()}
+    cpu_med = {mode: median(v) for mode, v in cpu.items()}
     return {"loop": loop, "rounds": rounds, "tokens_per_s_on": tps["on"], "tokens_per_s_off": tps["off"],
             "median_on": med["on"], "median_off": med["off"],
-            "overhead_fraction": 1.0 - med["on"] / med["off"] if med["off"] > 0 else 0.0}
+            "overhead_fraction": 1.0 - med["on"] / med["off"] if med["off"] > 0 else 0.0,
+            "host_cpu_us_per_token_on": cpu_med["on"], "host_cpu_us_per_token_off": cpu_med["off"]}

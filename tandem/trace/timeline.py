@@ -51,7 +51,8 @@ def _panel(ax, rec: Recording, start: float, length: float) -> None:
     end = start + length
     for name, color in HOST_COLORS.items():
         spans = [(ms(s), ms(e)) for n, _, s, e in rec.host if n == name and e >= start and s <= end]
-        _bars(ax, spans, HOST_Y, color, linewidth=0)
+        # An edge in the span's own colour keeps sub-pixel host spans visible (about 1 px) next to long forwards.
+        _bars(ax, spans, HOST_Y, color, edgecolor=color, linewidth=0 if name == "wait" else 0.6)
     gaps = [(ms(s), ms(e)) for s, e in idle_gaps(rec) if e >= start and s <= end]
     _bars(ax, gaps, DEVICE_Y, IDLE, alpha=0.3, linewidth=0)
     for d in rec.devices:
