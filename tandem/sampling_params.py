@@ -1,7 +1,7 @@
 """What a user asks of one generation, with the field names of vLLM and the OpenAI API."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 

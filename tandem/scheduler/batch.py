@@ -1,7 +1,7 @@
 """A picked batch: the requests of one step and the StepInput sent to the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..device.step import StepInput
 from ..request import Req

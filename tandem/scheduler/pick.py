@@ -73,7 +73,7 @@ def pick_prefill(s: "Scheduler") -> Batch | None:
         return None
     for _ in picked:
         s.waiting.popleft()
-    rows, ids, locs = [], [], []
+    ids, locs = [], []
     for req in picked:
         req.row = s.rows.alloc()
         fill = req.fill_ids()

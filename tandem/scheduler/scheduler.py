@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
