@@ -58,11 +58,15 @@ def workload(name: str, tmp: str):
         model, n, in_len, out_len = None, 64, 32, 128
     else:
         from tiny_models import make_tiny_model
-        model = make_tiny_model(os.path.join(tmp, "hostheavy"), "llama", hidden_size=256, intermediate_size=768,
-                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+        # A small vocabulary keeps the LM head from dominating: the forward costs about the host's work.
+        model = make_tiny_model(os.path.join(tmp, "hostheavy"), "llama", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
         n, in_len, out_len = 64, 32, 128
-    prompts = [[rng.randrange(100, 40000) for _ in range(in_len)] for _ in range(n)]
-    return model, prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    vocab = 40000 if name == "smollm" else 2000
+    prompts = [[rng.randrange(100, vocab) for _ in range(in_len)] for _ in range(n)]
+    # Host work: the host-heavy case checks a stop string on every request (incremental detokenization).
+    stop = ["@@never@@"] if name != "smollm" else None
+    return model, prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, stop=stop)
 
 
 def main() -> None:

@@ -240,11 +240,11 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                 msg = conn.recv_bytes()
             except (EOFError, OSError):
                 return                      # the scheduler is gone: exit with it
+            start = now()           # the device span: from the launch message in hand to the ids written back
             if msg == b"Q":
                 return
             _, step_id, buf = _LAUNCH.unpack(msg)
             step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
-            start = now()
             tokens = executor.run_step(step)
             buffers.outs[buf][:step.batch_size] = tokens.numpy()
             conn.send_bytes(_DONE.pack(b"D", step_id, start, now()))
