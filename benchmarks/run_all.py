@@ -1,0 +1,151 @@
+"""Regenerate benchmarks/RESULTS.md and benchmarks/throughput_vs_concurrency.png from one run.
+
+    .venv/bin/python benchmarks/run_all.py             # the full run: about 30 minutes on 2 quiet cores
+    .venv/bin/python benchmarks/run_all.py --render    # only rewrite RESULTS.md from <out>/results/*.json
+
+Runs, in order: `tandem bench offline` (overlap, serial), `tandem bench peers` (with a concurrency sweep of
+every engine through its offline API), `tandem bench roofline`, then starts `tandem serve`, waits for
+/health and runs `tandem bench serve --max-concurrency c` for each c. Every command writes JSON under
+<out>/results/; RESULTS.md is rendered from those files only. Workload options scale it down for a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from tandem.bench import cpu_model  # noqa: E402
+from tandem.bench.peers import sweep_prompts  # noqa: E402
+
+
+def tandem(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "tandem.cli", *argv]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], commands: list[str]) -> None:
+    shown = "tandem " + shlex.join(cmd[3:])
+    commands.append(shown)
+    print(f"\n$ {shown}", flush=True)
+    if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
+        print(f"(failed: {shown}; its section of RESULTS.md stays empty)", flush=True)
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    with httpx.Client(trust_env=False, timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {proc.returncode}")
+            try:
+                if http.get(url + "/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"tandem serve not healthy after {timeout} s")
+
+
+def serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = tandem("serve", "--port", str(port), "--log-level", "warning", *engine)
+    commands.append("tandem " + shlex.join(cmd[3:]) + "   # in the background, until /health answers")
+    with open(os.path.join(res, "server.log"), "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_health(url, proc)
+            for c in args.concurrency:
+                run(tandem("bench", "serve", "--base-url", url, "--max-concurrency", str(c), "--num-prompts",
+                           str(sweep_prompts(c)), "--input-len", str(args.input_len), "--output-len",
+                           str(args.output_len), "--vocab-size", str(args.vocab_size),
+                           "--json", os.path.join(res, f"serve_c{c}.json")), commands)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_all(args, res: str) -> list[str]:
+    commands: list[str] = []
+    engine = (["--model", args.model] if args.model else []) + list(args.engine)
+    work = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    for loop in ("overlap", "serial"):
+        run(tandem("bench", "offline", "--num-prompts", str(args.num_prompts), *work, "--scheduler", loop,
+                   *engine, "--json", os.path.join(res, f"offline_{loop}.json")), commands)
+    run(tandem("bench", "peers", "--num-prompts", str(args.num_prompts), *work, "--rounds", str(args.rounds),
+               "--concurrency", ",".join(map(str, args.concurrency)), *args.peers_args, *engine,
+               "--json", os.path.join(res, "peers.json")), commands)
+    run(tandem("bench", "roofline", "--batch-sizes", ",".join(map(str, args.roofline_batch_sizes)),
+               "--input-len", str(args.input_len), *args.roofline_args, *engine,
+               "--json", os.path.join(res, "roofline.json")), commands)
+    serve_sweep(args, engine, res, commands)
+    return commands
+
+
+def machine(engine: list[str]) -> dict:
+    import torch
+    import transformers
+    try:
+        import llama_cpp
+        llama = getattr(llama_cpp, "__version__", "installed")
+    except ImportError:
+        llama = "not installed"
+    from tandem.engine import default_device_threads
+    threads = int(engine[engine.index("--device-threads") + 1]) if "--device-threads" in engine else None
+    return {"nproc": os.cpu_count(), "CPU model": cpu_model(), "torch": torch.__version__,
+            "threads (tandem device, transformers, llama.cpp)": threads or default_device_threads(),
+            "transformers": transformers.__version__, "llama-cpp-python": llama}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--render", action="store_true", help="only rewrite RESULTS.md from the JSON files")
+    ap.add_argument("--out", default=HERE, help="folder of RESULTS.md, the plot and results/")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1 GGUF")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--roofline-batch-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 32, 64])
+    ap.add_argument("--vocab-size", type=int, default=49152, help="bench serve draws prompt ids below this")
+    ap.add_argument("--engine", nargs=argparse.REMAINDER, default=[],
+                    help="engine options passed to every tandem command (last on the line)")
+    ap.add_argument("--peers-args", type=shlex.split, default=[], help="extra `bench peers` options, quoted")
+    ap.add_argument("--roofline-args", type=shlex.split, default=[], help="extra `bench roofline` options, quoted")
+    args = ap.parse_args()
+    res = os.path.join(args.out, "results")
+    os.makedirs(res, exist_ok=True)
+    meta_path = os.path.join(res, "run.json")
+    if not args.render:
+        start = time.time()
+        commands = run_all(args, res)
+        with open(meta_path, "w") as f:
+            json.dump({"commands": commands, "machine": machine(args.engine), "minutes": (time.time() - start) / 60,
+                       "date": time.strftime("%Y-%m-%d %H:%M"), "invocation": shlex.join(sys.argv)}, f, indent=2)
+    from render_results import render
+    render(args.out, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""`tandem bench`: offline throughput, an OpenAI-API serving client, peers in one run, and a roofline.
+
+Shared here: the machine description every JSON result carries, and percentile helpers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(threads: int | None = None) -> dict[str, Any]:
+    import torch
+    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__,
+            "threads": threads, "python": platform.python_version()}
+
+
+def engine_threads(config) -> int:
+    """The torch threads tandem's device runs with under `config` (the peers get the same count)."""
+    from ..engine import default_device_threads
+    return config.device_threads or default_device_threads()
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+
+
+def line(label: str, value: Any, fmt: str = "") -> None:
+    """One row of the result blocks: the label padded to 40 columns, as vllm and sglang print them."""
+    print("{:<40} {:<10{}}".format(label, value, fmt))
+
+
+def rule(title: str = "", fill: str = "=") -> None:
+    print("{s:{c}^{n}}".format(s=f" {title} " if title and fill == "=" else title, n=50, c=fill))

@@ -1,0 +1,119 @@
+"""`tandem bench offline | serve | peers | roofline`: each prints its result block and, with --json FILE,
+writes every number it printed (and the machine: nproc, CPU model, torch version, threads).
+
+  tandem bench offline --num-prompts 64 --input-len 32 --output-len 128 --scheduler overlap
+  tandem bench serve --base-url http://127.0.0.1:8000 --max-concurrency 16 --num-prompts 64
+  tandem bench peers --num-prompts 64 --input-len 32 --output-len 128 --json peers.json
+  tandem bench roofline --batch-sizes 1,32,64
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return values
+
+
+def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 64, output_len: int = 128,
+                   range_ratio: bool = True) -> None:
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (seeded random ids)")
+    p.add_argument("--output-len", type=int, default=output_len, help="generated tokens per request (ignore_eos)")
+    if range_ratio:
+        p.add_argument("--range-ratio", type=float, default=0.0,
+                       help="lengths uniform in [L(1-r), L(1+r)] (vllm's random dataset); 0: all equal")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (and of arrivals)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+
+
+def _runner(bench: Callable[[argparse.Namespace], dict]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from . import write_json
+        write_json(args.json, bench(args))
+        return 0
+    return run
+
+
+def _offline(args):
+    from .offline import bench_offline
+    return bench_offline(args)
+
+
+def _serve(args):
+    from .serving import bench_serve
+    return bench_serve(args)
+
+
+def _peers(args):
+    from .peers import bench_peers
+    for name in ("num_prompts", "input_len", "output_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return bench_peers(args)
+
+
+def _roofline(args):
+    from .roofline import bench_roofline
+    if args.output_len < 2:
+        raise ValueError(f"--output-len must be >= 2 (decode time is t(O) - t(1)), got {args.output_len}")
+    return bench_roofline(args)
+
+
+def add_parser(subparsers) -> None:
+    from ..cli import add_engine_args
+    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = sub.add_parser("offline", help="offline throughput of LLM.generate (like sglang.bench_offline_throughput)")
+    _workload_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_runner(_offline))
+
+    p = sub.add_parser("serve", help="time any OpenAI-compatible server (metrics of vllm bench serve)")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (the client adds /v1/completions)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per s; inf: at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--prompt-type", choices=("ids", "text"), default="ids",
+                   help="ids: prompt as a list of token ids; text: words, about one token each")
+    p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
+    p.add_argument("--warmup-requests", type=int, default=1, help="uncounted requests sent first")
+    _workload_args(p)
+    p.set_defaults(func=_runner(_serve))
+
+    p = sub.add_parser("peers", help="tandem vs transformers vs llama.cpp on the same prompts, in one run",
+                       description="Output tokens/s of tandem (overlap, serial), transformers (generate, "
+                                   "generate_batch) and llama.cpp (single, batched) in alternating rounds, with "
+                                   "ratios to tandem overlap and single-stream TPOT (tandem/bench/peers.py).")
+    _workload_args(p, range_ratio=False)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (the table takes the median)")
+    p.add_argument("--hf-batch-sizes", type=int_list, default=[8, 16, 32, 64], help="probed static batches")
+    p.add_argument("--llama-batch-sizes", type=int_list, default=[8, 16, 32, 64], help="probed llama.cpp batches")
+    p.add_argument("--probe-len", type=int, default=16, help="output tokens per prompt in the batch-size probe")
+    p.add_argument("--single-prompts", type=int, default=4, help="prompts llama.cpp single stream times")
+    p.add_argument("--concurrency", type=int_list, default=[], help="also sweep batch sizes, e.g. 1,8,32,64")
+    add_engine_args(p)
+    p.set_defaults(func=_runner(_peers))
+
+    p = sub.add_parser("roofline", help="fp32 GEMM and memory-bandwidth bounds next to tandem's decode tokens/s",
+                       description="Times the model's decode GEMMs and this machine's memory bandwidth, and "
+                                   "prints the implied bound on decode tokens/s per batch size next to tandem's "
+                                   "measured decode tokens/s (tandem/bench/roofline.py).")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 32, 64])
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32, help="tokens per request of tandem's decode run")
+    p.add_argument("--bandwidth-mb", type=int, default=256, help="size of the copied tensor")
+    p.add_argument("--min-seconds", type=float, default=0.1, help="minimum timing per matmul shape")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE")
+    add_engine_args(p)
+    p.set_defaults(func=_runner(_roofline))
