@@ -46,7 +46,7 @@ def run(cmd: list[str], commands: list[str]) -> None:
         print(f"(failed: {shown}; its section of RESULTS.md stays empty)", flush=True)
 
 
-def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300.0, path: str = "/health") -> None:
     import httpx
     deadline = time.monotonic() + timeout
     with httpx.Client(trust_env=False, timeout=2.0) as http:
@@ -54,7 +54,7 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> Non
             if proc.poll() is not None:
                 raise RuntimeError(f"tandem serve exited with {proc.returncode}")
             try:
-                if http.get(url + "/health").status_code == 200:
+                if http.get(url + path).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -85,6 +85,41 @@ def serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
                 proc.wait()
 
 
+def llamacpp_serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
+    """The same HTTP workload against llama-cpp-python's own OpenAI server on the same GGUF file (text prompts:
+    its server takes no token-id prompts). Skipped when llama_cpp.server is not importable."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as e:
+        print(f"(llama.cpp server skipped: {e})", flush=True)
+        return
+    from tandem.engine import default_device_threads
+    from tandem.model.loader import default_model_path
+    threads = int(engine[engine.index("--device-threads") + 1]) if "--device-threads" in engine else \
+        default_device_threads()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", args.model or default_model_path(), "--host",
+           "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096"]
+    commands.append(shlex.join(["python"] + cmd[1:]) + "   # in the background")
+    with open(os.path.join(res, "llamacpp_server.log"), "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_health(url, proc, path="/v1/models")
+            for c in args.llamacpp_concurrency:
+                run(tandem("bench", "serve", "--base-url", url, "--max-concurrency", str(c), "--num-prompts",
+                           str(sweep_prompts(c)), "--input-len", str(args.input_len), "--output-len",
+                           str(args.output_len), "--prompt-type", "text",
+                           "--json", os.path.join(res, f"llamacpp_serve_c{c}.json")), commands)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def run_all(args, res: str) -> list[str]:
     commands: list[str] = []
     engine = (["--model", args.model] if args.model else []) + list(args.engine)
@@ -99,6 +134,7 @@ def run_all(args, res: str) -> list[str]:
                "--input-len", str(args.input_len), *args.roofline_args, *engine,
                "--json", os.path.join(res, "roofline.json")), commands)
     serve_sweep(args, engine, res, commands)
+    llamacpp_serve_sweep(args, engine, res, commands)
     return commands
 
 
@@ -127,6 +163,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--llamacpp-concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 64],
+                    help="concurrencies timed against llama-cpp-python's server (it serves one at a time)")
     ap.add_argument("--roofline-batch-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 32, 64])
     ap.add_argument("--vocab-size", type=int, default=49152, help="bench serve draws prompt ids below this")
     ap.add_argument("--engine", nargs=argparse.REMAINDER, default=[],
