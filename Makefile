@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install test generate serve clean
+.PHONY: install test generate serve clean chromium
 SERVE_ARGS ?= --port 8000
 
 $(STAMP): pyproject.toml
@@ -18,8 +18,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q tests
+
+# Headless Chromium for the report's browser test (Debian package); the test skips, saying why, where
+# it cannot be installed.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium not installed: the browser test will skip"
 
 generate: $(STAMP)
 	$(VENV)/bin/tandem generate "$(PROMPT)" --chat

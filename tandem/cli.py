@@ -18,14 +18,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         # EngineConfig.seed (for requests that give none) is --engine-seed: --seed is a request's own seed.
         flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
+        flags = (flag, "--trace") if f.name == "trace_dir" else (flag,)
         default = f.default
         if isinstance(default, bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name in ("device_threads", "max_model_len", "kv_cache_tokens"):
                 kind = int
-            p.add_argument(flag, dest=f.name, type=kind, default=default)
+            p.add_argument(*flags, dest=f.name, type=kind, default=default)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -19,6 +19,7 @@ from .scheduler import Scheduler
 def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
     rec = s.recorder
     while True:
+        mark = rec.appended
         with rec.span("recv"):
             s.recv_requests()
         with rec.span("pick"):
@@ -28,13 +29,16 @@ def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
                 handle = s.launch_step(batch)
             with rec.span("process", batch.step_id):
                 process_results(s, batch, handle)
-        elif not idle():
-            return
+        else:
+            rec.drop_since(mark)
+            if not idle():
+                return
 
 
 def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
     rec, queue = s.recorder, s.result_queue
     while True:
+        mark = rec.appended
         with rec.span("recv"):
             s.recv_requests()
         with rec.span("pick"):
@@ -50,8 +54,10 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
             prev, handle = queue.popleft()
             with rec.span("process", prev.step_id):
                 process_results(s, prev, handle)
-        elif batch is None and not idle():
-            return
+        elif batch is None:
+            rec.drop_since(mark)
+            if not idle():
+                return
 
 
 LOOPS = {"serial": event_loop_serial, "overlap": event_loop_overlap}

@@ -35,6 +35,7 @@ class Recorder:
         self.devices: collections.deque[DeviceSpan] = collections.deque(maxlen=ring_steps)
         self._launch: dict[int, float] = {}
         self.output_tokens = 0
+        self.appended = 0          # host spans ever appended (the ring's length stops growing when full)
 
     @contextlib.contextmanager
     def _span(self, name: str, step: int) -> Iterator[None]:
@@ -43,9 +44,16 @@ class Recorder:
             yield
         finally:
             self.host.append((name, step, start, now()))
+            self.appended += 1
 
     def span(self, name: str, step: int = -1):
         return self._span(name, step) if self.enabled else contextlib.nullcontext()
+
+    def drop_since(self, mark: int) -> None:
+        """Forget the host spans of an iteration that scheduled nothing (an idle server polls every 50 ms)."""
+        for _ in range(min(self.appended - mark, len(self.host))):
+            self.host.pop()
+        self.appended = mark
 
     def launched(self, batch) -> None:
         if self.enabled:

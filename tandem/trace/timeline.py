@@ -49,10 +49,11 @@ def _bars(ax, spans: list[tuple[float, float]], y: float, color: str, **kw) -> N
 def _panel(ax, rec: Recording, start: float, length: float) -> None:
     ms = lambda t: 1e3 * (t - start)  # noqa: E731
     end = start + length
-    for name, color in HOST_COLORS.items():
+    for name in ("process", "wait", "recv", "pick", "launch"):       # short spans last, on top
         spans = [(ms(s), ms(e)) for n, _, s, e in rec.host if n == name and e >= start and s <= end]
         # An edge in the span's own colour keeps sub-pixel host spans visible (about 1 px) next to long forwards.
-        _bars(ax, spans, HOST_Y, color, edgecolor=color, linewidth=0 if name == "wait" else 0.6)
+        color = HOST_COLORS[name]
+        _bars(ax, spans, HOST_Y, color, edgecolor=color, linewidth=0 if name == "wait" else 0.8)
     gaps = [(ms(s), ms(e)) for s, e in idle_gaps(rec) if e >= start and s <= end]
     _bars(ax, gaps, DEVICE_Y, IDLE, alpha=0.3, linewidth=0)
     for d in rec.devices:
