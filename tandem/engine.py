@@ -22,10 +22,30 @@ from .trace.recorder import Recorder
 MAX_IDLE_SPINS = 10_000
 
 
-def default_device_threads() -> int:
-    """Torch threads of the device process: all cores (measured best for the real model, README)."""
+SMALL_MODEL_PARAMS = 20_000_000
+
+
+def num_params(c) -> int:
+    """Weights of a decoder with this config (embeddings counted once when tied)."""
+    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_layers * (attn + mlp) + embed
+
+
+def default_device_threads(params: int | None = None) -> int:
+    """Torch threads of the CPU device process.
+
+    Measured on 2 cores (benchmarks/overlap.py, README): SmolLM2-135M decodes 37 % faster with both cores in
+    the forward (the scheduler needs ~1 ms per ~230 ms step), while a small model whose forward costs about
+    the host's work per step is 21 % faster with one core left to the scheduler. So: every core for models
+    above SMALL_MODEL_PARAMS, one core less below.
+    """
     import os
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if params is not None and params < SMALL_MODEL_PARAMS and cores > 1:
+        return cores - 1
+    return max(1, cores)
 
 
 class Engine:
@@ -41,13 +61,16 @@ class Engine:
             max_running=config.max_running_requests, max_model_len=config.max_model_len,
             kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
             poison_future_map=config.poison_future_map)
+        self.device_threads: int | None = None
         if config.resolved_backend() == "process":
             from .device.cpu_process import ProcessRunner
             cap = config.max_model_len or self.model_config.max_position_embeddings
             if config.kv_cache_tokens is not None:
                 cap = min(cap, config.kv_cache_tokens)
-            self.runner = ProcessRunner(spec, config.device_threads or default_device_threads(),
-                                        max(config.max_prefill_tokens, cap) + config.max_running_requests)
+            threads = config.device_threads or default_device_threads(num_params(self.model_config))
+            step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests
+            self.runner = ProcessRunner(spec, threads, step_tokens)
+            self.device_threads = threads
         else:
             from .device.runner import InlineRunner
             self.runner = InlineRunner(spec)
