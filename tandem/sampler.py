@@ -1,13 +1,17 @@
 """The one sampling path: greedy, temperature, top-k, top-p and min-p, batched, on the device.
 
-Each draw is inverse-CDF sampling with a single uniform per row, derived on the host from (seed, output
-position) by a counter-based hash. So a request's draws depend only on its seed and its logits, never on
-its batch mates, a retraction or the loop, and a draw costs about what a softmax costs (no torch.multinomial,
-which costs ~2 ms per row over a 49k vocabulary here). Which rows take which branch is decided from the
-host copy of the parameters, so sampling never synchronizes the host with a CUDA stream.
+A draw is an exponential race (argmax of p_i / E_i with E_i ~ Exp(1), the Gumbel-max trick): the noise of a
+row comes from a generator seeded by (request seed, output position) alone, so a request's draws never
+depend on its batch mates, a retraction or the loop. The race is also robust to float noise in the logits
+(a batch of another size rounds a little differently): a flip needs two tokens' noisy scores within ~1e-6,
+where inverse-CDF sampling over the 49k-token vocabulary flips whenever the noise moves a CDF boundary past
+the draw. Cost at batch 64 over 49,152 tokens: ~18 ms for all rows sampled (noise 6 ms), against
+torch.multinomial's ~122 ms; greedy rows cost an argmax. Branches are planned from the host copy of the
+parameters, so sampling never synchronizes the host with a CUDA stream.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,13 +26,13 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """A uniform in (0, 1) for each (seed, output position), as float64."""
+def draw_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The noise seed of each (request seed, output position): a non-negative int64."""
     s = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
     p = np.asarray(positions, dtype=np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         x = _splitmix64(_splitmix64(s) ^ (p * np.uint64(0xD1B54A32D192ED03)))
-    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+    return (x >> np.uint64(1)).astype(np.int64)
 
 
 @dataclass
@@ -38,18 +42,16 @@ class SamplingBatch:
     top_p: torch.Tensor
     top_k: torch.Tensor
     min_p: torch.Tensor
-    uniform: torch.Tensor
+    draw_seeds: list[int]         # host ints: one noise generator seed per sampled row
     rows: torch.Tensor | None     # batch rows that sample (temperature > 0); None: all rows
-    plain: torch.Tensor           # positions within the sampled rows that need no sort (no top-k/top-p)
-    sort: torch.Tensor            # positions that do
-    has_plain: bool
+    sort: torch.Tensor            # positions within the sampled rows that need a sort (top-k / top-p)
     has_sort: bool
     any_min_p: bool
     any_sampled: bool
 
     @classmethod
     def from_host(cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, min_p: np.ndarray,
-                  uniform: np.ndarray, device: torch.device) -> "SamplingBatch":
+                  draw_seed: np.ndarray, device: torch.device) -> "SamplingBatch":
         def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
 
@@ -57,15 +59,28 @@ class SamplingBatch:
         all_rows = len(sampled) == len(temperature)
         sel = slice(None) if all_rows else sampled
         tk, tp = top_k[sel], top_p[sel]
-        needs_sort = (tk > 0) | (tp < 1.0)
-        plain, sort = np.nonzero(~needs_sort)[0], np.nonzero(needs_sort)[0]
+        sort = np.nonzero((tk > 0) | (tp < 1.0))[0]
         return cls(temperature=dev(temperature[sel], torch.float32), top_p=dev(tp, torch.float32),
                    top_k=dev(tk, torch.int64), min_p=dev(min_p[sel], torch.float32),
-                   uniform=dev(uniform[sel], torch.float64),
+                   draw_seeds=[int(x) for x in draw_seed[sel]],
                    rows=None if all_rows else dev(sampled, torch.int64),
-                   plain=dev(plain, torch.int64), sort=dev(sort, torch.int64),
-                   has_plain=len(plain) > 0, has_sort=len(sort) > 0,
+                   sort=dev(sort, torch.int64), has_sort=len(sort) > 0,
                    any_min_p=bool((min_p[sel] > 0).any()), any_sampled=len(sampled) > 0)
+
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _exponential_noise(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """E ~ Exp(1), [len(seeds), vocab]; row i depends on seeds[i] only."""
+    gen = _generators.get(device)
+    if gen is None:
+        gen = _generators[device] = torch.Generator(device)
+    u = torch.empty(len(seeds), vocab, device=device)
+    for i, seed in enumerate(seeds):
+        gen.manual_seed(seed)
+        u[i].uniform_(generator=gen)                                   # [0, 1)
+    return u.neg_().log1p_().neg_()                                    # -log(1 - u) in (0, inf)
 
 
 def sample(logits: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
@@ -73,40 +88,51 @@ def sample(logits: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)                                   # greedy rows
     if not p.any_sampled:
         return tokens
-    sub = logits if p.rows is None else logits[p.rows]
-    probs = torch.softmax(sub / p.temperature[:, None], dim=-1)      # [b, V]
+    z = (logits if p.rows is None else logits[p.rows]) / p.temperature[:, None]   # [b, V]
+    z = z - z.max(dim=-1, keepdim=True).values                      # log of p / p_max
     if p.any_min_p:
-        probs = probs.masked_fill(probs < p.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    if not p.has_sort:
-        choice = _inverse_cdf(probs, p.uniform)
-    elif not p.has_plain:
-        choice = _sorted_draw(probs, p.top_k, p.top_p, p.uniform)
-    else:
-        choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-        choice[p.plain] = _inverse_cdf(probs[p.plain], p.uniform[p.plain])
-        choice[p.sort] = _sorted_draw(probs[p.sort], p.top_k[p.sort], p.top_p[p.sort], p.uniform[p.sort])
-    if p.rows is None:
-        return choice
-    return tokens.index_copy(0, p.rows, choice)
+        # p < min_p * p_max  <=>  z < log(min_p)
+        z = z.masked_fill(z < torch.log(p.min_p.clamp_min(1e-30))[:, None], -math.inf)
+    if p.has_sort:
+        z[p.sort] = _top_k_top_p(z[p.sort], p.top_k[p.sort], p.top_p[p.sort])
+    race = z.exp_().div_(_exponential_noise(p.draw_seeds, z.shape[-1], z.device))
+    choice = race.argmax(dim=-1)
+    return choice if p.rows is None else tokens.index_copy(0, p.rows, choice)
 
 
-def _sorted_draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(sorted_probs.shape[-1], device=probs.device)
-    k = torch.where(top_k > 0, top_k, sorted_probs.shape[-1])
-    sorted_probs = sorted_probs.masked_fill(ranks[None, :] >= k[:, None], 0.0)
-    above = sorted_probs.cumsum(dim=-1) - sorted_probs               # mass ranked strictly above each token
-    total = sorted_probs.sum(dim=-1, keepdim=True)
-    sorted_probs = sorted_probs.masked_fill(above >= top_p[:, None] * total, 0.0)
-    sorted_probs[:, 0] = sorted_probs[:, 0].clamp_min(1e-30)          # the top token always survives
-    pick = _inverse_cdf(sorted_probs, u)
-    return order.gather(1, pick[:, None]).squeeze(1)
+TOP_CANDIDATES = 1024   # top-p first looks for its cut among this many best tokens (exact; sorts all if not)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    cdf = probs.cumsum(dim=-1)                                        # [b, V]
-    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-    pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
-    # Never land on a zero-probability token (a float boundary at a masked entry): fall back to the mode.
-    zero = probs.gather(1, pick[:, None]).squeeze(1) <= 0
-    return torch.where(zero, probs.argmax(dim=-1), pick)
+def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) what top-k and top-p remove; the most likely token always survives.
+
+    A full sort of 49k logits costs ~2 ms a row here; the cut almost always lies among the best
+    TOP_CANDIDATES tokens, which torch.topk finds for a fraction of that. Rows whose cut lies further out
+    (a flat distribution with top_p near 1) fall back to the full sort, so the result is exact either way.
+    """
+    vocab = z.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
+    n = min(vocab, max(TOP_CANDIDATES, int(k.max()) if bool((top_p >= 1).all()) else TOP_CANDIDATES))
+    vals, idx = z.topk(n, dim=-1)                                     # sorted, best first
+    probs = (vals - torch.logsumexp(z, dim=-1, keepdim=True)).exp()   # true probabilities of the candidates
+    above = probs.cumsum(dim=-1) - probs                              # mass ranked strictly above each token
+    ranks = torch.arange(n, device=z.device)
+    drop = (ranks[None, :] >= k[:, None]) | (above >= top_p[:, None])
+    drop[:, 0] = False
+    # Exact when the kept set ends inside the candidates: by rank (k <= n) or by mass (top_p reached).
+    exact = (k <= n) | (above[:, -1] + probs[:, -1] >= top_p)
+    out = torch.full_like(z, -math.inf).scatter_(1, idx, vals.masked_fill(drop, -math.inf))
+    if not bool(exact.all()):
+        rest = (~exact).nonzero().squeeze(1)
+        out[rest] = _sorted_cut(z[rest], k[rest], top_p[rest])
+    return out
+
+
+def _sorted_cut(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_z, order = z.sort(dim=-1, descending=True)
+    ranks = torch.arange(z.shape[-1], device=z.device)
+    probs = torch.softmax(sorted_z, dim=-1)
+    above = probs.cumsum(dim=-1) - probs
+    drop = (ranks[None, :] >= k[:, None]) | (above >= top_p[:, None])
+    drop[:, 0] = False
+    return z.masked_fill(drop.scatter(1, order, drop), -math.inf)

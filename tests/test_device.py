@@ -38,12 +38,12 @@ def test_step_input_pack_round_trip():
         step_id=7, rows=np.array([1, 3]), extend_lens=np.array([3, 1]), seq_lens=np.array([3, 9]),
         use_future=np.array([0, 1]), input_ids=np.array([5, 6, 7, 0]), out_cache_loc=np.array([10, 11, 12, 40]),
         temperature=np.array([0.0, 0.7]), top_p=np.array([1.0, 0.9]), top_k=np.array([-1, 20]),
-        min_p=np.array([0.0, 0.1]), uniform=np.array([0.25, 0.5]), poison_rows=np.array([4]))
+        min_p=np.array([0.0, 0.1]), draw_seed=np.array([25, 1 << 62]), poison_rows=np.array([4]))
     ints, floats = np.zeros(64, np.int64), np.zeros(16, np.float64)
     step.pack(ints, floats)
     back = StepInput.unpack(7, ints, floats)
     for name in ("rows", "extend_lens", "seq_lens", "use_future", "input_ids", "out_cache_loc", "temperature",
-                 "top_p", "top_k", "min_p", "uniform", "poison_rows"):
+                 "top_p", "top_k", "min_p", "draw_seed", "poison_rows"):
         assert np.array_equal(getattr(back, name), getattr(step, name)), name
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import assert_no_leaks
 from tandem import SamplingParams
-from tandem.sampler import SamplingBatch, sample, seeded_uniform
+from tandem.sampler import SamplingBatch, draw_seeds, sample
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500], [42] * 17, list(range(1000, 1031))]
 
@@ -131,13 +131,14 @@ def test_sampler_respects_top_k_top_p_min_p():
     logits = torch.randn(1, 1000) * 3
     order = logits[0].argsort(descending=True)
     n = 400
-    u = seeded_uniform(np.arange(n), np.zeros(n))
+    seeds = draw_seeds(np.arange(n), np.zeros(n))
     rep = logits.repeat(n, 1)
+    cpu = torch.device("cpu")
 
     def draw(top_k=-1, top_p=1.0, min_p=0.0, temperature=1.0):
         full = np.full
         return sample(rep, SamplingBatch.from_host(full(n, temperature), full(n, top_p), full(n, top_k),
-                                                   full(n, min_p), u, torch.device("cpu")))
+                                                   full(n, min_p), seeds, cpu))
 
     assert set(draw(top_k=5).tolist()) <= set(order[:5].tolist())
     probs = torch.softmax(logits[0], -1)[order]
@@ -148,16 +149,29 @@ def test_sampler_respects_top_k_top_p_min_p():
     plain = draw()
     assert len(set(plain.tolist())) > 20        # a real distribution, not argmax
     assert (draw(temperature=0.0) == logits.argmax()).all()
-    # Mixed batch: greedy, plain and sorted rows in one call keep their own semantics.
-    mixed = sample(rep[:3], SamplingBatch.from_host(np.array([0.0, 1.0, 1.0]), np.array([1.0, 1.0, 1.0]),
-                                                    np.array([-1, -1, 1]), np.zeros(3), u[:3],
-                                                    torch.device("cpu")))
+    # Mixed batch: greedy, plain and top-k rows in one call keep their own semantics.
+    mixed = sample(rep[:3], SamplingBatch.from_host(np.array([0.0, 1.0, 1.0]), np.ones(3), np.array([-1, -1, 1]),
+                                                    np.zeros(3), seeds[:3], cpu))
     assert mixed[0] == logits.argmax() and mixed[2] == logits.argmax()
 
 
-def test_seeded_uniform_is_deterministic_and_spread():
-    a = seeded_uniform(np.array([1, 1, 2]), np.array([0, 1, 0]))
-    b = seeded_uniform(np.array([1, 1, 2]), np.array([0, 1, 0]))
-    assert (a == b).all() and len(set(a.tolist())) == 3
-    many = seeded_uniform(np.zeros(10000, np.int64), np.arange(10000))
-    assert 0 < many.min() and many.max() < 1 and abs(many.mean() - 0.5) < 0.02
+def test_sampler_draws_follow_the_distribution():
+    """The exponential race samples softmax(logits / T): frequencies match over many seeds."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    n = 20000
+    seeds = draw_seeds(np.arange(n), np.zeros(n))
+    for temperature in (1.0, 0.5):
+        out = sample(logits.repeat(n, 1), SamplingBatch.from_host(
+            np.full(n, temperature), np.ones(n), np.full(n, -1), np.zeros(n), seeds, torch.device("cpu")))
+        freq = torch.bincount(out, minlength=5).double() / n
+        expect = torch.softmax(logits[0].double() / temperature, -1)
+        assert (freq - expect).abs().max() < 0.015, (freq, expect)
+        assert freq[4] == 0
+
+
+def test_draw_seeds_are_deterministic_and_distinct():
+    a = draw_seeds(np.array([1, 1, 2]), np.array([0, 1, 0]))
+    b = draw_seeds(np.array([1, 1, 2]), np.array([0, 1, 0]))
+    assert (a == b).all() and len(set(a.tolist())) == 3 and (a >= 0).all()
+    many = draw_seeds(np.zeros(10000, np.int64), np.arange(10000))
+    assert len(set(many.tolist())) == 10000

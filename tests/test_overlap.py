@@ -119,7 +119,7 @@ def test_retraction_under_both_loops(tiny_llama, make_llm):
     assert outs["serial"] == outs["overlap"]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_randomized_arrivals_aborts_and_lengths(tiny_qwen2, make_llm, seed):
     rng = random.Random(seed)
     vocab = 1000

@@ -87,10 +87,10 @@ class ProcessRunner:
     def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0) -> None:
         b = spec.max_running
-        int_words = 3 + 6 * b + 2 * max_tokens_per_step
+        int_words = 3 + 7 * b + 2 * max_tokens_per_step
         self._tmp = tempfile.mkdtemp(prefix="tandem-", dir=_shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
-        self.buffers = _SharedBuffers(shm_path, int_words, 4 * b, b, create=True)
+        self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b, create=True)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)

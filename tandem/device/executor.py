@@ -94,7 +94,7 @@ class ModelExecutor:
         meta = self._attention_meta(step, rows, ext, seq, starts, tok_row, positions, out_cache_loc, tok_col)
         logits = self.model.forward(input_ids, positions, meta)
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
-                                                        step.uniform, dev))
+                                                        step.draw_seed, dev))
         # FutureMap write: the next step of these rows reads its input ids from here.
         self.future_map.stash(rows, tokens)
         return tokens

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # Layout of the packed int64 header: B rows, T new tokens, P poisoned rows.
-_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k")   # each [B]
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "uniform")               # each [B]
+_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed")   # each [B]
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")                                       # each [B]
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StepInput:
     top_p: np.ndarray
     top_k: np.ndarray         # [B] int, <= 0 off
     min_p: np.ndarray
-    uniform: np.ndarray       # [B] float64, from (seed, output position)
+    draw_seed: np.ndarray     # [B] int64 noise seed, from (request seed, output position)
     poison_rows: np.ndarray   # [P] rows freed since the last launch (FutureMap poison in debug mode)
 
     @property
@@ -36,7 +36,7 @@ class StepInput:
         return len(self.input_ids)
 
     def int_words(self) -> int:
-        return 3 + 5 * self.batch_size + 2 * self.num_tokens + len(self.poison_rows)
+        return 3 + 6 * self.batch_size + 2 * self.num_tokens + len(self.poison_rows)
 
     def pack(self, ints: np.ndarray, floats: np.ndarray) -> None:
         """Write into preallocated shared buffers (int64 and float64)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..device.step import StepInput
 from ..request import Req, ReqStatus, StepOutput
-from ..sampler import seeded_uniform
+from ..sampler import draw_seeds
 from .batch import Batch
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def _make_batch(s: "Scheduler", reqs: list[Req], is_prefill: bool, extend: np.nd
         top_p=np.array([x.top_p for x in p], np.float64),
         top_k=np.array([x.top_k for x in p], np.int64),
         min_p=np.array([x.min_p for x in p], np.float64),
-        uniform=seeded_uniform(np.array([r.seed for r in reqs], np.int64), positions),
+        draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), positions),
         poison_rows=s.take_freed_rows(),
     )
     return Batch(step.step_id, reqs, is_prefill, step)
