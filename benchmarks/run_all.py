@@ -100,7 +100,8 @@ def llamacpp_serve_sweep(args, engine: list[str], res: str, commands: list[str])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", args.model or default_model_path(), "--host",
-           "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096"]
+           "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096",
+           "--interrupt_requests", "False"]     # queue concurrent requests instead of cutting the running one
     commands.append(shlex.join(["python"] + cmd[1:]) + "   # in the background")
     with open(os.path.join(res, "llamacpp_server.log"), "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
