@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.loader import ModelSource, load_weights
-from ..model.llama import AttentionMeta, LlamaModel
-from ..sampler import SamplingBatch, sample
 from ..model.kv_cache import PagedKVCache
+from ..model.llama import AttentionMeta, LlamaModel
+from ..model.loader import ModelSource, load_weights
+from ..sampler import SamplingBatch, sample
 from .future_map import FutureMap
 from .step import StepInput
 
@@ -23,7 +23,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True)
 class ExecutorSpec:
     """Everything the device side needs to build itself; plain data, so it crosses a process boundary."""
-    source: "ModelSource"         # plain data: config, weight files, tokenizer dir
+    source: ModelSource           # plain data: config, weight files, tokenizer dir
     device: str
     dtype: str
     max_running: int

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..device.step import StepInput
-from ..request import Req, ReqStatus, StepOutput
+from ..request import Req, ReqStatus
 from ..sampler import draw_seeds
 from .batch import Batch
 
@@ -39,15 +39,11 @@ def _decode_reserve(s: "Scheduler", reqs: list[Req]) -> int:
 
 
 def pick_prefill(s: "Scheduler") -> Batch | None:
+    while s.waiting and len(s.waiting[0].fill_ids()) + 1 > s.kv.num_slots:
+        # Retracted after growing to the whole cache: it can never be resumed.
+        s.end(s.waiting.popleft(), "length")
     if not s.waiting:
         return None
-    head = s.waiting[0]
-    if len(head.fill_ids()) + 1 > s.kv.num_slots:
-        # Retracted after growing to the whole cache: it can never be resumed.
-        s.waiting.popleft()
-        s.finish(head, "length")
-        s.emit([StepOutput(head.rid, [], True, "length", None, len(head.prompt_ids), len(head.output_ids))])
-        return pick_prefill(s)
     budget = s.config.max_prefill_tokens
     avail = s.kv.available()
     room = avail - _decode_reserve(s, s.running)
@@ -121,7 +117,7 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
         retracted += 1
     if s.kv.available() < len(reqs):
         # A lone request that holds every slot: it has reached the memory's length.
-        s.finish(reqs[0], "length")
+        s.end(reqs[0], "length")
         return []
     if retracted:
         s.new_token_ratio = min(1.0, s.new_token_ratio + 0.3)

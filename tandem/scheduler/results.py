@@ -29,8 +29,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         req.kv_committed = req.allocated
         if req.aborted:
-            s.finish(req, "abort")
-            outputs.append(StepOutput(req.rid, [], True, "abort", None, len(req.prompt_ids), len(req.output_ids)))
+            s.end(req, "abort")
             continue
         req.output_ids.append(tok)
         if req.first_token_time is None:

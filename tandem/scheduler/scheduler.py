@@ -65,18 +65,13 @@ class Scheduler:
         req.aborted = True
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
-            self.finish(req, "abort")
-            self.emit([StepOutput(rid, [], True, "abort", None, len(req.prompt_ids), len(req.output_ids))])
+            self.end(req, "abort")
 
     def finish_idle_aborts(self) -> None:
         """Finish aborted running requests that no launched, unprocessed step holds."""
         in_flight = {id(r) for b, _ in self.result_queue for r in b.reqs}
-        done = [r for r in self.running if r.aborted and id(r) not in in_flight]
-        for req in done:
-            self.finish(req, "abort")
-        if done:
-            self.emit([StepOutput(r.rid, [], True, "abort", None, len(r.prompt_ids), len(r.output_ids))
-                       for r in done])
+        for req in [r for r in self.running if r.aborted and id(r) not in in_flight]:
+            self.end(req, "abort")
 
     # ---- launch and results --------------------------------------------------------------------------------
     def launch_step(self, batch: Batch) -> ResultHandle:
@@ -110,6 +105,11 @@ class Scheduler:
             self.running.remove(req)
         self._release(req)
         self._live.pop(req.rid, None)
+
+    def end(self, req: Req, reason: str) -> None:
+        """Finish a request outside process_results (abort, no room left) and tell the sink: no new token."""
+        self.finish(req, reason)
+        self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids))])
 
     def retract(self, req: Req) -> None:
         """Give back a running request's KV; it re-prefills prompt + outputs later (host truth is current)."""
