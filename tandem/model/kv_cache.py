@@ -30,9 +30,13 @@ class PagedKVCache:
         return StepKV(self, kv_index, tok_row, positions, out_cache_loc, has_prefix)
 
     def buffer(self, numel: int) -> torch.Tensor:
-        """A reused gather buffer (always finite: zero-initialized, then only K/V values written)."""
+        """A reused gather buffer (always finite: zero-initialized, then only K/V values written).
+
+        It grows geometrically: decode lengthens every row by one token a step, and a buffer re-made (and
+        zeroed, and page-faulted) at every step cost a first run ~20 % of its throughput here."""
         if self._buf.numel() < numel:
-            self._buf = torch.zeros(numel, dtype=self.data.dtype, device=self.data.device)
+            size = max(numel, min(2 * self._buf.numel(), GATHER_BUDGET_BYTES // self.data.element_size()))
+            self._buf = torch.zeros(size, dtype=self.data.dtype, device=self.data.device)
         return self._buf[:numel]
 
 
