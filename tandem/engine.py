@@ -36,10 +36,10 @@ def num_params(c) -> int:
 def default_device_threads(params: int | None = None) -> int:
     """Torch threads of the CPU device process.
 
-    Measured on 2 cores (benchmarks/overlap.py, README): SmolLM2-135M decodes 37 % faster with both cores in
-    the forward (the scheduler needs ~1 ms per ~230 ms step), while a small model whose forward costs about
-    the host's work per step is 21 % faster with one core left to the scheduler. So: every core for models
-    above SMALL_MODEL_PARAMS, one core less below.
+    Measured on 2 cores (benchmarks/overlap.py, README): SmolLM2-135M decodes 1.8x faster with both cores in
+    the forward (the scheduler needs ~1 ms per ~190 ms step), while a small model whose host work is about
+    half its forward runs as fast with one core left to the scheduler, and overlaps fully (1.4 % device idle
+    against 29 % with two threads). So: every core for models above SMALL_MODEL_PARAMS, one core less below.
     """
     import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
