@@ -62,20 +62,19 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300.0, path: 
     raise TimeoutError(f"tandem serve not healthy after {timeout} s")
 
 
-def serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = tandem("serve", "--port", str(port), "--log-level", "warning", *engine)
-    commands.append("tandem " + shlex.join(cmd[3:]) + "   # in the background, until /health answers")
-    with open(os.path.join(res, "server.log"), "wb") as log:
+def sweep_server(cmd: list[str], url: str, health: str, log_name: str, prefix: str, concurrency: list[int],
+                 bench_args: list[str], res: str) -> list[str]:
+    """Start a server, wait until `health` answers, time `bench serve` at each concurrency, stop it.
+    Returns the commands run, for RESULTS.md."""
+    done = []
+    with open(os.path.join(res, log_name), "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_health(url, proc)
-            for c in args.concurrency:
+            wait_health(url, proc, path=health)
+            for c in concurrency:
                 run(tandem("bench", "serve", "--base-url", url, "--max-concurrency", str(c), "--num-prompts",
-                           str(sweep_prompts(c)), "--input-len", str(args.input_len), "--output-len",
-                           str(args.output_len), "--vocab-size", str(args.vocab_size),
-                           "--json", os.path.join(res, f"serve_c{c}.json")), commands)
+                           str(sweep_prompts(c)), *bench_args,
+                           "--json", os.path.join(res, f"{prefix}serve_c{c}.json")), done)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -83,6 +82,16 @@ def serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    return done
+
+
+def serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
+    port = free_port()
+    cmd = tandem("serve", "--port", str(port), "--log-level", "warning", *engine)
+    commands.append("tandem " + shlex.join(cmd[3:]) + "   # in the background, until /health answers")
+    commands += sweep_server(cmd, f"http://127.0.0.1:{port}", "/health", "server.log", "", args.concurrency,
+                             ["--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                              "--vocab-size", str(args.vocab_size)], res)
 
 
 def llamacpp_serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
@@ -98,27 +107,13 @@ def llamacpp_serve_sweep(args, engine: list[str], res: str, commands: list[str])
     threads = int(engine[engine.index("--device-threads") + 1]) if "--device-threads" in engine else \
         default_device_threads()
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", args.model or default_model_path(), "--host",
            "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096",
            "--interrupt_requests", "False"]     # queue concurrent requests instead of cutting the running one
     commands.append(shlex.join(["python"] + cmd[1:]) + "   # in the background")
-    with open(os.path.join(res, "llamacpp_server.log"), "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_health(url, proc, path="/v1/models")
-            for c in args.llamacpp_concurrency:
-                run(tandem("bench", "serve", "--base-url", url, "--max-concurrency", str(c), "--num-prompts",
-                           str(sweep_prompts(c)), "--input-len", str(args.input_len), "--output-len",
-                           str(args.output_len), "--prompt-type", "text",
-                           "--json", os.path.join(res, f"llamacpp_serve_c{c}.json")), commands)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    commands += sweep_server(cmd, f"http://127.0.0.1:{port}", "/v1/models", "llamacpp_server.log", "llamacpp_",
+                             args.llamacpp_concurrency, ["--input-len", str(args.input_len), "--output-len",
+                                                         str(args.output_len), "--prompt-type", "text"], res)
 
 
 def run_all(args, res: str) -> list[str]:
