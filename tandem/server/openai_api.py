@@ -91,17 +91,22 @@ class OpenAIServer:
         arrival = now()
         self._check(body)
         ids = self.fe.completion_prompt(body.prompt)
-        st, ts = await self._submit(body, ids, "cmpl", arrival, 16)
+        return await self._respond(body, request, ids, arrival, "cmpl", 16, self._stream_completion,
+                                   P.completion)
+
+    async def _respond(self, body, request: Request, ids: list[int], arrival: float, kind: str,
+                       default_max: int | None, stream, build):
+        """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
+        st, ts = await self._submit(body, ids, kind, arrival, default_max)
         created = int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(self._stream_completion(st, ts, len(ids), created, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream(st, ts, len(ids), created, include_usage), media_type="text/event-stream")
         done = await self._unless_disconnected(request, st, ts)
         if done is None:
             return Response(status_code=499)
         text, reason, n_out = done
-        return P.completion(st.rid, self.model, created, text, reason, P.usage(len(ids), n_out))
+        return build(st.rid, self.model, created, text, reason, P.usage(len(ids), n_out))
 
     async def _stream_completion(self, st, ts, n_prompt: int, created: int, include_usage: bool):
         n_out = 0
@@ -123,17 +128,8 @@ class OpenAIServer:
         arrival = now()
         self._check(body)
         ids = self.fe.chat_prompt(body)
-        st, ts = await self._submit(body, ids, "chatcmpl", arrival, None)
-        created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if body.stream:
-            return StreamingResponse(self._stream_chat(st, ts, len(ids), created, include_usage),
-                                     media_type="text/event-stream")
-        done = await self._unless_disconnected(request, st, ts)
-        if done is None:
-            return Response(status_code=499)
-        text, reason, n_out = done
-        return P.chat_completion(st.rid, self.model, created, text, reason, P.usage(len(ids), n_out))
+        return await self._respond(body, request, ids, arrival, "chatcmpl", None, self._stream_chat,
+                                   P.chat_completion)
 
     async def _stream_chat(self, st, ts, n_prompt: int, created: int, include_usage: bool):
         n_out = 0
