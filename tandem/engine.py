@@ -123,15 +123,14 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        limit = min(self.max_context, self.runner.num_slots)
-        if len(prompt_ids) + 1 > limit:
+        if len(prompt_ids) + 1 > self.max_context:    # max_context is already capped by the KV cache
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this engine can hold "
                              f"(context {self.max_context}, KV cache {self.runner.num_slots} tokens, "
                              f"one generated token included)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Req(rid=rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids=list(prompt_ids),
                   params=params, seed=seed, eos_token_ids=self.eos_token_ids,
-                  max_len=min(self.max_context, self.runner.num_slots))
+                  max_len=self.max_context)
         if params.stop:
             req.stop_checker = StopStrings(self.detokenizer(prompt_ids, params), params.stop)
         return req

@@ -51,9 +51,7 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
         # At most one result pending: process batch k-1 while the device runs batch k, or flush it at once
         # when nothing was scheduled (no result waits for new traffic).
         if len(queue) > 1 or (batch is None and queue):
-            prev, handle = queue.popleft()
-            with rec.span("process", prev.step_id):
-                process_results(s, prev, handle)
+            s.process_oldest()
         elif batch is None:
             rec.drop_since(mark)
             if not idle():

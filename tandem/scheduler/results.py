@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     with s.recorder.span("wait", batch.step_id):
         tokens = handle.wait()                       # copy_done.wait()
-    s.recorder.device(batch, handle.device_span)
     t = now()
     outputs: list[StepOutput] = []
     for req, tok in zip(batch.reqs, tokens.tolist()):
@@ -39,6 +38,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             s.finish(req, reason)
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
                                   len(req.prompt_ids), len(req.output_ids)))
+    s.recorder.device(batch, handle.device_span, len(outputs))
     s.emit(outputs)
 
 

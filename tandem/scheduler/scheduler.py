@@ -80,12 +80,16 @@ class Scheduler:
         self.recorder.launched(batch)
         return self.runner.launch_step(batch.step)
 
+    def process_oldest(self) -> None:
+        """Pop the oldest result handle from the result queue and process its batch."""
+        batch, handle = self.result_queue.popleft()
+        with self.recorder.span("process", batch.step_id):
+            process_results(self, batch, handle)
+
     def process_pending(self) -> None:
         """The "process the previous result first" hook: bring host state up to date with the device."""
         while self.result_queue:
-            batch, handle = self.result_queue.popleft()
-            with self.recorder.span("process", batch.step_id):
-                process_results(self, batch, handle)
+            self.process_oldest()
 
     def emit(self, outputs: list[StepOutput]) -> None:
         if outputs:

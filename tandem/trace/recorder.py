@@ -59,13 +59,14 @@ class Recorder:
         if self.enabled:
             self._launch[batch.step_id] = now()
 
-    def device(self, batch, span: tuple[float, float]) -> None:
+    def device(self, batch, span: tuple[float, float], output_tokens: int) -> None:
+        """The step's forward span, and the tokens its processing kept (dropped one-step-lag tokens excluded)."""
         if not self.enabled:
             return
         launch = self._launch.pop(batch.step_id, span[0])
         self.devices.append(DeviceSpan(batch.step_id, span[0], span[1], batch.size, batch.num_tokens,
                                        batch.is_prefill, launch))
-        self.output_tokens += batch.size
+        self.output_tokens += output_tokens
 
     def clear(self) -> None:
         self.host.clear()
