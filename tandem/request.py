@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .sampling_params import SamplingParams
 
 
@@ -40,6 +42,8 @@ class Req:
     aborted: bool = False
     stop_checker: object | None = None     # StopStrings for requests with stop strings
     text: str | None = None                # final text when a stop string cut it
+    error: str | None = None               # why the engine failed this request (finish_reason "error")
+    sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 
@@ -54,6 +58,14 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Tokens a (re-)prefill computes: the prompt plus outputs kept across a retraction."""
         return self.prompt_ids + self.output_ids
+
+    def prepare(self) -> None:
+        """Convert what every step of this request sends to the device once, when the scheduler takes it in:
+        a value the device arrays cannot hold fails this request there, not a batch mid-pick."""
+        p = self.params
+        row = (0.0 if p.greedy else float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p))
+        np.array([row[2], self.seed], np.int64)          # raises OverflowError past int64
+        self.sampling_row = row
 
     def max_new_tokens(self) -> int:
         cap = self.max_len - len(self.prompt_ids)
@@ -70,6 +82,7 @@ class StepOutput:
     text: str | None = None                # set at finish when a stop string cut the text
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None               # set with finish_reason "error": the engine failed this request
 
 
 @dataclass
@@ -90,3 +103,4 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    error: str | None = None               # with finish_reason "error": why the engine failed this request

@@ -1,8 +1,14 @@
 """What a user asks of one generation, with the field names of vLLM and the OpenAI API."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+# Temperatures below this act greedy, as in vLLM: dividing logits by ~1e-38 overflows to inf/NaN and would
+# sample garbage instead of the argmax.
+GREEDY_EPS = 1e-5
+INT64 = 1 << 63
 
 
 @dataclass
@@ -33,20 +39,22 @@ class SamplingParams:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature \
-                or self.temperature < 0:
-            bad("temperature", "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        top_k_max = vocab_size if vocab_size is not None else INT64 - 1
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= top_k_max:
+            bad("top_k", f"must be -1 (off), 0 (off) or an integer in [1, {vocab_size or 'vocab_size'}]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -(1 << 63) <= self.seed < (1 << 63)):
+                                      or not -INT64 <= self.seed < INT64):
             bad("seed", "must be a 64-bit integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if not all(is_utf8(s) for s in self.stop):
+            bad("stop", "must be valid Unicode text (no lone UTF-16 surrogates)")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"ids must be integers in [0, {vocab_size or 'vocab_size'})")
@@ -61,4 +69,18 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so close to it that only the argmax can win (GREEDY_EPS)."""
+        return self.temperature < GREEDY_EPS
+
+
+def is_utf8(text: str) -> bool:
+    """False for text that has no UTF-8 form (a lone surrogate such as "\\ud800"): no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -65,14 +65,15 @@ def wait_gone(pids: list[int], timeout: float = STOP_TIMEOUT_S) -> list[int]:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: str) -> None:
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning", *args], stdout=self._log, stderr=subprocess.STDOUT)
+             "--log-level", "warning", *args], stdout=self._log, stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env})
         self.http = httpx.Client(base_url=self.url, timeout=60.0, trust_env=False)
         try:
             self._wait_ready()
@@ -121,6 +122,14 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{name} = {value} after {timeout} s")
             time.sleep(0.05)
+
+    def wait_exit(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """The exit code of a server that stops by itself (bounded wait)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"server still running {timeout} s later:\n{self.log()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the server; return its exit code (bounded wait)."""

@@ -173,7 +173,7 @@ BAD = [  # (id, path, raw body or dict, param)
     ("missing-prompt", CMPL, {"model": "tiny"}, "prompt"),
     ("missing-messages", CHAT_URL, {"model": "tiny"}, "messages"),
     ("empty-messages", CHAT_URL, {"messages": []}, "messages"),
-    ("message-content-type", CHAT_URL, {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("message-content-type", CHAT_URL, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("prompt-type", CMPL, {"prompt": 5}, "prompt"),
     ("temperature-type", CMPL, {**OK, "temperature": "hot"}, "temperature"),
     ("max-tokens-type", CMPL, {**OK, "max_tokens": "5"}, "max_tokens"),
@@ -201,8 +201,6 @@ BAD = [  # (id, path, raw body or dict, param)
     ("over-long-prompt", CMPL, {**OK, "prompt": "hello " * 2000}, "prompt"),
     ("over-long-token-prompt", CMPL, {**OK, "prompt": [42] * 600}, "prompt"),
     ("over-long-chat", CHAT_URL, {"messages": [{"role": "user", "content": "hi " * 2000}]}, "messages"),
-    ("unknown-model", CMPL, {**OK, "model": "gpt-4"}, "model"),
-    ("unknown-model-chat", CHAT_URL, {"model": "gpt-4", "messages": CHAT}, "model"),
 ]
 
 
@@ -214,6 +212,12 @@ def test_bad_input_gives_400_then_normal_request_works(server, path, body, param
     ok = server.http.post(CMPL, json=OK)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("path,body", [(CMPL, {**OK, "model": "gpt-4"}),
+                                       (CHAT_URL, {"model": "gpt-4", "messages": CHAT})])
+def test_unknown_model_is_404_model_not_found(server, path, body):
+    assert assert_error(server.http.post(path, json=body), 404, "model")["code"] == "model_not_found"
 
 
 def test_unknown_route_is_404_in_error_shape(server):

@@ -1,10 +1,11 @@
-"""`tandem bench offline | serve | peers | roofline`: each prints its result block and, with --json FILE,
+"""`tandem bench offline | serve | peers | roofline | soak`: each prints its result block and, with --json FILE,
 writes every number it printed (and the machine: nproc, CPU model, torch version, threads).
 
   tandem bench offline --num-prompts 64 --input-len 32 --output-len 128 --scheduler overlap
   tandem bench serve --base-url http://127.0.0.1:8000 --max-concurrency 16 --num-prompts 64
   tandem bench peers --num-prompts 64 --input-len 32 --output-len 128 --json peers.json
   tandem bench roofline --batch-sizes 1,32,64
+  tandem bench soak --requests 3000 --concurrency 32 --json soak.json
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def int_list(text: str) -> list[int]:
 
 def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 64, output_len: int = 128,
                    range_ratio: bool = True) -> None:
-    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="requests in the workload")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (seeded random ids)")
     p.add_argument("--output-len", type=int, default=output_len, help="generated tokens per request (ignore_eos)")
     if range_ratio:
@@ -67,9 +68,16 @@ def _roofline(args):
     return bench_roofline(args)
 
 
+def _soak(args):
+    from .soak import bench_soak
+    if args.requests < 1 or args.concurrency < 1:
+        raise ValueError("--requests and --concurrency must be >= 1")
+    return bench_soak(args)
+
+
 def add_parser(subparsers) -> None:
     from ..cli import add_engine_args
-    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline", description=__doc__,
+    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -104,16 +112,29 @@ def add_parser(subparsers) -> None:
     add_engine_args(p)
     p.set_defaults(func=_runner(_peers))
 
+    p = sub.add_parser("soak", help="bounded chaos run against a fresh `tandem serve` (issue: no request can "
+                                    "hurt the service)",
+                       description="Starts `tandem serve` with a fault injected for one kind of request, sends a "
+                                   "seeded mix of valid, streamed, disconnecting, hostile and faulting requests, "
+                                   "and reports statuses, unexpected outcomes and server memory before and after "
+                                   "(tandem/bench/soak.py).")
+    p.add_argument("--model", default=None, help="model of the server (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--requests", type=int, default=3000, help="requests in the run")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    p.set_defaults(func=_runner(_soak))
+
     p = sub.add_parser("roofline", help="fp32 GEMM and memory-bandwidth bounds next to tandem's decode tokens/s",
                        description="Times the model's decode GEMMs and this machine's memory bandwidth, and "
                                    "prints the implied bound on decode tokens/s per batch size next to tandem's "
                                    "measured decode tokens/s (tandem/bench/roofline.py).")
-    p.add_argument("--batch-sizes", type=int_list, default=[1, 32, 64])
-    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 32, 64], help="batch sizes to bound and measure")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens of tandem's decode run")
     p.add_argument("--output-len", type=int, default=32, help="tokens per request of tandem's decode run")
     p.add_argument("--bandwidth-mb", type=int, default=256, help="size of the copied tensor")
     p.add_argument("--min-seconds", type=float, default=0.1, help="minimum timing per matmul shape")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     add_engine_args(p)
     p.set_defaults(func=_runner(_roofline))

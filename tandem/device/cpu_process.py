@@ -16,17 +16,18 @@ import ctypes
 import mmap
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import traceback
 from multiprocessing.connection import Client, Listener
 
 import numpy as np
 
+from .. import runtime_files
 from .executor import ExecutorSpec
 from .step import StepInput
 from .streams import now
@@ -61,10 +62,6 @@ class _SharedBuffers:
                 o += 8 * words
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
 class ProcessHandle:
     def __init__(self, runner: "ProcessRunner", step: StepInput, buf: int) -> None:
         self.step_id = step.step_id
@@ -88,7 +85,7 @@ class ProcessRunner:
                  start_timeout: float = 600.0) -> None:
         b = spec.max_running
         int_words = 3 + 7 * b + 2 * max_tokens_per_step
-        self._tmp = tempfile.mkdtemp(prefix="tandem-", dir=_shm_dir())
+        self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
         self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b, create=True)
         sock = os.path.join(self._tmp, "sock")
@@ -198,15 +195,7 @@ class ProcessRunner:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        for name in ("steps", "sock"):
-            try:
-                os.unlink(os.path.join(self._tmp, name))
-            except FileNotFoundError:
-                pass
-        try:
-            os.rmdir(self._tmp)
-        except OSError:
-            pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __del__(self) -> None:
         try:

@@ -130,17 +130,15 @@ def _make_batch(s: "Scheduler", reqs: list[Req], is_prefill: bool, extend: np.nd
     positions = np.array([r.num_launched if not is_prefill else len(r.output_ids) for r in reqs], np.int64)
     for r in reqs:
         r.num_launched = (len(r.output_ids) if is_prefill else r.num_launched) + 1
-    p = [r.params for r in reqs]
+    samp = np.array([r.sampling_row for r in reqs], np.float64).reshape(b, 4)   # prepared when taken in
     step = StepInput(
         step_id=s.next_step_id(),
         rows=np.array([r.row for r in reqs], np.int64),
         extend_lens=extend, seq_lens=seq,
         use_future=np.zeros(b, np.int64) if is_prefill else np.ones(b, np.int64),
         input_ids=np.array(ids, np.int64), out_cache_loc=np.array(locs, np.int64),
-        temperature=np.array([x.temperature for x in p], np.float64),
-        top_p=np.array([x.top_p for x in p], np.float64),
-        top_k=np.array([x.top_k for x in p], np.int64),
-        min_p=np.array([x.min_p for x in p], np.float64),
+        temperature=samp[:, 0].copy(), top_p=samp[:, 1].copy(),
+        top_k=np.array([r.sampling_row[2] for r in reqs], np.int64), min_p=samp[:, 3].copy(),
         draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), positions),
         poison_rows=s.take_freed_rows(),
     )

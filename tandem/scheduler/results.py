@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .. import faults
 from ..device.runner import ResultHandle
 from ..device.streams import now
 from ..request import Req, StepOutput
@@ -30,10 +31,15 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         if req.aborted:
             s.end(req, "abort")
             continue
-        req.output_ids.append(tok)
-        if req.first_token_time is None:
-            req.first_token_time = t
-        reason = check_stop(req, tok)
+        try:
+            faults.check("process", req.prompt_ids)
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = t
+            reason = check_stop(req, tok)
+        except Exception as e:                 # isolation: this request fails alone (Scheduler.fail)
+            s.fail(req, e)
+            continue
         if reason is not None:
             s.finish(req, reason)
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,

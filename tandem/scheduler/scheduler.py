@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
+import traceback
 from typing import Callable
 
 import numpy as np
 
+from .. import faults
 from ..config import EngineConfig
 from ..device.runner import ModelRunner, ResultHandle
 from ..memory.kv_allocator import KVSlotAllocator
@@ -19,6 +22,8 @@ from ..request import Req, ReqStatus, StepOutput
 from ..trace.recorder import Recorder
 from .batch import Batch
 from .results import process_results
+
+log = logging.getLogger("tandem.scheduler")
 
 NEW_TOKEN_RATIO_INIT = 0.5
 NEW_TOKEN_RATIO_MIN = 0.1
@@ -44,6 +49,7 @@ class Scheduler:
         self._step_ids = itertools.count()
         self._live: dict[str, Req] = {}
         self.retractions = 0
+        self.failures = 0                   # requests ended by an error in their own path (fail)
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def recv_requests(self) -> None:
@@ -53,6 +59,12 @@ class Scheduler:
             kind, item = self.inbox.popleft()
             if kind == "add":
                 self._live[item.rid] = item
+                try:
+                    faults.check("prepare", item.prompt_ids)
+                    item.prepare()
+                except Exception as e:             # isolation: this request fails, the engine goes on
+                    self.fail(item, e)
+                    continue
                 self.waiting.append(item)
             elif kind == "abort":
                 self._abort(item)
@@ -113,7 +125,19 @@ class Scheduler:
     def end(self, req: Req, reason: str) -> None:
         """Finish a request outside process_results (abort, no room left) and tell the sink: no new token."""
         self.finish(req, reason)
-        self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids))])
+        self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids),
+                              req.error)])
+
+    def fail(self, req: Req, exc: BaseException) -> None:
+        """Engine isolation: an error in one request's own path (preparing it, processing its results) ends
+        that request alone, with finish_reason "error"; the loop, the device and every other request go on.
+        Its KV and row are freed like any finish (the one-step-lag argument of finish() holds)."""
+        log.error("request %s failed: %s", req.rid, "".join(traceback.format_exception_only(exc)).strip())
+        self.failures += 1
+        req.error = f"{type(exc).__name__}: {exc}"
+        if req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self.end(req, "error")
 
     def retract(self, req: Req) -> None:
         """Give back a running request's KV; it re-prefills prompt + outputs later (host truth is current)."""

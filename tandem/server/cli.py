@@ -1,7 +1,8 @@
 """`tandem serve`: the OpenAI-compatible server (frontend process + engine process).
 
-SIGTERM / SIGINT: stop accepting, end in-flight requests (finish_reason "abort"), stop the engine process,
-exit 0. A second SIGINT skips the graceful wait.
+SIGTERM / SIGINT: stop accepting, end in-flight requests (503 + Retry-After), stop the engine process,
+exit 0. A second SIGINT skips the graceful wait. If the engine process dies, in-flight requests fail with
+503 and the server exits 1 (unless --no-exit-on-engine-failure), so that a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 
 from ..cli import add_engine_args, engine_config
 from ..config import EngineConfig
@@ -23,48 +25,90 @@ def add_parser(subparsers) -> None:
                               description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
                                           "/v1/models, /health, /metrics")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the server and uvicorn")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse request bodies above this size with 413 (default: 1 MiB + 32 bytes per context "
+                        "token)")
+    p.add_argument("--max-messages", type=int, default=2048,
+                   help="refuse chat requests with more messages with 400")
+    p.add_argument("--health-timeout", type=float, default=30.0,
+                   help="/health turns 503 when the engine has made no progress for this many seconds (raise it "
+                        "for models whose single step takes longer)")
+    p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit 1 when the engine process dies, so that a supervisor restarts the server "
+                        "(--no-exit-on-engine-failure: keep answering 503)")
     p.set_defaults(func=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
+    for name in ("max_request_bytes", "max_messages"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.health_timeout > 0:
+        raise ValueError("--health-timeout must be > 0")
+    options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
+                           args.max_messages, args.health_timeout, args.exit_on_engine_failure)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(run_server(config, args.host, args.port, args.served_model_name, args.log_level))
+        return asyncio.run(run_server(config, options))
     except RuntimeError as e:                      # the engine could not start: say why, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
-async def run_server(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
-                     log_level: str = "info") -> int:
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's own options (the engine's are EngineConfig); see add_parser for each one's help."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    log_level: str = "info"
+    max_request_bytes: int | None = None
+    max_messages: int = 2048
+    health_timeout_s: float = 30.0
+    exit_on_engine_failure: bool = True
+
+
+async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
+    """Serve until a signal (exit 0) or, with exit_on_engine_failure, until the engine dies (exit 1)."""
     import uvicorn
 
     from ..model.loader import load_tokenizer, resolve_model
     from .client import EngineClient
     from .frontend import Frontend
+    from .limits import ServerLimits
     from .metrics import ServerMetrics
     from .openai_api import build_app
 
     client = EngineClient(config)
+    frontend = None
     try:
         info = await client.start()
         # The engine has converted/cached the model by now; the frontend only reads its tokenizer.
         tokenizer = load_tokenizer(resolve_model(config.model, config.cache_dir))
-        name = served_model_name or info.model_name
-        metrics = ServerMetrics(name, lambda: client.stats)
+        name = options.served_model_name or info.model_name
+        limits = ServerLimits(options.max_request_bytes or ServerLimits.default_request_bytes(info.max_context),
+                              options.max_messages, options.health_timeout_s)
+        metrics = ServerMetrics(name, lambda: client.stats, lambda: len(client.reqs))
         client.on_output = metrics.on_output
-        app = build_app(client, Frontend(tokenizer, info.max_context, info.vocab_size), name, metrics)
-        server = _make_server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                             timeout_graceful_shutdown=GRACEFUL_S), client.begin_shutdown)
+        frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages)
+        app = build_app(client, frontend, name, metrics, limits)
+        server = _make_server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                                             lifespan="off", timeout_graceful_shutdown=GRACEFUL_S),
+                              client.begin_shutdown)
+        if options.exit_on_engine_failure:
+            client.on_dead = lambda: setattr(server, "should_exit", True)
         await server.serve()
     finally:
         await client.close()
-    return 0
+        if frontend is not None:
+            frontend.close()
+    return 1 if client.engine_failed and options.exit_on_engine_failure else 0
 
 
 def _make_server(config, on_exit):

@@ -1,7 +1,10 @@
 """The frontend's handle on the engine process: start it, send requests, route its outputs to each request.
 
 One reader task receives every engine message and puts each StepOutput on its request's queue; a watcher
-notices an engine that died, and from then on every pending and new request fails fast with a 503.
+notices an engine that died, and from then on every pending and new request fails fast with a 503 (and
+`on_dead` lets the server exit, so a supervisor restarts it). The engine sends something at least every
+second while its loop turns (outputs, stats, heartbeats): `silent_for()` is how long it has not, which is
+how /health tells a stuck engine or device from a busy one.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import zmq.asyncio
 from ..config import EngineConfig
 from ..device.streams import now
 from ..request import StepOutput
+from .. import runtime_files
 from . import ipc
 
 log = logging.getLogger("tandem.server")
@@ -54,15 +58,18 @@ class EngineClient:
         self.reqs: dict[str, RequestStream] = {}
         self.stats: dict[str, float] = {}
         self.dead: str | None = None         # why the engine is down, once it is
+        self.engine_failed = False           # it went down on its own, not by our shutdown
         self.closing = False
         self.on_output: Callable[[RequestStream, StepOutput, float], None] | None = None   # metrics hook
+        self.on_dead: Callable[[], None] | None = None     # called once when the engine dies (not at shutdown)
+        self.last_heard = now()             # when the engine last sent anything
         self.proc: subprocess.Popen | None = None
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     async def start(self) -> ipc.Ready:
         """Spawn the engine process and wait until its model is loaded; RuntimeError if it fails."""
-        self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
+        self._dir = runtime_files.make_dir("ipc", tempfile.gettempdir())
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
         self._tx = self._ctx.socket(zmq.PUSH)
@@ -83,21 +90,22 @@ class EngineClient:
         if isinstance(msg, ipc.Failed):
             raise RuntimeError(f"the engine failed to start: {msg.message}")
         self.info = msg
+        self.last_heard = now()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         return msg
 
     def begin_shutdown(self) -> None:
-        """Stop accepting; end every in-flight request (finish_reason "abort"); the engine aborts them too."""
+        """Stop accepting; fail every in-flight request with a 503 (retry elsewhere or later, as OpenAI's
+        clients do); the engine aborts them too."""
         if self.closing:
             return
         self.closing = True
-        for rid, st in list(self.reqs.items()):
-            if st.accepted.done():
-                st.queue.put_nowait(StepOutput(rid, [], True, "abort"))
-            else:
-                st.accepted.set_exception(EngineError(503, "the server is shutting down"))
-        self.reqs.clear()
+        self._fail_all(EngineError(503, "the server is shutting down"))
         self._send(ipc.Shutdown())
+
+    def silent_for(self) -> float:
+        """Seconds since the engine last sent anything (0 once it is known dead: health says why instead)."""
+        return 0.0 if self.dead is not None else now() - self.last_heard
 
     async def close(self) -> None:
         self.begin_shutdown()
@@ -117,6 +125,8 @@ class EngineClient:
             self._ctx.term()
             self._actx.term()
             shutil.rmtree(self._dir, ignore_errors=True)
+        if self.info is not None:
+            runtime_files.remove_owned_by(self.info.pid)    # the engine's, should it have been killed
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt_ids: list[int], params: dict, arrival: float) -> RequestStream:
@@ -174,6 +184,7 @@ class EngineClient:
                 log.exception("failed to dispatch %s", type(msg).__name__)
 
     def _dispatch(self, msg, t: float) -> None:
+        self.last_heard = t
         if isinstance(msg, ipc.Outputs):
             self.stats = msg.stats
             for o in msg.outputs:
@@ -212,15 +223,24 @@ class EngineClient:
                 self._fail(f"the engine process exited (code {self.proc.returncode})")
 
     def _fail(self, reason: str) -> None:
-        if self.dead is None:
-            if not self.closing:
-                log.error("%s", reason)
+        first = self.dead is None
+        if first:
             self.dead = reason
-        err = EngineError(503, reason)
+        self._fail_all(EngineError(503, reason))
+        self.stats = {**self.stats, "num_running": 0, "num_waiting": 0}
+        if first and not self.closing:
+            self.engine_failed = True
+            log.error("%s", reason)
+            if self.info is not None:
+                runtime_files.remove_owned_by(self.info.pid)   # a killed engine leaves its shared memory
+            if self.on_dead is not None:
+                self.on_dead()
+
+    def _fail_all(self, err: EngineError) -> None:
+        """End every request this frontend holds with err (its stream or its pending submit raises it)."""
         for st in self.reqs.values():
             if st.accepted.done():
                 st.queue.put_nowait(err)
-            else:
+            elif not st.accepted.cancelled():
                 st.accepted.set_exception(err)
         self.reqs.clear()
-        self.stats = {**self.stats, "num_running": 0, "num_waiting": 0}

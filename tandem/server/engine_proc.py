@@ -27,6 +27,7 @@ from . import ipc
 IDLE_POLL_MS = 50         # idle(): block this long on the request socket, then let the loop look again
 IDLE_WINDOW_S = 10.0      # device_idle_fraction covers the device steps of the last IDLE_WINDOW_S
 IDLE_EVERY_S = 1.0        # ... recomputed at most this often
+HEARTBEAT_S = 0.5         # the loop sends something at least this often while it turns (the frontend's /health)
 
 
 class EngineProc:
@@ -37,9 +38,11 @@ class EngineProc:
         self.stopping = False
         self._last_stats: dict | None = None
         self._idle_at, self._idle = -1e18, 0.0
+        self._sent_at = now()
 
     def send(self, msg) -> None:
         self.tx.send(ipc.encode(msg))
+        self._sent_at = now()
 
     # ---- called by the scheduler loop ----------------------------------------------------------------------
     def poll(self) -> None:
@@ -61,6 +64,10 @@ class EngineProc:
                     self.engine.abort(rid)
         if replies:
             self.send(ipc.Replies(replies))
+        elif now() - self._sent_at > HEARTBEAT_S:
+            # Heartbeat: the loop is turning. A loop stuck in a step (a hung device) sends nothing.
+            self._last_stats = self.stats()
+            self.send(ipc.Stats(self._last_stats))
 
     def _add(self, msg: ipc.AddRequest) -> list:
         if self.stopping:

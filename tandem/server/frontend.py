@@ -1,27 +1,82 @@
 """Frontend text work: prompts and chat messages to token ids (validated), token ids back to text deltas.
 
-Everything a client sends is checked here before it reaches the engine: token ids in the vocabulary,
-prompt and prompt + max_tokens within the context, sampling fields in range. The engine checks again.
+Everything a client sends is checked here before it reaches the engine: text that has a UTF-8 form, token
+ids in the vocabulary, prompt and prompt + max_tokens within the context, sampling fields in range. The
+engine checks again. Tokenizing and chat templating run on a small thread pool (`encode` of the fast
+tokenizer releases the GIL; a template yields it every few ms), so a huge prompt never stalls the event
+loop that serves /health and every open stream.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ..detokenizer import IncrementalDetokenizer
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, is_utf8
 from .protocol import INT64, APIError, ChatCompletionRequest, CompletionRequest
 
 _PARAM = re.compile(r"invalid sampling parameter (\w+)=")
+TOKENIZER_THREADS = 2
+
+
+def find_bad_text(value: Any, path: str) -> str | None:
+    """The path of the first string in a parsed request that no tokenizer can take (a lone surrogate such
+    as "\\ud800", which JSON allows), else None."""
+    if isinstance(value, str):
+        return None if is_utf8(value) else path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            bad = find_bad_text(k, path) or find_bad_text(v, f"{path}.{k}" if path else str(k))
+            if bad:
+                return bad
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            bad = find_bad_text(v, f"{path}[{i}]")
+            if bad:
+                return bad
+    return None
 
 
 class Frontend:
-    def __init__(self, tokenizer, max_context: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer, max_context: int, vocab_size: int, max_messages: int = 2048) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context      # prompt + output tokens, capped by the KV cache
         self.vocab_size = vocab_size
+        self.max_messages = max_messages
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tandem-tokenizer")
 
-    # ---- prompts -------------------------------------------------------------------------------------------
+    async def off_loop(self, fn, *args):
+        """Run text work on the tokenizer pool, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- checks --------------------------------------------------------------------------------------------
+    def check_text(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """APIError(400) naming the first field whose text has no UTF-8 form."""
+        bad = find_bad_text(body.model_dump(exclude_defaults=True), "")
+        if bad is not None:
+            raise APIError(400, f"{bad} is not valid Unicode text (it holds a lone UTF-16 surrogate)", bad)
+
+    def check_messages(self, body: ChatCompletionRequest) -> None:
+        if len(body.messages) > self.max_messages:
+            raise APIError(400, f"too many messages: {len(body.messages)}, the limit is {self.max_messages} "
+                                f"(--max-messages)", "messages")
+
+    # ---- prompts (called on the pool through off_loop) ------------------------------------------------------
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
+        self.check_text(body)
+        return self.completion_prompt(body.prompt)
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        self.check_messages(body)
+        self.check_text(body)
+        return self.chat_prompt(body)
+
     def completion_prompt(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:

@@ -29,10 +29,10 @@ GAUGES = {
 
 
 class _EngineGauges:
-    """Reads the engine's latest stats at scrape time."""
+    """Reads the engine's latest stats, and the frontend's open requests, at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict]) -> None:
-        self.model_name, self.stats = model_name, stats
+    def __init__(self, model_name: str, stats: Callable[[], dict], open_requests: Callable[[], int]) -> None:
+        self.model_name, self.stats, self.open_requests = model_name, stats, open_requests
 
     def collect(self):
         stats = self.stats()
@@ -40,10 +40,15 @@ class _EngineGauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], float(stats.get(key, 0.0)))
             yield g
+        g = GaugeMetricFamily("tandem:frontend_open_requests", "Requests the frontend holds state for "
+                              "(submitted, not yet finished); 0 when idle.", labels=["model_name"])
+        g.add_metric([self.model_name], float(self.open_requests()))
+        yield g
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], dict],
+                 open_requests: Callable[[], int] = lambda: 0) -> None:
         self.registry = r = CollectorRegistry()
         m = [model_name]
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prefilled prompt tokens.", ["model_name"],
@@ -57,7 +62,7 @@ class ServerMetrics:
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                              ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(*m)
         self.model_name = model_name
-        r.register(_EngineGauges(model_name, stats))
+        r.register(_EngineGauges(model_name, stats, open_requests))
 
     def on_output(self, st: RequestStream, o: StepOutput, t: float) -> None:
         """Called by the EngineClient's reader for every StepOutput of a live request."""

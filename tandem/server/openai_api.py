@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/health_generate, /metrics.
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for anything invalid (FastAPI's
-422 folded in, the field named in `param`), 503 when the engine is down, its queue is full or the server is
-stopping. A client that goes away mid-request aborts it, so its KV is freed.
+422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 500 when
+the engine failed that one request, 503 (with Retry-After) when the engine is down or stuck, its queue is
+full or the server is stopping. A client that goes away mid-request aborts it, so its KV is freed.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from ..request import StepOutput
 from . import protocol as P
 from .client import EngineClient, EngineError, RequestStream
 from .frontend import Frontend, TextStream
+from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 DONE = "data: [DONE]\n\n"
 
@@ -33,8 +36,24 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes client text holding a lone surrogate still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True).encode()
+
+
 def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return ErrorResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def _stream_error(e: Exception) -> str:
+    """The SSE event that ends a stream its request could not finish (engine down or stopping, or failed)."""
+    if isinstance(e, APIError):
+        return _sse(e.body())
+    return _sse(error_body(e.message, "service_unavailable" if e.status == 503 else "invalid_request_error",
+                           None, str(e.status)))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -43,13 +62,15 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics) -> None:
-        self.client, self.fe, self.model, self.metrics = client, frontend, model_name, metrics
+    def __init__(self, client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits) -> None:
+        self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
+        self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
     # ---- shared steps --------------------------------------------------------------------------------------
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.model not in (None, "", self.model):
-            raise APIError(400, f"The model `{body.model}` does not exist; this server serves `{self.model}`.",
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model}`.",
                            "model", "model_not_found")
         bad = body.unsupported()
         if bad is not None:
@@ -62,8 +83,11 @@ class OpenAIServer:
         return st, self.fe.text_stream(prompt_ids, params)
 
     async def _deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
-        """(text delta, output) per engine output; the last one is finished."""
+        """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
+        failed this request (engine isolation: the others go on)."""
         async for o in self.client.outputs(st):
+            if o.finish_reason == "error":
+                raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
 
     async def _collect(self, st: RequestStream, ts: TextStream) -> tuple[str, str | None, int]:
@@ -90,7 +114,7 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = now()
         self._check(body)
-        ids = self.fe.completion_prompt(body.prompt)
+        ids = await self.fe.off_loop(self.fe.completion_ids, body)
         return await self._respond(body, request, ids, arrival, "cmpl", 16, self._stream_completion,
                                    P.completion)
 
@@ -118,8 +142,8 @@ class OpenAIServer:
                                                   o.finish_reason if o.finished else None, None, include_usage))
             if include_usage:
                 yield _sse(P.completion_chunk(st.rid, self.model, created, None, None, P.usage(n_prompt, n_out), True))
-        except EngineError as e:
-            yield _sse(error_body(e.message, "service_unavailable"))
+        except (EngineError, APIError) as e:
+            yield _stream_error(e)
         finally:
             self.client.abort(st.rid)         # a client that left mid-stream: free its KV (no-op if finished)
         yield DONE
@@ -127,7 +151,7 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = now()
         self._check(body)
-        ids = self.fe.chat_prompt(body)
+        ids = await self.fe.off_loop(self.fe.chat_ids, body)
         return await self._respond(body, request, ids, arrival, "chatcmpl", None, self._stream_chat,
                                    P.chat_completion)
 
@@ -146,18 +170,67 @@ class OpenAIServer:
                     yield chunk({"content": delta})
             if include_usage:
                 yield chunk(None, None, P.usage(n_prompt, n_out))
-        except EngineError as e:
-            yield _sse(error_body(e.message, "service_unavailable"))
+        except (EngineError, APIError) as e:
+            yield _stream_error(e)
         finally:
             self.client.abort(st.rid)
         yield DONE
 
     def health(self) -> Response:
+        """200 while the engine is alive and its loop turns; 503 once it died, stopped making progress for
+        health_timeout_s (a stuck step: the device hung or was stopped), or the server is stopping."""
         if self.client.dead is not None:
             return _error(503, f"the engine is down: {self.client.dead}", "service_unavailable")
         if self.client.closing:
             return _error(503, "the server is shutting down", "service_unavailable")
+        silent = self.client.silent_for()
+        if silent > self.limits.health_timeout_s:
+            return _error(503, f"the engine has made no progress for {silent:.0f} s (--health-timeout "
+                               f"{self.limits.health_timeout_s:g})", "service_unavailable")
         return Response(status_code=200)
+
+    async def health_generate(self) -> Response:
+        """Generate one real token (SGLang's /health_generate): 200 once it comes back within the health
+        timeout, 503 otherwise."""
+        bad = self.health()
+        if bad.status_code != 200:
+            return bad
+        rid = f"health-{uuid.uuid4().hex}"
+
+        async def probe() -> bool:
+            st = await self.client.submit(rid, self.probe_ids, {"max_tokens": 1, "temperature": 0.0}, now())
+            async for o in self.client.outputs(st):
+                if o.finished:
+                    return o.finish_reason != "error" and o.num_output_tokens == 1
+            return False
+        try:
+            if await asyncio.wait_for(probe(), self.limits.health_timeout_s):
+                return Response(status_code=200)
+            return _error(503, "the probe request did not produce a token", "service_unavailable")
+        except asyncio.TimeoutError:
+            self.client.abort(rid)
+            return _error(503, f"no token within {self.limits.health_timeout_s:g} s", "service_unavailable")
+        except EngineError as e:
+            return _error(503, f"the probe request failed: {e.message}", "service_unavailable")
+
+
+def _param_path(loc) -> str | None:
+    """The field a validation error is about, as `messages[0].role`: body fields and list indices, up to
+    the first union branch pydantic adds to the location (`str`, `list[int]` ...)."""
+    if len(loc) < 2 or loc[0] != "body":
+        return None
+    path = str(loc[1])
+    for part in loc[2:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _UNION_TAGS:
+            path += f".{part}"
+        else:
+            break
+    return path
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -166,23 +239,24 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if first["type"] == "json_invalid":
         return _error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                       "invalid_request_error")
-    loc = [str(x) for x in first["loc"]]
-    param = loc[1] if len(loc) > 1 and loc[0] == "body" else None
+    param = _param_path(first["loc"])
     if param is None:
         return _error(400, f"the request body must be a JSON object: {first['msg']}", "invalid_request_error")
     if first["type"] == "missing":
         return _error(400, f"missing required field: {param}", "invalid_request_error", param)
-    msgs = list(dict.fromkeys(e["msg"] for e in errs if len(e["loc"]) > 1 and str(e["loc"][1]) == param))
+    msgs = list(dict.fromkeys(e["msg"] for e in errs if _param_path(e["loc"]) == param))
     return _error(400, f"invalid value for {param}: {'; or '.join(msgs)}"[:1000], "invalid_request_error", param)
 
 
-def build_app(client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics) -> FastAPI:
+def build_app(client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics,
+              limits: ServerLimits) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible server of the tandem engine")
-    api = OpenAIServer(client, frontend, model_name, metrics)
+    api = OpenAIServer(client, frontend, model_name, metrics, limits)
     app.state.api = api
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
 
     app.exception_handler(RequestValidationError)(lambda _r, e: _validation_error(e))
-    app.exception_handler(APIError)(lambda _r, e: JSONResponse(e.body(), status_code=e.status))
+    app.exception_handler(APIError)(lambda _r, e: _error(e.status, e.message, e.type, e.param, e.code))
     app.exception_handler(EngineError)(lambda _r, e: _error(
         e.status, e.message, "invalid_request_error" if e.status == 400 else "service_unavailable"))
     app.exception_handler(StarletteHTTPException)(lambda _r, e: _error(
@@ -205,6 +279,10 @@ def build_app(client: EngineClient, frontend: Frontend, model_name: str, metrics
     @app.get("/health")
     async def health():
         return api.health()
+
+    @app.get("/health_generate")
+    async def health_generate():
+        return await api.health_generate()
 
     @app.get("/metrics")
     async def prometheus():

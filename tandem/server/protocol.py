@@ -6,11 +6,14 @@ and the frontend, so every invalid value surfaces as a 400 that names its field 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 INT64 = 2 ** 63
+Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]   # every integer field: nothing past int64 reaches the engine
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")   # OpenAI's message roles
+RETRY_AFTER_S = 1          # Retry-After of every 503 (a full queue drains, a restarted server comes back)
 
 
 class APIError(Exception):
@@ -20,11 +23,14 @@ class APIError(Exception):
                  type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "server_error")
+        self.type = type or {400: "invalid_request_error", 404: "invalid_request_error",
+                             413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -42,10 +48,10 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stream: bool = False
@@ -55,14 +61,16 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extras (vLLM's names)
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for a value tandem does not implement, else None."""
+        """(field, why) for a value tandem does not implement or a combination OpenAI refuses, else None."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
         if self.n != 1:
             return "n", "only n=1 is supported"
         if self.presence_penalty != 0 or self.frequency_penalty != 0:
@@ -82,12 +90,12 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16              # OpenAI's default for completions
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
+    max_tokens: Int64 | None = 16            # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -108,7 +116,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")   # name, tool_call_id ... reach the template
-    role: str
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict:
@@ -120,7 +128,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     add_generation_prompt: bool = True       # extra (vLLM)
 
@@ -131,7 +139,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         kw = super().sampling_kwargs(default_max_tokens)
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+        if self.max_completion_tokens is not None:       # OpenAI's current name wins over the deprecated one (vLLM)
             kw["max_tokens"] = self.max_completion_tokens
         return kw
 
