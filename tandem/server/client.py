@@ -137,7 +137,12 @@ class EngineClient:
             raise EngineError(503, "the server is shutting down")
         st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future())
         self.reqs[rid] = st
-        if not self._send(ipc.AddRequest(rid, prompt_ids, params)):
+        try:
+            sent = self._send(ipc.AddRequest(rid, prompt_ids, params))
+        except BaseException:            # e.g. a field msgpack cannot encode: nothing may stay registered
+            self.reqs.pop(rid, None)
+            raise
+        if not sent:
             self.reqs.pop(rid, None)
             raise EngineError(503, "the engine's request queue is full")
         try:
