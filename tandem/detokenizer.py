@@ -40,17 +40,22 @@ class IncrementalDetokenizer:
 class StopStrings:
     """Finds stop strings across token boundaries in the detokenized output."""
 
-    def __init__(self, detok: IncrementalDetokenizer, stops: list[str]) -> None:
+    def __init__(self, detok: IncrementalDetokenizer, stops: list[str], include: bool = False) -> None:
         self.detok = detok
         self.stops = stops
+        self.include = include              # keep the stop string in the text (include_stop_str_in_output)
         self.longest = max(len(s) for s in stops)
 
     def add(self, token_id: int) -> str | None:
-        """Feed one token; return the text cut before the earliest stop string, or None if none matched."""
+        """Feed one token; return the text cut at the earliest stop string (before it, or after it with
+        include), or None if none matched."""
         delta = self.detok.add([token_id])
         if not delta:
             return None
         text = self.detok.text
         start = max(0, len(text) - len(delta) - self.longest + 1)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return text[:min(hits)] if hits else None
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stops) if i >= 0]
+        if not hits:
+            return None
+        i, stop = min(hits, key=lambda h: h[0])
+        return text[:i + len(stop)] if self.include else text[:i]

@@ -132,7 +132,8 @@ class Engine:
                   params=params, seed=seed, eos_token_ids=self.eos_token_ids,
                   max_len=self.max_context)
         if params.stop:
-            req.stop_checker = StopStrings(self.detokenizer(prompt_ids, params), params.stop)
+            req.stop_checker = StopStrings(self.detokenizer(prompt_ids, params), params.stop,
+                                           params.include_stop_str_in_output)
         return req
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:

@@ -92,7 +92,10 @@ class LLM:
     def _run(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         # Validate everything before queueing anything: a bad input raises and leaves the engine untouched.
-        reqs = [self.engine.make_request(ids, p) for (_, ids), p in zip(encoded, params)]
+        # A prompt with n > 1 becomes n requests (sample i with its own derived seed).
+        groups = [[self.engine.make_request(ids, p.sample(i)) for i in range(p.n)]
+                  for (_, ids), p in zip(encoded, params)]
+        reqs = [r for g in groups for r in g]
         for req in reqs:
             self._results[req.rid] = []
             self.engine.add_request(req, bounded=False)
@@ -106,17 +109,23 @@ class LLM:
                 self._bar.close()
                 self._bar = None
         outs = []
-        for (prompt, ids), req, p in zip(encoded, reqs, params):
-            steps = self._results.pop(req.rid)
-            token_ids = [t for s in steps for t in s.new_token_ids]
-            last = steps[-1] if steps else None
-            text = last.text if last is not None and last.text is not None else \
-                self.engine.detokenizer(ids, p).add(token_ids)
-            reason = last.finish_reason if last is not None else None
-            outs.append(RequestOutput(req.rid, prompt if isinstance(prompt, str) else None, ids, text, token_ids,
-                                      reason, [CompletionOutput(0, text, token_ids, reason)],
-                                      last.error if last is not None else None))
+        for (prompt, ids), group, p in zip(encoded, groups, params):
+            samples = [self._completion(i, ids, req, p) for i, req in enumerate(group)]
+            first, errors = samples[0][0], [e for _, e in samples if e]
+            outs.append(RequestOutput(group[0].rid, prompt if isinstance(prompt, str) else None, ids, first.text,
+                                      first.token_ids, first.finish_reason, [c for c, _ in samples],
+                                      errors[0] if errors else None))
         return outs
+
+    def _completion(self, index: int, ids: list[int], req, p: SamplingParams) -> tuple[CompletionOutput, str | None]:
+        """One sample's output from its collected steps, and its error if the engine failed it."""
+        steps = self._results.pop(req.rid)
+        token_ids = [t for s in steps for t in s.new_token_ids]
+        last = steps[-1] if steps else None
+        text = last.text if last is not None and last.text is not None else \
+            self.engine.detokenizer(ids, p).add(token_ids)
+        reason = last.finish_reason if last is not None else None
+        return CompletionOutput(index, text, token_ids, reason), (last.error if last is not None else None)
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         for o in outputs:

@@ -1,6 +1,7 @@
 """What a user asks of one generation, with the field names of vLLM and the OpenAI API."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 # sample garbage instead of the argmax.
 GREEDY_EPS = 1e-5
 INT64 = 1 << 63
+MAX_N = 128                  # samples per prompt (n) at most: each is a request of its own
+SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15   # seed of sample i = seed + i * stride (mod 2**63): far apart, odd
 
 
 @dataclass
@@ -19,10 +22,12 @@ class SamplingParams:
     top_k: int = -1                      # -1 (or 0): off
     min_p: float = 0.0
     seed: int | None = None              # same seed, same output, whatever the batch mates
-    stop: str | list[str] | None = None  # stop strings, not included in the text
+    stop: str | list[str] | None = None  # stop strings, not included in the text (unless the flag below)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False   # keep the matched stop string at the end of the text
+    n: int = 1                           # completions per prompt (independent samples; seeds derived per sample)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +41,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
@@ -66,6 +73,12 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
+
+    def sample(self, i: int) -> "SamplingParams":
+        """The params of the i-th of n samples: n=1, and a seed of its own derived from this seed (sample 0
+        keeps it), so the n samples differ and each is reproducible."""
+        seed = self.seed if self.seed is None or i == 0 else (self.seed + i * SAMPLE_SEED_STRIDE) % INT64
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

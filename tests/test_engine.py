@@ -175,3 +175,21 @@ def test_draw_seeds_are_deterministic_and_distinct():
     assert (a == b).all() and len(set(a.tolist())) == 3 and (a >= 0).all()
     many = draw_seeds(np.zeros(10000, np.int64), np.arange(10000))
     assert len(set(many.tolist())) == 10000
+
+
+def test_n_samples_per_prompt(tiny_llama, make_llm):
+    """n > 1: n distinct samples per prompt, each reproducible and independent of its batch mates."""
+    llm = make_llm(tiny_llama)
+    p = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=10, ignore_eos=True)
+    a = llm.generate(["hello there", "a b c"], p, use_tqdm=False)
+    b = llm.generate(["a b c"], p, use_tqdm=False)
+    assert [len(o.outputs) for o in a] == [3, 3]
+    assert [c.index for c in a[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in a[0].outputs}) == 3
+    assert [c.token_ids for c in a[1].outputs] == [c.token_ids for c in b[0].outputs]
+    assert a[0].token_ids == a[0].outputs[0].token_ids
+    single = llm.generate(["hello there"], SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)
+    assert single[0].token_ids == a[0].outputs[0].token_ids      # sample 0 keeps the request's seed
+    with pytest.raises(ValueError, match="n="):
+        SamplingParams(n=0)

@@ -189,15 +189,17 @@ BAD = [  # (id, path, raw body or dict, param)
     ("huge-max-tokens", CMPL, {**OK, "max_tokens": 10 ** 9}, "max_tokens"),
     ("giant-max-tokens", CMPL, {**OK, "max_tokens": 10 ** 30}, "max_tokens"),
     ("chat-huge-max-tokens", CHAT_URL, {"messages": CHAT, "max_tokens": 10 ** 9}, "max_tokens"),
-    ("n-2", CMPL, {**OK, "n": 2}, "n"),
-    ("echo", CMPL, {**OK, "echo": True}, "echo"),
     ("stop-token-id-negative", CMPL, {**OK, "stop_token_ids": [-1]}, "stop_token_ids"),
     ("stop-token-id-vocab", CMPL, {**OK, "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
     ("seed-too-big", CMPL, {**OK, "seed": 2 ** 70}, "seed"),
     ("empty-prompt", CMPL, {**OK, "prompt": ""}, "prompt"),
     ("token-id-out-of-vocab", CMPL, {**OK, "prompt": [1, 10 ** 6]}, "prompt"),
     ("token-id-negative", CMPL, {**OK, "prompt": [-1]}, "prompt"),
-    ("two-prompts", CMPL, {**OK, "prompt": ["a", "b"]}, "prompt"),
+    ("n-zero", CMPL, {**OK, "n": 0}, "n"),
+    ("n-too-many", CMPL, {**OK, "n": 129}, "n"),
+    ("best-of-not-n", CMPL, {**OK, "n": 2, "best_of": 3}, "best_of"),
+    ("empty-second-prompt", CMPL, {**OK, "prompt": ["a", ""]}, "prompt[1]"),
+    ("token-id-out-of-vocab-in-batch", CMPL, {**OK, "prompt": [[1, 2], [10 ** 6]]}, "prompt[1]"),
     ("over-long-prompt", CMPL, {**OK, "prompt": "hello " * 2000}, "prompt"),
     ("over-long-token-prompt", CMPL, {**OK, "prompt": [42] * 600}, "prompt"),
     ("over-long-chat", CHAT_URL, {"messages": [{"role": "user", "content": "hi " * 2000}]}, "messages"),
@@ -232,3 +234,48 @@ def test_stream_events_are_well_formed(server):
     assert events[-1] == "[DONE]"
     assert all(e["object"] == "text_completion" for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_list_of_prompts_answers_one_choice_per_prompt_in_order(client, reference):
+    refs = reference["outs"][:5]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[:5], max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in out.choices] == list(range(5))
+    assert [c.text for c in out.choices] == [r.text for r in refs]
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[:5], max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(5)]
+    assert texts == [r.text for r in refs]
+
+
+def test_n_samples_are_distinct_and_reproducible(client):
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=1.0, seed=7, n=3,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) == 3
+    assert a.usage.completion_tokens == 3 * MAX_TOKENS
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, seed=7, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    streamed = list(client.completions.create(stream=True, **kw))
+    assert ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i) for i in range(3)] == \
+        [c.text for c in a.choices]
+
+
+def test_echo_prepends_the_prompt(client, reference):
+    ref = reference["outs"][0]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert out.choices[0].text == PROMPTS[0] + ref.text
+
+
+def test_include_stop_str_in_output(client, reference):
+    text = reference["long"].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop])
+    out = client.completions.create(extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kw)
+    assert out.choices[0].text == text[:text.find(stop) + len(stop)] and out.choices[0].finish_reason == "stop"

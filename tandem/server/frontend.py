@@ -20,6 +20,7 @@ from .protocol import INT64, APIError, ChatCompletionRequest, CompletionRequest
 
 _PARAM = re.compile(r"invalid sampling parameter (\w+)=")
 TOKENIZER_THREADS = 2
+MAX_PROMPTS = 1024          # prompts in one completions request (each is a request of its own, times n)
 
 
 def find_bad_text(value: Any, path: str) -> str | None:
@@ -68,29 +69,35 @@ class Frontend:
                                 f"(--max-messages)", "messages")
 
     # ---- prompts (called on the pool through off_loop) ------------------------------------------------------
-    def completion_ids(self, body: CompletionRequest) -> list[int]:
+    def completion_ids(self, body: CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt of a completions request (OpenAI's batch: a list of prompts)."""
         self.check_text(body)
-        return self.completion_prompt(body.prompt)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
+            isinstance(body.prompt[0], (str, list)) else [body.prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"too many prompts: {len(prompts)}, the limit is {MAX_PROMPTS}", "prompt")
+        return [self.completion_prompt(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                for i, p in enumerate(prompts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         self.check_messages(body)
         self.check_text(body)
         return self.chat_prompt(body)
 
-    def completion_prompt(self, prompt: str | list) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported (n=1)", "prompt")
-            prompt = prompt[0]
+    def completion_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """One prompt (text or token ids) as validated token ids; APIError(400) names `param`."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             ids = prompt
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(400, f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt")
+                raise APIError(400, f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})", param)
         if not ids:
-            raise APIError(400, "prompt is empty", "prompt")
+            raise APIError(400, "prompt is empty", param)
         return ids
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -61,6 +62,16 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+@dataclass(eq=False)
+class Choice:
+    """One sampled sequence of a response: choice `index`, from prompt `ids`."""
+    index: int
+    ids: list[int]
+    st: RequestStream
+    ts: TextStream
+    echo: str = ""                 # the prompt's text, sent first (completions with echo=true)
+
+
 class OpenAIServer:
     def __init__(self, client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics,
                  limits: ServerLimits) -> None:
@@ -76,11 +87,27 @@ class OpenAIServer:
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
 
-    async def _submit(self, body, prompt_ids: list[int], kind: str, arrival: float,
-                      default_max_tokens: int | None) -> tuple[RequestStream, TextStream]:
-        params = self.fe.sampling_params(body, len(prompt_ids), default_max_tokens)
-        st = await self.client.submit(f"{kind}-{uuid.uuid4().hex}", prompt_ids, self.fe.params_dict(params), arrival)
-        return st, self.fe.text_stream(prompt_ids, params)
+    async def _submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
+                      default_max_tokens: int | None) -> tuple[str, list[Choice]]:
+        """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
+        Every prompt's fields are validated before anything is queued; if one submit fails, the others are
+        aborted, so a refused response leaves nothing running."""
+        params = [self.fe.sampling_params(body, len(ids), default_max_tokens) for ids in prompts]
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
+        subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
+                                                         self.fe.params_dict(p), arrival)
+                                      for k, (ids, p) in enumerate(plan)), return_exceptions=True)
+        failed = [e for e in subs if isinstance(e, BaseException)]
+        if failed:
+            for st in subs:
+                if isinstance(st, RequestStream):
+                    self.client.abort(st.rid)
+            raise failed[0]
+        echo = [await self.fe.off_loop(self.fe.decode, ids) if getattr(body, "echo", False) else ""
+                for ids, _ in plan]
+        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e)
+                     for k, ((ids, p), st, e) in enumerate(zip(plan, subs, echo))]
 
     async def _deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
@@ -90,16 +117,41 @@ class OpenAIServer:
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
 
-    async def _collect(self, st: RequestStream, ts: TextStream) -> tuple[str, str | None, int]:
-        parts, reason, n_out = [], None, 0
-        async for delta, o in self._deltas(st, ts):
-            parts.append(delta)
-            reason, n_out = o.finish_reason, max(n_out, o.num_output_tokens)
-        return "".join(parts), reason, n_out
+    async def _merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
+        """The outputs of every choice, as they come; the first error ends them all."""
+        queue: asyncio.Queue = asyncio.Queue()
 
-    async def _unless_disconnected(self, request: Request, st: RequestStream, ts: TextStream):
-        """Collect a whole response, aborting the request if the client leaves first."""
-        task = asyncio.ensure_future(self._collect(st, ts))
+        async def pump(c: Choice) -> None:
+            try:
+                async for delta, o in self._deltas(c.st, c.ts):
+                    queue.put_nowait((c, delta, o))
+            except Exception as e:            # handed to the reader, which raises it: never a silent hang
+                queue.put_nowait((c, e, None))
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            left = len(choices)
+            while left:
+                c, delta, o = await queue.get()
+                if isinstance(delta, Exception):
+                    raise delta
+                yield c, delta, o
+                left -= o.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, choices: list[Choice]) -> list[tuple[str, str | None, int]]:
+        """(text, finish reason, output tokens) of each choice."""
+        parts: dict[int, list[str]] = {c.index: [c.echo] for c in choices}
+        ends: dict[int, tuple[str | None, int]] = {}
+        async for c, delta, o in self._merged(choices):
+            parts[c.index].append(delta)
+            ends[c.index] = (o.finish_reason, o.num_output_tokens)
+        return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
+
+    async def _unless_disconnected(self, request: Request, choices: list[Choice]):
+        """Collect a whole response, aborting its requests if the client leaves first (or one fails)."""
+        task = asyncio.ensure_future(self._collect(choices))
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -108,72 +160,90 @@ class OpenAIServer:
             watch.cancel()
             if not task.done():
                 task.cancel()
-                self.client.abort(st.rid)
+            self._abort(choices)
+
+    def _abort(self, choices: list[Choice]) -> None:
+        """Free the KV of every unfinished choice (a no-op for finished ones)."""
+        for c in choices:
+            self.client.abort(c.st.rid)
 
     # ---- endpoints -----------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = now()
         self._check(body)
-        ids = await self.fe.off_loop(self.fe.completion_ids, body)
-        return await self._respond(body, request, ids, arrival, "cmpl", 16, self._stream_completion,
-                                   P.completion)
-
-    async def _respond(self, body, request: Request, ids: list[int], arrival: float, kind: str,
-                       default_max: int | None, stream, build):
-        """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
-        st, ts = await self._submit(body, ids, kind, arrival, default_max)
-        created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if body.stream:
-            return StreamingResponse(stream(st, ts, len(ids), created, include_usage), media_type="text/event-stream")
-        done = await self._unless_disconnected(request, st, ts)
-        if done is None:
-            return Response(status_code=499)
-        text, reason, n_out = done
-        return build(st.rid, self.model, created, text, reason, P.usage(len(ids), n_out))
-
-    async def _stream_completion(self, st, ts, n_prompt: int, created: int, include_usage: bool):
-        n_out = 0
-        try:
-            async for delta, o in self._deltas(st, ts):
-                n_out = max(n_out, o.num_output_tokens)
-                if delta or o.finished:
-                    yield _sse(P.completion_chunk(st.rid, self.model, created, delta,
-                                                  o.finish_reason if o.finished else None, None, include_usage))
-            if include_usage:
-                yield _sse(P.completion_chunk(st.rid, self.model, created, None, None, P.usage(n_prompt, n_out), True))
-        except (EngineError, APIError) as e:
-            yield _stream_error(e)
-        finally:
-            self.client.abort(st.rid)         # a client that left mid-stream: free its KV (no-op if finished)
-        yield DONE
+        prompts = await self.fe.off_loop(self.fe.completion_ids, body)
+        return await self._respond(body, request, prompts, arrival, "cmpl", 16, self._stream_completion,
+                                   P.completion, P.completion_choice)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = now()
         self._check(body)
         ids = await self.fe.off_loop(self.fe.chat_ids, body)
-        return await self._respond(body, request, ids, arrival, "chatcmpl", None, self._stream_chat,
-                                   P.chat_completion)
+        return await self._respond(body, request, [ids], arrival, "chatcmpl", None, self._stream_chat,
+                                   P.chat_completion, P.chat_choice)
 
-    async def _stream_chat(self, st, ts, n_prompt: int, created: int, include_usage: bool):
-        n_out = 0
+    async def _respond(self, body, request: Request, prompts: list[list[int]], arrival: float, kind: str,
+                       default_max: int | None, stream, build, build_choice):
+        """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
+        rid, choices = await self._submit(body, prompts, kind, arrival, default_max)
+        created = int(time.time())
+        n_prompt = sum(len(ids) for ids in prompts)        # each prompt counts once, whatever n
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return StreamingResponse(stream(rid, choices, n_prompt, created, include_usage),
+                                     media_type="text/event-stream")
+        done = await self._unless_disconnected(request, choices)
+        if done is None:
+            return Response(status_code=499)
+        return build(rid, self.model, created, [build_choice(c.index, text, reason)
+                                                for c, (text, reason, _) in zip(choices, done)],
+                     P.usage(n_prompt, sum(n for _, _, n in done)))
 
-        def chunk(delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
-            return _sse(P.chat_chunk(st.rid, self.model, created, delta, reason, use, include_usage))
+    async def _stream_completion(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
+                                 include_usage: bool):
+        n_out: dict[int, int] = {}
+
+        def chunk(c: Choice, text: str, reason: str | None = None) -> str:
+            return _sse(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage, c.index))
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for delta, o in self._deltas(st, ts):
-                n_out = max(n_out, o.num_output_tokens)
-                if o.finished:
-                    yield chunk({"content": delta} if delta else {}, o.finish_reason)
-                elif delta:
-                    yield chunk({"content": delta})
+            for c in choices:
+                if c.echo:
+                    yield chunk(c, c.echo)
+            async for c, delta, o in self._merged(choices):
+                n_out[c.index] = o.num_output_tokens
+                if delta or o.finished:
+                    yield chunk(c, delta, o.finish_reason if o.finished else None)
             if include_usage:
-                yield chunk(None, None, P.usage(n_prompt, n_out))
+                yield _sse(P.completion_chunk(rid, self.model, created, None, None,
+                                              P.usage(n_prompt, sum(n_out.values())), True))
         except (EngineError, APIError) as e:
             yield _stream_error(e)
         finally:
-            self.client.abort(st.rid)
+            self._abort(choices)              # a client that left mid-stream: free its KV (no-op if finished)
+        yield DONE
+
+    async def _stream_chat(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
+                           include_usage: bool):
+        n_out: dict[int, int] = {}
+
+        def chunk(c: Choice | None, delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
+            return _sse(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
+                                     c.index if c is not None else 0))
+        try:
+            for c in choices:
+                yield chunk(c, {"role": "assistant", "content": ""})
+            async for c, delta, o in self._merged(choices):
+                n_out[c.index] = o.num_output_tokens
+                if o.finished:
+                    yield chunk(c, {"content": delta} if delta else {}, o.finish_reason)
+                elif delta:
+                    yield chunk(c, {"content": delta})
+            if include_usage:
+                yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values())))
+        except (EngineError, APIError) as e:
+            yield _stream_error(e)
+        finally:
+            self._abort(choices)
         yield DONE
 
     def health(self) -> Response:

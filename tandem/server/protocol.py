@@ -66,13 +66,12 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a value tandem does not implement or a combination OpenAI refuses, else None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
-        if self.n != 1:
-            return "n", "only n=1 is supported"
         if self.presence_penalty != 0 or self.frequency_penalty != 0:
             return ("presence_penalty" if self.presence_penalty else "frequency_penalty"), "penalties are not supported"
         if self.logit_bias:
@@ -82,7 +81,8 @@ class _SamplingFields(_Strict):
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         kw: dict[str, Any] = {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-                              "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens}
+                              "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+                              "include_stop_str_in_output": self.include_stop_str_in_output, "n": self.n}
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -98,14 +98,12 @@ class CompletionRequest(_SamplingFields):
     best_of: Int64 | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo=true is not supported"
         if self.logprobs is not None:
             return "logprobs", "logprobs are not supported"
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
+        if self.best_of not in (None, self.n):
+            return "best_of", "best_of must equal n (ranking extra samples by log probability is not supported)"
         return super().unsupported()
 
 
@@ -150,32 +148,39 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": use}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None,
-                     use: dict | None = None, include_usage: bool = False) -> dict:
+                     use: dict | None = None, include_usage: bool = False, index: int = 0) -> dict:
     """text None: the usage-only chunk (choices []) that ends a stream with include_usage."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    choices = [] if text is None else [completion_choice(index, text, finish_reason)]
     out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if include_usage:
         out["usage"] = use
     return out
 
 
-def chat_completion(rid: str, model: str, created: int, text: str, finish_reason: str | None, use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def chat_completion(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None,
-               use: dict | None = None, include_usage: bool = False) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+               use: dict | None = None, include_usage: bool = False, index: int = 0) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if include_usage:
         out["usage"] = use
