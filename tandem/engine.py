@@ -127,6 +127,8 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this engine can hold "
                              f"(context {self.max_context}, KV cache {self.runner.num_slots} tokens, "
                              f"one generated token included)")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs: the grammar branch of the scheduler is not wired yet")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Req(rid=rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids=list(prompt_ids),
                   params=params, seed=seed, eos_token_ids=self.eos_token_ids,

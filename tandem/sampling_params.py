@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .grammar.spec import StructuredOutputsParams
+
 # Temperatures below this act greedy, as in vLLM: dividing logits by ~1e-38 overflows to inf/NaN and would
 # sample garbage instead of the argmax.
 GREEDY_EPS = 1e-5
@@ -28,12 +30,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False   # keep the matched stop string at the end of the text
     n: int = 1                           # completions per prompt (independent samples; seeds derived per sample)
+    structured_outputs: StructuredOutputsParams | dict | None = None  # constrain the output (JSON schema, regex ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        try:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid sampling parameter structured_outputs: {e}") from None
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:

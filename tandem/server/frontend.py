@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..detokenizer import IncrementalDetokenizer
+from ..grammar import GrammarCompiler, StructuredOutputsParams
 from ..sampling_params import SamplingParams, is_utf8
 from .protocol import INT64, APIError, ChatCompletionRequest, CompletionRequest
 
@@ -47,6 +48,8 @@ class Frontend:
         self.max_context = max_context      # prompt + output tokens, capped by the KV cache
         self.vocab_size = vocab_size
         self.max_messages = max_messages
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.grammar = GrammarCompiler(tokenizer, vocab_size, eos)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tandem-tokenizer")
 
     async def off_loop(self, fn, *args):
@@ -104,7 +107,8 @@ class Frontend:
         messages = [m.as_template_dict() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
+                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      **(req.chat_template_kwargs or {}))
         except Exception as e:          # the template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -112,10 +116,26 @@ class Frontend:
             raise APIError(400, "the messages produce an empty prompt", "messages")
         return ids
 
+    def structured(self, req: CompletionRequest | ChatCompletionRequest) -> dict | None:
+        """The request's structured output, compiled (cached) so that an invalid schema, regex or grammar is a
+        400 naming its field at submit time, never an engine error. Runs on the pool (compiling can take
+        ~1 s for a large schema; the first call builds llguidance's view of the vocabulary)."""
+        asked = req.structured()
+        if asked is None:
+            return None
+        field, value = asked
+        try:
+            spec = StructuredOutputsParams.coerce(value)
+            self.grammar.compile(spec)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), field) from None
+        return spec.to_dict()
+
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int,
-                        default_max_tokens: int | None) -> SamplingParams:
+                        default_max_tokens: int | None, structured: dict | None = None) -> SamplingParams:
         """SamplingParams for a request, or APIError(400) naming the field (context limits included)."""
         kw = req.sampling_kwargs(default_max_tokens)
+        kw["structured_outputs"] = structured
         try:
             params = SamplingParams(**kw)
             params.validate(self.vocab_size)

@@ -92,7 +92,8 @@ class OpenAIServer:
         """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
         Every prompt's fields are validated before anything is queued; if one submit fails, the others are
         aborted, so a refused response leaves nothing running."""
-        params = [self.fe.sampling_params(body, len(ids), default_max_tokens) for ids in prompts]
+        structured = await self.fe.off_loop(self.fe.structured, body)
+        params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
         subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
@@ -314,6 +315,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return _error(400, f"the request body must be a JSON object: {first['msg']}", "invalid_request_error")
     if first["type"] == "missing":
         return _error(400, f"missing required field: {param}", "invalid_request_error", param)
+    if first["type"] == "extra_forbidden":
+        return _error(400, f"unrecognized request argument supplied: {param}", "invalid_request_error", param)
     msgs = list(dict.fromkeys(e["msg"] for e in errs if _param_path(e["loc"]) == param))
     return _error(400, f"invalid value for {param}: {'; or '.join(msgs)}"[:1000], "invalid_request_error", param)
 

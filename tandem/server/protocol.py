@@ -38,12 +38,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Strict(BaseModel):
-    # Unknown fields are ignored (clients send extras such as `user`); known ones are type-checked strictly.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are refused (OpenAI: "Unrecognized request argument"): none is silently ignored. Known
+    # ones are type-checked strictly.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
@@ -59,8 +73,19 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None                  # accepted for clients' bookkeeping; no effect on generation
+    metadata: dict[str, str] | None = None   # likewise
+    store: bool | None = None                # likewise (nothing is stored)
+    service_tier: str | None = None          # likewise (one tier)
+    response_format: ResponseFormat | None = None
     # extras (vLLM's names)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 = 0
     top_k: Int64 | None = None
     min_p: float | None = None
     stop_token_ids: list[Int64] | None = None
@@ -72,11 +97,40 @@ class _SamplingFields(_Strict):
         """(field, why) for a value tandem does not implement or a combination OpenAI refuses, else None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options", "continuous_usage_stats is not supported"
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty", "repetition_penalty is not supported yet"
+        if self.min_tokens:
+            return "min_tokens", "min_tokens is not supported yet"
         if self.presence_penalty != 0 or self.frequency_penalty != 0:
             return ("presence_penalty" if self.presence_penalty else "frequency_penalty"), "penalties are not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         return None
+
+    def structured(self) -> tuple[str, dict[str, Any]] | None:
+        """(field, StructuredOutputsParams fields) from whichever field asks for structured output; APIError(400)
+        if more than one does."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            if rf.type == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            else:
+                asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output at a time, got {', '.join(a for a, _ in asked)}",
+                           asked[1][0])
+        return asked[0] if asked else None
 
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         kw: dict[str, Any] = {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -128,11 +182,26 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True       # extra (vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None   # extra (vLLM): passed to the chat template
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs:
             return "logprobs", "logprobs are not supported"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs needs logprobs, which are not supported"
+        if self.functions or self.function_call not in (None, "none"):
+            return ("functions" if self.functions else "function_call"), "functions are not supported (use tools)"
+        if self.tools and self.tool_choice != "none":
+            return "tools", "tool calling is not supported yet (tool_choice \"none\" is)"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling is not supported yet"
         return super().unsupported()
 
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
