@@ -16,6 +16,7 @@ class EngineConfig:
     device_threads: int | None = None   # torch threads of the device process; None: measured default (see README)
     max_running_requests: int = 128     # rows of the request table (plus padding row 0)
     max_prefill_tokens: int = 2048      # prefill token budget per step (a single longer prompt still runs alone)
+    prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.1

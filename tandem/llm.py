@@ -114,7 +114,8 @@ class LLM:
                 self.engine.detokenizer(ids, p).add(token_ids)
             reason = last.finish_reason if last is not None else None
             outs.append(RequestOutput(req.rid, prompt if isinstance(prompt, str) else None, ids, text, token_ids,
-                                      reason, [CompletionOutput(0, text, token_ids, reason)]))
+                                      reason, [CompletionOutput(0, text, token_ids, reason)],
+                                      num_cached_tokens=last.num_cached_tokens if last is not None else 0))
         return outs
 
     def _collect(self, outputs: list[StepOutput]) -> None:

@@ -21,6 +21,8 @@ class Req:
     KV intervals (positions of prompt + output tokens):
       [0, kv_committed)          KV written by steps whose results were processed: valid and owned
       [kv_committed, allocated)  KV slots handed to launched steps still in flight (at most one step)
+  Ownership of `slots`: [0, cached_len) belong to the radix prefix cache (locked through `cache_node`),
+  [cached_len, allocated) to the request.
     `num_launched` counts output tokens sampled by launched steps; `output_ids` holds those processed
     so far, so under the overlap loop `num_launched` runs one step ahead of `len(output_ids)`.
     """
@@ -36,6 +38,9 @@ class Req:
     row: int = 0                           # request-table row; 0 means none held
     slots: list[int] = field(default_factory=list)   # KV slot of each position, len == allocated
     kv_committed: int = 0
+    cached_len: int = 0                    # leading slots matched in the prefix cache at admission
+    cache_node: object | None = None       # the radix node that match ends at, locked while running
+    num_cached_tokens: int | None = None   # prompt tokens served from the cache at first admission
     num_launched: int = 0
     aborted: bool = False
     stop_checker: object | None = None     # StopStrings for requests with stop strings
@@ -70,6 +75,8 @@ class StepOutput:
     text: str | None = None                # set at finish when a stop string cut the text
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last field:
+                                           # server/ipc.py encodes StepOutput positionally)
 
 
 @dataclass
@@ -90,3 +97,4 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0             # prompt tokens served from the prefix cache

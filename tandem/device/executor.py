@@ -85,6 +85,13 @@ class ModelExecutor:
         positions = (seq - ext)[tok_row] + tok_col                                 # [T]
         out_cache_loc = self._tensor(step.out_cache_loc)
         tok_req_row = rows[tok_row]
+        if len(step.prefix_slots):
+            # Prefix cache hit: the row's leading positions point at KV slots the radix tree owns.
+            plen = self._tensor(step.prefix_lens)
+            p_row = torch.repeat_interleave(rows, plen, output_size=len(step.prefix_slots))
+            p_start = torch.repeat_interleave(torch.cumsum(plen, 0) - plen, plen, output_size=len(step.prefix_slots))
+            p_pos = torch.arange(len(step.prefix_slots), device=dev) - p_start
+            self.req_to_token[p_row, p_pos] = self._tensor(step.prefix_slots, torch.int32)
         self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
         input_ids = self._tensor(step.input_ids)
         if step.use_future.any():

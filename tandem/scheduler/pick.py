@@ -45,26 +45,35 @@ def pick_prefill(s: "Scheduler") -> Batch | None:
     if not s.waiting:
         return None
     budget = s.config.max_prefill_tokens
-    avail = s.kv.available()
-    room = avail - _decode_reserve(s, s.running)
+    decode_reserve = _decode_reserve(s, s.running)
     picked: list[Req] = []
     tokens = reserved = 0
     for req in s.waiting:
-        n = len(req.fill_ids())
-        if picked and tokens + n > budget:
-            break
         if len(s.running) + len(picked) >= s.config.max_running_requests:
             break
+        fill = req.fill_ids()
+        cached = s.match_prefix(req)              # locks the hit, so it no longer counts as evictable
+        n = len(fill) - cached                    # tokens this prefill computes
+        if picked and tokens + n > budget:
+            s.unmatch(req)
+            break
         future = int(min(req.max_new_tokens() - len(req.output_ids), NEW_TOKEN_CLIP) * s.new_token_ratio)
+        avail = s.available()                     # net of the slots already given to `picked`
         if not s.running and not picked:
             fits = n + 1 <= avail      # alone it needs its prompt and one token; retraction handles the rest
         else:
-            fits = tokens + n + reserved + future <= room
+            fits = n + reserved + future <= avail - decode_reserve
         if not fits:
+            s.unmatch(req)
             break
+        req.slots = req.slots + s.alloc_slots(n)
         picked.append(req)
         tokens += n
         reserved += future
+        s.prefix_queries += len(fill)
+        s.prefix_hits += cached
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
     if not picked:
         return None
     for _ in picked:
@@ -72,21 +81,20 @@ def pick_prefill(s: "Scheduler") -> Batch | None:
     ids, locs = [], []
     for req in picked:
         req.row = s.rows.alloc()
-        fill = req.fill_ids()
-        req.slots = s.kv.alloc(len(fill))
         req.status = ReqStatus.RUNNING
         s.running.append(req)
-        ids.extend(fill)
-        locs.extend(req.slots)
+        ids.extend(req.fill_ids()[req.cached_len:])
+        locs.extend(req.slots[req.cached_len:])
     lens = np.array([r.allocated for r in picked], dtype=np.int64)
-    return _make_batch(s, picked, True, extend=lens, seq=lens, ids=ids, locs=locs)
+    ext = np.array([r.allocated - r.cached_len for r in picked], dtype=np.int64)
+    return _make_batch(s, picked, True, extend=ext, seq=lens, ids=ids, locs=locs)
 
 
 def pick_decode(s: "Scheduler") -> Batch | None:
     reqs = _decode_candidates(s)
     if not reqs:
         return None
-    if s.kv.available() < len(reqs):
+    if s.available() < len(reqs):
         # Retraction needs host truth (the tokens of batch k-1): process the pending result first.
         s.process_pending()
         reqs = _retract(s, _decode_candidates(s))
@@ -94,7 +102,7 @@ def pick_decode(s: "Scheduler") -> Batch | None:
             return None
     locs = []
     for req in reqs:
-        req.slots.extend(s.kv.alloc(1))
+        req.slots.extend(s.alloc_slots(1))
         locs.append(req.slots[-1])
     b = len(reqs)
     seq = np.array([r.allocated for r in reqs], dtype=np.int64)
@@ -110,12 +118,12 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
     """Free the KV of the requests with the fewest outputs (latest first on ties) until decode fits."""
     order = sorted(reqs, key=lambda r: (len(r.output_ids), -r.arrival_time))
     retracted = 0
-    while s.kv.available() < len(reqs) and len(reqs) > 1:
+    while s.available() < len(reqs) and len(reqs) > 1:
         victim = order.pop(0)
         reqs.remove(victim)
         s.retract(victim)
         retracted += 1
-    if s.kv.available() < len(reqs):
+    if s.available() < len(reqs):
         # A lone request that holds every slot: it has reached the memory's length.
         s.end(reqs[0], "length")
         return []
@@ -143,5 +151,7 @@ def _make_batch(s: "Scheduler", reqs: list[Req], is_prefill: bool, extend: np.nd
         min_p=np.array([x.min_p for x in p], np.float64),
         draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), positions),
         poison_rows=s.take_freed_rows(),
+        prefix_lens=np.array([r.cached_len if is_prefill else 0 for r in reqs], np.int64),
+        prefix_slots=np.array([x for r in reqs if is_prefill for x in r.slots[:r.cached_len]], np.int64),
     )
     return Batch(step.step_id, reqs, is_prefill, step)

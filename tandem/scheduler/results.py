@@ -37,7 +37,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         if reason is not None:
             s.finish(req, reason)
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
-                                  len(req.prompt_ids), len(req.output_ids)))
+                                  len(req.prompt_ids), len(req.output_ids), req.num_cached_tokens or 0))
     s.recorder.device(batch, handle.device_span, len(outputs))
     s.emit(outputs)
 

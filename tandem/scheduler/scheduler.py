@@ -14,6 +14,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..device.runner import ModelRunner, ResultHandle
 from ..memory.kv_allocator import KVSlotAllocator
+from ..memory.radix_cache import RadixCache
 from ..memory.req_table import ReqRowAllocator
 from ..request import Req, ReqStatus, StepOutput
 from ..trace.recorder import Recorder
@@ -34,6 +35,9 @@ class Scheduler:
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
         self.kv = KVSlotAllocator(runner.num_slots)
+        self.cache = RadixCache() if config.prefix_cache else None
+        self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0                # of those, tokens whose KV the cache held
         self.rows = ReqRowAllocator(config.max_running_requests)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
@@ -97,11 +101,12 @@ class Scheduler:
 
     # ---- memory --------------------------------------------------------------------------------------------
     def finish(self, req: Req, reason: str) -> None:
-        """Free a finished request's KV slots and row.
+        """Free a finished request's row, and its KV slots to the prefix cache or the free list.
 
         Safe even though the request may still ride in the launched batch k (one-step lag): every later
         launch queues behind batch k on the device (one forward stream; one device process that runs steps
-        in order), so a freed slot or row is reused only by steps that run after batch k's writes.
+        in order), so a freed slot or row, or a cached slot that is evicted, is rewritten only by steps that
+        run after batch k's writes and reads.
         """
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -113,7 +118,8 @@ class Scheduler:
     def end(self, req: Req, reason: str) -> None:
         """Finish a request outside process_results (abort, no room left) and tell the sink: no new token."""
         self.finish(req, reason)
-        self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids))])
+        self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids),
+                              req.num_cached_tokens or 0)])
 
     def retract(self, req: Req) -> None:
         """Give back a running request's KV; it re-prefills prompt + outputs later (host truth is current)."""
@@ -127,12 +133,71 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         if req.slots:
-            self.kv.free(req.slots)
+            if self.cache is not None:
+                self._cache_kv(req)
+            else:
+                self.kv.free(req.slots)
             req.slots = []
         if req.row:
             self.rows.free(req.row)
             self._freed_rows.append(req.row)
             req.row = 0
+
+    def _cache_kv(self, req: Req) -> None:
+        """Hand a leaving request's KV to the prefix cache (finish, abort or retraction).
+
+        Cached: positions [0, n), n = min(allocated, len(fill_ids) - 1), whose writing step has been launched
+        and whose token the host knows. Never the last token: the last sampled one has no KV yet, and a
+        request that finished in batch k-1 but rides in batch k writes its extra token's KV at slot
+        slots[n]: that slot is freed, not cached (it also keeps the tree the same under both loops).
+        Every reader of a cached slot is launched after this point, so after the step that wrote it.
+        """
+        fill = req.fill_ids()
+        n = min(req.allocated, len(fill) - 1)
+        held = self.cache.insert(fill[:n], req.slots[:n])
+        # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
+        # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
+        self.kv.free(req.slots[req.cached_len:max(held, req.cached_len)] + req.slots[n:])
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = None, 0
+
+    def match_prefix(self, req: Req) -> int:
+        """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
+        The last token is always computed: its logits sample the next token. Returns the hit length."""
+        req.cached_len = 0
+        if self.cache is not None:
+            fill = req.fill_ids()
+            slots, node = self.cache.match_prefix(fill[:-1])
+            self.cache.lock(node)
+            req.slots, req.cached_len, req.cache_node = slots, len(slots), node
+        return req.cached_len
+
+    def unmatch(self, req: Req) -> None:
+        """Undo match_prefix for a request that was not admitted after all."""
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.slots, req.cached_len, req.cache_node = [], 0, None
+
+    def alloc_slots(self, n: int) -> list[int]:
+        """n free KV slots, evicting unlocked prefix-cache leaves (LRU) only when the free list runs short."""
+        short = n - self.kv.available()
+        if short > 0 and self.cache is not None:
+            self.kv.free(self.cache.evict(short))
+        return self.kv.alloc(n)
+
+    def available(self) -> int:
+        """KV slots a step may get: free, plus cached but unlocked (evictable on demand)."""
+        return self.kv.available() + (self.cache.evictable_size if self.cache is not None else 0)
+
+    def audit_kv(self) -> None:
+        """Debug check: every KV slot is free, held by a live request, or owned by the tree, exactly once."""
+        owned = list(self.kv._free)
+        if self.cache is not None:
+            owned += self.cache.all_slots()
+        for req in self._live.values():
+            owned += req.slots[req.cached_len:]
+        assert sorted(owned) == list(range(self.kv.num_slots)), "KV slot ownership is not a partition"
 
     def take_freed_rows(self) -> np.ndarray:
         rows, self._freed_rows = self._freed_rows, []
@@ -146,12 +211,18 @@ class Scheduler:
         return bool(self.inbox or self.waiting or self.running or self.result_queue)
 
     def stats(self) -> dict:
+        cached = self.cache.total_size if self.cache is not None else 0
+        evictable = self.cache.evictable_size if self.cache is not None else 0
         return {
             "total_kv_slots": self.kv.num_slots,
             "free_kv_slots": self.kv.available(),
+            "cached_kv_slots": cached,          # owned by the prefix cache (locked or not)
+            "evictable_kv_slots": evictable,    # cached and unlocked: available to new steps
             "total_req_rows": self.rows.size,
             "free_req_rows": self.rows.available(),
             "num_running": len(self.running),
             "num_waiting": len(self.waiting) + sum(1 for k, _ in list(self.inbox) if k == "add"),
-            "kv_usage": 1.0 - self.kv.available() / self.kv.num_slots,
+            "kv_usage": 1.0 - self.available() / self.kv.num_slots,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
         }
