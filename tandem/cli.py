@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
+import re
 import sys
 from typing import Any
 
@@ -13,20 +15,28 @@ from .config import EngineConfig
 SUBCOMMANDS = ("tandem.server.cli", "tandem.trace.cli", "tandem.bench.cli")
 
 
+def field_help() -> dict[str, str]:
+    """Each EngineConfig field's trailing comment: the one place a field is documented."""
+    pattern = re.compile(r"^\s+(\w+): [^#]*#\s*(.+)$")
+    return {m[1]: m[2] for m in map(pattern.match, inspect.getsource(EngineConfig).splitlines()) if m}
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (--max-running-requests ...)."""
+    """One flag per EngineConfig field (--max-running-requests ...), its help the field's comment."""
+    helps = field_help()
     for f in dataclasses.fields(EngineConfig):
         # EngineConfig.seed (for requests that give none) is --engine-seed: --seed is a request's own seed.
         flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
         flags = (flag, "--trace") if f.name == "trace_dir" else (flag,)
         default = f.default
         if isinstance(default, bool):
-            p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                           help=helps.get(f.name))
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name in ("device_threads", "max_model_len", "kv_cache_tokens"):
                 kind = int
-            p.add_argument(*flags, dest=f.name, type=kind, default=default)
+            p.add_argument(*flags, dest=f.name, type=kind, default=default, help=helps.get(f.name))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -19,12 +19,12 @@ class EngineConfig:
     prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
-    kv_memory_fraction: float = 0.1
+    kv_memory_fraction: float = 0.1     # share of free memory given to the KV cache when kv_cache_tokens is None
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
     process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
     poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
     trace_dir: str | None = None        # record a live run into this folder (ring of trace_ring_steps)
-    trace_ring_steps: int = 4096
+    trace_ring_steps: int = 4096        # steps a live trace keeps (oldest dropped first)
     cache_dir: str | None = None        # where dequantized GGUF weights are cached
     seed: int = 0                       # base seed for requests that give none
 

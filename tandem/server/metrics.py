@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..request import StepOutput
 from .client import RequestStream
@@ -26,6 +26,11 @@ GAUGES = {
     "tandem:device_idle_fraction": ("device_idle_fraction",
                                     "Fraction of the last window (device steps of the last 10 s) the device idled."),
 }
+# counter name (the client adds _total) -> (engine stats key, help): running totals kept by the engine
+ENGINE_COUNTERS = {
+    "tandem:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "tandem:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held."),
+}
 
 
 class _EngineGauges:
@@ -40,6 +45,10 @@ class _EngineGauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], float(stats.get(key, 0.0)))
             yield g
+        for name, (key, doc) in ENGINE_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            yield c
 
 
 class ServerMetrics:

@@ -64,6 +64,7 @@ class OpenAIServer:
     async def _deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished."""
         async for o in self.client.outputs(st):
+            st.num_cached_tokens = o.num_cached_tokens
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
 
     async def _collect(self, st: RequestStream, ts: TextStream) -> tuple[str, str | None, int]:
@@ -106,7 +107,7 @@ class OpenAIServer:
         if done is None:
             return Response(status_code=499)
         text, reason, n_out = done
-        return build(st.rid, self.model, created, text, reason, P.usage(len(ids), n_out))
+        return build(st.rid, self.model, created, text, reason, P.usage(len(ids), n_out, st.num_cached_tokens))
 
     async def _stream_completion(self, st, ts, n_prompt: int, created: int, include_usage: bool):
         n_out = 0
@@ -117,7 +118,7 @@ class OpenAIServer:
                     yield _sse(P.completion_chunk(st.rid, self.model, created, delta,
                                                   o.finish_reason if o.finished else None, None, include_usage))
             if include_usage:
-                yield _sse(P.completion_chunk(st.rid, self.model, created, None, None, P.usage(n_prompt, n_out), True))
+                yield _sse(P.completion_chunk(st.rid, self.model, created, None, None, P.usage(n_prompt, n_out, st.num_cached_tokens), True))
         except EngineError as e:
             yield _sse(error_body(e.message, "service_unavailable"))
         finally:
@@ -145,7 +146,7 @@ class OpenAIServer:
                 elif delta:
                     yield chunk({"content": delta})
             if include_usage:
-                yield chunk(None, None, P.usage(n_prompt, n_out))
+                yield chunk(None, None, P.usage(n_prompt, n_out, st.num_cached_tokens))
         except EngineError as e:
             yield _sse(error_body(e.message, "service_unavailable"))
         finally:
