@@ -81,8 +81,7 @@ class ModelExecutor:
         b, t = step.batch_size, step.num_tokens
         tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
         starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
-        tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
-        positions = (seq - ext)[tok_row] + tok_col                                 # [T]
+        positions = (seq - ext)[tok_row] + torch.arange(t, device=dev) - starts[tok_row]   # [T]
         out_cache_loc = self._tensor(step.out_cache_loc)
         tok_req_row = rows[tok_row]
         if len(step.prefix_slots):
@@ -98,7 +97,7 @@ class ModelExecutor:
             # FutureMap read: decode input ids are the tokens the previous step sampled, gathered on the device.
             fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
-        meta = self._attention_meta(step, rows, ext, seq, starts, tok_row, positions, out_cache_loc, tok_col)
+        meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
         logits = self.model.forward(input_ids, positions, meta)
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.draw_seed, dev))
@@ -106,17 +105,36 @@ class ModelExecutor:
         self.future_map.stash(rows, tokens)
         return tokens
 
-    def _attention_meta(self, step: StepInput, rows, ext, seq, starts, tok_row, positions, out_cache_loc,
-                        tok_col) -> AttentionMeta:
+    def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:
+        """One attention layout for the step, or two for a mixed step: its leading one-token rows (decode)
+        and its prefill rows. Padded into one [B, Lq, Lk] layout, every decode row would carry a chunk's
+        Lq query slots and the chunk's Lk keys (x30 the attention work at 32 decode rows + a 256 chunk)."""
+        e = step.extend_lens
+        nd = int(np.argmin(e == 1)) if (e != 1).any() else len(e)       # leading rows with one new token
+        last_index = torch.cumsum(ext, 0) - 1                            # [B] flat index of each row's last token
+        if nd == 0 or nd == len(e):
+            return self._attention_meta(step.seq_lens, e, rows, ext, seq, positions, out_cache_loc, last_index)
+        d, p = slice(0, nd), slice(nd, len(e))
+        parts = [(slice(0, nd), self._attention_meta(step.seq_lens[d], e[d], rows[d], ext[d], seq[d],
+                                                     positions[:nd], out_cache_loc[:nd], None, part=0)),
+                 (slice(nd, step.num_tokens), self._attention_meta(step.seq_lens[p], e[p], rows[p], ext[p], seq[p],
+                                                                   positions[nd:], out_cache_loc[nd:], None, part=1))]
+        return AttentionMeta(None, None, None, None, last_index, parts)
+
+    def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, ext, seq, positions, out_cache_loc,
+                        last_index, part: int = 0) -> AttentionMeta:
         dev = self.device
-        lk = int(step.seq_lens.max())
-        lq = int(step.extend_lens.max())
+        b, t = len(ext_np), len(positions)
+        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
+        starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
+        tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
+        lk = int(seq_np.max())
+        lq = int(ext_np.max())
         k_pos = torch.arange(lk, device=dev)
         valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
         kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.kv_cache.pad_slot)  # [B, Lk]
-        has_prefix = bool((step.seq_lens > step.extend_lens).any())
-        kv = self.kv_cache.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix)
-        last_index = starts + ext - 1
+        has_prefix = bool((seq_np > ext_np).any())
+        kv = self.kv_cache.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix, part)
         if lq == 1:
             return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
         q_col = torch.arange(lq, device=dev)
@@ -127,4 +145,3 @@ class ModelExecutor:
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index)
-

@@ -21,15 +21,17 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         tokens = handle.wait()                       # copy_done.wait()
     t = now()
     outputs: list[StepOutput] = []
-    for req, tok in zip(batch.reqs, tokens.tolist()):
+    for req, tok, keep in zip(batch.reqs, tokens.tolist(), batch.samples):
         if req.finished:
             # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
             # never appended, streamed or counted.
             continue
-        req.kv_committed = req.allocated
+        req.kv_committed = req.filled
         if req.aborted:
             s.end(req, "abort")
             continue
+        if not keep:
+            continue            # a non-final prefill chunk: its sampled token is discarded (see _make_batch)
         req.output_ids.append(tok)
         if req.first_token_time is None:
             req.first_token_time = t

@@ -79,7 +79,7 @@ class Scheduler:
 
     # ---- launch and results --------------------------------------------------------------------------------
     def launch_step(self, batch: Batch) -> ResultHandle:
-        if not batch.is_prefill:
+        if batch.num_decode:
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.recorder.launched(batch)
         return self.runner.launch_step(batch.step)
@@ -138,6 +138,7 @@ class Scheduler:
             else:
                 self.kv.free(req.slots)
             req.slots = []
+        req.filled = 0
         if req.row:
             self.rows.free(req.row)
             self._freed_rows.append(req.row)
@@ -146,14 +147,14 @@ class Scheduler:
     def _cache_kv(self, req: Req) -> None:
         """Hand a leaving request's KV to the prefix cache (finish, abort or retraction).
 
-        Cached: positions [0, n), n = min(allocated, len(fill_ids) - 1), whose writing step has been launched
-        and whose token the host knows. Never the last token: the last sampled one has no KV yet, and a
+        Cached: positions [0, n), n = min(filled, len(fill_ids) - 1), whose writing step has been launched
+        and whose token the host knows (slots of prefill chunks never launched are freed). Never the last token: the last sampled one has no KV yet, and a
         request that finished in batch k-1 but rides in batch k writes its extra token's KV at slot
         slots[n]: that slot is freed, not cached (it also keeps the tree the same under both loops).
         Every reader of a cached slot is launched after this point, so after the step that wrote it.
         """
         fill = req.fill_ids()
-        n = min(req.allocated, len(fill) - 1)
+        n = min(req.filled, len(fill) - 1)
         held = self.cache.insert(fill[:n], req.slots[:n])
         # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
         # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
@@ -161,7 +162,6 @@ class Scheduler:
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = None, 0
-
     def match_prefix(self, req: Req) -> int:
         """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
         The last token is always computed: its logits sample the next token. Returns the hit length."""
@@ -171,13 +171,14 @@ class Scheduler:
             slots, node = self.cache.match_prefix(fill[:-1])
             self.cache.lock(node)
             req.slots, req.cached_len, req.cache_node = slots, len(slots), node
+        req.filled = req.cached_len
         return req.cached_len
 
     def unmatch(self, req: Req) -> None:
         """Undo match_prefix for a request that was not admitted after all."""
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
-        req.slots, req.cached_len, req.cache_node = [], 0, None
+        req.slots, req.cached_len, req.cache_node, req.filled = [], 0, None, 0
 
     def alloc_slots(self, n: int) -> list[int]:
         """n free KV slots, evicting unlocked prefix-cache leaves (LRU) only when the free list runs short."""
