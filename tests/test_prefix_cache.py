@@ -119,7 +119,7 @@ def test_hit_on_a_prefix_another_request_is_decoding(tiny_llama, make_llm, loop)
             seen.setdefault(o.rid, o.num_cached_tokens)
         eng.scheduler.audit_kv()                 # ownership is a partition at every step
         if not added:
-            assert eng.scheduler.cache.protected_size == len(prefix)     # a's hit is locked
+            assert eng.scheduler.cache.protected_size == len(prefix) + 1     # a's prompt, shared at launch
             eng.add_request(b)
             added.append(b)
 

@@ -210,6 +210,8 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         poison_rows=s.take_freed_rows(),
         prefix_lens=np.array(prefix_lens, np.int64), prefix_slots=np.array(prefix_slots, np.int64),
     )
+    for c in chunks:
+        s.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it
     assert b == step.batch_size
     return Batch(step.step_id, reqs, bool(chunks), step, [True] * len(decode) + [c.last for c in chunks],
                  num_decode=len(decode))

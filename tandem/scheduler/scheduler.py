@@ -154,7 +154,7 @@ class Scheduler:
         Every reader of a cached slot is launched after this point, so after the step that wrote it.
         """
         fill = req.fill_ids()
-        n = min(req.filled, len(fill) - 1)
+        n = max(min(req.filled, len(fill) - 1), req.cached_len)
         held = self.cache.insert(fill[:n], req.slots[:n])
         # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
         # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
@@ -162,6 +162,27 @@ class Scheduler:
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = None, 0
+    def cache_prefill(self, req: Req) -> None:
+        """Share a running request's prompt KV as soon as the step that writes it is picked, so requests
+        admitted in later steps hit it (requests sharing a system prompt need not wait for a finish).
+
+        Safe because the picked step is launched before any later step is picked: every reader of these
+        slots is launched after their writer (not in the same step: a step gathers keys before it writes).
+        The request's lock moves to the new leaf. Skipped when the tree has meanwhile got KV of its own for
+        these tokens (a batch mate with the same prefix): the request keeps its copy, and the finish path
+        frees it."""
+        if self.cache is None or req.filled <= req.cached_len:
+            return
+        ids = req.fill_ids()[:req.filled]
+        if len(self.cache.match_prefix(ids)[0]) != req.cached_len:
+            return
+        self.cache.insert(ids, req.slots[:req.filled])
+        slots, node = self.cache.match_prefix(ids)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, len(slots)
+
     def match_prefix(self, req: Req) -> int:
         """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
         The last token is always computed: its logits sample the next token. Returns the hit length."""
