@@ -39,6 +39,16 @@ def _free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _decode_split(seq_lens: np.ndarray) -> list[int]:
+    """Where to cut decode rows (sorted by length) in two groups, if that saves over half the padded keys."""
+    n = len(seq_lens)
+    if n < 2:
+        return []
+    cost = np.arange(1, n) * seq_lens[:-1] + (n - np.arange(1, n)) * seq_lens[-1]     # cut before row i
+    i = int(np.argmin(cost))
+    return [i + 1] if 2 * cost[i] < n * seq_lens[-1] else []
+
+
 class ModelExecutor:
     def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec
@@ -106,19 +116,25 @@ class ModelExecutor:
         return tokens
 
     def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:
-        """One attention layout for the step, or two for a mixed step: its leading one-token rows (decode)
-        and its prefill rows. Padded into one [B, Lq, Lk] layout, every decode row would carry a chunk's
-        Lq query slots and the chunk's Lk keys (x30 the attention work at 32 decode rows + a 256 chunk)."""
-        e = step.extend_lens
-        nd = int(np.argmin(e == 1)) if (e != 1).any() else len(e)       # leading rows with one new token
+        """One attention layout for the step, or one per group of rows: a mixed step's leading one-token
+        rows (decode) and its prefill rows; and decode rows split in two where one padded [B, Lk] layout
+        would cost much more than two. Padded together, every decode row would carry a chunk's Lq query
+        slots (x30 the attention work at 32 decode rows + a 256 chunk), or one 4k-token row's Lk keys
+        (x15 the gather at 16 rows of ~250 tokens). The scheduler puts decode rows first, shortest first."""
+        e, sl = step.extend_lens, step.seq_lens
+        b = len(e)
+        nd = int(np.argmin(e == 1)) if (e != 1).any() else b            # leading rows with one new token
         last_index = torch.cumsum(ext, 0) - 1                            # [B] flat index of each row's last token
-        if nd == 0 or nd == len(e):
-            return self._attention_meta(step.seq_lens, e, rows, ext, seq, positions, out_cache_loc, last_index)
-        d, p = slice(0, nd), slice(nd, len(e))
-        parts = [(slice(0, nd), self._attention_meta(step.seq_lens[d], e[d], rows[d], ext[d], seq[d],
-                                                     positions[:nd], out_cache_loc[:nd], None, part=0)),
-                 (slice(nd, step.num_tokens), self._attention_meta(step.seq_lens[p], e[p], rows[p], ext[p], seq[p],
-                                                                   positions[nd:], out_cache_loc[nd:], None, part=1))]
+        bounds = [0] + _decode_split(sl[:nd]) + [nd, b]
+        groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        if len(groups) == 1:
+            return self._attention_meta(sl, e, rows, ext, seq, positions, out_cache_loc, last_index)
+        parts = []
+        for part, (lo, hi) in enumerate(groups):
+            t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
+            r = slice(lo, hi)
+            parts.append((slice(t0, t1), self._attention_meta(sl[r], e[r], rows[r], ext[r], seq[r], positions[t0:t1],
+                                                              out_cache_loc[t0:t1], None, part=part)))
         return AttentionMeta(None, None, None, None, last_index, parts)
 
     def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, ext, seq, positions, out_cache_loc,

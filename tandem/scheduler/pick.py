@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 NEW_TOKEN_CLIP = 256        # cap on a request's future tokens counted when reserving KV for admission
+IN_BATCH_SHARE = 32         # uncached tokens a request shares with a batch mate that defer it one step
 
 
 @dataclass
@@ -87,6 +88,12 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         fill = req.fill_ids()
         cached = s.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         n = len(fill) - cached                    # tokens this prefill computes
+        if s.cache is not None and any(_shared(fill, c.req.fill_ids()) - cached >= IN_BATCH_SHARE
+                                     for c in chunks):
+            # A batch mate computes the same uncached prefix in this step: wait one step and hit its KV
+            # (a burst of requests behind one system prompt computes it once, not once per step's admission).
+            s.unmatch(req)
+            break
         future = int(min(req.max_new_tokens() - len(req.output_ids), NEW_TOKEN_CLIP) * s.new_token_ratio)
         avail = s.available()                     # net of the slots already given to `admitted`
         if not s.running and not admitted:
@@ -112,6 +119,13 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         req.status = ReqStatus.RUNNING
         s.running.append(req)
     return chunks
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n, m = 0, min(len(a), len(b))
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def pick_decode(s: "Scheduler") -> Batch | None:
@@ -167,13 +181,15 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
 
 
 def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch:
-    """Decode rows first (one token each, input id from the FutureMap), then prefill chunks (host ids).
+    """Decode rows first, shortest first (one token each, input id from the FutureMap), then prefill chunks
+    (host ids).
 
     A non-final chunk samples too (the device samples every row), but its token is discarded in
     process_results: it advances neither `num_launched` nor the seed position, and the value it stashes in
     the FutureMap is never read (the next chunk takes host ids; the last chunk overwrites it before any
     decode step gathers it).
     """
+    decode = sorted(decode, key=lambda r: r.allocated)    # shortest first: the device groups rows by length
     reqs = decode + [c.req for c in chunks]
     positions = [r.num_launched for r in decode] + [len(c.req.output_ids) for c in chunks]  # seed positions
     ext = [1] * len(decode) + [c.n for c in chunks]
