@@ -19,7 +19,10 @@ class EngineConfig:
     dtype: str = "auto"                 # fp32 on CPU (bf16 matmul is slow there); bf16/fp16 selectable on CUDA
     device_threads: int | None = None   # torch threads of the device process; None: measured default (see README)
     max_running_requests: int = 128     # rows of the request table (plus padding row 0)
-    max_prefill_tokens: int = 2048      # prefill token budget per step (a single longer prompt still runs alone)
+    max_prefill_tokens: int = 2048      # hard prefill token budget per step: longer prompts are prefilled in chunks
+    enable_mixed_chunk: bool = True     # a prefill step also carries the running requests' decode tokens
+    mixed_prefill_tokens: int = 256     # prefill budget of a step with decode rows (ITL vs admission; bench/README)
+    prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.1     # with kv_cache_tokens None: this fraction of free memory holds the KV cache
@@ -40,7 +43,8 @@ class EngineConfig:
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
-        for name in ("max_running_requests", "max_prefill_tokens", "max_waiting_requests", "trace_ring_steps"):
+        for name in ("max_running_requests", "max_prefill_tokens", "mixed_prefill_tokens", "max_waiting_requests",
+                     "trace_ring_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:

@@ -69,7 +69,9 @@ class Engine:
                 cap = min(cap, config.kv_cache_tokens)
             threads = config.device_threads or default_device_threads(num_params(self.model_config))
             step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests
-            self.runner = ProcessRunner(spec, threads, step_tokens)
+            # Prefix-cache hits send their cached slots once; no row's prefix is longer than the context.
+            prefix_slots = cap * config.max_running_requests if config.prefix_cache else 0
+            self.runner = ProcessRunner(spec, threads, step_tokens, max_prefix_slots=prefix_slots)
             self.device_threads = threads
         else:
             from .device.runner import InlineRunner

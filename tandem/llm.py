@@ -111,21 +111,24 @@ class LLM:
         outs = []
         for (prompt, ids), group, p in zip(encoded, groups, params):
             samples = [self._completion(i, ids, req, p) for i, req in enumerate(group)]
-            first, errors = samples[0][0], [e for _, e in samples if e]
+            first, errors = samples[0][0], [e for _, e, _ in samples if e]
             outs.append(RequestOutput(group[0].rid, prompt if isinstance(prompt, str) else None, ids, first.text,
-                                      first.token_ids, first.finish_reason, [c for c, _ in samples],
-                                      errors[0] if errors else None))
+                                      first.token_ids, first.finish_reason, [c for c, _, _ in samples],
+                                      errors[0] if errors else None, num_cached_tokens=samples[0][2]))
         return outs
 
-    def _completion(self, index: int, ids: list[int], req, p: SamplingParams) -> tuple[CompletionOutput, str | None]:
-        """One sample's output from its collected steps, and its error if the engine failed it."""
+    def _completion(self, index: int, ids: list[int], req,
+                    p: SamplingParams) -> tuple[CompletionOutput, str | None, int]:
+        """One sample's output from its collected steps, its error if the engine failed it, and its prompt
+        tokens served from the prefix cache."""
         steps = self._results.pop(req.rid)
         token_ids = [t for s in steps for t in s.new_token_ids]
         last = steps[-1] if steps else None
         text = last.text if last is not None and last.text is not None else \
             self.engine.detokenizer(ids, p).add(token_ids)
         reason = last.finish_reason if last is not None else None
-        return CompletionOutput(index, text, token_ids, reason), (last.error if last is not None else None)
+        return (CompletionOutput(index, text, token_ids, reason), last.error if last is not None else None,
+                last.num_cached_tokens if last is not None else 0)
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         for o in outputs:

@@ -23,6 +23,11 @@ class Req:
     KV intervals (positions of prompt + output tokens):
       [0, kv_committed)          KV written by steps whose results were processed: valid and owned
       [kv_committed, allocated)  KV slots handed to launched steps still in flight (at most one step)
+  Ownership of `slots`: [0, cached_len) belong to the radix prefix cache (locked through `cache_node`),
+  [cached_len, allocated) to the request.
+  Chunked prefill: admission allocates the whole fill, so during a prefill [filled, allocated) are slots of
+  chunks not launched yet; `filled` counts positions whose KV-writing step was launched (== allocated once
+  the last chunk is launched; decode keeps them equal).
     `num_launched` counts output tokens sampled by launched steps; `output_ids` holds those processed
     so far, so under the overlap loop `num_launched` runs one step ahead of `len(output_ids)`.
     """
@@ -38,6 +43,10 @@ class Req:
     row: int = 0                           # request-table row; 0 means none held
     slots: list[int] = field(default_factory=list)   # KV slot of each position, len == allocated
     kv_committed: int = 0
+    filled: int = 0                        # positions whose KV-writing step has been launched
+    cached_len: int = 0                    # leading slots matched in the prefix cache at admission
+    cache_node: object | None = None       # the radix node that match ends at, locked while running
+    num_cached_tokens: int | None = None   # prompt tokens served from the cache at first admission
     num_launched: int = 0
     aborted: bool = False
     stop_checker: object | None = None     # StopStrings for requests with stop strings
@@ -50,6 +59,11 @@ class Req:
     @property
     def allocated(self) -> int:
         return len(self.slots)
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, with prefill chunks still to launch: invisible to decode until its last chunk."""
+        return self.filled < self.allocated
 
     @property
     def finished(self) -> bool:
@@ -83,6 +97,8 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None               # set with finish_reason "error": the engine failed this request
+    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last field:
+                                           # server/ipc.py encodes StepOutput positionally)
 
 
 @dataclass
@@ -104,3 +120,4 @@ class RequestOutput:
     finish_reason: str | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: str | None = None               # with finish_reason "error": why the engine failed this request
+    num_cached_tokens: int = 0             # prompt tokens served from the prefix cache

@@ -12,9 +12,12 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 
 def assert_no_leaks(llm) -> None:
-    """After a run every KV slot and request row is back in its free list."""
+    """After a run every KV slot is free or owned, unlocked, by the prefix cache, and every request row is
+    back in its free list; stats() agrees with a walk over the allocator, the requests and the tree."""
     s = llm.stats()
-    assert s["free_kv_slots"] == s["total_kv_slots"], s
+    assert s["free_kv_slots"] + s["evictable_kv_slots"] == s["total_kv_slots"], s
+    assert s["cached_kv_slots"] == s["evictable_kv_slots"], s       # nothing locked
+    llm.engine.scheduler.audit_kv()
     assert s["free_req_rows"] == s["total_req_rows"], s
     assert s["num_running"] == 0 and s["num_waiting"] == 0, s
 

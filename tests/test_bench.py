@@ -42,6 +42,17 @@ def test_offline(tiny_llama, tmp_path, scheduler):
     assert r["output_throughput"] > 0 and r["total_throughput"] > r["output_throughput"]
 
 
+@pytest.mark.parametrize("dataset, extra", [("shared-prefix", ["--prefix-len", "20", "--max-prefill-tokens", "30"]),
+                                            ("multi-turn", ["--turns", "2"]),
+                                            ("long", ["--min-len", "30", "--max-len", "40"])])
+def test_offline_datasets(tiny_llama, tmp_path, dataset, extra):
+    r = run_json(tmp_path, "offline", "--model", tiny_llama, "--num-prompts", "3", "--input-len", "4",
+                 "--output-len", "3", "--dataset", dataset, *extra, *ENGINE)
+    assert r["dataset"] == dataset and r["total_output_tokens"] == r["successful_requests"] * 3
+    if dataset != "long":        # the shared prefix (one prompt a step here), turn 2's history: cached
+        assert r["prefix_cache_hits"] > 0
+
+
 def test_random_requests_are_seeded():
     from tandem.bench.datasets import random_requests
     a = random_requests(8, 16, 4, 1000, 0.5, seed=3)

@@ -38,12 +38,13 @@ def test_step_input_pack_round_trip():
         step_id=7, rows=np.array([1, 3]), extend_lens=np.array([3, 1]), seq_lens=np.array([3, 9]),
         use_future=np.array([0, 1]), input_ids=np.array([5, 6, 7, 0]), out_cache_loc=np.array([10, 11, 12, 40]),
         temperature=np.array([0.0, 0.7]), top_p=np.array([1.0, 0.9]), top_k=np.array([-1, 20]),
-        min_p=np.array([0.0, 0.1]), draw_seed=np.array([25, 1 << 62]), poison_rows=np.array([4]))
+        min_p=np.array([0.0, 0.1]), draw_seed=np.array([25, 1 << 62]), poison_rows=np.array([4]),
+        prefix_lens=np.array([2, 0]), prefix_slots=np.array([70, 71]))
     ints, floats = np.zeros(64, np.int64), np.zeros(16, np.float64)
     step.pack(ints, floats)
     back = StepInput.unpack(7, ints, floats)
     for name in ("rows", "extend_lens", "seq_lens", "use_future", "input_ids", "out_cache_loc", "temperature",
-                 "top_p", "top_k", "min_p", "draw_seed", "poison_rows"):
+                 "top_p", "top_k", "min_p", "draw_seed", "poison_rows", "prefix_lens", "prefix_slots"):
         assert np.array_equal(getattr(back, name), getattr(step, name)), name
 
 
@@ -54,3 +55,11 @@ def test_cli_generate(tiny_llama, capsys):
     assert rc == 0 and capsys.readouterr().out.strip() != ""
     assert main(["generate", "Hello", "--model", tiny_llama, "--max-tokens", "-3",
                  "--kv-cache-tokens", "1024"]) == 2
+
+
+def test_every_engine_flag_has_help():
+    import dataclasses
+
+    from tandem.cli import field_help
+    from tandem.config import EngineConfig
+    assert set(field_help()) >= {f.name for f in dataclasses.fields(EngineConfig)}

@@ -165,6 +165,17 @@ def test_metrics_names(server):
     assert 0.0 <= m["tandem:device_idle_fraction"] <= 1.0
 
 
+def test_prefix_cache_usage_and_counters(client, server):
+    prompt = "A prompt long enough to be worth caching, said twice " * 3
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1   # last one computed
+    assert first.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    m = server.metrics()
+    assert m["tandem:prefix_cache_hits_total"] >= again.usage.prompt_tokens - 1
+    assert m["tandem:prefix_cache_queries_total"] >= m["tandem:prefix_cache_hits_total"]
+
+
 CMPL, CHAT_URL = "/v1/completions", "/v1/chat/completions"
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 BAD = [  # (id, path, raw body or dict, param)

@@ -83,6 +83,12 @@ def add_parser(subparsers) -> None:
 
     p = sub.add_parser("offline", help="offline throughput of LLM.generate (like sglang.bench_offline_throughput)")
     _workload_args(p)
+    p.add_argument("--dataset", choices=("random", "shared-prefix", "long", "multi-turn"), default="random",
+                   help="random ids; one shared prefix + own tokens; 1k-4k-token prompts; conversations")
+    p.add_argument("--prefix-len", type=int, default=900, help="shared-prefix: tokens of the shared prefix")
+    p.add_argument("--min-len", type=int, default=1000, help="long: shortest prompt")
+    p.add_argument("--max-len", type=int, default=4000, help="long: longest prompt")
+    p.add_argument("--turns", type=int, default=3, help="multi-turn: rounds per conversation (--num-prompts of them)")
     add_engine_args(p)
     p.set_defaults(func=_runner(_offline))
 

@@ -1,4 +1,5 @@
-"""Random benchmark requests: seeded prompts of token ids drawn from the vocabulary, with their output lengths.
+"""Benchmark requests: seeded prompts of token ids drawn from the vocabulary, with their output lengths.
+Datasets: random (below), shared-prefix, long and multi-turn (at the end).
 
 Lengths follow `vllm bench serve --dataset-name random`: with range ratio r, input lengths are uniform in
 [L(1-r), L(1+r)] and output lengths in [O(1-r), O(1+r)]; r = 0 (the default) makes every request the same.
@@ -54,3 +55,33 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
             prompt = [rng.randrange(lo, vocab_size) for _ in range(n_in)]
         reqs.append(BenchRequest(prompt, n_in, n_out))
     return reqs
+
+
+def shared_prefix_requests(num_prompts: int, prefix_len: int, input_len: int, output_len: int, vocab_size: int,
+                           seed: int = 0) -> list[BenchRequest]:
+    """One random `prefix_len`-token prefix shared by every request, then `input_len` tokens of its own (a
+    system prompt or few-shot header in front of each question: what the prefix cache is for)."""
+    rng = random.Random(seed)
+    lo = min(LOWEST_ID, vocab_size // 2)
+    prefix = [rng.randrange(lo, vocab_size) for _ in range(prefix_len)]
+    return [BenchRequest(prefix + [rng.randrange(lo, vocab_size) for _ in range(input_len)],
+                         prefix_len + input_len, output_len) for _ in range(num_prompts)]
+
+
+def long_requests(num_prompts: int, output_len: int, vocab_size: int, min_len: int = 1000, max_len: int = 4000,
+                  seed: int = 0) -> list[BenchRequest]:
+    """Prompts of `min_len` to `max_len` random tokens (chunked prefill's workload)."""
+    rng = random.Random(seed)
+    lo = min(LOWEST_ID, vocab_size // 2)
+    lengths = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
+    return [BenchRequest([rng.randrange(lo, vocab_size) for _ in range(n)], n, output_len) for n in lengths]
+
+
+def multi_turn_messages(num_conversations: int, turns: int, input_len: int, vocab_size: int,
+                        seed: int = 0) -> list[list[list[int]]]:
+    """conversation -> turn -> the user's new tokens. Each turn's prompt is the whole history (earlier
+    messages and the model's answers) plus the new message, built by the runner as answers come back."""
+    rng = random.Random(seed)
+    lo = min(LOWEST_ID, vocab_size // 2)
+    return [[[rng.randrange(lo, vocab_size) for _ in range(input_len)] for _ in range(turns)]
+            for _ in range(num_conversations)]

@@ -82,9 +82,10 @@ class ProcessHandle:
 
 class ProcessRunner:
     def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0, max_prefix_slots: int = 0) -> None:
         b = spec.max_running
-        int_words = 3 + 7 * b + 2 * max_tokens_per_step
+        # StepInput.pack: header, 8 words a row, ids and slots a token, poisoned rows, prefix-hit slots.
+        int_words = 4 + 8 * b + 2 * max_tokens_per_step + max_prefix_slots
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
         self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b, create=True)

@@ -39,6 +39,16 @@ def _free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _decode_split(seq_lens: np.ndarray) -> list[int]:
+    """Where to cut decode rows (sorted by length) in two groups, if that saves over half the padded keys."""
+    n = len(seq_lens)
+    if n < 2:
+        return []
+    cost = np.arange(1, n) * seq_lens[:-1] + (n - np.arange(1, n)) * seq_lens[-1]     # cut before row i
+    i = int(np.argmin(cost))
+    return [i + 1] if 2 * cost[i] < n * seq_lens[-1] else []
+
+
 class ModelExecutor:
     def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec
@@ -81,17 +91,23 @@ class ModelExecutor:
         b, t = step.batch_size, step.num_tokens
         tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
         starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
-        tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
-        positions = (seq - ext)[tok_row] + tok_col                                 # [T]
+        positions = (seq - ext)[tok_row] + torch.arange(t, device=dev) - starts[tok_row]   # [T]
         out_cache_loc = self._tensor(step.out_cache_loc)
         tok_req_row = rows[tok_row]
+        if len(step.prefix_slots):
+            # Prefix cache hit: the row's leading positions point at KV slots the radix tree owns.
+            plen = self._tensor(step.prefix_lens)
+            p_row = torch.repeat_interleave(rows, plen, output_size=len(step.prefix_slots))
+            p_start = torch.repeat_interleave(torch.cumsum(plen, 0) - plen, plen, output_size=len(step.prefix_slots))
+            p_pos = torch.arange(len(step.prefix_slots), device=dev) - p_start
+            self.req_to_token[p_row, p_pos] = self._tensor(step.prefix_slots, torch.int32)
         self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
         input_ids = self._tensor(step.input_ids)
         if step.use_future.any():
             # FutureMap read: decode input ids are the tokens the previous step sampled, gathered on the device.
             fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
-        meta = self._attention_meta(step, rows, ext, seq, starts, tok_row, positions, out_cache_loc, tok_col)
+        meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
         logits = self.model.forward(input_ids, positions, meta)
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.draw_seed, dev))
@@ -99,17 +115,42 @@ class ModelExecutor:
         self.future_map.stash(rows, tokens)
         return tokens
 
-    def _attention_meta(self, step: StepInput, rows, ext, seq, starts, tok_row, positions, out_cache_loc,
-                        tok_col) -> AttentionMeta:
+    def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:
+        """One attention layout for the step, or one per group of rows: a mixed step's leading one-token
+        rows (decode) and its prefill rows; and decode rows split in two where one padded [B, Lk] layout
+        would cost much more than two. Padded together, every decode row would carry a chunk's Lq query
+        slots (x30 the attention work at 32 decode rows + a 256 chunk), or one 4k-token row's Lk keys
+        (x15 the gather at 16 rows of ~250 tokens). The scheduler puts decode rows first, shortest first."""
+        e, sl = step.extend_lens, step.seq_lens
+        b = len(e)
+        nd = int(np.argmin(e == 1)) if (e != 1).any() else b            # leading rows with one new token
+        last_index = torch.cumsum(ext, 0) - 1                            # [B] flat index of each row's last token
+        bounds = [0] + _decode_split(sl[:nd]) + [nd, b]
+        groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        if len(groups) == 1:
+            return self._attention_meta(sl, e, rows, ext, seq, positions, out_cache_loc, last_index)
+        parts = []
+        for part, (lo, hi) in enumerate(groups):
+            t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
+            r = slice(lo, hi)
+            parts.append((slice(t0, t1), self._attention_meta(sl[r], e[r], rows[r], ext[r], seq[r], positions[t0:t1],
+                                                              out_cache_loc[t0:t1], None, part=part)))
+        return AttentionMeta(None, None, None, None, last_index, parts)
+
+    def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, ext, seq, positions, out_cache_loc,
+                        last_index, part: int = 0) -> AttentionMeta:
         dev = self.device
-        lk = int(step.seq_lens.max())
-        lq = int(step.extend_lens.max())
+        b, t = len(ext_np), len(positions)
+        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
+        starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
+        tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
+        lk = int(seq_np.max())
+        lq = int(ext_np.max())
         k_pos = torch.arange(lk, device=dev)
         valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
         kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.kv_cache.pad_slot)  # [B, Lk]
-        has_prefix = bool((step.seq_lens > step.extend_lens).any())
-        kv = self.kv_cache.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix)
-        last_index = starts + ext - 1
+        has_prefix = bool((seq_np > ext_np).any())
+        kv = self.kv_cache.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix, part)
         if lq == 1:
             return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
         q_col = torch.arange(lq, device=dev)
@@ -120,4 +161,3 @@ class ModelExecutor:
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index)
-

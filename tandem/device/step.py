@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Layout of the packed int64 header: B rows, T new tokens, P poisoned rows.
-_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed")   # each [B]
+# Layout of the packed int64 header: B rows, T new tokens, P poisoned rows, S prefix slots.
+_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens")  # each [B]
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")                                       # each [B]
 
 
@@ -26,6 +26,16 @@ class StepInput:
     min_p: np.ndarray
     draw_seed: np.ndarray     # [B] int64 noise seed, from (request seed, output position)
     poison_rows: np.ndarray   # [P] rows freed since the last launch (FutureMap poison in debug mode)
+    # Prefix cache hits: a row's first launch maps positions [0, prefix_lens[i]) of its request-table row to
+    # the cached KV slots in prefix_slots (rows concatenated); 0 for every other row.
+    prefix_lens: np.ndarray = None    # [B]
+    prefix_slots: np.ndarray = None   # [S]
+
+    def __post_init__(self) -> None:
+        if self.prefix_lens is None:
+            self.prefix_lens = np.zeros(len(self.rows), np.int64)
+        if self.prefix_slots is None:
+            self.prefix_slots = np.zeros(0, np.int64)
 
     @property
     def batch_size(self) -> int:
@@ -36,13 +46,13 @@ class StepInput:
         return len(self.input_ids)
 
     def int_words(self) -> int:
-        return 3 + 6 * self.batch_size + 2 * self.num_tokens + len(self.poison_rows)
+        return 4 + 7 * self.batch_size + 2 * self.num_tokens + len(self.poison_rows) + len(self.prefix_slots)
 
     def pack(self, ints: np.ndarray, floats: np.ndarray) -> None:
         """Write into preallocated shared buffers (int64 and float64)."""
-        b, t, p = self.batch_size, self.num_tokens, len(self.poison_rows)
-        ints[:3] = (b, t, p)
-        o = 3
+        b, t, p, s = self.batch_size, self.num_tokens, len(self.poison_rows), len(self.prefix_slots)
+        ints[:4] = (b, t, p, s)
+        o = 4
         for name in _INT_FIELDS:
             ints[o:o + b] = getattr(self, name)
             o += b
@@ -50,14 +60,15 @@ class StepInput:
         ints[o + t:o + 2 * t] = self.out_cache_loc
         o += 2 * t
         ints[o:o + p] = self.poison_rows
+        ints[o + p:o + p + s] = self.prefix_slots
         for i, name in enumerate(_FLOAT_FIELDS):
             floats[i * b:(i + 1) * b] = getattr(self, name)
 
     @classmethod
     def unpack(cls, step_id: int, ints: np.ndarray, floats: np.ndarray) -> "StepInput":
         """Copies out of the shared buffers, so the host may reuse them once the step is done."""
-        b, t, p = (int(x) for x in ints[:3])
-        o = 3
+        b, t, p, s = (int(x) for x in ints[:4])
+        o = 4
         fields = {}
         for name in _INT_FIELDS:
             fields[name] = ints[o:o + b].copy()
@@ -66,6 +77,7 @@ class StepInput:
         fields["out_cache_loc"] = ints[o + t:o + 2 * t].copy()
         o += 2 * t
         fields["poison_rows"] = ints[o:o + p].copy()
+        fields["prefix_slots"] = ints[o + p:o + p + s].copy()
         for i, name in enumerate(_FLOAT_FIELDS):
             fields[name] = floats[i * b:(i + 1) * b].copy()
         return cls(step_id=step_id, **fields)

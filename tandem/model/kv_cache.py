@@ -23,29 +23,33 @@ class PagedKVCache:
         # attends to below its length was written by that step or an earlier one.
         self.data = torch.empty(num_slots + 1, num_layers, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.data[self.pad_slot].zero_()
-        self._buf = torch.zeros(0, dtype=dtype, device=device)
+        self._bufs: dict[int, torch.Tensor] = {}
 
     def step_view(self, kv_index: torch.Tensor, tok_row: torch.Tensor, positions: torch.Tensor,
-                  out_cache_loc: torch.Tensor, has_prefix: bool) -> "StepKV":
-        return StepKV(self, kv_index, tok_row, positions, out_cache_loc, has_prefix)
+                  out_cache_loc: torch.Tensor, has_prefix: bool, part: int = 0) -> "StepKV":
+        """`part`: the group of a mixed step; each group gathers into its own buffer (their layer groups
+        are interleaved, so a shared buffer would be overwritten under the other's view)."""
+        return StepKV(self, kv_index, tok_row, positions, out_cache_loc, has_prefix, part)
 
-    def buffer(self, numel: int) -> torch.Tensor:
+    def buffer(self, numel: int, part: int = 0) -> torch.Tensor:
         """A reused gather buffer (always finite: zero-initialized, then only K/V values written).
 
         It grows geometrically: decode lengthens every row by one token a step, and a buffer re-made (and
         zeroed, and page-faulted) at every step cost a first run ~20 % of its throughput here."""
-        if self._buf.numel() < numel:
-            size = max(numel, min(2 * self._buf.numel(), GATHER_BUDGET_BYTES // self.data.element_size()))
-            self._buf = torch.zeros(size, dtype=self.data.dtype, device=self.data.device)
-        return self._buf[:numel]
+        buf = self._bufs.get(part)
+        if buf is None or buf.numel() < numel:
+            old = 0 if buf is None else buf.numel()
+            size = max(numel, min(2 * old, GATHER_BUDGET_BYTES // self.data.element_size()))
+            buf = self._bufs[part] = torch.zeros(size, dtype=self.data.dtype, device=self.data.device)
+        return buf[:numel]
 
 
 class StepKV:
     """One step's keys and values per layer: [B, KVH, Lk, D] views into a gathered buffer."""
 
     def __init__(self, cache: PagedKVCache, kv_index: torch.Tensor, tok_row: torch.Tensor,
-                 positions: torch.Tensor, out_cache_loc: torch.Tensor, has_prefix: bool) -> None:
-        self.cache = cache
+                 positions: torch.Tensor, out_cache_loc: torch.Tensor, has_prefix: bool, part: int = 0) -> None:
+        self.cache, self.part = cache, part
         self.kv_index = kv_index                 # [B, Lk] slot of each key position (pad_slot past the length)
         self.tok_row, self.positions = tok_row, positions    # [T] where each new token sits in [B, Lk]
         self.out_cache_loc = out_cache_loc       # [T]
@@ -61,7 +65,7 @@ class StepKV:
         g = min(self.group, self.cache.num_layers - layer)
         b, lk = self.kv_index.shape
         shape = (b * lk, g) + tuple(data.shape[2:])
-        buf = self.cache.buffer(b * lk * g * data[0, 0].numel()).view(shape)
+        buf = self.cache.buffer(b * lk * g * data[0, 0].numel(), self.part).view(shape)
         if self.has_prefix:
             torch.index_select(data[:, layer:layer + g], 0, self.kv_index.reshape(-1), out=buf)
         self._view = buf.view(b, lk, *shape[1:])

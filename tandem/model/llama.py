@@ -26,6 +26,7 @@ class AttentionMeta:
     q_index: torch.Tensor | None  # [B, Lq] flat token of each query slot (None: pure decode, Lq == 1)
     token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout
     last_index: torch.Tensor      # [B] flat index of each row's last token (the one that samples)
+    parts: list[tuple[slice, "AttentionMeta"]] | None = None   # mixed step: (its tokens, its layout) per group
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -157,6 +158,8 @@ class LlamaModel:
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
+        if meta.parts is not None:      # a mixed step: decode rows and prefill rows attend in their own layouts
+            return torch.cat([self._attention(i, q[t], k[t], v[t], m) for t, m in meta.parts])
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]

@@ -9,10 +9,13 @@ from ..request import Req
 
 @dataclass
 class Batch:
+    """Rows: `num_decode` decode rows first, then prefill chunks (a mixed step carries both)."""
     step_id: int
     reqs: list[Req]
-    is_prefill: bool
+    is_prefill: bool                  # carries prefill tokens (alone, or mixed with decode rows)
     step: StepInput
+    samples: list[bool]               # per row: its token is kept (False: a non-final prefill chunk)
+    num_decode: int = 0
     needs_previous: bool = False      # overlap: process batch k-1 before launching this one
 
     @property

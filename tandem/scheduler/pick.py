@@ -1,14 +1,18 @@
-"""Pick batch: admission (prefill first, within a token budget and the KV memory), decode of all running
-requests otherwise, and retraction when decode runs out of KV slots.
+"""Pick batch: admission and prefill chunks (within a hard per-step token budget and the KV memory), with
+the running requests' decode tokens in the same step (mixed) or on their own, and retraction when decode
+runs out of KV slots.
 
 Host state may lag the device by one step (overlap loop): lengths here are `allocated`, which counts the
-in-flight step's KV slot, and `num_launched`, which counts its token.
+in-flight step's KV slot, `filled`, which counts launched prefill chunks, and `num_launched`, which counts
+the in-flight token.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from dataclasses import dataclass
 
 from ..device.step import StepInput
 from ..request import Req, ReqStatus
@@ -19,12 +23,30 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 NEW_TOKEN_CLIP = 256        # cap on a request's future tokens counted when reserving KV for admission
+IN_BATCH_SHARE = 32         # uncached tokens a request shares with a batch mate that defer it one step
+
+
+@dataclass
+class Chunk:
+    """One prefill row: positions [start, start + n) of the request's fill ids."""
+    req: Req
+    start: int
+    n: int
+    last: bool            # ends the fill: only this chunk samples
 
 
 def pick_batch(s: "Scheduler") -> Batch | None:
     s.finish_idle_aborts()
-    batch = pick_prefill(s)
-    if batch is not None:
+    decode = _decode_candidates(s)
+    mixed = s.config.enable_mixed_chunk and bool(decode)
+    budget = min(s.config.max_prefill_tokens, s.config.mixed_prefill_tokens) if mixed else \
+        s.config.max_prefill_tokens
+    chunks = pick_prefill(s, budget)
+    if chunks:
+        # Mixed step: the decode rows ride along if their slots are there; retraction needs host truth and
+        # is left to the next decode-only step.
+        decode = decode if mixed and s.available() >= len(decode) else []
+        batch = _make_batch(s, chunks, _alloc_decode(s, decode))
         # Optional hook: a prefill right behind a prefill waits for k-1 first (better TTFT, less overlap).
         batch.needs_previous = s.config.process_prev_before_prefill and any(
             b.is_prefill for b, _ in s.result_queue)
@@ -38,84 +60,118 @@ def _decode_reserve(s: "Scheduler", reqs: list[Req]) -> int:
     return int(left * s.new_token_ratio)
 
 
-def pick_prefill(s: "Scheduler") -> Batch | None:
+def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
+    """Prefill chunks of at most `budget` tokens in all: a started chunked prefill first, then admissions.
+
+    A request is admitted whole (its prompt's KV is allocated at once, so a chunked prefill never stalls for
+    memory) and prefilled in chunks: it keeps its row and KV across chunks and joins decode after its last.
+    """
     while s.waiting and len(s.waiting[0].fill_ids()) + 1 > s.kv.num_slots:
         # Retracted after growing to the whole cache: it can never be resumed.
         s.end(s.waiting.popleft(), "length")
-    if not s.waiting:
-        return None
-    budget = s.config.max_prefill_tokens
-    avail = s.kv.available()
-    room = avail - _decode_reserve(s, s.running)
-    picked: list[Req] = []
-    tokens = reserved = 0
+    chunks: list[Chunk] = []
+    tokens = 0
+    for req in s.running:
+        # The next chunk may be launched while the previous one is still in flight: its ids are host prompt
+        # ids (no FutureMap read), and the device runs steps in launch order, so the chunks of one row are
+        # written in order and chunk j+1 attends over the KV chunk j wrote.
+        if req.prefilling and not req.aborted and tokens < budget:
+            n = min(req.allocated - req.filled, budget - tokens)
+            chunks.append(Chunk(req, req.filled, n, req.filled + n == req.allocated))
+            tokens += n
+    decode_reserve = _decode_reserve(s, s.running)
+    admitted: list[Req] = []
+    reserved = 0
     for req in s.waiting:
-        n = len(req.fill_ids())
-        if picked and tokens + n > budget:
+        if tokens >= budget or len(s.running) + len(admitted) >= s.config.max_running_requests:
             break
-        if len(s.running) + len(picked) >= s.config.max_running_requests:
+        fill = req.fill_ids()
+        cached = s.match_prefix(req)              # locks the hit, so it no longer counts as evictable
+        n = len(fill) - cached                    # tokens this prefill computes
+        if s.cache is not None and any(_shared(fill, c.req.fill_ids()) - cached >= IN_BATCH_SHARE
+                                     for c in chunks):
+            # A batch mate computes the same uncached prefix in this step: wait one step and hit its KV
+            # (a burst of requests behind one system prompt computes it once, not once per step's admission).
+            s.unmatch(req)
             break
         future = int(min(req.max_new_tokens() - len(req.output_ids), NEW_TOKEN_CLIP) * s.new_token_ratio)
-        if not s.running and not picked:
+        avail = s.available()                     # net of the slots already given to `admitted`
+        if not s.running and not admitted:
             fits = n + 1 <= avail      # alone it needs its prompt and one token; retraction handles the rest
         else:
-            fits = tokens + n + reserved + future <= room
+            fits = n + reserved + future <= avail - decode_reserve
         if not fits:
+            s.unmatch(req)
             break
-        picked.append(req)
-        tokens += n
+        req.slots = req.slots + s.alloc_slots(n)
+        admitted.append(req)
         reserved += future
-    if not picked:
-        return None
-    for _ in picked:
+        s.prefix_queries += len(fill)
+        s.prefix_hits += cached
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+        take = min(n, budget - tokens)
+        chunks.append(Chunk(req, cached, take, take == n))
+        tokens += take
+    for req in admitted:
         s.waiting.popleft()
-    ids, locs = [], []
-    for req in picked:
         req.row = s.rows.alloc()
-        fill = req.fill_ids()
-        req.slots = s.kv.alloc(len(fill))
         req.status = ReqStatus.RUNNING
         s.running.append(req)
-        ids.extend(fill)
-        locs.extend(req.slots)
-    lens = np.array([r.allocated for r in picked], dtype=np.int64)
-    return _make_batch(s, picked, True, extend=lens, seq=lens, ids=ids, locs=locs)
+    return chunks
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n, m = 0, min(len(a), len(b))
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def pick_decode(s: "Scheduler") -> Batch | None:
     reqs = _decode_candidates(s)
     if not reqs:
         return None
-    if s.kv.available() < len(reqs):
+    if s.available() < len(reqs):
         # Retraction needs host truth (the tokens of batch k-1): process the pending result first.
         s.process_pending()
         reqs = _retract(s, _decode_candidates(s))
         if not reqs:
             return None
-    locs = []
+    return _make_batch(s, [], _alloc_decode(s, reqs))
+
+
+def _alloc_decode(s: "Scheduler", reqs: list[Req]) -> list[Req]:
     for req in reqs:
-        req.slots.extend(s.kv.alloc(1))
-        locs.append(req.slots[-1])
-    b = len(reqs)
-    seq = np.array([r.allocated for r in reqs], dtype=np.int64)
-    return _make_batch(s, reqs, False, extend=np.ones(b, np.int64), seq=seq, ids=[0] * b, locs=locs)
+        req.slots.extend(s.alloc_slots(1))
+        req.filled = req.allocated
+    return reqs
 
 
 def _decode_candidates(s: "Scheduler") -> list[Req]:
-    # A request whose launched tokens already reach its limit finishes when batch k-1 is processed.
-    return [r for r in s.running if not r.aborted and r.num_launched < r.max_new_tokens()]
+    # A request whose launched tokens already reach its limit finishes when batch k-1 is processed; one
+    # still prefilling joins decode after its last chunk.
+    return [r for r in s.running
+            if not r.aborted and not r.prefilling and r.num_launched < r.max_new_tokens()]
 
 
 def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
-    """Free the KV of the requests with the fewest outputs (latest first on ties) until decode fits."""
-    order = sorted(reqs, key=lambda r: (len(r.output_ids), -r.arrival_time))
+    """Free the KV of the requests with the fewest outputs (latest first on ties) until decode fits.
+    Requests still prefilling hold KV too and are candidates (their launched chunks go to the cache)."""
+    pool = reqs + [r for r in s.running if r.prefilling and not r.aborted]
+    order = sorted(pool, key=lambda r: (len(r.output_ids), -r.arrival_time))
     retracted = 0
-    while s.kv.available() < len(reqs) and len(reqs) > 1:
-        victim = order.pop(0)
-        reqs.remove(victim)
+    while s.available() < len(reqs):
+        victims = [r for r in order if r not in reqs or len(reqs) > 1]
+        if not victims:
+            break
+        victim = victims[0]
+        order.remove(victim)
+        if victim in reqs:
+            reqs.remove(victim)
         s.retract(victim)
         retracted += 1
-    if s.kv.available() < len(reqs):
+    if s.available() < len(reqs):
         # A lone request that holds every slot: it has reached the memory's length.
         s.end(reqs[0], "length")
         return []
@@ -124,22 +180,52 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
     return reqs
 
 
-def _make_batch(s: "Scheduler", reqs: list[Req], is_prefill: bool, extend: np.ndarray, seq: np.ndarray,
-                ids: list[int], locs: list[int]) -> Batch:
+def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch:
+    """Decode rows first, shortest first (one token each, input id from the FutureMap), then prefill chunks
+    (host ids).
+
+    A non-final chunk samples too (the device samples every row), but its token is discarded in
+    process_results: it advances neither `num_launched` nor the seed position, and the value it stashes in
+    the FutureMap is never read (the next chunk takes host ids; the last chunk overwrites it before any
+    decode step gathers it).
+    """
+    decode = sorted(decode, key=lambda r: r.allocated)    # shortest first: the device groups rows by length
+    reqs = decode + [c.req for c in chunks]
+    positions = [r.num_launched for r in decode] + [len(c.req.output_ids) for c in chunks]  # seed positions
+    ext = [1] * len(decode) + [c.n for c in chunks]
+    seq = [r.allocated for r in decode] + [c.start + c.n for c in chunks]
+    ids = [0] * len(decode)
+    locs = [r.slots[-1] for r in decode]
+    prefix_lens, prefix_slots = [0] * len(decode), []
+    for r in decode:
+        r.num_launched += 1
+    for c in chunks:
+        r = c.req
+        ids.extend(r.fill_ids()[c.start:c.start + c.n])
+        locs.extend(r.slots[c.start:c.start + c.n])
+        first = c.start == r.cached_len            # a row's first chunk maps its cached prefix on the device
+        prefix_lens.append(r.cached_len if first else 0)
+        if first:
+            prefix_slots.extend(r.slots[:r.cached_len])
+        r.filled = c.start + c.n
+        if c.last:
+            r.num_launched = len(r.output_ids) + 1
     b = len(reqs)
-    positions = np.array([r.num_launched if not is_prefill else len(r.output_ids) for r in reqs], np.int64)
-    for r in reqs:
-        r.num_launched = (len(r.output_ids) if is_prefill else r.num_launched) + 1
     samp = np.array([r.sampling_row for r in reqs], np.float64).reshape(b, 4)   # prepared when taken in
     step = StepInput(
         step_id=s.next_step_id(),
         rows=np.array([r.row for r in reqs], np.int64),
-        extend_lens=extend, seq_lens=seq,
-        use_future=np.zeros(b, np.int64) if is_prefill else np.ones(b, np.int64),
+        extend_lens=np.array(ext, np.int64), seq_lens=np.array(seq, np.int64),
+        use_future=np.array([1] * len(decode) + [0] * len(chunks), np.int64),
         input_ids=np.array(ids, np.int64), out_cache_loc=np.array(locs, np.int64),
         temperature=samp[:, 0].copy(), top_p=samp[:, 1].copy(),
         top_k=np.array([r.sampling_row[2] for r in reqs], np.int64), min_p=samp[:, 3].copy(),
-        draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), positions),
+        draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), np.array(positions, np.int64)),
         poison_rows=s.take_freed_rows(),
+        prefix_lens=np.array(prefix_lens, np.int64), prefix_slots=np.array(prefix_slots, np.int64),
     )
-    return Batch(step.step_id, reqs, is_prefill, step)
+    for c in chunks:
+        s.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it
+    assert b == step.batch_size
+    return Batch(step.step_id, reqs, bool(chunks), step, [True] * len(decode) + [c.last for c in chunks],
+                 num_decode=len(decode))

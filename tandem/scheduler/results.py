@@ -22,15 +22,17 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         tokens = handle.wait()                       # copy_done.wait()
     t = now()
     outputs: list[StepOutput] = []
-    for req, tok in zip(batch.reqs, tokens.tolist()):
+    for req, tok, keep in zip(batch.reqs, tokens.tolist(), batch.samples):
         if req.finished:
             # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
             # never appended, streamed or counted.
             continue
-        req.kv_committed = req.allocated
+        req.kv_committed = req.filled
         if req.aborted:
             s.end(req, "abort")
             continue
+        if not keep:
+            continue            # a non-final prefill chunk: its sampled token is discarded (see _make_batch)
         try:
             faults.check("process", req.prompt_ids)
             req.output_ids.append(tok)
@@ -43,7 +45,8 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         if reason is not None:
             s.finish(req, reason)
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
-                                  len(req.prompt_ids), len(req.output_ids)))
+                                  len(req.prompt_ids), len(req.output_ids),
+                                  num_cached_tokens=req.num_cached_tokens or 0))
     s.recorder.device(batch, handle.device_span, len(outputs))
     s.emit(outputs)
 

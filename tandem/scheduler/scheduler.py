@@ -17,6 +17,7 @@ from .. import faults
 from ..config import EngineConfig
 from ..device.runner import ModelRunner, ResultHandle
 from ..memory.kv_allocator import KVSlotAllocator
+from ..memory.radix_cache import RadixCache
 from ..memory.req_table import ReqRowAllocator
 from ..request import Req, ReqStatus, StepOutput
 from ..trace.recorder import Recorder
@@ -39,6 +40,9 @@ class Scheduler:
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
         self.kv = KVSlotAllocator(runner.num_slots)
+        self.cache = RadixCache() if config.prefix_cache else None
+        self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0                # of those, tokens whose KV the cache held
         self.rows = ReqRowAllocator(config.max_running_requests)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
@@ -87,7 +91,7 @@ class Scheduler:
 
     # ---- launch and results --------------------------------------------------------------------------------
     def launch_step(self, batch: Batch) -> ResultHandle:
-        if not batch.is_prefill:
+        if batch.num_decode:
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.recorder.launched(batch)
         return self.runner.launch_step(batch.step)
@@ -109,11 +113,12 @@ class Scheduler:
 
     # ---- memory --------------------------------------------------------------------------------------------
     def finish(self, req: Req, reason: str) -> None:
-        """Free a finished request's KV slots and row.
+        """Free a finished request's row, and its KV slots to the prefix cache or the free list.
 
         Safe even though the request may still ride in the launched batch k (one-step lag): every later
         launch queues behind batch k on the device (one forward stream; one device process that runs steps
-        in order), so a freed slot or row is reused only by steps that run after batch k's writes.
+        in order), so a freed slot or row, or a cached slot that is evicted, is rewritten only by steps that
+        run after batch k's writes and reads.
         """
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -126,7 +131,7 @@ class Scheduler:
         """Finish a request outside process_results (abort, no room left) and tell the sink: no new token."""
         self.finish(req, reason)
         self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids),
-                              req.error)])
+                              req.error, req.num_cached_tokens or 0)])
 
     def fail(self, req: Req, exc: BaseException) -> None:
         """Engine isolation: an error in one request's own path (preparing it, processing its results) ends
@@ -151,12 +156,93 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         if req.slots:
-            self.kv.free(req.slots)
+            if self.cache is not None:
+                self._cache_kv(req)
+            else:
+                self.kv.free(req.slots)
             req.slots = []
+        req.filled = 0
         if req.row:
             self.rows.free(req.row)
             self._freed_rows.append(req.row)
             req.row = 0
+
+    def _cache_kv(self, req: Req) -> None:
+        """Hand a leaving request's KV to the prefix cache (finish, abort or retraction).
+
+        Cached: positions [0, n), n = min(filled, len(fill_ids) - 1), whose writing step has been launched
+        and whose token the host knows (slots of prefill chunks never launched are freed). Never the last token: the last sampled one has no KV yet, and a
+        request that finished in batch k-1 but rides in batch k writes its extra token's KV at slot
+        slots[n]: that slot is freed, not cached (it also keeps the tree the same under both loops).
+        Every reader of a cached slot is launched after this point, so after the step that wrote it.
+        """
+        fill = req.fill_ids()
+        n = max(min(req.filled, len(fill) - 1), req.cached_len)
+        held = self.cache.insert(fill[:n], req.slots[:n])
+        # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
+        # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
+        self.kv.free(req.slots[req.cached_len:max(held, req.cached_len)] + req.slots[n:])
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = None, 0
+    def cache_prefill(self, req: Req) -> None:
+        """Share a running request's prompt KV as soon as the step that writes it is picked, so requests
+        admitted in later steps hit it (requests sharing a system prompt need not wait for a finish).
+
+        Safe because the picked step is launched before any later step is picked: every reader of these
+        slots is launched after their writer (not in the same step: a step gathers keys before it writes).
+        The request's lock moves to the new leaf. Skipped when the tree has meanwhile got KV of its own for
+        these tokens (a batch mate with the same prefix): the request keeps its copy, and the finish path
+        frees it."""
+        if self.cache is None or req.filled <= req.cached_len:
+            return
+        ids = req.fill_ids()[:req.filled]
+        if len(self.cache.match_prefix(ids)[0]) != req.cached_len:
+            return
+        self.cache.insert(ids, req.slots[:req.filled])
+        slots, node = self.cache.match_prefix(ids)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, len(slots)
+
+    def match_prefix(self, req: Req) -> int:
+        """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
+        The last token is always computed: its logits sample the next token. Returns the hit length."""
+        req.cached_len = 0
+        if self.cache is not None:
+            fill = req.fill_ids()
+            slots, node = self.cache.match_prefix(fill[:-1])
+            self.cache.lock(node)
+            req.slots, req.cached_len, req.cache_node = slots, len(slots), node
+        req.filled = req.cached_len
+        return req.cached_len
+
+    def unmatch(self, req: Req) -> None:
+        """Undo match_prefix for a request that was not admitted after all."""
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.slots, req.cached_len, req.cache_node, req.filled = [], 0, None, 0
+
+    def alloc_slots(self, n: int) -> list[int]:
+        """n free KV slots, evicting unlocked prefix-cache leaves (LRU) only when the free list runs short."""
+        short = n - self.kv.available()
+        if short > 0 and self.cache is not None:
+            self.kv.free(self.cache.evict(short))
+        return self.kv.alloc(n)
+
+    def available(self) -> int:
+        """KV slots a step may get: free, plus cached but unlocked (evictable on demand)."""
+        return self.kv.available() + (self.cache.evictable_size if self.cache is not None else 0)
+
+    def audit_kv(self) -> None:
+        """Debug check: every KV slot is free, held by a live request, or owned by the tree, exactly once."""
+        owned = list(self.kv._free)
+        if self.cache is not None:
+            owned += self.cache.all_slots()
+        for req in self._live.values():
+            owned += req.slots[req.cached_len:]
+        assert sorted(owned) == list(range(self.kv.num_slots)), "KV slot ownership is not a partition"
 
     def take_freed_rows(self) -> np.ndarray:
         rows, self._freed_rows = self._freed_rows, []
@@ -170,12 +256,18 @@ class Scheduler:
         return bool(self.inbox or self.waiting or self.running or self.result_queue)
 
     def stats(self) -> dict:
+        cached = self.cache.total_size if self.cache is not None else 0
+        evictable = self.cache.evictable_size if self.cache is not None else 0
         return {
             "total_kv_slots": self.kv.num_slots,
             "free_kv_slots": self.kv.available(),
+            "cached_kv_slots": cached,          # owned by the prefix cache (locked or not)
+            "evictable_kv_slots": evictable,    # cached and unlocked: available to new steps
             "total_req_rows": self.rows.size,
             "free_req_rows": self.rows.available(),
             "num_running": len(self.running),
             "num_waiting": len(self.waiting) + sum(1 for k, _ in list(self.inbox) if k == "add"),
-            "kv_usage": 1.0 - self.kv.available() / self.kv.num_slots,
+            "kv_usage": 1.0 - self.available() / self.kv.num_slots,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
         }

@@ -49,6 +49,7 @@ class RequestStream:
     first_token: float | None = None
     last_token: float | None = None
     aborted: bool = False     # nobody reads it any more; kept until the engine says it finished (metrics)
+    num_cached_tokens: int = 0    # prompt tokens the prefix cache served (usage.prompt_tokens_details)
 
 
 class EngineClient:

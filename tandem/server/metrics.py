@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..request import StepOutput
 from .client import RequestStream
@@ -25,6 +25,11 @@ GAUGES = {
     "tandem:kv_cache_usage_perc": ("kv_usage", "Fraction of KV cache slots in use (1 = full)."),
     "tandem:device_idle_fraction": ("device_idle_fraction",
                                     "Fraction of the last window (device steps of the last 10 s) the device idled."),
+}
+# counter name (the client adds _total) -> (engine stats key, help): running totals kept by the engine
+ENGINE_COUNTERS = {
+    "tandem:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "tandem:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held."),
 }
 
 
@@ -44,6 +49,10 @@ class _EngineGauges:
                               "(submitted, not yet finished); 0 when idle.", labels=["model_name"])
         g.add_metric([self.model_name], float(self.open_requests()))
         yield g
+        for name, (key, doc) in ENGINE_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            yield c
 
 
 class ServerMetrics:

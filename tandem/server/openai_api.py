@@ -70,6 +70,12 @@ class Choice:
     st: RequestStream
     ts: TextStream
     echo: str = ""                 # the prompt's text, sent first (completions with echo=true)
+    sample: int = 0                # which of its prompt's n samples
+
+
+def _cached(choices: list[Choice]) -> int:
+    """Prompt tokens the prefix cache served, each prompt counted once (as prompt_tokens are)."""
+    return sum(c.st.num_cached_tokens for c in choices if c.sample == 0)
 
 
 class OpenAIServer:
@@ -107,13 +113,15 @@ class OpenAIServer:
             raise failed[0]
         echo = [await self.fe.off_loop(self.fe.decode, ids) if getattr(body, "echo", False) else ""
                 for ids, _ in plan]
-        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e)
-                     for k, ((ids, p), st, e) in enumerate(zip(plan, subs, echo))]
+        samples = [i for p in params for i in range(p.n)]
+        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i)
+                     for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
 
     async def _deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
         failed this request (engine isolation: the others go on)."""
         async for o in self.client.outputs(st):
+            st.num_cached_tokens = o.num_cached_tokens
             if o.finish_reason == "error":
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
@@ -198,7 +206,7 @@ class OpenAIServer:
             return Response(status_code=499)
         return build(rid, self.model, created, [build_choice(c.index, text, reason)
                                                 for c, (text, reason, _) in zip(choices, done)],
-                     P.usage(n_prompt, sum(n for _, _, n in done)))
+                     P.usage(n_prompt, sum(n for _, _, n in done), _cached(choices)))
 
     async def _stream_completion(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
                                  include_usage: bool):
@@ -216,7 +224,7 @@ class OpenAIServer:
                     yield chunk(c, delta, o.finish_reason if o.finished else None)
             if include_usage:
                 yield _sse(P.completion_chunk(rid, self.model, created, None, None,
-                                              P.usage(n_prompt, sum(n_out.values())), True))
+                                              P.usage(n_prompt, sum(n_out.values()), _cached(choices)), True))
         except (EngineError, APIError) as e:
             yield _stream_error(e)
         finally:
@@ -240,7 +248,7 @@ class OpenAIServer:
                 elif delta:
                     yield chunk(c, {"content": delta})
             if include_usage:
-                yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values())))
+                yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values()), _cached(choices)))
         except (EngineError, APIError) as e:
             yield _stream_error(e)
         finally:

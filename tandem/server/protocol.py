@@ -212,9 +212,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---- responses (plain dicts: they are built per token, so no validation cost) --------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}    # served from the prefix cache
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
