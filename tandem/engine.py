@@ -90,7 +90,9 @@ class Engine:
         self.recorder = Recorder(enabled=True, loop=config.scheduler,
                                  ring_steps=config.trace_ring_steps)
         self._sink = sink
-        self.scheduler = Scheduler(config, self.runner, self._emit, self.recorder, poll)
+        from .grammar import GrammarCompiler
+        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.scheduler = Scheduler(config, self.runner, self._emit, self.recorder, poll, self.grammar)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -129,8 +131,6 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this engine can hold "
                              f"(context {self.max_context}, KV cache {self.runner.num_slots} tokens, "
                              f"one generated token included)")
-        if params.structured_outputs is not None:
-            raise ValueError("structured_outputs: the grammar branch of the scheduler is not wired yet")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Req(rid=rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids=list(prompt_ids),
                   params=params, seed=seed, eos_token_ids=self.eos_token_ids,
@@ -185,6 +185,8 @@ class Engine:
                     from .trace.export import write_live_trace
                     write_live_trace(self.recorder, self.config.trace_dir, self.model_name)
             finally:
+                if self.scheduler.grammars is not None:
+                    self.scheduler.grammars.shutdown()
                 self.runner.shutdown()
 
     def __del__(self) -> None:

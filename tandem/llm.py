@@ -91,7 +91,11 @@ class LLM:
 
     def _run(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        # Validate everything before queueing anything: a bad input raises and leaves the engine untouched.
+        # Validate everything before queueing anything: a bad input raises and leaves the engine untouched
+        # (an invalid schema, regex or grammar included: compiling it is cached for the engine).
+        for p in params:
+            if p.structured_outputs is not None:
+                self.engine.grammar.compile(p.structured_outputs)
         # A prompt with n > 1 becomes n requests (sample i with its own derived seed).
         groups = [[self.engine.make_request(ids, p.sample(i)) for i in range(p.n)]
                   for (_, ids), p in zip(encoded, params)]

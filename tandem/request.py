@@ -53,6 +53,7 @@ class Req:
     text: str | None = None                # final text when a stop string cut it
     error: str | None = None               # why the engine failed this request (finish_reason "error")
     sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
+    grammar: object | None = None          # GrammarMatcher of a structured-output request, once compiled
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

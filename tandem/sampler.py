@@ -80,11 +80,22 @@ def _exponential_noise(seeds: list[int], vocab: int, device: torch.device) -> to
     for i, seed in enumerate(seeds):
         gen.manual_seed(seed)
         u[i].uniform_(generator=gen)                                   # [0, 1)
-    return u.neg_().log1p_().neg_()                                    # -log(1 - u) in (0, inf)
+    return u.neg_().log1p_().neg_()                                    # -log(1 - u) in [0, inf)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The grammar branch: forbid (-inf) every token a row's grammar does not allow, in place.
+
+    logits: [B, V]; rows: [G] batch rows under a grammar; bitmask: [G, ceil(V/32)] int32, bit t of a row set
+    when token t is allowed (llguidance's layout)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]   # [G, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, -math.inf)
 
 
 def sample(logits: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
-    """logits: [B, V] fp32. Returns token ids [B] (int64)."""
+    """logits: [B, V] fp32 (grammar rows already masked). Returns token ids [B] (int64)."""
     tokens = logits.argmax(dim=-1)                                   # greedy rows
     if not p.any_sampled:
         return tokens
@@ -95,7 +106,10 @@ def sample(logits: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
         z = z.masked_fill(z < torch.log(p.min_p.clamp_min(1e-30))[:, None], -math.inf)
     if p.has_sort:
         z[p.sort] = _top_k_top_p(z[p.sort], p.top_k[p.sort], p.top_p[p.sort])
-    race = z.exp_().div_(_exponential_noise(p.draw_seeds, z.shape[-1], z.device))
+    # E == 0 (u == 0, p ~ 2**-24 a token) would make a masked token's race exp(-inf) / 0 = NaN, which argmax
+    # picks (a grammar-, top-k- or min-p-masked token): E is kept >= the smallest normal float.
+    noise = _exponential_noise(p.draw_seeds, z.shape[-1], z.device).clamp_min_(torch.finfo(z.dtype).tiny)
+    race = z.exp_().div_(noise)
     choice = race.argmax(dim=-1)
     return choice if p.rows is None else tokens.index_copy(0, p.rows, choice)
 

@@ -55,11 +55,3 @@ def test_cli_generate(tiny_llama, capsys):
     assert rc == 0 and capsys.readouterr().out.strip() != ""
     assert main(["generate", "Hello", "--model", tiny_llama, "--max-tokens", "-3",
                  "--kv-cache-tokens", "1024"]) == 2
-
-
-def test_every_engine_flag_has_help():
-    import dataclasses
-
-    from tandem.cli import field_help
-    from tandem.config import EngineConfig
-    assert set(field_help()) >= {f.name for f in dataclasses.fields(EngineConfig)}

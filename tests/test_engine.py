@@ -193,3 +193,15 @@ def test_n_samples_per_prompt(tiny_llama, make_llm):
     assert single[0].token_ids == a[0].outputs[0].token_ids      # sample 0 keeps the request's seed
     with pytest.raises(ValueError, match="n="):
         SamplingParams(n=0)
+
+
+def test_zero_noise_never_picks_a_masked_token(monkeypatch):
+    """A draw of u == 0 (E == 0) must not turn a masked token's race into NaN, which argmax would pick."""
+    import tandem.sampler as sampler
+    vocab = 64
+    logits = torch.randn(2, vocab)
+    logits[:, 10:] = -float("inf")                                   # masked (grammar, top-k, min-p)
+    monkeypatch.setattr(sampler, "_exponential_noise", lambda seeds, v, dev: torch.zeros(len(seeds), v))
+    p = SamplingBatch.from_host(np.ones(2), np.ones(2), np.full(2, -1), np.zeros(2), np.array([1, 2]),
+                                torch.device("cpu"))
+    assert all(t < 10 for t in sample(logits, p).tolist())

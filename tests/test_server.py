@@ -290,3 +290,52 @@ def test_include_stop_str_in_output(client, reference):
     kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop])
     out = client.completions.create(extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kw)
     assert out.choices[0].text == text[:text.find(stop) + len(stop)] and out.choices[0].finish_reason == "stop"
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer",
+                                                                                   "minimum": 0, "maximum": 9}},
+          "required": ["answer", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(client, stream):
+    import jsonschema
+    kw = dict(model="tiny", messages=CHAT, max_tokens=40, seed=3, temperature=1.0,
+              response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        out = client.chat.completions.create(**kw)
+        text, reason = out.choices[0].message.content, out.choices[0].finish_reason
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_guided_choice_and_structured_outputs_on_completions(client):
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=1, n=3,
+                                    extra_body={"guided_choice": ["red", "green"]})
+    assert {c.text for c in out.choices} <= {"red", "green"} and all(c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=1.0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert len(out.choices[0].text) == 4 and out.choices[0].text.isdigit()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"logprobs": True}, "logprobs"),
+    ({"no_such_field": 1}, "no_such_field"),
+])
+def test_structured_output_and_unsupported_fields_are_400(server, body, param):
+    resp = server.http.post(CHAT_URL, json={"messages": CHAT, "max_tokens": 4, **body})
+    assert_error(resp, 400, param)
+    assert server.http.post(CMPL, json=OK).status_code == 200

@@ -12,6 +12,7 @@ surfaces in the scheduler as DeviceProcessError, never a hang.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
@@ -28,11 +29,13 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 
 from .. import runtime_files
+from ..grammar.compiler import mask_words
+from . import step as step_mod
 from .executor import ExecutorSpec
 from .step import StepInput
 from .streams import now
 
-_LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index
+_LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
 _DONE = struct.Struct("<cqdd")     # b"D", step id, forward start, forward end
 
 
@@ -41,11 +44,14 @@ class DeviceProcessError(RuntimeError):
 
 
 class _SharedBuffers:
-    """Two step-input slots (int64 + float64) and two output slots, in one file in /dev/shm."""
+    """Two slots each of step input (int64 + float64), sampled ids, and grammar token masks (int32 rows of
+    mask_width words), in one file in /dev/shm."""
 
-    def __init__(self, path: str, int_words: int, float_words: int, out_words: int, create: bool) -> None:
-        self.sizes = (int_words, float_words, out_words)
-        nbytes = 8 * 2 * (int_words + float_words + out_words)
+    def __init__(self, path: str, int_words: int, float_words: int, out_words: int, mask_rows: int,
+                 mask_width: int, create: bool) -> None:
+        self.sizes = (int_words, float_words, out_words, mask_rows, mask_width)
+        mask_words = (mask_rows * mask_width + 1) // 2
+        nbytes = 8 * 2 * (int_words + float_words + out_words + mask_words)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -60,6 +66,11 @@ class _SharedBuffers:
             for _ in range(2):
                 lst.append(np.frombuffer(self._map, dtype=dt, count=words, offset=o))
                 o += 8 * words
+        self.masks = []
+        for _ in range(2):
+            self.masks.append(np.frombuffer(self._map, dtype=np.int32, count=mask_rows * mask_width, offset=o)
+                              .reshape(mask_rows, mask_width))
+            o += 8 * mask_words
 
 
 class ProcessHandle:
@@ -68,6 +79,11 @@ class ProcessHandle:
         self._runner, self._buf, self._b = runner, buf, step.batch_size
         self._result: np.ndarray | None = None
         self._span = (0.0, 0.0)
+
+    def send_masks(self, masks: np.ndarray) -> None:
+        """The grammar branch: the token masks of this step's grammar rows, once the host has them."""
+        self._runner._write_masks(self._buf, masks)
+        self._runner._send(_LAUNCH.pack(b"M", self.step_id, self._buf))
 
     def wait(self) -> np.ndarray:
         if self._result is None:
@@ -84,11 +100,14 @@ class ProcessRunner:
     def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0, max_prefix_slots: int = 0) -> None:
         b = spec.max_running
-        # StepInput.pack: header, 8 words a row, ids and slots a token, poisoned rows, prefix-hit slots.
-        int_words = 4 + 8 * b + 2 * max_tokens_per_step + max_prefix_slots
+        # StepInput.pack: header, the row fields, ids and slots a token, poisoned rows (<= rows), prefix-hit
+        # slots, grammar rows (<= rows).
+        int_words = step_mod.HEADER + (len(step_mod._INT_FIELDS) + 2) * b + 2 * max_tokens_per_step + \
+            max_prefix_slots
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
-        self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b, create=True)
+        self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b, b, mask_words(spec.source.config.vocab_size),
+                                      create=True)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
@@ -140,11 +159,19 @@ class ProcessRunner:
                 if now() > deadline:
                     raise DeviceProcessError("device process did not connect in time") from None
 
-    def launch_step(self, step: StepInput) -> ProcessHandle:
+    defers_masks = True       # a step's grammar masks may follow its launch (the device waits before sampling)
+
+    def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ProcessHandle:
         buf = step.step_id % 2
+        if masks is not None:
+            self._write_masks(buf, masks)
+        step.mask_ready = masks is not None or not len(step.grammar_rows)
         step.pack(self.buffers.ints[buf], self.buffers.floats[buf])
         self._send(_LAUNCH.pack(b"L", step.step_id, buf))
         return ProcessHandle(self, step, buf)
+
+    def _write_masks(self, buf: int, masks: np.ndarray) -> None:
+        self.buffers.masks[buf][:len(masks)] = masks
 
     def _send(self, msg: bytes) -> None:
         try:
@@ -225,17 +252,36 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         from .executor import ModelExecutor
         executor = ModelExecutor(spec)
         conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context))))
+        early: set[int] = set()              # steps whose mask message came before they were run
+        later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
+
+        def masks_of(step: StepInput, buf: int):
+            def wait() -> np.ndarray:
+                # The grammar branch: the forward is done; sampling waits for the host's masks.
+                while not step.mask_ready and step.step_id not in early:
+                    msg = conn.recv_bytes()
+                    if msg[:1] == b"M":
+                        early.add(_LAUNCH.unpack(msg)[1])
+                    else:
+                        later.append(msg)
+                early.discard(step.step_id)
+                return buffers.masks[buf][:len(step.grammar_rows)]
+            return wait
+
         while True:
             try:
-                msg = conn.recv_bytes()
+                msg = later.popleft() if later else conn.recv_bytes()
             except (EOFError, OSError):
                 return                      # the scheduler is gone: exit with it
             start = now()           # the device span: from the launch message in hand to the ids written back
             if msg == b"Q":
                 return
-            _, step_id, buf = _LAUNCH.unpack(msg)
+            kind, step_id, buf = _LAUNCH.unpack(msg)
+            if kind == b"M":                # the masks of a step not yet run (it is next)
+                early.add(step_id)
+                continue
             step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
-            tokens = executor.run_step(step)
+            tokens = executor.run_step(step, masks_of(step, buf))
             buffers.outs[buf][:step.batch_size] = tokens.numpy()
             conn.send_bytes(_DONE.pack(b"D", step_id, start, now()))
     except BaseException:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -13,7 +14,7 @@ import torch
 from ..model.kv_cache import PagedKVCache
 from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
-from ..sampler import SamplingBatch, sample
+from ..sampler import SamplingBatch, apply_token_bitmask, sample
 from .future_map import FutureMap
 from .step import StepInput
 
@@ -80,8 +81,12 @@ class ModelExecutor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput) -> torch.Tensor:
-        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device."""
+    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None) -> torch.Tensor:
+        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device.
+
+        The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
+        called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
+        the device only the wait for what is left of it."""
         dev = self.device
         rows = self._tensor(step.rows)
         ext = self._tensor(step.extend_lens)
@@ -109,6 +114,9 @@ class ModelExecutor:
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
         meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
         logits = self.model.forward(input_ids, positions, meta)
+        if len(step.grammar_rows):
+            apply_token_bitmask(logits, self._tensor(step.grammar_rows),
+                                torch.from_numpy(masks()).to(self.device, non_blocking=True))
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.draw_seed, dev))
         # FutureMap write: the next step of these rows reads its input ids from here.

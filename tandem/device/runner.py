@@ -25,13 +25,18 @@ class ResultHandle(Protocol):
     def device_span(self) -> tuple[float, float]:
         """(start, end) of the forward on the shared clock; valid after wait()."""
 
+    def send_masks(self, masks: np.ndarray) -> None:
+        """The grammar branch: the step's token masks, after its launch (runners with defers_masks)."""
+
 
 class ModelRunner(Protocol):
     num_slots: int
     max_context: int
 
+    defers_masks: bool      # the grammar branch: a step's token masks may follow its launch
+
     def wait_ready(self) -> None: ...
-    def launch_step(self, step: StepInput) -> ResultHandle: ...
+    def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ResultHandle: ...
     def shutdown(self) -> None: ...
 
 
@@ -72,11 +77,13 @@ class InlineRunner:
     def wait_ready(self) -> None:
         return None
 
-    def launch_step(self, step: StepInput) -> InlineHandle:
+    defers_masks = False      # it samples within launch_step: grammar masks come with the launch
+
+    def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> InlineHandle:
         start = now()
         with self.streams.forward():
             begin = self.streams.record(timing=True) if self.streams.cuda else None
-            tokens = self.executor.run_step(step)
+            tokens = self.executor.run_step(step, lambda: masks)
             finish = self.streams.record(timing=True) if self.streams.cuda else None
         host, copy_done = self.streams.copy_to_host(tokens)
         if self.streams.cuda:

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Layout of the packed int64 header: B rows, T new tokens, P poisoned rows, S prefix slots.
+# Layout of the packed int64 header: B rows, T new tokens, P poisoned rows, S prefix slots, G grammar rows,
+# and whether the grammar rows' token masks were written with the launch (1) or follow it (0).
 _INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens")  # each [B]
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")                                       # each [B]
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+HEADER = 6                                       # each [B]
 
 
 @dataclass
@@ -30,12 +32,18 @@ class StepInput:
     # the cached KV slots in prefix_slots (rows concatenated); 0 for every other row.
     prefix_lens: np.ndarray = None    # [B]
     prefix_slots: np.ndarray = None   # [S]
+    # The grammar branch: batch rows whose sampling is masked by a token bitmask ([G, ceil(V/32)] int32, sent
+    # beside the step), and whether the masks came with the launch or follow it (see loops.py).
+    grammar_rows: np.ndarray = None   # [G]
+    mask_ready: bool = True
 
     def __post_init__(self) -> None:
         if self.prefix_lens is None:
             self.prefix_lens = np.zeros(len(self.rows), np.int64)
         if self.prefix_slots is None:
             self.prefix_slots = np.zeros(0, np.int64)
+        if self.grammar_rows is None:
+            self.grammar_rows = np.zeros(0, np.int64)
 
     @property
     def batch_size(self) -> int:
@@ -46,13 +54,15 @@ class StepInput:
         return len(self.input_ids)
 
     def int_words(self) -> int:
-        return 4 + 7 * self.batch_size + 2 * self.num_tokens + len(self.poison_rows) + len(self.prefix_slots)
+        return HEADER + len(_INT_FIELDS) * self.batch_size + 2 * self.num_tokens + len(self.poison_rows) + \
+            len(self.prefix_slots) + len(self.grammar_rows)
 
     def pack(self, ints: np.ndarray, floats: np.ndarray) -> None:
         """Write into preallocated shared buffers (int64 and float64)."""
         b, t, p, s = self.batch_size, self.num_tokens, len(self.poison_rows), len(self.prefix_slots)
-        ints[:4] = (b, t, p, s)
-        o = 4
+        g = len(self.grammar_rows)
+        ints[:HEADER] = (b, t, p, s, g, int(self.mask_ready))
+        o = HEADER
         for name in _INT_FIELDS:
             ints[o:o + b] = getattr(self, name)
             o += b
@@ -61,14 +71,15 @@ class StepInput:
         o += 2 * t
         ints[o:o + p] = self.poison_rows
         ints[o + p:o + p + s] = self.prefix_slots
+        ints[o + p + s:o + p + s + g] = self.grammar_rows
         for i, name in enumerate(_FLOAT_FIELDS):
             floats[i * b:(i + 1) * b] = getattr(self, name)
 
     @classmethod
     def unpack(cls, step_id: int, ints: np.ndarray, floats: np.ndarray) -> "StepInput":
         """Copies out of the shared buffers, so the host may reuse them once the step is done."""
-        b, t, p, s = (int(x) for x in ints[:4])
-        o = 4
+        b, t, p, s, g, ready = (int(x) for x in ints[:HEADER])
+        o = HEADER
         fields = {}
         for name in _INT_FIELDS:
             fields[name] = ints[o:o + b].copy()
@@ -78,6 +89,8 @@ class StepInput:
         o += 2 * t
         fields["poison_rows"] = ints[o:o + p].copy()
         fields["prefix_slots"] = ints[o + p:o + p + s].copy()
+        fields["grammar_rows"] = ints[o + p + s:o + p + s + g].copy()
+        fields["mask_ready"] = bool(ready)
         for i, name in enumerate(_FLOAT_FIELDS):
             fields[name] = floats[i * b:(i + 1) * b].copy()
         return cls(step_id=step_id, **fields)

@@ -17,6 +17,7 @@ class Batch:
     samples: list[bool]               # per row: its token is kept (False: a non-final prefill chunk)
     num_decode: int = 0
     needs_previous: bool = False      # overlap: process batch k-1 before launching this one
+    masks_pending: bool = False       # the grammar branch: its token masks follow the launch (grammar.py)
 
     @property
     def size(self) -> int:

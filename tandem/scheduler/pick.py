@@ -18,6 +18,7 @@ from ..device.step import StepInput
 from ..request import Req, ReqStatus
 from ..sampler import draw_seeds
 from .batch import Batch
+from .grammar import grammar_rows
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -37,6 +38,8 @@ class Chunk:
 
 def pick_batch(s: "Scheduler") -> Batch | None:
     s.finish_idle_aborts()
+    if s.grammars is not None:
+        s.grammars.collect(s)
     decode = _decode_candidates(s)
     mixed = s.config.enable_mixed_chunk and bool(decode)
     budget = min(s.config.max_prefill_tokens, s.config.mixed_prefill_tokens) if mixed else \
@@ -85,6 +88,8 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
     for req in s.waiting:
         if tokens >= budget or len(s.running) + len(admitted) >= s.config.max_running_requests:
             break
+        if s.grammars is not None and not s.grammars.ready(req):
+            continue                              # its grammar still compiles: the requests behind it go on
         fill = req.fill_ids()
         cached = s.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         n = len(fill) - cached                    # tokens this prefill computes
@@ -114,7 +119,7 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         chunks.append(Chunk(req, cached, take, take == n))
         tokens += take
     for req in admitted:
-        s.waiting.popleft()
+        s.waiting.remove(req)                     # a prefix of the queue, but for requests whose grammar compiles
         req.row = s.rows.alloc()
         req.status = ReqStatus.RUNNING
         s.running.append(req)
@@ -223,6 +228,7 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), np.array(positions, np.int64)),
         poison_rows=s.take_freed_rows(),
         prefix_lens=np.array(prefix_lens, np.int64), prefix_slots=np.array(prefix_slots, np.int64),
+        grammar_rows=grammar_rows(reqs),
     )
     for c in chunks:
         s.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it

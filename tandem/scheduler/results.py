@@ -11,6 +11,7 @@ from .. import faults
 from ..device.runner import ResultHandle
 from ..device.streams import now
 from ..request import Req, StepOutput
+from . import grammar
 from .batch import Batch
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             if req.first_token_time is None:
                 req.first_token_time = t
             reason = check_stop(req, tok)
+            if reason is None and req.grammar is not None and grammar.accept(req, tok):
+                reason = "stop"                # the grammar is complete (the JSON closed)
         except Exception as e:                 # isolation: this request fails alone (Scheduler.fail)
             s.fail(req, e)
             continue

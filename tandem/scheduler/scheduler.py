@@ -22,6 +22,8 @@ from ..memory.req_table import ReqRowAllocator
 from ..request import Req, ReqStatus, StepOutput
 from ..trace.recorder import Recorder
 from .batch import Batch
+from . import grammar
+from .grammar import Grammars
 from .results import process_results
 
 log = logging.getLogger("tandem.scheduler")
@@ -33,8 +35,10 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, sink: Callable[[list[StepOutput]], None],
-                 recorder: Recorder | None = None, poll: Callable[[], None] | None = None) -> None:
+                 recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
+                 grammar_compiler=None) -> None:
         self.config = config
+        self.grammars = Grammars(grammar_compiler) if grammar_compiler is not None else None
         self.poll = poll                    # pulls new messages (e.g. from ZMQ) into the inbox
         self.runner = runner
         self.sink = sink
@@ -66,6 +70,10 @@ class Scheduler:
                 try:
                     faults.check("prepare", item.prompt_ids)
                     item.prepare()
+                    if item.params.structured_outputs is not None:
+                        if self.grammars is None:
+                            raise ValueError("this engine has no grammar compiler")
+                        self.grammars.submit(item)          # compiled off the loop; admitted once ready
                 except Exception as e:             # isolation: this request fails, the engine goes on
                     self.fail(item, e)
                     continue
@@ -93,14 +101,19 @@ class Scheduler:
     def launch_step(self, batch: Batch) -> ResultHandle:
         if batch.num_decode:
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        masks = grammar.launch_masks(self, batch)
         self.recorder.launched(batch)
-        return self.runner.launch_step(batch.step)
+        return self.runner.launch_step(batch.step, masks)
 
     def process_oldest(self) -> None:
-        """Pop the oldest result handle from the result queue and process its batch."""
+        """Pop the oldest result handle from the result queue and process its batch; then the next batch is
+        the oldest, its grammar rows are current and its pending token masks go out (grammar.py)."""
         batch, handle = self.result_queue.popleft()
+        grammar.send_pending_masks(self, batch, handle)
         with self.recorder.span("process", batch.step_id):
             process_results(self, batch, handle)
+        if self.result_queue:
+            grammar.send_pending_masks(self, *self.result_queue[0])
 
     def process_pending(self) -> None:
         """The "process the previous result first" hook: bring host state up to date with the device."""

@@ -17,7 +17,7 @@ from .recorder import DeviceSpan, Recorder
 
 HostSpan = tuple[str, int, float, float]      # (name, step, start, end); step -1 for recv and pick
 HOST_NAMES = {"recv": "recv", "pick": "pick batch", "launch": "launch step", "process": "process results",
-              "wait": "wait copy_done"}
+              "wait": "wait copy_done", "mask": "grammar masks"}
 PID = {"serial": 1, "overlap": 2}
 HOST_TID, DEVICE_TID, IDLE_TID = 1, 2, 3
 

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from ..device.streams import now
 
-HOST_SPANS = ("recv", "pick", "launch", "process", "wait")
+HOST_SPANS = ("recv", "pick", "launch", "process", "wait", "mask")
 
 
 @dataclass(frozen=True)
