@@ -6,6 +6,13 @@ overlap: pick batch k, launch it and queue its result handle, then process batch
          batch k. Host state lags one step: batch k is picked before k-1's tokens are known, so its decode
          input ids come from the FutureMap on the device, and a request that finished in k-1 may ride in k
          (its token is dropped in process_results).
+
+The grammar branch (structured output, scheduler/grammar.py) changes only *when a step's token masks are
+sent*: the mask of a row depends on the token its previous step sampled. Rule: a batch's masks are computed
+once every step launched before it has been processed. In the serial loop that is always at launch. In the
+overlap loop batch k+1 is launched at once (its forward runs while the host works) and its masks follow
+right after batch k is processed (Scheduler.process_oldest); the device waits for them only before
+sampling. A runner that samples within its launch (the inline one) processes batch k first instead.
 """
 from __future__ import annotations
 
