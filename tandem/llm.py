@@ -131,8 +131,12 @@ class LLM:
         text = last.text if last is not None and last.text is not None else \
             self.engine.detokenizer(ids, p).add(token_ids)
         reason = last.finish_reason if last is not None else None
-        return (CompletionOutput(index, text, token_ids, reason), last.error if last is not None else None,
-                last.num_cached_tokens if last is not None else 0)
+        out = CompletionOutput(index, text, token_ids, reason)
+        if p.logprobs is not None:
+            per_token = [(tok, lp) for s in steps if s.logprobs for tok, lp in zip(s.new_token_ids, s.logprobs)]
+            out.logprobs = [{tok: chosen, **{a: b for a, b in top if a != tok}} for tok, (chosen, top) in per_token]
+            out.cumulative_logprob = sum(chosen for _, (chosen, _) in per_token)
+        return out, last.error if last is not None else None, last.num_cached_tokens if last is not None else 0
 
     def _collect(self, outputs: list[StepOutput]) -> None:
         for o in outputs:

@@ -98,8 +98,10 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None               # set with finish_reason "error": the engine failed this request
-    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (last field:
-                                           # server/ipc.py encodes StepOutput positionally)
+    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache
+    # With SamplingParams.logprobs: per new token [its logprob, [[top id, top logprob], ...]]. (Fields are
+    # encoded positionally by server/ipc.py: new ones go last, with a default.)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -108,6 +110,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None   # per token: {token: logprob} of it and its top alternatives
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -114,6 +114,26 @@ def sample(logits: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
     return choice if p.rows is None else tokens.index_copy(0, p.rows, choice)
 
 
+MAX_LOGPROBS = 20      # top logprobs a token may return (OpenAI's limit)
+
+
+@dataclass
+class Logprobs:
+    """Of the distribution each row sampled from: logits after the grammar mask and temperature (raw logits
+    for greedy rows), before top-k / top-p / min-p truncation, as vLLM returns them."""
+    chosen: torch.Tensor          # [B] log p of the sampled token
+    top_ids: torch.Tensor         # [B, K] the K most likely tokens (K = the largest number a row asked for)
+    top: torch.Tensor             # [B, K] their log p
+
+
+def logprobs(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
+    """logits: [B, V]; temperature: [B] (0: greedy, taken as 1); tokens: [B]; k: top logprobs to keep."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    lp = torch.log_softmax(logits / t[:, None], dim=-1)
+    top, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], tokens[:, None][:, :0])
+    return Logprobs(lp.gather(1, tokens[:, None]).squeeze(1), top_ids, top)
+
+
 TOP_CANDIDATES = 1024   # top-p first looks for its cut among this many best tokens (exact; sorts all if not)
 
 

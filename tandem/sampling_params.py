@@ -12,6 +12,7 @@ from .grammar.spec import StructuredOutputsParams
 # sample garbage instead of the argmax.
 GREEDY_EPS = 1e-5
 INT64 = 1 << 63
+MAX_LOGPROBS = 20            # top logprobs per token at most (OpenAI's limit)
 MAX_N = 128                  # samples per prompt (n) at most: each is a request of its own
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15   # seed of sample i = seed + i * stride (mod 2**63): far apart, odd
 
@@ -31,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # keep the matched stop string at the end of the text
     n: int = 1                           # completions per prompt (independent samples; seeds derived per sample)
     structured_outputs: StructuredOutputsParams | dict | None = None  # constrain the output (JSON schema, regex ...)
+    logprobs: int | None = None          # return each token's logprob and this many top alternatives (0-20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +52,9 @@ class SamplingParams:
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")

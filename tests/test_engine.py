@@ -205,3 +205,26 @@ def test_zero_noise_never_picks_a_masked_token(monkeypatch):
     p = SamplingBatch.from_host(np.ones(2), np.ones(2), np.full(2, -1), np.zeros(2), np.array([1, 2]),
                                 torch.device("cpu"))
     assert all(t < 10 for t in sample(logits, p).tolist())
+
+
+@pytest.mark.parametrize("backend", ["process", "inline"])
+def test_logprobs_equal_a_log_softmax_reference(tiny_llama, make_llm, backend):
+    """Logprobs of the sampled distribution (temperature applied; raw logits for greedy), with top-k."""
+    from transformers import AutoModelForCausalLM
+    llm = make_llm(tiny_llama, device_backend=backend)
+    params = [SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=4, max_tokens=5, logprobs=0, ignore_eos=True)]
+    outs = llm.generate(["hello there", "a b c"], params, use_tqdm=False)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    for out, p in zip(outs, params):
+        ids = out.prompt_token_ids + out.token_ids
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1:-1]
+        lp = torch.log_softmax(logits / (p.temperature or 1.0), dim=-1)
+        got = out.outputs[0].logprobs
+        assert len(got) == len(out.token_ids)
+        for i, tok in enumerate(out.token_ids):
+            assert got[i][tok] == pytest.approx(lp[i, tok].item(), abs=1e-4)
+            top = lp[i].topk(p.logprobs).indices.tolist()
+            assert set(got[i]) == {tok, *top}
+        assert out.outputs[0].cumulative_logprob == pytest.approx(sum(g[t] for g, t in zip(got, out.token_ids)))

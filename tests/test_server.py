@@ -332,10 +332,32 @@ def test_guided_choice_and_structured_outputs_on_completions(client):
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"no_such_field": 1}, "no_such_field"),
 ])
 def test_structured_output_and_unsupported_fields_are_400(server, body, param):
     resp = server.http.post(CHAT_URL, json={"messages": CHAT, "max_tokens": 4, **body})
     assert_error(resp, 400, param)
     assert server.http.post(CMPL, json=OK).status_code == 200
+
+
+def test_logprobs_over_http_equal_offline(client, model_dir):
+    from tandem import LLM, SamplingParams
+    llm = LLM(model_dir, kv_cache_tokens=int(KV), device_threads=1)
+    try:
+        ref = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw).choices[0].logprobs
+    assert out.token_logprobs == pytest.approx([d[t] for d, t in zip(ref.logprobs, ref.token_ids)], abs=1e-4)
+    assert all(len(top) == 2 for top in out.top_logprobs) and out.text_offset[0] == 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [lp for s in streamed if s for lp in s.token_logprobs] == pytest.approx(out.token_logprobs, abs=1e-6)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(chat.content) == 4 and all(len(c.top_logprobs) == 3 for c in chat.content)
+    assert all(c.logprob <= 0 for c in chat.content)

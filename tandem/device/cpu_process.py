@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import runtime_files
 from ..grammar.compiler import mask_words
+from ..sampler import MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
 from .step import StepInput
@@ -44,14 +45,17 @@ class DeviceProcessError(RuntimeError):
 
 
 class _SharedBuffers:
-    """Two slots each of step input (int64 + float64), sampled ids, and grammar token masks (int32 rows of
-    mask_width words), in one file in /dev/shm."""
+    """Two slots each of step input (int64 + float64), sampled ids, logprobs, and grammar token masks (int32
+    rows of mask_width words), in one file in /dev/shm.
+
+    Out slot of a step of B rows: ints [B sampled ids | B x MAX_LOGPROBS top ids], floats [B chosen logprobs |
+    B x MAX_LOGPROBS top logprobs] (the logprob parts written only when a row asked for them)."""
 
     def __init__(self, path: str, int_words: int, float_words: int, out_words: int, mask_rows: int,
                  mask_width: int, create: bool) -> None:
         self.sizes = (int_words, float_words, out_words, mask_rows, mask_width)
         mask_words = (mask_rows * mask_width + 1) // 2
-        nbytes = 8 * 2 * (int_words + float_words + out_words + mask_words)
+        nbytes = 8 * 2 * (int_words + float_words + 2 * out_words + mask_words)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -60,9 +64,9 @@ class _SharedBuffers:
         finally:
             os.close(fd)
         o = 0
-        self.ints, self.floats, self.outs = [], [], []
+        self.ints, self.floats, self.outs, self.lp_outs = [], [], [], []
         for lst, words, dt in ((self.ints, int_words, np.int64), (self.floats, float_words, np.float64),
-                               (self.outs, out_words, np.int64)):
+                               (self.outs, out_words, np.int64), (self.lp_outs, out_words, np.float64)):
             for _ in range(2):
                 lst.append(np.frombuffer(self._map, dtype=dt, count=words, offset=o))
                 o += 8 * words
@@ -91,6 +95,12 @@ class ProcessHandle:
             self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
         return self._result
 
+    def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
+        b, ints, floats = self._b, self._runner.buffers.outs[self._buf], self._runner.buffers.lp_outs[self._buf]
+        return (floats[:b].copy(), ints[b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k].copy(),
+                floats[b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k].copy())
+
     @property
     def device_span(self) -> tuple[float, float]:
         return self._span
@@ -106,8 +116,8 @@ class ProcessRunner:
             max_prefix_slots
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
-        self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b, b, mask_words(spec.source.config.vocab_size),
-                                      create=True)
+        self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b * (1 + MAX_LOGPROBS), b,
+                                      mask_words(spec.source.config.vocab_size), create=True)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
@@ -282,7 +292,14 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                 continue
             step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
             tokens = executor.run_step(step, masks_of(step, buf))
-            buffers.outs[buf][:step.batch_size] = tokens.numpy()
+            b = step.batch_size
+            buffers.outs[buf][:b] = tokens.numpy()
+            lp = executor.last_logprobs
+            if lp is not None:
+                k = lp.top.shape[1]
+                buffers.lp_outs[buf][:b] = lp.chosen.numpy()
+                buffers.outs[buf][b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k] = lp.top_ids.numpy()
+                buffers.lp_outs[buf][b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k] = lp.top.numpy()
             conn.send_bytes(_DONE.pack(b"D", step_id, start, now()))
     except BaseException:
         try:

@@ -14,7 +14,7 @@ import torch
 from ..model.kv_cache import PagedKVCache
 from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
-from ..sampler import SamplingBatch, apply_token_bitmask, sample
+from ..sampler import SamplingBatch, apply_token_bitmask, logprobs, sample
 from .future_map import FutureMap
 from .step import StepInput
 
@@ -76,6 +76,7 @@ class ModelExecutor:
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
                                         device=self.device)
         self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
+        self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -119,6 +120,11 @@ class ModelExecutor:
                                 torch.from_numpy(masks()).to(self.device, non_blocking=True))
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.draw_seed, dev))
+        # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
+        self.last_logprobs = None
+        if (step.num_logprobs >= 0).any():
+            self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
+                                          int(step.num_logprobs.max()))
         # FutureMap write: the next step of these rows reads its input ids from here.
         self.future_map.stash(rows, tokens)
         return tokens

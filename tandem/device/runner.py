@@ -28,6 +28,9 @@ class ResultHandle(Protocol):
     def send_masks(self, masks: np.ndarray) -> None:
         """The grammar branch: the step's token masks, after its launch (runners with defers_masks)."""
 
+    def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
+
 
 class ModelRunner(Protocol):
     num_slots: int
@@ -42,7 +45,8 @@ class ModelRunner(Protocol):
 
 class InlineHandle:
     def __init__(self, step: StepInput, host_tokens: torch.Tensor, copy_done: Event, start: float,
-                 end: float | None, events: tuple | None) -> None:
+                 end: float | None, events: tuple | None, logprobs=None) -> None:
+        self._logprobs = logprobs          # the executor's Logprobs of this step (device tensors), if asked
         self.step_id = step.step_id
         self._step = step                  # host tensors an in-flight step reads stay alive until it is done
         self._host_tokens = host_tokens
@@ -63,6 +67,11 @@ class InlineHandle:
     @property
     def device_span(self) -> tuple[float, float]:
         return self._start, self._end if self._end is not None else self._start
+
+    def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lp = self._logprobs
+        return (lp.chosen.cpu().numpy().astype(np.float64), lp.top_ids[:, :k].cpu().numpy(),
+                lp.top[:, :k].cpu().numpy().astype(np.float64))
 
 
 class InlineRunner:
@@ -86,9 +95,10 @@ class InlineRunner:
             tokens = self.executor.run_step(step, lambda: masks)
             finish = self.streams.record(timing=True) if self.streams.cuda else None
         host, copy_done = self.streams.copy_to_host(tokens)
+        lp = self.executor.last_logprobs
         if self.streams.cuda:
-            return InlineHandle(step, host, copy_done, start, None, (begin, finish))
-        return InlineHandle(step, host, copy_done, start, now(), None)
+            return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp)
+        return InlineHandle(step, host, copy_done, start, now(), None, lp)
 
     def shutdown(self) -> None:
         self.executor = None

@@ -8,7 +8,8 @@ import numpy as np
 
 # Layout of the packed int64 header: B rows, T new tokens, P poisoned rows, S prefix slots, G grammar rows,
 # and whether the grammar rows' token masks were written with the launch (1) or follow it (0).
-_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens")  # each [B]
+_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens",
+               "num_logprobs")                                                          # each [B]
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 HEADER = 6                                       # each [B]
 
@@ -36,6 +37,7 @@ class StepInput:
     # beside the step), and whether the masks came with the launch or follow it (see loops.py).
     grammar_rows: np.ndarray = None   # [G]
     mask_ready: bool = True
+    num_logprobs: np.ndarray = None   # [B] top logprobs a row returns with its token's (-1: no logprobs)
 
     def __post_init__(self) -> None:
         if self.prefix_lens is None:
@@ -44,6 +46,8 @@ class StepInput:
             self.prefix_slots = np.zeros(0, np.int64)
         if self.grammar_rows is None:
             self.grammar_rows = np.zeros(0, np.int64)
+        if self.num_logprobs is None:
+            self.num_logprobs = np.full(len(self.rows), -1, np.int64)
 
     @property
     def batch_size(self) -> int:

@@ -229,6 +229,7 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         poison_rows=s.take_freed_rows(),
         prefix_lens=np.array(prefix_lens, np.int64), prefix_slots=np.array(prefix_slots, np.int64),
         grammar_rows=grammar_rows(reqs),
+        num_logprobs=np.array([-1 if r.params.logprobs is None else r.params.logprobs for r in reqs], np.int64),
     )
     for c in chunks:
         s.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it

@@ -23,7 +23,9 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         tokens = handle.wait()                       # copy_done.wait()
     t = now()
     outputs: list[StepOutput] = []
-    for req, tok, keep in zip(batch.reqs, tokens.tolist(), batch.samples):
+    want = [r.params.logprobs for r in batch.reqs if r.params.logprobs is not None]
+    lp = handle.logprobs(max(want)) if want else None     # (chosen [B], top ids [B, k], top logprobs [B, k])
+    for i, (req, tok, keep) in enumerate(zip(batch.reqs, tokens.tolist(), batch.samples)):
         if req.finished:
             # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
             # never appended, streamed or counted.
@@ -47,9 +49,12 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         if reason is not None:
             s.finish(req, reason)
+        k = req.params.logprobs
+        token_lp = None if k is None else [[float(lp[0][i]), [[int(a), float(b)] for a, b in
+                                                             zip(lp[1][i][:k], lp[2][i][:k])]]]
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
                                   len(req.prompt_ids), len(req.output_ids),
-                                  num_cached_tokens=req.num_cached_tokens or 0))
+                                  num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp))
     s.recorder.device(batch, handle.device_span, len(outputs))
     s.emit(outputs)
 

@@ -48,6 +48,7 @@ class Frontend:
         self.max_context = max_context      # prompt + output tokens, capped by the KV cache
         self.vocab_size = vocab_size
         self.max_messages = max_messages
+        self._token_text: dict[int, str] = {}
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.grammar = GrammarCompiler(tokenizer, vocab_size, eos)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tandem-tokenizer")
@@ -84,6 +85,13 @@ class Frontend:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs name it (cached: a few thousand distinct tokens at most)."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         self.check_messages(body)

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -71,6 +71,9 @@ class Choice:
     ts: TextStream
     echo: str = ""                 # the prompt's text, sent first (completions with echo=true)
     sample: int = 0                # which of its prompt's n samples
+    want_logprobs: bool = False
+    lps: list = field(default_factory=list)   # (token, logprob, top) entries not yet sent
+    offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
 
 
 def _cached(choices: list[Choice]) -> int:
@@ -114,8 +117,19 @@ class OpenAIServer:
         echo = [await self.fe.off_loop(self.fe.decode, ids) if getattr(body, "echo", False) else ""
                 for ids, _ in plan]
         samples = [i for p in params for i in range(p.n)]
-        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i)
+        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e))
                      for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
+
+    def _take_logprobs(self, c: Choice, chat: bool) -> dict | None:
+        """The choice's logprobs not yet sent, in the endpoint's shape (None if it did not ask)."""
+        if not c.want_logprobs:
+            return None
+        entries, c.lps = c.lps, []
+        if chat:
+            return P.chat_logprobs(entries, self.fe.token_text)
+        out = P.completion_logprobs(entries, self.fe.token_text, c.offset)
+        c.offset += sum(len(t) for t in out["tokens"])
+        return out
 
     async def _deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
@@ -143,6 +157,8 @@ class OpenAIServer:
                 c, delta, o = await queue.get()
                 if isinstance(delta, Exception):
                     raise delta
+                if o.logprobs:
+                    c.lps.extend((t, lp, top) for t, (lp, top) in zip(o.new_token_ids, o.logprobs))
                 yield c, delta, o
                 left -= o.finished
         finally:
@@ -182,17 +198,17 @@ class OpenAIServer:
         self._check(body)
         prompts = await self.fe.off_loop(self.fe.completion_ids, body)
         return await self._respond(body, request, prompts, arrival, "cmpl", 16, self._stream_completion,
-                                   P.completion, P.completion_choice)
+                                   P.completion, P.completion_choice, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = now()
         self._check(body)
         ids = await self.fe.off_loop(self.fe.chat_ids, body)
         return await self._respond(body, request, [ids], arrival, "chatcmpl", None, self._stream_chat,
-                                   P.chat_completion, P.chat_choice)
+                                   P.chat_completion, P.chat_choice, chat=True)
 
     async def _respond(self, body, request: Request, prompts: list[list[int]], arrival: float, kind: str,
-                       default_max: int | None, stream, build, build_choice):
+                       default_max: int | None, stream, build, build_choice, chat: bool):
         """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
         rid, choices = await self._submit(body, prompts, kind, arrival, default_max)
         created = int(time.time())
@@ -204,7 +220,7 @@ class OpenAIServer:
         done = await self._unless_disconnected(request, choices)
         if done is None:
             return Response(status_code=499)
-        return build(rid, self.model, created, [build_choice(c.index, text, reason)
+        return build(rid, self.model, created, [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
                                                 for c, (text, reason, _) in zip(choices, done)],
                      P.usage(n_prompt, sum(n for _, _, n in done), _cached(choices)))
 
@@ -212,12 +228,13 @@ class OpenAIServer:
                                  include_usage: bool):
         n_out: dict[int, int] = {}
 
-        def chunk(c: Choice, text: str, reason: str | None = None) -> str:
-            return _sse(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage, c.index))
+        def chunk(c: Choice, text: str, reason: str | None = None, echo: bool = False) -> str:
+            return _sse(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage, c.index,
+                                           None if echo else self._take_logprobs(c, False)))
         try:
             for c in choices:
                 if c.echo:
-                    yield chunk(c, c.echo)
+                    yield chunk(c, c.echo, echo=True)
             async for c, delta, o in self._merged(choices):
                 n_out[c.index] = o.num_output_tokens
                 if delta or o.finished:
@@ -237,7 +254,9 @@ class OpenAIServer:
 
         def chunk(c: Choice | None, delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
             return _sse(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
-                                     c.index if c is not None else 0))
+                                     c.index if c is not None else 0,
+                                     self._take_logprobs(c, True) if c is not None and delta is not None
+                                     and "role" not in delta else None))
         try:
             for c in choices:
                 yield chunk(c, {"role": "assistant", "content": ""})

@@ -152,13 +152,16 @@ class CompletionRequest(_SamplingFields):
     best_of: Int64 | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
+        if self.echo and self.logprobs is not None:
+            return "logprobs", "logprobs of the prompt (echo with logprobs) are not supported"
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, self.n):
             return "best_of", "best_of must equal n (ranking extra samples by log probability is not supported)"
         return super().unsupported()
+
+    def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
+        return {**super().sampling_kwargs(default_max_tokens), "logprobs": self.logprobs}
 
 
 class TextPart(_Strict):
@@ -192,10 +195,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None   # extra (vLLM): passed to the chat template
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
-        if self.top_logprobs is not None:
-            return "top_logprobs", "top_logprobs needs logprobs, which are not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
         if self.functions or self.function_call not in (None, "none"):
             return ("functions" if self.functions else "function_call"), "functions are not supported (use tools)"
         if self.tools and self.tool_choice != "none":
@@ -208,6 +209,8 @@ class ChatCompletionRequest(_SamplingFields):
         kw = super().sampling_kwargs(default_max_tokens)
         if self.max_completion_tokens is not None:       # OpenAI's current name wins over the deprecated one (vLLM)
             kw["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
         return kw
 
 
@@ -218,8 +221,28 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}    # served from the prefix cache
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_logprobs(entries: list, decode, offset: int) -> dict:
+    """Completions' logprobs shape for (token id, logprob, [[top id, top logprob], ...]) entries; `offset`:
+    where the first token's text starts in the choice's text."""
+    tokens = [decode(t) for t, _, _ in entries]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{decode(a): b for a, b in top} for _, _, top in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, decode) -> dict:
+    """Chat's logprobs shape for (token id, logprob, [[top id, top logprob], ...]) entries."""
+    def item(t: int, lp: float) -> dict:
+        text = decode(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+    return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries]}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
@@ -228,17 +251,18 @@ def completion(rid: str, model: str, created: int, choices: list[dict], use: dic
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None,
-                     use: dict | None = None, include_usage: bool = False, index: int = 0) -> dict:
+                     use: dict | None = None, include_usage: bool = False, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     """text None: the usage-only chunk (choices []) that ends a stream with include_usage."""
-    choices = [] if text is None else [completion_choice(index, text, finish_reason)]
+    choices = [] if text is None else [completion_choice(index, text, finish_reason, logprobs)]
     out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if include_usage:
         out["usage"] = use
     return out
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
@@ -248,8 +272,9 @@ def chat_completion(rid: str, model: str, created: int, choices: list[dict], use
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None,
-               use: dict | None = None, include_usage: bool = False, index: int = 0) -> dict:
-    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": None,
+               use: dict | None = None, include_usage: bool = False, index: int = 0,
+               logprobs: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if include_usage:
