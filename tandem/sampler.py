@@ -115,6 +115,7 @@ def sample(logits: torch.Tensor, p: SamplingBatch) -> torch.Tensor:
 
 
 MAX_LOGPROBS = 20      # top logprobs a token may return (OpenAI's limit)
+MAX_BIASES = 1024      # logit biases a row carries per step: logit_bias entries + tokens min_tokens forbids
 
 
 @dataclass

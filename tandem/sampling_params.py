@@ -13,6 +13,8 @@ from .grammar.spec import StructuredOutputsParams
 GREEDY_EPS = 1e-5
 INT64 = 1 << 63
 MAX_LOGPROBS = 20            # top logprobs per token at most (OpenAI's limit)
+MAX_LOGIT_BIAS = 300         # logit_bias entries at most (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 512     # with logit_bias and the EOS ids, within the device's MAX_BIASES a row
 MAX_N = 128                  # samples per prompt (n) at most: each is a request of its own
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15   # seed of sample i = seed + i * stride (mod 2**63): far apart, odd
 
@@ -33,12 +35,20 @@ class SamplingParams:
     n: int = 1                           # completions per prompt (independent samples; seeds derived per sample)
     structured_outputs: StructuredOutputsParams | dict | None = None  # constrain the output (JSON schema, regex ...)
     logprobs: int | None = None          # return each token's logprob and this many top alternatives (0-20)
+    presence_penalty: float = 0.0        # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0       # subtracted once per occurrence of a token in the output
+    repetition_penalty: float = 1.0      # divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None   # added to those tokens' logits (-100..100; -100 about bans)
+    min_tokens: int = 0                  # EOS and stop_token_ids are forbidden, stop strings ignored, before this
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):     # JSON keys are strings ("50256": -100)
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
         try:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         except (TypeError, ValueError) as e:
@@ -55,6 +65,25 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", "must be in (0, 100] (1 is off)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, v in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or \
+                        (vocab_size is not None and t >= vocab_size):
+                    bad("logit_bias", f"token ids must be integers in [0, {vocab_size or 'vocab_size'})")
+                if not _is_number(v) or not -100.0 <= v <= 100.0:
+                    bad("logit_bias", "biases must be numbers in [-100, 100]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0 or \
+                (isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import runtime_files
 from ..grammar.compiler import mask_words
-from ..sampler import MAX_LOGPROBS
+from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
 from .step import StepInput
@@ -110,13 +110,16 @@ class ProcessRunner:
     def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0, max_prefix_slots: int = 0) -> None:
         b = spec.max_running
-        # StepInput.pack: header, the row fields, ids and slots a token, poisoned rows (<= rows), prefix-hit
-        # slots, grammar rows (<= rows).
-        int_words = step_mod.HEADER + (len(step_mod._INT_FIELDS) + 2) * b + 2 * max_tokens_per_step + \
-            max_prefix_slots
+        # StepInput.pack: header, the row fields, then the VAR fields, each bounded: ids and slots (a token
+        # each), poisoned and grammar rows (<= rows), prefix slots and the penalized rows' prefix ids (<= the
+        # prefix slots), logit biases (<= MAX_BIASES a row).
+        bias = MAX_BIASES * b
+        int_words = step_mod.HEADER + (len(step_mod.ROW_INTS) + 2) * b + 2 * max_tokens_per_step + \
+            2 * max_prefix_slots + 2 * bias
+        float_words = len(step_mod.ROW_FLOATS) * b + bias
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
-        self.buffers = _SharedBuffers(shm_path, int_words, 3 * b, b * (1 + MAX_LOGPROBS), b,
+        self.buffers = _SharedBuffers(shm_path, int_words, float_words, b * (1 + MAX_LOGPROBS), b,
                                       mask_words(spec.source.config.vocab_size), create=True)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)

@@ -16,6 +16,7 @@ from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
 from ..sampler import SamplingBatch, apply_token_bitmask, logprobs, sample
 from .future_map import FutureMap
+from .penalties import PenaltyState, apply_logit_bias
 from .step import StepInput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +78,7 @@ class ModelExecutor:
                                         device=self.device)
         self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
+        self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device)
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -114,12 +116,21 @@ class ModelExecutor:
             fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
         meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
+        penalized = step.has_penalties
+        if penalized:
+            self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
         logits = self.model.forward(input_ids, positions, meta)
+        if penalized:
+            self.penalties.apply(step, rows, logits)
+        if len(step.bias_rows):
+            apply_logit_bias(step, logits)
         if len(step.grammar_rows):
             apply_token_bitmask(logits, self._tensor(step.grammar_rows),
                                 torch.from_numpy(masks()).to(self.device, non_blocking=True))
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.draw_seed, dev))
+        if penalized:
+            self.penalties.count_outputs(step, rows, tokens)
         # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
         self.last_logprobs = None
         if (step.num_logprobs >= 0).any():

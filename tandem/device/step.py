@@ -6,12 +6,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Layout of the packed int64 header: B rows, T new tokens, P poisoned rows, S prefix slots, G grammar rows,
-# and whether the grammar rows' token masks were written with the launch (1) or follow it (0).
-_INT_FIELDS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens",
-               "num_logprobs")                                                          # each [B]
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
-HEADER = 6                                       # each [B]
+# Packed layout. ints (int64): a header [B, mask_ready, length of each VAR_INTS field, of each VAR_FLOATS
+# field], then each ROW_INTS field ([B] each), then each VAR_INTS field. floats (float64): each ROW_FLOATS
+# field ([B] each), then each VAR_FLOATS field.
+ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens", "num_logprobs",
+            "prompt_lens", "pen_reset", "pen_count")
+ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
+            "bias_rows", "bias_ids")
+VAR_FLOATS = ("bias_vals",)
+HEADER = 2 + len(VAR_INTS) + len(VAR_FLOATS)
+
+
+def _ints(n: int = 0, fill: int = 0) -> np.ndarray:
+    return np.full(n, fill, np.int64)
 
 
 @dataclass
@@ -38,16 +46,30 @@ class StepInput:
     grammar_rows: np.ndarray = None   # [G]
     mask_ready: bool = True
     num_logprobs: np.ndarray = None   # [B] top logprobs a row returns with its token's (-1: no logprobs)
+    # Penalties (device state per request-table row: output-token counts, prompt tokens seen). A row's first
+    # launch resets its state (pen_reset) and adds its cached prefix ids (pen_prefix_ids, rows concatenated,
+    # prefix_lens[i] each); every launched chunk adds its own input ids (positions < prompt_lens[i] to the
+    # prompt, the rest to the counts); a sampled token counts where pen_count[i] (not a non-final chunk's).
+    prompt_lens: np.ndarray = None    # [B]
+    pen_reset: np.ndarray = None      # [B] 1: (re)start this row's penalty state
+    pen_count: np.ndarray = None      # [B] 1: the sampled token is an output the penalties count
+    presence_penalty: np.ndarray = None     # [B] float, 0 off
+    frequency_penalty: np.ndarray = None    # [B] float, 0 off
+    repetition_penalty: np.ndarray = None   # [B] float, 1 off
+    pen_prefix_ids: np.ndarray = None       # [Q]
+    # Additive logit biases (logit_bias, and -inf for tokens min_tokens forbids): row, token, value.
+    bias_rows: np.ndarray = None      # [L]
+    bias_ids: np.ndarray = None       # [L]
+    bias_vals: np.ndarray = None      # [L] float
 
     def __post_init__(self) -> None:
-        if self.prefix_lens is None:
-            self.prefix_lens = np.zeros(len(self.rows), np.int64)
-        if self.prefix_slots is None:
-            self.prefix_slots = np.zeros(0, np.int64)
-        if self.grammar_rows is None:
-            self.grammar_rows = np.zeros(0, np.int64)
-        if self.num_logprobs is None:
-            self.num_logprobs = np.full(len(self.rows), -1, np.int64)
+        b = len(self.rows)
+        defaults = {"prefix_lens": _ints(b), "num_logprobs": _ints(b, -1), "prompt_lens": _ints(b),
+                    "pen_reset": _ints(b), "pen_count": _ints(b), "presence_penalty": np.zeros(b),
+                    "frequency_penalty": np.zeros(b), "repetition_penalty": np.ones(b), "bias_vals": np.zeros(0)}
+        for name in ROW_INTS + ROW_FLOATS + VAR_INTS + VAR_FLOATS:
+            if getattr(self, name) is None:
+                setattr(self, name, defaults.get(name, _ints()))
 
     @property
     def batch_size(self) -> int:
@@ -57,44 +79,47 @@ class StepInput:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool((self.presence_penalty != 0).any() or (self.frequency_penalty != 0).any()
+                    or (self.repetition_penalty != 1).any())
+
     def int_words(self) -> int:
-        return HEADER + len(_INT_FIELDS) * self.batch_size + 2 * self.num_tokens + len(self.poison_rows) + \
-            len(self.prefix_slots) + len(self.grammar_rows)
+        return HEADER + len(ROW_INTS) * self.batch_size + sum(len(getattr(self, n)) for n in VAR_INTS)
+
+    def float_words(self) -> int:
+        return len(ROW_FLOATS) * self.batch_size + sum(len(getattr(self, n)) for n in VAR_FLOATS)
 
     def pack(self, ints: np.ndarray, floats: np.ndarray) -> None:
         """Write into preallocated shared buffers (int64 and float64)."""
-        b, t, p, s = self.batch_size, self.num_tokens, len(self.poison_rows), len(self.prefix_slots)
-        g = len(self.grammar_rows)
-        ints[:HEADER] = (b, t, p, s, g, int(self.mask_ready))
+        b = self.batch_size
+        ints[:HEADER] = (b, int(self.mask_ready), *(len(getattr(self, n)) for n in VAR_INTS + VAR_FLOATS))
         o = HEADER
-        for name in _INT_FIELDS:
-            ints[o:o + b] = getattr(self, name)
-            o += b
-        ints[o:o + t] = self.input_ids
-        ints[o + t:o + 2 * t] = self.out_cache_loc
-        o += 2 * t
-        ints[o:o + p] = self.poison_rows
-        ints[o + p:o + p + s] = self.prefix_slots
-        ints[o + p + s:o + p + s + g] = self.grammar_rows
-        for i, name in enumerate(_FLOAT_FIELDS):
-            floats[i * b:(i + 1) * b] = getattr(self, name)
+        for name in ROW_INTS + VAR_INTS:
+            a = getattr(self, name)
+            ints[o:o + len(a)] = a
+            o += len(a)
+        o = 0
+        for name in ROW_FLOATS + VAR_FLOATS:
+            a = getattr(self, name)
+            floats[o:o + len(a)] = a
+            o += len(a)
 
     @classmethod
     def unpack(cls, step_id: int, ints: np.ndarray, floats: np.ndarray) -> "StepInput":
         """Copies out of the shared buffers, so the host may reuse them once the step is done."""
-        b, t, p, s, g, ready = (int(x) for x in ints[:HEADER])
+        header = [int(x) for x in ints[:HEADER]]
+        b, ready = header[:2]
+        lens = dict(zip(VAR_INTS + VAR_FLOATS, header[2:]))
+        fields: dict = {"mask_ready": bool(ready)}
         o = HEADER
-        fields = {}
-        for name in _INT_FIELDS:
-            fields[name] = ints[o:o + b].copy()
-            o += b
-        fields["input_ids"] = ints[o:o + t].copy()
-        fields["out_cache_loc"] = ints[o + t:o + 2 * t].copy()
-        o += 2 * t
-        fields["poison_rows"] = ints[o:o + p].copy()
-        fields["prefix_slots"] = ints[o + p:o + p + s].copy()
-        fields["grammar_rows"] = ints[o + p + s:o + p + s + g].copy()
-        fields["mask_ready"] = bool(ready)
-        for i, name in enumerate(_FLOAT_FIELDS):
-            fields[name] = floats[i * b:(i + 1) * b].copy()
+        for name in ROW_INTS + VAR_INTS:
+            n = lens.get(name, b)
+            fields[name] = ints[o:o + n].copy()
+            o += n
+        o = 0
+        for name in ROW_FLOATS + VAR_FLOATS:
+            n = lens.get(name, b)
+            fields[name] = floats[o:o + n].copy()
+            o += n
         return cls(step_id=step_id, **fields)

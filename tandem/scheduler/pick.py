@@ -160,6 +160,39 @@ def _decode_candidates(s: "Scheduler") -> list[Req]:
             if not r.aborted and not r.prefilling and r.num_launched < r.max_new_tokens()]
 
 
+def _penalty_fields(decode: list[Req], chunks: list[Chunk], positions: list[int]) -> dict:
+    """StepInput fields for penalties, logit_bias and min_tokens (tandem/device/penalties.py).
+
+    A penalized row's first chunk resets its device state and sends its cached prefix ids (the chunks send
+    their own ids anyway); a token counts as an output unless a non-final chunk sampled it. min_tokens:
+    while the token this step samples is at an output position below it, EOS and the stop ids get -inf."""
+    reqs = decode + [c.req for c in chunks]
+    first = [False] * len(decode) + [c.start == c.req.cached_len for c in chunks]
+    prefix_ids: list[int] = []
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
+    for i, (r, is_first, pos) in enumerate(zip(reqs, first, positions)):
+        p = r.params
+        if is_first and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
+            prefix_ids.extend(r.fill_ids()[:r.cached_len])
+        bans = (set(r.eos_token_ids) | set(p.stop_token_ids)) if pos < p.min_tokens else set()
+        for tok, val in ((p.logit_bias or {}) | dict.fromkeys(bans, -np.inf)).items():
+            bias_rows.append(i)
+            bias_ids.append(tok)
+            bias_vals.append(val)
+    params = [r.params for r in reqs]
+    return dict(
+        prompt_lens=np.array([len(r.prompt_ids) for r in reqs], np.int64),
+        pen_reset=np.array(first, np.int64),
+        pen_count=np.array([1] * len(decode) + [int(c.last) for c in chunks], np.int64),
+        presence_penalty=np.array([p.presence_penalty for p in params], np.float64),
+        frequency_penalty=np.array([p.frequency_penalty for p in params], np.float64),
+        repetition_penalty=np.array([p.repetition_penalty for p in params], np.float64),
+        pen_prefix_ids=np.array(prefix_ids, np.int64), bias_rows=np.array(bias_rows, np.int64),
+        bias_ids=np.array(bias_ids, np.int64), bias_vals=np.array(bias_vals, np.float64))
+
+
 def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
     """Free the KV of the requests with the fewest outputs (latest first on ties) until decode fits.
     Requests still prefilling hold KV too and are candidates (their launched chunks go to the cache)."""
@@ -230,6 +263,7 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         prefix_lens=np.array(prefix_lens, np.int64), prefix_slots=np.array(prefix_slots, np.int64),
         grammar_rows=grammar_rows(reqs),
         num_logprobs=np.array([-1 if r.params.logprobs is None else r.params.logprobs for r in reqs], np.int64),
+        **_penalty_fields(decode, chunks, positions),
     )
     for c in chunks:
         s.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it

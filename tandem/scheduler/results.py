@@ -60,15 +60,18 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
 
 
 def check_stop(req: Req, tok: int) -> str | None:
-    """EOS (unless ignore_eos), stop token ids, stop strings, then max_tokens / context length."""
+    """EOS (unless ignore_eos), stop token ids, stop strings, then max_tokens / context length. Below
+    min_tokens only the length counts (the device forbids EOS and the stop ids there; stop strings are
+    ignored, as in vLLM, but the stop checker still reads every token)."""
     p = req.params
-    if tok in req.eos_token_ids and not p.ignore_eos:
+    early = len(req.output_ids) < p.min_tokens
+    if tok in req.eos_token_ids and not p.ignore_eos and not early:
         return "stop"
-    if tok in p.stop_token_ids:
+    if tok in p.stop_token_ids and not early:
         return "stop"
     if req.stop_checker is not None:
         cut = req.stop_checker.add(tok)
-        if cut is not None:
+        if cut is not None and not early:
             req.text = cut
             return "stop"
     if len(req.output_ids) >= req.max_new_tokens():

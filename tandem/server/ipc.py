@@ -76,7 +76,7 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    tag, *values = msgpack.unpackb(data)
+    tag, *values = msgpack.unpackb(data, strict_map_key=False)    # logit_bias maps token ids
     cls = MESSAGES[tag]
     if cls is Outputs:
         values[0] = [StepOutput(*o) for o in values[0]]

@@ -99,14 +99,7 @@ class _SamplingFields(_Strict):
             return "stream_options", "stream_options is only allowed when stream is true"
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return "stream_options", "continuous_usage_stats is not supported"
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty", "repetition_penalty is not supported yet"
-        if self.min_tokens:
-            return "min_tokens", "min_tokens is not supported yet"
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            return ("presence_penalty" if self.presence_penalty else "frequency_penalty"), "penalties are not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+
         return None
 
     def structured(self) -> tuple[str, dict[str, Any]] | None:
@@ -136,8 +129,10 @@ class _SamplingFields(_Strict):
         kw: dict[str, Any] = {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                               "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-                              "include_stop_str_in_output": self.include_stop_str_in_output, "n": self.n}
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+                              "include_stop_str_in_output": self.include_stop_str_in_output, "n": self.n,
+                              "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         return kw
