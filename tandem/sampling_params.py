@@ -79,14 +79,14 @@ class SamplingParams:
                     bad("logit_bias", f"token ids must be integers in [0, {vocab_size or 'vocab_size'})")
                 if not _is_number(v) or not -100.0 <= v <= 100.0:
                     bad("logit_bias", "biases must be numbers in [-100, 100]")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0 or \
-                (isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens):
-            bad("min_tokens", "must be an integer in [0, max_tokens]")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0 or \
+                (isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a finite number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -27,12 +27,12 @@ COMMON = {
 }
 COMPLETIONS = {**COMMON, "echo": (OK, True), "logprobs": (OK, 2), "best_of": (OK, 2), "suffix": (REFUSED, "end")}
 CHAT = {**COMMON, "max_completion_tokens": (OK, 3), "logprobs": (OK, True), "top_logprobs": (REFUSED, 2),
-        "tools": (REFUSED, [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        "tools": (OK, [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         "tool_choice": (REFUSED, "required"), "parallel_tool_calls": (OK, False),
         "functions": (REFUSED, [{"name": "f"}]), "function_call": (REFUSED, "auto"),
         "add_generation_prompt": (OK, True), "chat_template_kwargs": (OK, {})}
 # Values that are refused only in combination (noted in the table): stream_options needs stream=true,
-# top_logprobs needs logprobs=true, tools need tool calling (not yet), suffix is not supported.
+# top_logprobs needs logprobs=true, tool_choice needs tools; suffix and functions are not supported.
 
 
 @pytest.fixture(scope="module")

@@ -331,7 +331,7 @@ def test_guided_choice_and_structured_outputs_on_completions(client):
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools[0].function.parameters"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
     ({"no_such_field": 1}, "no_such_field"),

@@ -16,6 +16,8 @@ from typing import Any
 
 from ..detokenizer import IncrementalDetokenizer
 from ..grammar import GrammarCompiler, StructuredOutputsParams
+from . import tools
+from .tools import ToolPlan
 from ..sampling_params import SamplingParams, is_utf8
 from .protocol import INT64, APIError, ChatCompletionRequest, CompletionRequest
 
@@ -93,10 +95,10 @@ class Frontend:
             text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, body: ChatCompletionRequest, tool_plan: ToolPlan | None = None) -> list[int]:
         self.check_messages(body)
         self.check_text(body)
-        return self.chat_prompt(body)
+        return self.chat_prompt(body, tool_plan)
 
     def completion_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """One prompt (text or token ids) as validated token ids; APIError(400) names `param`."""
@@ -111,12 +113,15 @@ class Frontend:
             raise APIError(400, "prompt is empty", param)
         return ids
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest, tool_plan: ToolPlan | None = None) -> list[int]:
         messages = [m.as_template_dict() for m in req.messages]
+        extra: dict = {}
+        if tool_plan is not None:
+            messages, extra = tools.render_messages(messages, tool_plan, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=req.add_generation_prompt,
-                                                      **(req.chat_template_kwargs or {}))
+                                                      **{**(req.chat_template_kwargs or {}), **extra})
         except Exception as e:          # the template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -124,11 +129,17 @@ class Frontend:
             raise APIError(400, "the messages produce an empty prompt", "messages")
         return ids
 
-    def structured(self, req: CompletionRequest | ChatCompletionRequest) -> dict | None:
+    def structured(self, req: CompletionRequest | ChatCompletionRequest,
+                   tool_plan: ToolPlan | None = None) -> dict | None:
         """The request's structured output, compiled (cached) so that an invalid schema, regex or grammar is a
         400 naming its field at submit time, never an engine error. Runs on the pool (compiling can take
         ~1 s for a large schema; the first call builds llguidance's view of the vocabulary)."""
         asked = req.structured()
+        if tool_plan is not None and tool_plan.schema is not None:
+            if asked is not None:
+                raise APIError(400, f"{asked[0]} and tool_choice {tool_plan.mode!r} both constrain the output; "
+                                    f"give one", asked[0])
+            asked = ("tool_choice", {"json": tool_plan.schema})
         if asked is None:
             return None
         field, value = asked

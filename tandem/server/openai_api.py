@@ -9,6 +9,7 @@ full or the server is stopping. A client that goes away mid-request aborts it, s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -24,10 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..device.streams import now
 from ..request import StepOutput
 from . import protocol as P
+from . import tools
 from .client import EngineClient, EngineError, RequestStream
 from .frontend import Frontend, TextStream
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
+from .tools import ToolPlan
 from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 DONE = "data: [DONE]\n\n"
@@ -76,6 +79,14 @@ class Choice:
     offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
 
 
+def _tool_choice_builder(plan: ToolPlan):
+    """chat_choice with the tool calls parsed out of the text."""
+    def build(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+        content, calls, reason = tools.parse(plan, text, reason)
+        return P.chat_choice(index, content, reason, logprobs, calls)
+    return build
+
+
 def _cached(choices: list[Choice]) -> int:
     """Prompt tokens the prefix cache served, each prompt counted once (as prompt_tokens are)."""
     return sum(c.st.num_cached_tokens for c in choices if c.sample == 0)
@@ -97,11 +108,11 @@ class OpenAIServer:
             raise APIError(400, bad[1], bad[0])
 
     async def _submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
-                      default_max_tokens: int | None) -> tuple[str, list[Choice]]:
+                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None) -> tuple[str, list[Choice]]:
         """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
         Every prompt's fields are validated before anything is queued; if one submit fails, the others are
         aborted, so a refused response leaves nothing running."""
-        structured = await self.fe.off_loop(self.fe.structured, body)
+        structured = await self.fe.off_loop(self.fe.structured, body, tool_plan)
         params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
@@ -203,14 +214,19 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = now()
         self._check(body)
-        ids = await self.fe.off_loop(self.fe.chat_ids, body)
+        plan = tools.plan(body.tools, body.tool_choice)
+        ids = await self.fe.off_loop(self.fe.chat_ids, body, plan)
         return await self._respond(body, request, [ids], arrival, "chatcmpl", None, self._stream_chat,
-                                   P.chat_completion, P.chat_choice, chat=True)
+                                   P.chat_completion, P.chat_choice, chat=True, tool_plan=plan)
 
     async def _respond(self, body, request: Request, prompts: list[list[int]], arrival: float, kind: str,
-                       default_max: int | None, stream, build, build_choice, chat: bool):
+                       default_max: int | None, stream, build, build_choice, chat: bool,
+                       tool_plan: ToolPlan | None = None):
         """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
-        rid, choices = await self._submit(body, prompts, kind, arrival, default_max)
+        rid, choices = await self._submit(body, prompts, kind, arrival, default_max, tool_plan)
+        if tool_plan is not None and tool_plan.mode != "none":
+            build_choice = _tool_choice_builder(tool_plan)
+            stream = functools.partial(stream, tool_plan=tool_plan)
         created = int(time.time())
         n_prompt = sum(len(ids) for ids in prompts)        # each prompt counts once, whatever n
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -249,8 +265,10 @@ class OpenAIServer:
         yield DONE
 
     async def _stream_chat(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
-                           include_usage: bool):
+                           include_usage: bool, tool_plan: ToolPlan | None = None):
         n_out: dict[int, int] = {}
+        text: dict[int, str] = {c.index: "" for c in choices}      # all text so far (tool calls)
+        sent: dict[int, int] = {c.index: 0 for c in choices}       # how much of it went out as content
 
         def chunk(c: Choice | None, delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
             return _sse(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
@@ -262,6 +280,22 @@ class OpenAIServer:
                 yield chunk(c, {"role": "assistant", "content": ""})
             async for c, delta, o in self._merged(choices):
                 n_out[c.index] = o.num_output_tokens
+                if tool_plan is not None and tool_plan.mode != "none":
+                    # Tool calls: content goes out while it surely is content; the rest at the end.
+                    text[c.index] += delta
+                    if o.finished:
+                        content, calls, reason = tools.parse(tool_plan, text[c.index], o.finish_reason)
+                        rest = (content or "")[sent[c.index]:] if not calls or content else ""
+                        d: dict = {"content": rest} if rest else {}
+                        if calls:
+                            d["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                        yield chunk(c, d, reason)
+                        continue
+                    safe = tools.content_prefix(tool_plan, text[c.index])
+                    if safe > sent[c.index]:
+                        part, sent[c.index] = text[c.index][sent[c.index]:safe], safe
+                        yield chunk(c, {"content": part})
+                    continue
                 if o.finished:
                     yield chunk(c, {"content": delta} if delta else {}, o.finish_reason)
                 elif delta:

@@ -173,6 +173,7 @@ class ChatMessage(_Strict):
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             d["content"] = "".join(p.text for p in self.content)
+        d.setdefault("content", "")           # an assistant turn that only called tools
         return d
 
 
@@ -194,10 +195,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "top_logprobs", "top_logprobs needs logprobs=true"
         if self.functions or self.function_call not in (None, "none"):
             return ("functions" if self.functions else "function_call"), "functions are not supported (use tools)"
-        if self.tools and self.tool_choice != "none":
-            return "tools", "tool calling is not supported yet (tool_choice \"none\" is)"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported yet"
         return super().unsupported()
 
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
@@ -256,9 +253,12 @@ def completion_chunk(rid: str, model: str, created: int, text: str | None, finis
     return out
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_completion(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
