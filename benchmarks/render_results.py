@@ -133,6 +133,24 @@ def plot(path: str, xs: list[int], lines: dict[str, list], title: str) -> None:
     plt.close(fig)
 
 
+def soak_section(s: dict | None) -> list[str]:
+    if not s:
+        return [PENDING]
+    mem = [[proc, fmt(s["rss_mb_before"].get(proc), ".0f"), fmt(s["rss_mb_after"].get(proc), ".0f")]
+           for proc in s["rss_mb_before"]]
+    gauges = ", ".join(f"{k.split('{')[0].split(':')[1]} {v:g}" for k, v in s["gauges_after"].items())
+    return [(f"{s['requests']} requests, {s['concurrency']} at a time, in {s['seconds']:.0f} s against a fresh "
+             f"`tandem serve` with a fault injected for one kind of request (`tandem bench soak`). Kinds: "
+             + ", ".join(f"{k} {v}" for k, v in sorted(s["kinds"].items())) + ". Statuses: "
+             + ", ".join(f"{k} {v}" for k, v in sorted(s["statuses"].items()))
+             + " (None: the client gave up first; every 500 is an injected fault)."), "",
+            f"**Unexpected outcomes: {len(s['unexpected'])}.** After the run: /health {s['health_after']}, {gauges}.",
+            "", *table(["process", "RSS before (MB)", "RSS after (MB)"], mem), "",
+            ("The device process grows by the KV cache pages the run touched (the cache is allocated untouched, "
+             "`kv_memory_fraction` of free memory) and the gather buffer; the frontend by its tokenizer pool and "
+             "llguidance's view of the vocabulary, built at the first structured-output request.")]
+
+
 def render(out: str, res: str) -> str:
     run = load(res, "run.json")
     off = {loop: load(res, f"offline_{loop}.json") for loop in ("overlap", "serial")}
@@ -157,6 +175,7 @@ def render(out: str, res: str) -> str:
     md += ["", "## tandem vs peers (`tandem bench peers`)", "", *peers_section(peers)]
     md += ["", "## Roofline (`tandem bench roofline`)", "", *roofline_section(roof)]
     md += ["", "## Serving (`tandem bench serve` against `tandem serve`)", "", *serve_section(serve, llama)]
+    md += ["", "## Chaos soak (`tandem bench soak`)", "", *soak_section(load(res, "soak.json"))]
     md += ["", "## Output tokens/s vs concurrency", ""]
     xs, lines = curves(peers, serve)
     if lines:

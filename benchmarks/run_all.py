@@ -131,6 +131,8 @@ def run_all(args, res: str) -> list[str]:
                "--json", os.path.join(res, "roofline.json")), commands)
     serve_sweep(args, engine, res, commands)
     llamacpp_serve_sweep(args, engine, res, commands)
+    run(tandem("bench", "soak", "--requests", str(args.soak_requests), *(["--model", args.model] if args.model else []),
+               "--json", os.path.join(res, "soak.json")), commands)
     return commands
 
 
@@ -163,6 +165,7 @@ def main() -> None:
                     help="concurrencies timed against llama-cpp-python's server (it serves one at a time)")
     ap.add_argument("--roofline-batch-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 32, 64])
     ap.add_argument("--vocab-size", type=int, default=49152, help="bench serve draws prompt ids below this")
+    ap.add_argument("--soak-requests", type=int, default=1500, help="requests of the chaos soak (tandem bench soak)")
     ap.add_argument("--engine", nargs=argparse.REMAINDER, default=[],
                     help="engine options passed to every tandem command (last on the line)")
     ap.add_argument("--peers-args", type=shlex.split, default=[], help="extra `bench peers` options, quoted")
