@@ -38,8 +38,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shown_paths(text: str) -> str:
+    """Commands as recorded in RESULTS.md: paths relative to the repository (no machine's own folders)."""
+    return text.replace(ROOT + os.sep, "")
+
+
 def run(cmd: list[str], commands: list[str]) -> None:
-    shown = "tandem " + shlex.join(cmd[3:])
+    shown = shown_paths("tandem " + shlex.join(cmd[3:]))
     commands.append(shown)
     print(f"\n$ {shown}", flush=True)
     if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
@@ -88,7 +93,7 @@ def sweep_server(cmd: list[str], url: str, health: str, log_name: str, prefix: s
 def serve_sweep(args, engine: list[str], res: str, commands: list[str]) -> None:
     port = free_port()
     cmd = tandem("serve", "--port", str(port), "--log-level", "warning", *engine)
-    commands.append("tandem " + shlex.join(cmd[3:]) + "   # in the background, until /health answers")
+    commands.append(shown_paths("tandem " + shlex.join(cmd[3:])) + "   # in the background, until /health answers")
     commands += sweep_server(cmd, f"http://127.0.0.1:{port}", "/health", "server.log", "", args.concurrency,
                              ["--input-len", str(args.input_len), "--output-len", str(args.output_len),
                               "--vocab-size", str(args.vocab_size)], res)
@@ -110,7 +115,7 @@ def llamacpp_serve_sweep(args, engine: list[str], res: str, commands: list[str])
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", args.model or default_model_path(), "--host",
            "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_ctx", "4096",
            "--interrupt_requests", "False"]     # queue concurrent requests instead of cutting the running one
-    commands.append(shlex.join(["python"] + cmd[1:]) + "   # in the background")
+    commands.append(shown_paths(shlex.join(["python"] + cmd[1:])) + "   # in the background")
     commands += sweep_server(cmd, f"http://127.0.0.1:{port}", "/v1/models", "llamacpp_server.log", "llamacpp_",
                              args.llamacpp_concurrency, ["--input-len", str(args.input_len), "--output-len",
                                                          str(args.output_len), "--prompt-type", "text"], res)
