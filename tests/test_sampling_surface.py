@@ -16,6 +16,17 @@ PROMPTS = ["hello there friend of mine", "a b c d e f g", "the the the the"]
 
 
 @pytest.fixture(scope="module")
+def llm(tiny_llama):
+    """One engine for the module (loops switch per run); leak-checked at the end."""
+    from conftest import assert_no_leaks
+    from tandem import LLM
+    engine = LLM(tiny_llama, kv_cache_tokens=4096, max_running_requests=16, poison_future_map=True)
+    yield engine
+    assert_no_leaks(engine)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
 def ref_model(tiny_llama):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
@@ -58,8 +69,8 @@ CASES = {
 
 @pytest.mark.parametrize("loop", ["serial", "overlap"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_the_reference(make_llm, tiny_llama, ref_model, case, loop):
-    llm = make_llm(tiny_llama, scheduler=loop)
+def test_matches_the_reference(llm, ref_model, case, loop):
+    llm.engine.config = llm.engine.config.replace(scheduler=loop)
     eos = set(llm.engine.eos_token_ids)
     params = SamplingParams(temperature=0, max_tokens=10, **CASES[case])
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
@@ -68,9 +79,8 @@ def test_matches_the_reference(make_llm, tiny_llama, ref_model, case, loop):
         assert o.token_ids == reference(ref_model, prompt_ids, params, eos, 10)[:len(o.token_ids)]
 
 
-def test_repetition_penalty_equals_transformers_processor(make_llm, tiny_llama, ref_model):
+def test_repetition_penalty_equals_transformers_processor(llm, ref_model):
     from transformers import RepetitionPenaltyLogitsProcessor
-    llm = make_llm(tiny_llama)
     ids = llm.tokenizer.encode(PROMPTS[2])
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.7),
                         use_tqdm=False)[0].token_ids
