@@ -70,3 +70,34 @@ def run_with(llm, scheduler: str, prompts, params, **kw):
     outs = llm.generate(prompts, params, use_tqdm=False, **kw)
     assert_no_leaks(llm)
     return outs
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama):
+    """One engine on the tiny Llama for a module (tests switch loops per run); leak-checked at the end."""
+    from tandem import LLM
+    llm = LLM(tiny_llama, kv_cache_tokens=4096, max_running_requests=16, poison_future_map=True)
+    yield llm
+    assert_no_leaks(llm)
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    """`tandem serve` on the tiny Llama for a module, served as "tiny"; it must exit 0 at the end."""
+    from server_utils import ServerProcess
+    srv = ServerProcess(["--model", tiny_llama, "--kv-cache-tokens", "8192", "--device-threads", "1",
+                         "--served-model-name", "tiny"], str(tmp_path_factory.mktemp("log") / "server.log"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on that server."""
+    import httpx
+    import openai
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60,
+                      http_client=httpx.Client(trust_env=False))
+    yield c
+    c.close()

@@ -29,13 +29,8 @@ def run(llm, loop, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama):
-    from tandem import LLM
-    from conftest import assert_no_leaks
-    engine = LLM(tiny_llama, kv_cache_tokens=4096, max_running_requests=16, poison_future_map=True)
-    yield engine
-    assert_no_leaks(engine)
-    engine.shutdown()
+def llm(tiny_llm):
+    return tiny_llm
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_utils import ServerProcess, assert_error
+from server_utils import assert_error
 
 OK, REFUSED = "ok", "400"
 COMMON = {
@@ -33,14 +33,6 @@ CHAT = {**COMMON, "max_completion_tokens": (OK, 3), "logprobs": (OK, True), "top
         "add_generation_prompt": (OK, True), "chat_template_kwargs": (OK, {})}
 # Values that are refused only in combination (noted in the table): stream_options needs stream=true,
 # top_logprobs needs logprobs=true, tool_choice needs tools; suffix and functions are not supported.
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(["--model", tiny_llama, "--kv-cache-tokens", "4096", "--device-threads", "1",
-                         "--served-model-name", "tiny"], str(tmp_path_factory.mktemp("log") / "server.log"))
-    yield srv
-    assert srv.stop() == 0
 
 
 def _body(path: str, name: str, value) -> dict:

@@ -16,14 +16,8 @@ PROMPTS = ["hello there friend of mine", "a b c d e f g", "the the the the"]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama):
-    """One engine for the module (loops switch per run); leak-checked at the end."""
-    from conftest import assert_no_leaks
-    from tandem import LLM
-    engine = LLM(tiny_llama, kv_cache_tokens=4096, max_running_requests=16, poison_future_map=True)
-    yield engine
-    assert_no_leaks(engine)
-    engine.shutdown()
+def llm(tiny_llm):
+    return tiny_llm
 
 
 @pytest.fixture(scope="module")

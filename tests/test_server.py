@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import ServerProcess, assert_error, sse_events
+from server_utils import assert_error, sse_events
 
 KV = "8192"
 PROMPTS = [f"Request {i}: the quick brown fox" + " jumps over" * (i % 5) for i in range(32)]
@@ -38,23 +38,6 @@ def reference(model_dir):
     finally:
         llm.shutdown()
     return {"outs": outs, "long": long, "chat": chat}
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("log") / "server.log")
-    srv = ServerProcess(["--model", model_dir, "--kv-cache-tokens", KV, "--device-threads", "1",
-                         "--served-model-name", "tiny"], log)
-    yield srv
-    assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60,
-                      http_client=httpx.Client(trust_env=False))
-    yield c
-    c.close()
 
 
 def test_models_and_health(server):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 
-from server_utils import ServerProcess, assert_error
+from server_utils import assert_error
 from tandem.server import tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -19,22 +17,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(["--model", tiny_llama, "--kv-cache-tokens", "4096", "--device-threads", "1",
-                         "--served-model-name", "tiny"], str(tmp_path_factory.mktemp("log") / "server.log"))
-    yield srv
-    assert srv.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60,
-                      http_client=httpx.Client(trust_env=False))
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])
