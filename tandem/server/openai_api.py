@@ -112,7 +112,8 @@ class OpenAIServer:
         """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
         Every prompt's fields are validated before anything is queued; if one submit fails, the others are
         aborted, so a refused response leaves nothing running."""
-        structured = await self.fe.off_loop(self.fe.structured, body, tool_plan)
+        constrained = body.structured() is not None or (tool_plan is not None and tool_plan.schema is not None)
+        structured = await self.fe.off_loop(self.fe.structured, body, tool_plan) if constrained else None
         params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
