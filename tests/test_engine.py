@@ -228,3 +228,15 @@ def test_logprobs_equal_a_log_softmax_reference(tiny_llama, make_llm, backend):
             top = lp[i].topk(p.logprobs).indices.tolist()
             assert set(got[i]) == {tok, *top}
         assert out.outputs[0].cumulative_logprob == pytest.approx(sum(g[t] for g, t in zip(got, out.token_ids)))
+
+
+def test_n_samples_prefill_their_prompt_once(tiny_llama, make_llm):
+    """n = 3 samples of one long prompt: the first computes the prompt, the others hit its KV in the prefix
+    cache (they wait one step for it), so only the last prompt token is computed again for each."""
+    llm = make_llm(tiny_llama)
+    prompt = list(range(1000, 1080))
+    before = llm.stats()["prefix_cache_hits"]
+    outs = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
+    assert llm.stats()["prefix_cache_hits"] - before == 2 * (len(prompt) - 1)
