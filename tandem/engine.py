@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 import uuid
 from typing import Callable
 
@@ -167,6 +168,10 @@ class Engine:
             nonlocal spins
             if not self.scheduler.has_work():
                 return False
+            grammars = self.scheduler.grammars
+            if grammars is not None and grammars.compiling:
+                time.sleep(0.001)             # waiting for a grammar to compile is progress, not a stall
+                return True
             spins += 1
             if spins > MAX_IDLE_SPINS:
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")

@@ -92,3 +92,15 @@ def test_json_object_opens_an_object_and_closes_it_when_it_stops(llm):
         assert o.text.startswith("{")
         if o.finish_reason == "stop":
             assert isinstance(json.loads(o.text), dict)
+
+
+def test_a_slow_compile_waits_instead_of_failing(llm, monkeypatch):
+    """The offline loop waits for a grammar that compiles for a while (it is progress, not a stall)."""
+    import time
+
+    compiler = llm.engine.grammar
+    original = type(compiler).matcher
+    monkeypatch.setattr(type(compiler), "matcher", lambda self, spec: (time.sleep(0.5), original(self, spec))[1])
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=5, structured_outputs={"choice": ["ab", "cd"]}),
+                       use_tqdm=False)[0]
+    assert out.text in ("ab", "cd")
