@@ -101,7 +101,8 @@ class EngineProc:
         if stats != self._last_stats:
             self._last_stats = stats
             self.send(ipc.Stats(stats))
-        self.rx.poll(IDLE_POLL_MS)
+        grammars = self.engine.scheduler.grammars
+        self.rx.poll(1 if grammars is not None and grammars.compiling else IDLE_POLL_MS)   # a grammar about to be ready
         return True
 
     # ---- stats ---------------------------------------------------------------------------------------------
