@@ -14,7 +14,8 @@ from server_utils import assert_error
 OK, REFUSED = "ok", "400"
 COMMON = {
     "model": (OK, "tiny"), "max_tokens": (OK, 3), "temperature": (OK, 0.5), "top_p": (OK, 0.9), "n": (OK, 2),
-    "stop": (OK, ["\n\n"]), "seed": (OK, 7), "stream": (OK, False), "stream_options": (REFUSED, {"include_usage": True}),
+    "stop": (OK, ["\n\n"]), "seed": (OK, 7), "stream": (OK, False),
+    "stream_options": (REFUSED, {"include_usage": True}),
     "presence_penalty": (OK, 0.5), "frequency_penalty": (OK, 0.5), "logit_bias": (OK, {"11": 2.0}),
     "user": (OK, "someone"), "metadata": (OK, {"k": "v"}), "store": (OK, False), "service_tier": (OK, "auto"),
     "response_format": (OK, {"type": "json_object"}),

@@ -103,7 +103,8 @@ def test_penalties_survive_retraction_and_leave_batch_mates_alone(make_llm, tiny
             max_tokens=40, frequency_penalty=1.0, repetition_penalty=1.4), set(), 40)
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                         ("repetition_penalty", 0),
                                          ("logit_bias", {5: 101}), ("logit_bias", {-1: 1}), ("min_tokens", -1),
                                          ("logit_bias", {i: 1.0 for i in range(301)})])
 def test_out_of_range(field, value):

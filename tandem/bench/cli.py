@@ -77,7 +77,8 @@ def _soak(args):
 
 def add_parser(subparsers) -> None:
     from ..cli import add_engine_args
-    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak", description=__doc__,
+    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak",
+                                  description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", required=True)
 

@@ -9,7 +9,8 @@ a finished request that rides in batch k updates its freed row before any later 
 in launch order).
 
 Penalized logits, vLLM's definitions (applied before temperature):
-  repetition (prompt or output tokens): l / r if l > 0 else l * r;  then  l -= frequency * count + presence * [count > 0]
+  repetition (prompt or output tokens): l / r if l > 0 else l * r;
+  then  l -= frequency * count + presence * [count > 0]  (output tokens)
 """
 from __future__ import annotations
 
