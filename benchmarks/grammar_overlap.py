@@ -1,7 +1,8 @@
 """How much overlap survives the grammar branch: tokens/s and device idle for 0 %, 50 % and 100 % of a batch
 under a JSON schema, serial vs overlap, in one run (interleaved rounds on one engine).
 
-    .venv/bin/python benchmarks/grammar_overlap.py [--threads 1] [--rounds 2] [--json benchmarks/grammar_overlap.json]
+    .venv/bin/python benchmarks/grammar_overlap.py [--threads 1] [--rounds 2] \
+        [--json benchmarks/results/grammar_overlap.json]
 
 Host-heavy config (as in benchmarks/overlap.py): a small random Llama whose forward costs about what the
 scheduler's host work costs, one device thread; here with the full SmolLM2 vocabulary (llguidance's

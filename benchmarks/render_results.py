@@ -151,6 +151,22 @@ def soak_section(s: dict | None) -> list[str]:
              "llguidance's view of the vocabulary, built at the first structured-output request.")]
 
 
+def grammar_section(g: dict | None) -> list[str]:
+    if not g:
+        return ["_Not measured yet: run `.venv/bin/python benchmarks/grammar_overlap.py --json "
+                "benchmarks/results/grammar_overlap.json`._"]
+    rows = [[share, fmt(r["serial"]["tokens_per_s"], ".0f"), fmt(r["overlap"]["tokens_per_s"], ".0f"),
+             fmt(r["overlap_over_serial"], ".2f"), fmt(100 * r["serial"]["device_idle_fraction"], ".1f") + " %",
+             fmt(100 * r["overlap"]["device_idle_fraction"], ".1f") + " %",
+             fmt(r["serial"]["host_ms_per_step"], ".2f"), fmt(r["serial"]["device_ms_per_step"], ".2f")]
+            for share, r in g.items()]
+    return [("`benchmarks/grammar_overlap.py`: a small random Llama (full SmolLM2 vocabulary), one device thread, "
+             "32 requests x up to 96 tokens, the given share of them under a JSON schema (sampled, temperature "
+             "0.8); loops in interleaved rounds on one engine."), "",
+            *table(["requests under a grammar", "serial tok/s", "overlap tok/s", "overlap / serial",
+                    "device idle serial", "device idle overlap", "host ms/step (serial)", "device ms/step"], rows)]
+
+
 def render(out: str, res: str) -> str:
     run = load(res, "run.json")
     off = {loop: load(res, f"offline_{loop}.json") for loop in ("overlap", "serial")}
@@ -175,6 +191,8 @@ def render(out: str, res: str) -> str:
     md += ["", "## tandem vs peers (`tandem bench peers`)", "", *peers_section(peers)]
     md += ["", "## Roofline (`tandem bench roofline`)", "", *roofline_section(roof)]
     md += ["", "## Serving (`tandem bench serve` against `tandem serve`)", "", *serve_section(serve, llama)]
+    md += ["", "## Structured output and the overlap (`benchmarks/grammar_overlap.py`)", "",
+           *grammar_section(load(res, "grammar_overlap.json"))]
     md += ["", "## Chaos soak (`tandem bench soak`)", "", *soak_section(load(res, "soak.json"))]
     md += ["", "## Output tokens/s vs concurrency", ""]
     xs, lines = curves(peers, serve)
