@@ -17,6 +17,7 @@ class LLM:
         self.engine = Engine(self.config, sink=self._collect)
         self.tokenizer = self.engine.tokenizer
         self._results: dict[str, list[StepOutput]] = {}
+        self._prompt_logprobs: dict[str, list] = {}
         self._bar = None
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -118,7 +119,8 @@ class LLM:
             first, errors = samples[0][0], [e for _, e, _ in samples if e]
             outs.append(RequestOutput(group[0].rid, prompt if isinstance(prompt, str) else None, ids, first.text,
                                       first.token_ids, first.finish_reason, [c for c, _, _ in samples],
-                                      errors[0] if errors else None, num_cached_tokens=samples[0][2]))
+                                      errors[0] if errors else None, num_cached_tokens=samples[0][2],
+                                      prompt_logprobs=self._prompt_logprobs.pop(group[0].rid, None)))
         return outs
 
     def _completion(self, index: int, ids: list[int], req,
@@ -126,6 +128,10 @@ class LLM:
         """One sample's output from its collected steps, its error if the engine failed it, and its prompt
         tokens served from the prefix cache."""
         steps = self._results.pop(req.rid)
+        plp = next((s.prompt_logprobs for s in steps if s.prompt_logprobs is not None), None)
+        if plp is not None:         # vLLM's shape: None for the first token, then {token: logprob, ...}
+            self._prompt_logprobs[req.rid] = [None] + [{tok: chosen, **dict(top)} for tok, (chosen, top)
+                                                       in zip(ids[1:], plp)]
         token_ids = [t for s in steps for t in s.new_token_ids]
         last = steps[-1] if steps else None
         text = last.text if last is not None and last.text is not None else \

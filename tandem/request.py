@@ -54,6 +54,7 @@ class Req:
     error: str | None = None               # why the engine failed this request (finish_reason "error")
     sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
     grammar: object | None = None          # GrammarMatcher of a structured-output request, once compiled
+    prompt_lp: list | None = None          # prompt logprobs gathered over the prefill chunks, until sent
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 
@@ -102,6 +103,8 @@ class StepOutput:
     # With SamplingParams.logprobs: per new token [its logprob, [[top id, top logprob], ...]]. (Fields are
     # encoded positionally by server/ipc.py: new ones go last, with a default.)
     logprobs: list | None = None
+    # With SamplingParams.prompt_logprobs, on the first output: the same for prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -126,3 +129,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: str | None = None               # with finish_reason "error": why the engine failed this request
     num_cached_tokens: int = 0             # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (None for the first)

@@ -127,6 +127,14 @@ class Logprobs:
     top: torch.Tensor             # [B, K] their log p
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
+    """Of the raw logits (no temperature, as vLLM's prompt logprobs): logits [N, V] at prompt positions,
+    targets [N] the prompt ids that followed them."""
+    lp = torch.log_softmax(logits, dim=-1)
+    top, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], targets[:, None][:, :0])
+    return Logprobs(lp.gather(1, targets[:, None]).squeeze(1), top_ids, top)
+
+
 def logprobs(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
     """logits: [B, V]; temperature: [B] (0: greedy, taken as 1); tokens: [B]; k: top logprobs to keep."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))

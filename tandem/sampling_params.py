@@ -35,6 +35,7 @@ class SamplingParams:
     n: int = 1                           # completions per prompt (independent samples; seeds derived per sample)
     structured_outputs: StructuredOutputsParams | dict | None = None  # constrain the output (JSON schema, regex ...)
     logprobs: int | None = None          # return each token's logprob and this many top alternatives (0-20)
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (their KV is then not cached)
     presence_penalty: float = 0.0        # subtracted from the logit of every token already in the output
     frequency_penalty: float = 0.0       # subtracted once per occurrence of a token in the output
     repetition_penalty: float = 1.0      # divides positive / multiplies negative logits of prompt and output tokens
@@ -62,9 +63,10 @@ class SamplingParams:
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, "must be in [-2, 2]")

@@ -240,3 +240,23 @@ def test_n_samples_prefill_their_prompt_once(tiny_llama, make_llm):
                         use_tqdm=False)
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
     assert llm.stats()["prefix_cache_hits"] - before == 2 * (len(prompt) - 1)
+
+
+@pytest.mark.parametrize("chunk", [2048, 7])
+def test_prompt_logprobs_equal_a_log_softmax_reference(tiny_llama, make_llm, chunk):
+    """Prompt logprobs (echo with logprobs): raw log_softmax at each position, scoring the next prompt token,
+    across prefill chunks too; the first token has none. Such prompts do not reuse cached KV."""
+    from transformers import AutoModelForCausalLM
+    llm = make_llm(tiny_llama, max_prefill_tokens=chunk)
+    ids = list(range(500, 520))
+    llm.generate([ids], greedy(2), use_tqdm=False)                   # its prefix is now cached
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        got = out.prompt_logprobs[i]
+        assert got[ids[i]] == pytest.approx(lp[i - 1, ids[i]].item(), abs=1e-4)
+        assert set(lp[i - 1].topk(2).indices.tolist()) <= set(got)
+    assert out.num_cached_tokens == 0

@@ -344,3 +344,24 @@ def test_logprobs_over_http_equal_offline(client, model_dir):
                                           top_logprobs=3, extra_body={"ignore_eos": True}).choices[0].logprobs
     assert len(chat.content) == 4 and all(len(c.top_logprobs) == 3 for c in chat.content)
     assert all(c.logprob <= 0 for c in chat.content)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, model_dir):
+    from tandem import LLM, SamplingParams
+    llm = LLM(model_dir, kv_cache_tokens=int(KV), device_threads=1)
+    try:
+        ref = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1,
+                                                        ignore_eos=True), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    kw = dict(model="tiny", prompt=PROMPTS[3], max_tokens=3, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw).choices[0]
+    n = len(ref.prompt_token_ids)
+    assert out.text.startswith(PROMPTS[3])
+    lps = out.logprobs.token_logprobs
+    assert len(lps) == n + 3 and lps[0] is None and out.logprobs.top_logprobs[0] is None
+    expected = [d[t] for d, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:])]
+    assert lps[1:n] == pytest.approx(expected, abs=1e-4)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [lp for s in streamed if s for lp in s.token_logprobs] == pytest.approx(lps, abs=1e-6)

@@ -97,9 +97,14 @@ class ProcessHandle:
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
-        b, ints, floats = self._b, self._runner.buffers.outs[self._buf], self._runner.buffers.lp_outs[self._buf]
-        return (floats[:b].copy(), ints[b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k].copy(),
-                floats[b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k].copy())
+        return _read_logprobs(self._runner.buffers.outs[self._buf], self._runner.buffers.lp_outs[self._buf],
+                              self._b, k)
+
+    def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The same for the step's n prompt positions (prompt_logprob_targets), after wait()."""
+        o = self._b * (1 + MAX_LOGPROBS)
+        return _read_logprobs(self._runner.buffers.outs[self._buf][o:], self._runner.buffers.lp_outs[self._buf][o:],
+                              n, k)
 
     @property
     def device_span(self) -> tuple[float, float]:
@@ -119,7 +124,8 @@ class ProcessRunner:
         float_words = len(step_mod.ROW_FLOATS) * b + bias
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
-        self.buffers = _SharedBuffers(shm_path, int_words, float_words, b * (1 + MAX_LOGPROBS), b,
+        out_words = (b + max_tokens_per_step) * (1 + MAX_LOGPROBS)     # sampled rows' part, prompt positions' part
+        self.buffers = _SharedBuffers(shm_path, int_words, float_words, out_words, b,
                                       mask_words(spec.source.config.vocab_size), create=True)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
@@ -245,6 +251,20 @@ class ProcessRunner:
             pass
 
 
+def _write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
+    """n entries: floats [n chosen | n x MAX_LOGPROBS top], ints [n | n x MAX_LOGPROBS top ids] (ints[:n] unused
+    for the sampled rows' part: those hold the sampled ids)."""
+    k = lp.top.shape[1]
+    floats[:n] = lp.chosen.numpy()
+    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.numpy()
+    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.numpy()
+
+
+def _read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tuple:
+    return (floats[:n].copy(), ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy(),
+            floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy())
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -297,12 +317,9 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             tokens = executor.run_step(step, masks_of(step, buf))
             b = step.batch_size
             buffers.outs[buf][:b] = tokens.numpy()
-            lp = executor.last_logprobs
-            if lp is not None:
-                k = lp.top.shape[1]
-                buffers.lp_outs[buf][:b] = lp.chosen.numpy()
-                buffers.outs[buf][b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k] = lp.top_ids.numpy()
-                buffers.lp_outs[buf][b:b + b * MAX_LOGPROBS].reshape(b, MAX_LOGPROBS)[:, :k] = lp.top.numpy()
+            for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
+                if lp is not None:
+                    _write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
             conn.send_bytes(_DONE.pack(b"D", step_id, start, now()))
     except BaseException:
         try:

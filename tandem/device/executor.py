@@ -14,10 +14,10 @@ import torch
 from ..model.kv_cache import PagedKVCache
 from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
-from ..sampler import SamplingBatch, apply_token_bitmask, logprobs, sample
+from ..sampler import SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
-from .step import StepInput
+from .step import StepInput, prompt_logprob_targets
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +78,7 @@ class ModelExecutor:
                                         device=self.device)
         self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
+        self.last_prompt_logprobs = None  # and of its prompt positions (prompt_logprob_targets)
         self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device)
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -116,10 +117,18 @@ class ModelExecutor:
             fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
         meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
+        plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
+        if plp is not None:
+            meta.last_index = torch.cat([meta.last_index, self._tensor(plp[0])])   # logits there too
         penalized = step.has_penalties
         if penalized:
             self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
         logits = self.model.forward(input_ids, positions, meta)
+        self.last_prompt_logprobs = None
+        if plp is not None:
+            self.last_prompt_logprobs = prompt_logprobs(logits[b:], self._tensor(plp[1]),
+                                                        int(step.prompt_logprobs.max()))
+            logits = logits[:b]
         if penalized:
             self.penalties.apply(step, rows, logits)
         if len(step.bias_rows):

@@ -31,6 +31,9 @@ class ResultHandle(Protocol):
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
 
+    def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The same for the step's n prompt positions (executor.prompt_logprob_targets), after wait()."""
+
 
 class ModelRunner(Protocol):
     num_slots: int
@@ -45,8 +48,9 @@ class ModelRunner(Protocol):
 
 class InlineHandle:
     def __init__(self, step: StepInput, host_tokens: torch.Tensor, copy_done: Event, start: float,
-                 end: float | None, events: tuple | None, logprobs=None) -> None:
+                 end: float | None, events: tuple | None, logprobs=None, prompt_logprobs=None) -> None:
         self._logprobs = logprobs          # the executor's Logprobs of this step (device tensors), if asked
+        self._prompt_logprobs = prompt_logprobs
         self.step_id = step.step_id
         self._step = step                  # host tensors an in-flight step reads stay alive until it is done
         self._host_tokens = host_tokens
@@ -69,9 +73,15 @@ class InlineHandle:
         return self._start, self._end if self._end is not None else self._start
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lp = self._logprobs
-        return (lp.chosen.cpu().numpy().astype(np.float64), lp.top_ids[:, :k].cpu().numpy(),
-                lp.top[:, :k].cpu().numpy().astype(np.float64))
+        return _host_logprobs(self._logprobs, k)
+
+    def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _host_logprobs(self._prompt_logprobs, k)
+
+
+def _host_logprobs(lp, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (lp.chosen.cpu().numpy().astype(np.float64), lp.top_ids[:, :k].cpu().numpy(),
+            lp.top[:, :k].cpu().numpy().astype(np.float64))
 
 
 class InlineRunner:
@@ -95,10 +105,10 @@ class InlineRunner:
             tokens = self.executor.run_step(step, lambda: masks)
             finish = self.streams.record(timing=True) if self.streams.cuda else None
         host, copy_done = self.streams.copy_to_host(tokens)
-        lp = self.executor.last_logprobs
+        lp, plp = self.executor.last_logprobs, self.executor.last_prompt_logprobs
         if self.streams.cuda:
-            return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp)
-        return InlineHandle(step, host, copy_done, start, now(), None, lp)
+            return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp)
+        return InlineHandle(step, host, copy_done, start, now(), None, lp, plp)
 
     def shutdown(self) -> None:
         self.executor = None

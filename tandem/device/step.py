@@ -10,7 +10,7 @@ import numpy as np
 # field], then each ROW_INTS field ([B] each), then each VAR_INTS field. floats (float64): each ROW_FLOATS
 # field ([B] each), then each VAR_FLOATS field.
 ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens", "num_logprobs",
-            "prompt_lens", "pen_reset", "pen_count")
+            "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
             "bias_rows", "bias_ids")
@@ -46,6 +46,11 @@ class StepInput:
     grammar_rows: np.ndarray = None   # [G]
     mask_ready: bool = True
     num_logprobs: np.ndarray = None   # [B] top logprobs a row returns with its token's (-1: no logprobs)
+    # Prompt logprobs (echo with logprobs): a prefill row with prompt_logprobs >= 0 returns the logprob of
+    # each of its ids after the first (and that many top alternatives), the chunk's last position scoring
+    # next_ids[i], the first id of its next chunk (-1: the chunk ends the prompt; its last position samples).
+    prompt_logprobs: np.ndarray = None    # [B]
+    next_ids: np.ndarray = None           # [B]
     # Penalties (device state per request-table row: output-token counts, prompt tokens seen). A row's first
     # launch resets its state (pen_reset) and adds its cached prefix ids (pen_prefix_ids, rows concatenated,
     # prefix_lens[i] each); every launched chunk adds its own input ids (positions < prompt_lens[i] to the
@@ -65,6 +70,7 @@ class StepInput:
     def __post_init__(self) -> None:
         b = len(self.rows)
         defaults = {"prefix_lens": _ints(b), "num_logprobs": _ints(b, -1), "prompt_lens": _ints(b),
+                    "prompt_logprobs": _ints(b, -1), "next_ids": _ints(b, -1),
                     "pen_reset": _ints(b), "pen_count": _ints(b), "presence_penalty": np.zeros(b),
                     "frequency_penalty": np.zeros(b), "repetition_penalty": np.ones(b), "bias_vals": np.zeros(0)}
         for name in ROW_INTS + ROW_FLOATS + VAR_INTS + VAR_FLOATS:
@@ -123,3 +129,20 @@ class StepInput:
             fields[name] = floats[o:o + n].copy()
             o += n
         return cls(step_id=step_id, **fields)
+
+
+def prompt_logprob_targets(step: StepInput) -> tuple[np.ndarray, np.ndarray] | None:
+    """Flat token indices whose logits score a prompt token, and those tokens: every position of a row that
+    asks but its last, which scores next_ids (or samples, when the chunk ends the prompt). Rows in batch
+    order, positions ascending; the host reads the results in the same order."""
+    ask = np.nonzero((step.prompt_logprobs >= 0) & (step.use_future == 0))[0]
+    if not len(ask):
+        return None
+    starts = np.cumsum(step.extend_lens) - step.extend_lens
+    index, target = [], []
+    for i in ask:
+        s, n = int(starts[i]), int(step.extend_lens[i])
+        ids = list(step.input_ids[s + 1:s + n]) + ([int(step.next_ids[i])] if step.next_ids[i] >= 0 else [])
+        index.extend(range(s, s + len(ids)))
+        target.extend(ids)
+    return np.array(index, np.int64), np.array(target, np.int64)

@@ -160,6 +160,13 @@ def _decode_candidates(s: "Scheduler") -> list[Req]:
             if not r.aborted and not r.prefilling and r.num_launched < r.max_new_tokens()]
 
 
+def _prompt_lp(c: Chunk) -> int:
+    """The prompt logprobs a chunk returns: those asked for, on the first fill only (a retracted request's
+    re-prefill has them already)."""
+    k = c.req.params.prompt_logprobs
+    return -1 if k is None or c.req.output_ids else k
+
+
 def _penalty_fields(decode: list[Req], chunks: list[Chunk], positions: list[int]) -> dict:
     """StepInput fields for penalties, logit_bias and min_tokens (tandem/device/penalties.py).
 
@@ -263,6 +270,9 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         prefix_lens=np.array(prefix_lens, np.int64), prefix_slots=np.array(prefix_slots, np.int64),
         grammar_rows=grammar_rows(reqs),
         num_logprobs=np.array([-1 if r.params.logprobs is None else r.params.logprobs for r in reqs], np.int64),
+        prompt_logprobs=np.array([-1] * len(decode) + [_prompt_lp(c) for c in chunks], np.int64),
+        next_ids=np.array([-1] * len(decode) + [-1 if c.last else c.req.fill_ids()[c.start + c.n] for c in chunks],
+                          np.int64),
         **_penalty_fields(decode, chunks, positions),
     )
     for c in chunks:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .. import faults
 from ..device.runner import ResultHandle
+from ..device.step import prompt_logprob_targets
 from ..device.streams import now
 from ..request import Req, StepOutput
 from . import grammar
@@ -25,6 +28,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     outputs: list[StepOutput] = []
     want = [r.params.logprobs for r in batch.reqs if r.params.logprobs is not None]
     lp = handle.logprobs(max(want)) if want else None     # (chosen [B], top ids [B, k], top logprobs [B, k])
+    collect_prompt_logprobs(batch, handle)
     for i, (req, tok, keep) in enumerate(zip(batch.reqs, tokens.tolist(), batch.samples)):
         if req.finished:
             # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
@@ -50,13 +54,40 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         if reason is not None:
             s.finish(req, reason)
         k = req.params.logprobs
-        token_lp = None if k is None else [[float(lp[0][i]), [[int(a), float(b)] for a, b in
-                                                             zip(lp[1][i][:k], lp[2][i][:k])]]]
+        token_lp = None if k is None else [_entry(lp, i, k)]
+        prompt_lp, req.prompt_lp = req.prompt_lp, None      # sent once, with the first token
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
                                   len(req.prompt_ids), len(req.output_ids),
-                                  num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp))
+                                  num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
+                                  prompt_logprobs=prompt_lp))
     s.recorder.device(batch, handle.device_span, len(outputs))
     s.emit(outputs)
+
+
+def _entry(lp: tuple, i: int, k: int) -> list:
+    """[logprob, [[top id, top logprob], ...]] of entry i of (chosen, top ids, top logprobs)."""
+    return [float(lp[0][i]), [[int(a), float(b)] for a, b in zip(lp[1][i][:k], lp[2][i][:k])]]
+
+
+def collect_prompt_logprobs(batch: Batch, handle: ResultHandle) -> None:
+    """Append each asking row's prompt logprobs of this step to its request (read in the order the device
+    wrote them: prompt_logprob_targets)."""
+    step = batch.step
+    if not (step.prompt_logprobs >= 0).any():
+        return
+    targets = prompt_logprob_targets(step)
+    if targets is None:
+        return
+    k = int(step.prompt_logprobs.max())
+    lp = handle.prompt_logprobs(len(targets[0]), k)
+    o = 0
+    for i in np.nonzero((step.prompt_logprobs >= 0) & (step.use_future == 0))[0]:
+        n = int(step.extend_lens[i]) - (0 if step.next_ids[i] >= 0 else 1)
+        req, kr = batch.reqs[i], int(step.prompt_logprobs[i])
+        if req.prompt_lp is None:
+            req.prompt_lp = []
+        req.prompt_lp.extend(_entry(lp, j, kr) for j in range(o, o + n))
+        o += n
 
 
 def check_stop(req: Req, tok: int) -> str | None:

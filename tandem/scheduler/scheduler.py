@@ -223,7 +223,7 @@ class Scheduler:
         """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
         The last token is always computed: its logits sample the next token. Returns the hit length."""
         req.cached_len = 0
-        if self.cache is not None:
+        if self.cache is not None and req.params.prompt_logprobs is None:   # those need every prompt position
             fill = req.fill_ids()
             slots, node = self.cache.match_prefix(fill[:-1])
             self.cache.lock(node)

@@ -169,6 +169,10 @@ class OpenAIServer:
                 c, delta, o = await queue.get()
                 if isinstance(delta, Exception):
                     raise delta
+                if o.prompt_logprobs:        # echo with logprobs: the prompt's, first (its first token has none)
+                    c.lps[:0] = [(c.ids[0], None, [])] + [(t, lp, top) for t, (lp, top)
+                                                          in zip(c.ids[1:], o.prompt_logprobs)]
+                    c.offset = 0
                 if o.logprobs:
                     c.lps.extend((t, lp, top) for t, (lp, top) in zip(o.new_token_ids, o.logprobs))
                 yield c, delta, o

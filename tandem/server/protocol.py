@@ -147,8 +147,6 @@ class CompletionRequest(_SamplingFields):
     best_of: Int64 | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo and self.logprobs is not None:
-            return "logprobs", "logprobs of the prompt (echo with logprobs) are not supported"
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, self.n):
@@ -156,7 +154,8 @@ class CompletionRequest(_SamplingFields):
         return super().unsupported()
 
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
-        return {**super().sampling_kwargs(default_max_tokens), "logprobs": self.logprobs}
+        return {**super().sampling_kwargs(default_max_tokens), "logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
 
 
 class TextPart(_Strict):
@@ -222,7 +221,8 @@ def completion_logprobs(entries: list, decode, offset: int) -> dict:
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{decode(a): b for a, b in top} for _, _, top in entries], "text_offset": offsets}
+            "top_logprobs": [None if lp is None else {decode(a): b for a, b in top} for _, lp, top in entries],
+            "text_offset": offsets}
 
 
 def chat_logprobs(entries: list, decode) -> dict:
