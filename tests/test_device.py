@@ -63,3 +63,7 @@ def test_every_engine_flag_has_help():
     from tandem.cli import field_help
     from tandem.config import EngineConfig
     assert set(field_help()) >= {f.name for f in dataclasses.fields(EngineConfig)}
+    from tandem.cli import build_parser, engine_config
+    args = build_parser().parse_args(["generate", "x", "--no-prefix-cache", "--mixed-prefill-tokens", "64"])
+    config = engine_config(args)
+    assert config.prefix_cache is False and config.mixed_prefill_tokens == 64 and config.enable_mixed_chunk
