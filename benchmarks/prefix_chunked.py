@@ -9,7 +9,9 @@ shared-prefix: 32 requests, one 900-token prefix + 24 own tokens -> 32 tokens, p
   (interleaved rounds; each round a fresh prefix, so the cached engine computes it once per round).
 itl: 16 streams (32 in -> 160 out) are decoding when a 4000-token prompt arrives; inter-token latency of
   the streams (p50, p99, max) with mixed steps at each prefill share, and with the whole prompt in one
-  step (enable_mixed_chunk off, max_prefill_tokens 8192), as before chunked prefill.
+  step (enable_mixed_chunk off, max_prefill_tokens 8192), as before chunked prefill. One engine, the
+  configurations switched between runs (the scheduler reads its config live), in interleaved rounds; also
+  the median mixed step over the median decode-only step of each run, from the device spans.
 decode: 64 x 32 -> 128 (the RESULTS.md offline workload) with the cache and mixed steps on vs off.
 """
 from __future__ import annotations
@@ -95,17 +97,28 @@ def _itl_run(llm, rng: random.Random) -> dict:
 
 
 def itl(args) -> dict:
-    configs = {f"mixed {m}": dict(mixed_prefill_tokens=m) for m in args.mixed}
+    configs = {f"mixed {m}": dict(enable_mixed_chunk=True, max_prefill_tokens=2048, mixed_prefill_tokens=m)
+               for m in args.mixed}
     configs["one step (no chunking)"] = dict(enable_mixed_chunk=False, max_prefill_tokens=8192)
-    out = {}
-    for name, kw in configs.items():
-        llm = _llm(prefix_cache=False, **kw)
-        try:
-            _warm(llm)
-            out[name] = _itl_run(llm, random.Random(7))
-        finally:
-            llm.shutdown()
-        print(name, json.dumps({k: round(v, 2) for k, v in out[name].items()}), flush=True)
+    out: dict[str, list[dict]] = {name: [] for name in configs}
+    llm = _llm(prefix_cache=False)
+    eng = llm.engine
+    try:
+        _warm(llm)
+        for r in range(args.rounds):
+            for name, kw in configs.items():
+                eng.config = eng.config.replace(**kw)
+                eng.recorder.clear()
+                res = _itl_run(llm, random.Random(7 + r))
+                devs = list(eng.recorder.devices)
+                mixed = [d.end - d.start for d in devs if d.is_prefill and d.batch_size == 17]   # 16 decode rows + a chunk
+                plain = [d.end - d.start for d in devs if not d.is_prefill]
+                if mixed and plain:
+                    res["mixed_step_over_decode_step"] = statistics.median(mixed) / statistics.median(plain)
+                out[name].append(res)
+                print(f"round {r} {name}", json.dumps({k: round(v, 2) for k, v in res.items()}), flush=True)
+    finally:
+        llm.shutdown()
     return out
 
 

@@ -207,6 +207,9 @@ def render(out: str, res: str) -> str:
         md += ["", f"![output tokens/s vs concurrency]({PLOT})"]
     else:
         md += [PENDING]
+    for extra in sorted(glob.glob(os.path.join(res, "*.md"))):    # sections measured by hand, kept verbatim
+        with open(extra) as f:
+            md += ["", f.read().rstrip("\n")]
     path = os.path.join(out, "RESULTS.md")
     with open(path, "w") as f:
         f.write("\n".join(md) + "\n")

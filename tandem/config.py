@@ -21,7 +21,11 @@ class EngineConfig:
     max_running_requests: int = 128     # rows of the request table (plus padding row 0)
     max_prefill_tokens: int = 2048      # hard prefill token budget per step: longer prompts are prefilled in chunks
     enable_mixed_chunk: bool = True     # a prefill step also carries the running requests' decode tokens
-    mixed_prefill_tokens: int = 256     # prefill budget of a step with decode rows (ITL vs admission; bench/README)
+    # Prefill budget of a step that carries decode rows. Measured (benchmarks/RESULTS.md, SmolLM2, 2 cores): a
+    # mixed step costs 2.0x / 3.1x / 4.8x a decode step of 16 streams at 32 / 64 / 128 tokens; 32 keeps their
+    # p99 ITL within 2x p50 while a 4k prompt is admitted, but trickles a burst of long prompts in at 32 a step
+    # (a 12 x 924-token burst took 2.1x longer at 256 than prefill-first). 256 is the throughput-side default.
+    mixed_prefill_tokens: int = 256     # prefill tokens of a step with decode rows (lower: smoother streams)
     prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory

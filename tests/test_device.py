@@ -55,3 +55,10 @@ def test_cli_generate(tiny_llama, capsys):
     assert rc == 0 and capsys.readouterr().out.strip() != ""
     assert main(["generate", "Hello", "--model", tiny_llama, "--max-tokens", "-3",
                  "--kv-cache-tokens", "1024"]) == 2
+
+
+def test_prefix_cache_and_chunk_flags_reach_the_config():
+    from tandem.cli import build_parser, engine_config
+    args = build_parser().parse_args(["generate", "x", "--no-prefix-cache", "--mixed-prefill-tokens", "64"])
+    config = engine_config(args)
+    assert config.prefix_cache is False and config.mixed_prefill_tokens == 64 and config.enable_mixed_chunk

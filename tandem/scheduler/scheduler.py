@@ -183,8 +183,9 @@ class Scheduler:
     def _cache_kv(self, req: Req) -> None:
         """Hand a leaving request's KV to the prefix cache (finish, abort or retraction).
 
-        Cached: positions [0, n), n = min(filled, len(fill_ids) - 1), whose writing step has been launched
-        and whose token the host knows (slots of prefill chunks never launched are freed). Never the last token: the last sampled one has no KV yet, and a
+        Cached: positions [0, n), n = min(filled, len(fill_ids) - 1) (at least what the tree already holds
+        for it), whose writing step has been launched and whose token the host knows; slots of prefill
+        chunks never launched are freed. Never the last token: the last sampled one has no KV yet, and a
         request that finished in batch k-1 but rides in batch k writes its extra token's KV at slot
         slots[n]: that slot is freed, not cached (it also keeps the tree the same under both loops).
         Every reader of a cached slot is launched after this point, so after the step that wrote it.
@@ -198,6 +199,7 @@ class Scheduler:
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = None, 0
+
     def cache_prefill(self, req: Req) -> None:
         """Share a running request's prompt KV as soon as the step that writes it is picked, so requests
         admitted in later steps hit it (requests sharing a system prompt need not wait for a finish).
