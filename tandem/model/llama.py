@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.quant import QuantWeight, qlinear
 from .config import ModelConfig
 from .kv_cache import StepKV
 
@@ -81,6 +82,29 @@ class Linear:
         return y + self.bias if self.bias is not None else y.contiguous()
 
 
+class QLinear:
+    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native")."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qlinear(x, self.weight, self.bias)
+
+
+def linear(weight: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> "Linear | QLinear":
+    return QLinear(weight, bias) if isinstance(weight, QuantWeight) else Linear(weight, bias)
+
+
+def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> "torch.Tensor | QuantWeight":
+    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        fused = QuantWeight.cat(parts)
+        if fused is not None:
+            return fused
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
@@ -96,34 +120,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused."""
+    """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], max_context: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
+    """
+
+    def __init__(self, config: ModelConfig, state: dict, max_context: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 native: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.native = native
         c = config
 
-        def w(name: str) -> torch.Tensor:
-            return state[name].to(device=self.device, dtype=dtype).contiguous()
+        def w(name: str) -> "torch.Tensor | QuantWeight":
+            t = state[name]
+            if isinstance(t, QuantWeight):
+                return t if native else t.dequantize().to(device=self.device, dtype=dtype)
+            return t.to(device=self.device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")                    # [V, hidden]
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
+        self.embed = w("model.embed_tokens.weight")                    # [V, hidden] (or its blocks)
+        self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
+            qkv = cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if c.attention_bias else None)
             self.layers.append(dict(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias),
-                o=Linear(w(p + "self_attn.o_proj.weight")),
+                qkv=linear(qkv, qkv_bias),
+                o=linear(w(p + "self_attn.o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
-                down=Linear(w(p + "mlp.down_proj.weight")),
+                gate_up=linear(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
+                down=linear(w(p + "mlp.down_proj.weight")),
             ))
         inv_freq = rope_inv_freq(c)
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
@@ -137,7 +169,10 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32)."""
         c = self.config
-        x = F.embedding(input_ids, self.embed)                          # [T, hidden]
+        if isinstance(self.embed, QuantWeight):
+            x = self.embed.rows(input_ids)                              # [T, hidden]
+        else:
+            x = F.embedding(input_ids, self.embed)                      # [T, hidden]
         cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,149 @@
+// Weight-only quantized linear on GGUF blocks: y[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias), fp32 x and y.
+//
+// Block formats (ggml), 32 weights along K per block, fp16 scales little-endian:
+//   Q4_0 (18 B): d fp16 | qs[16]   value i = d * ((qs[i % 16] >> 4 * (i / 16) & 15) - 8)
+//   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
+//   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
+// So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
+// Weight tensor: uint8 [N, K / 32 * block bytes], a row of blocks per output feature, exactly the GGUF bytes.
+//
+// Thread split: at::parallel_for over tiles of NR output features; a thread dequantizes its NR rows into a
+// private fp32 buffer [NR, K] (L1/L2-resident) once, then multiplies every row of x against it in tiles of
+// MR rows (NR x MR accumulators in registers), so the dequantization cost is paid once per weight row and
+// call, however many rows x has. Meant for few rows (decode, M <= ~64); for prefill the Python side
+// dequantizes the layer and calls the fp32 GEMM (measured faster there).
+//
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc) equal
+// it up to summation order. The dequantized weights are bit-identical (d * q + m unfused, as gguf-py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace tandem {
+
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml type ids
+
+static int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+  }
+  TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+}
+
+struct GemmArgs {
+  int64_t qtype, M, N, K, row_bytes;
+  const float* x;       // [M, K]
+  const uint8_t* w;     // [N, row_bytes]
+  const float* bias;    // [N] or null
+  float* y;             // [M, N]
+};
+
+namespace scalar {
+constexpr int NR = 1;
+
+static void dequant_block(int64_t qtype, const uint8_t* blk, float* dst) {
+  float d = fp16_to_fp32(load_u16(blk));
+  if (qtype == kQ8_0) {
+    for (int i = 0; i < 32; ++i) dst[i] = d * (float)(int8_t)blk[2 + i];
+    return;
+  }
+  bool q41 = qtype == kQ4_1;
+  const uint8_t* qs = blk + (q41 ? 4 : 2);
+  float m = q41 ? fp16_to_fp32(load_u16(blk + 2)) : 0.f;
+  int bias = q41 ? 0 : 8;
+  for (int i = 0; i < 16; ++i) {
+    float lo = (float)((qs[i] & 15) - bias), hi = (float)((qs[i] >> 4) - bias);
+    dst[i] = q41 ? d * lo + m : d * lo;
+    dst[i + 16] = q41 ? d * hi + m : d * hi;
+  }
+}
+
+static void dequant_row(int64_t qtype, const uint8_t* row, int64_t nb, float* dst) {
+  int64_t bb = block_bytes(qtype);
+  for (int64_t b = 0; b < nb; ++b) dequant_block(qtype, row + b * bb, dst + b * 32);
+}
+
+static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(a.qtype, a.w + n * a.row_bytes, a.K / 32, buf);
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* x = a.x + m * a.K;
+      float s = 0.f;
+      for (int64_t k = 0; k < a.K; ++k) s += buf[k] * x[k];
+      a.y[m * a.N + n] = s + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+}  // namespace scalar
+
+#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
+namespace avx2 {
+using V = Vec256;
+constexpr int NR = 4, MR = 2;     // 8 accumulators + 4 weight registers of 16
+#include "quant_gemm_simd.inc"
+}  // namespace avx2
+#undef KERNEL
+
+#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
+namespace avx512 {
+using V = Vec512;
+constexpr int NR = 4, MR = 4;     // 16 accumulators + 4 weight registers of 32
+#include "quant_gemm_simd.inc"
+}  // namespace avx512
+#undef KERNEL
+
+using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
+using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*);
+
+static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem: K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "tandem: w must be a contiguous uint8 [N, row bytes] tensor");
+  TORCH_CHECK(w.size(1) == K / 32 * block_bytes(qtype), "tandem: w has ", w.size(1), " bytes a row, ",
+              "expected ", K / 32 * block_bytes(qtype), " for K=", K);
+}
+
+at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                   const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  check_weight(w, qtype, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
+              "tandem.qlinear: x must be fp32 [M, ", K, "]");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  Isa isa = resolve_isa(isa_req);
+  GemmRows fn = isa == kAvx512 ? avx512::gemm_rows : isa == kAvx2 ? avx2::gemm_rows : scalar::gemm_rows;
+  const int nr = isa == kAvx512 ? avx512::NR : isa == kAvx2 ? avx2::NR : scalar::NR;
+  GemmArgs a{qtype, M, N, K, w.size(1), x.data_ptr<float>(), w.data_ptr<uint8_t>(),
+             bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+  const int64_t tiles = (N + nr - 1) / nr;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf((size_t)nr * K);
+    fn(a, t0 * nr, std::min(t1 * nr, N), buf.data());
+  });
+  return y;
+}
+
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa_req) {
+  check_weight(w, qtype, K);
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  Isa isa = resolve_isa(isa_req);
+  DequantRow fn = isa == kAvx512 ? avx512::dequant_row : isa == kAvx2 ? avx2::dequant_row : scalar::dequant_row;
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K);
+  });
+  return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,24 @@
+// Every op's schema, in one place: torch.ops.tandem.<name>. `isa` = -1 picks the best body this CPU runs
+// (capped by TANDEM_ISA); 0 scalar, 1 AVX2, 2 AVX-512 force one (capped by what the CPU has), for tests.
+#include <torch/library.h>
+
+#include "vec.h"
+
+namespace tandem {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                   const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);
+
+static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
+}  // namespace tandem
+
+TORCH_LIBRARY(tandem, m) {
+  m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
+  m.def("isa(int requested=-1) -> int", &tandem::isa_op);
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("qlinear", &tandem::qlinear);
+  m.impl("dequantize", &tandem::dequantize);
+}
