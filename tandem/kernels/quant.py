@@ -1,8 +1,12 @@
 """Weights kept as GGUF blocks, the quantized linear over them, and the torch reference of both.
 
-A QuantWeight is the GGUF's own bytes, one row of blocks per output feature (see csrc/quant_gemm.cpp for
-the block formats). Rows are whole blocks along K, so permuting or concatenating rows (llama's q/k
-un-permutation, the fused qkv and gate_up) works on the bytes as on a dense matrix.
+A QuantWeight holds the GGUF's own bytes, one row per output feature, regrouped within the row (same size):
+    row = [d fp16 x nb][m fp16 x nb, Q4_1 only][quants x nb: 16 bytes of nibbles (Q4), 32 int8 (Q8)]
+nb = K / 32 blocks. Scales apart from quants let a kernel convert 16 scales in one instruction and
+broadcast them from memory (measured: the per-block fp16 scale handling of the interleaved GGUF layout kept
+the AVX-512 decode kernel on one execution port). Rows are whole blocks along K, so permuting or
+concatenating rows (llama's q/k un-permutation, the fused qkv and gate_up) works on the bytes as on a dense
+matrix. See csrc/quant_gemm.cpp for the block formats.
 """
 from __future__ import annotations
 
@@ -21,9 +25,26 @@ SMALL_M = 64
 
 @dataclass(frozen=True)
 class QuantWeight:
-    data: torch.Tensor          # uint8 [N, K / 32 * BLOCK_BYTES[qtype]]
+    data: torch.Tensor          # uint8 [N, K / 32 * BLOCK_BYTES[qtype]], rows regrouped (module docstring)
     qtype: int
     k: int                      # input features
+
+    @staticmethod
+    def from_gguf(blocks: torch.Tensor, qtype: int, k: int) -> "QuantWeight":
+        """From GGUF rows of interleaved blocks, uint8 [N, K / 32 * block bytes]."""
+        n, nb = blocks.shape[0], k // 32
+        b = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
+        scales = 4 if qtype == Q4_1 else 2
+        parts = [b[..., i:i + 2].reshape(n, -1) for i in range(0, scales, 2)] + [b[..., scales:].reshape(n, -1)]
+        return QuantWeight(torch.cat(parts, dim=1).contiguous(), qtype, k)
+
+    def to_gguf(self) -> torch.Tensor:
+        """The GGUF rows back (interleaved blocks)."""
+        n, nb = self.data.shape[0], self.k // 32
+        scales = 4 if self.qtype == Q4_1 else 2
+        s = self.data[:, :scales * nb].reshape(n, scales // 2, nb, 2).transpose(1, 2).reshape(n, nb, scales)
+        q = self.data[:, scales * nb:].reshape(n, nb, -1)
+        return torch.cat([s, q], dim=2).reshape(n, -1).contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,17 +85,16 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -
 
 # ---------------------------------------------------------------------------------------- torch reference
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """fp32 [N, K] from GGUF blocks, in torch ops (the specification the native op is tested against)."""
-    n = data.shape[0]
-    b = data.view(n, k // 32, BLOCK_BYTES[qtype])
-    d = b[..., 0:2].contiguous().view(torch.float16).float()         # [N, nb, 1]
+    """fp32 [N, K] from QuantWeight rows, in torch ops (the specification the native op is tested against)."""
+    n, nb = data.shape[0], k // 32
+    d = data[:, :2 * nb].contiguous().view(torch.float16).float()[..., None]     # [N, nb, 1]
     if qtype == Q8_0:
-        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, k)
-    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]                  # [N, nb, 16]
+        return (d * data[:, 2 * nb:].contiguous().view(torch.int8).float().view(n, nb, 32)).reshape(n, k)
+    qs = data[:, (4 if qtype == Q4_1 else 2) * nb:].reshape(n, nb, 16)
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()                 # element i<16: low nibble of byte i
     if qtype == Q4_0:
         return (d * (q - 8)).reshape(n, k)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    m = data[:, 2 * nb:4 * nb].contiguous().view(torch.float16).float()[..., None]
     return (d * q + m).reshape(n, k)
 
 

@@ -211,8 +211,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
                 a = unpermute_qk(a, config.num_kv_heads)
         if quantized:
             from ..kernels.quant import QuantWeight
-            out[name] = QuantWeight(torch.from_numpy(np.array(a, dtype=np.uint8, order="C", copy=True)),
-                                    int(t.tensor_type), shape[1])
+            out[name] = QuantWeight.from_gguf(torch.from_numpy(np.array(a, dtype=np.uint8, copy=True)),
+                                              int(t.tensor_type), shape[1])
             continue
         a = np.array(a, dtype=np.float32, order="C", copy=True)
         out[name] = torch.from_numpy(a)

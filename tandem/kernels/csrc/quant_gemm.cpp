@@ -5,13 +5,18 @@
 //   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
 //   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
 // So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
-// Weight tensor: uint8 [N, K / 32 * block bytes], a row of blocks per output feature, exactly the GGUF bytes.
+// Weight tensor: uint8 [N, K / 32 * block bytes], one row per output feature holding the GGUF bytes of its
+// nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
+//   [d fp16 x nb][m fp16 x nb, Q4_1 only][qs x nb: 16 bytes (Q4) or 32 int8 (Q8) each]
+// so a row's scales convert 16 at a time and broadcast from memory in the block loop.
 //
-// Thread split: at::parallel_for over tiles of NR output features; a thread dequantizes its NR rows into a
+// Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
+// (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
+// bytes stream through once, nothing is stored). For more rows a thread dequantizes its NR rows into a
 // private fp32 buffer [NR, K] (L1/L2-resident) once, then multiplies every row of x against it in tiles of
-// MR rows (NR x MR accumulators in registers), so the dequantization cost is paid once per weight row and
-// call, however many rows x has. Meant for few rows (decode, M <= ~64); for prefill the Python side
-// dequantizes the layer and calls the fp32 GEMM (measured faster there).
+// MR rows (NR x MR accumulators in registers), so the dequantization is paid once per weight row and call,
+// however many rows x has. Meant for few rows (decode, M <= ~64); for prefill the Python side dequantizes
+// the layer and calls the fp32 GEMM (measured faster there).
 //
 // ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc) equal
 // it up to summation order. The dequantized weights are bit-identical (d * q + m unfused, as gguf-py).
@@ -46,26 +51,19 @@ struct GemmArgs {
 namespace scalar {
 constexpr int NR = 1;
 
-static void dequant_block(int64_t qtype, const uint8_t* blk, float* dst) {
-  float d = fp16_to_fp32(load_u16(blk));
-  if (qtype == kQ8_0) {
-    for (int i = 0; i < 32; ++i) dst[i] = d * (float)(int8_t)blk[2 + i];
-    return;
-  }
+// Weight i of block b of a row (the specification of the format).
+static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
+  float d = fp16_to_fp32(load_u16(row + 2 * b));
+  if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
   bool q41 = qtype == kQ4_1;
-  const uint8_t* qs = blk + (q41 ? 4 : 2);
-  float m = q41 ? fp16_to_fp32(load_u16(blk + 2)) : 0.f;
-  int bias = q41 ? 0 : 8;
-  for (int i = 0; i < 16; ++i) {
-    float lo = (float)((qs[i] & 15) - bias), hi = (float)((qs[i] >> 4) - bias);
-    dst[i] = q41 ? d * lo + m : d * lo;
-    dst[i + 16] = q41 ? d * hi + m : d * hi;
-  }
+  uint8_t byte = row[(q41 ? 4 : 2) * nb + 16 * b + i % 16];
+  int q = i < 16 ? byte & 15 : byte >> 4;
+  return q41 ? d * (float)q + fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) : d * (float)(q - 8);
 }
 
-static void dequant_row(int64_t qtype, const uint8_t* row, int64_t nb, float* dst) {
-  int64_t bb = block_bytes(qtype);
-  for (int64_t b = 0; b < nb; ++b) dequant_block(qtype, row + b * bb, dst + b * 32);
+static void dequant_row(int64_t qtype, const uint8_t* row, int64_t nb, float* dst, float* = nullptr) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int i = 0; i < 32; ++i) dst[b * 32 + i] = weight(qtype, row, nb, b, i);
 }
 
 static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
@@ -84,7 +82,8 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
 namespace avx2 {
 using V = Vec256;
-constexpr int NR = 4, MR = 2;     // 8 accumulators + 4 weight registers of 16
+constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
+constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
 #include "quant_gemm_simd.inc"
 }  // namespace avx2
 #undef KERNEL
@@ -92,13 +91,14 @@ constexpr int NR = 4, MR = 2;     // 8 accumulators + 4 weight registers of 16
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
 namespace avx512 {
 using V = Vec512;
-constexpr int NR = 4, MR = 4;     // 16 accumulators + 4 weight registers of 32
+constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
+constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
 #include "quant_gemm_simd.inc"
 }  // namespace avx512
 #undef KERNEL
 
 using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
-using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*);
+using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*, float*);
 
 static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(K > 0 && K % 32 == 0, "tandem: K must be a positive multiple of 32, got ", K);
@@ -126,7 +126,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   const int64_t tiles = (N + nr - 1) / nr;
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf((size_t)nr * K);
+    std::vector<float> buf((size_t)nr * K + 8 * (K / 32));     // weight rows, then 4 rows' scales
     fn(a, t0 * nr, std::min(t1 * nr, N), buf.data());
   });
   return y;
@@ -141,7 +141,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K);
+    std::vector<float> sc(2 * (K / 32));
+    for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K, sc.data());
   });
   return out;
 }

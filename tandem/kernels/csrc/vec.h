@@ -58,18 +58,33 @@ struct Vec512 {
   TANDEM_AVX512 reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   TANDEM_AVX512 reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   TANDEM_AVX512 float hsum(reg v) { return _mm512_reduce_add_ps(v); }
-  TANDEM_AVX512 float half(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-  // 16 packed nibbles -> 32 floats: out[0] = low nibbles of bytes 0..15, out[1] = high nibbles.
-  TANDEM_AVX512 void nibbles(const uint8_t* qs, int bias, reg out[2]) {
-    __m128i b = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0f);
-    __m512i off = _mm512_set1_epi32(bias);
-    out[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)), off));
-    out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)), off));
+  TANDEM_AVX512 void halves(const uint8_t* src, float* dst, int64_t n) {   // n fp16 -> fp32
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + 2 * i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(load_u16(src + 2 * i));
   }
-  // 32 int8 -> 32 floats.
-  TANDEM_AVX512 void bytes(const int8_t* qs, reg out[2]) {
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qs)));
-    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + 16))));
+  // One block's 32 weights (element i < 16: low nibble of byte i, i >= 16: high nibble of byte i - 16).
+  // The 16 levels of the block are a table in one register, and vpermps looks each nibble up in it (it
+  // reads only the low 4 bits of each index lane), so no per-element int -> float conversion is needed.
+  // Values equal gguf-py's: d * (q - 8) for Q4_0, d * q + m (unfused) for Q4_1, d * q for Q8_0.
+  TANDEM_AVX512 void lookup(const uint8_t* qs, reg table, reg out[2]) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    out[0] = _mm512_permutexvar_ps(v, table);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+  }
+  TANDEM_AVX512 reg iota(float offset) {
+    return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), set1(offset));
+  }
+  TANDEM_AVX512 void q4_0(const uint8_t* qs, float d, reg out[2]) {
+    lookup(qs, _mm512_mul_ps(iota(-8.f), set1(d)), out);
+  }
+  TANDEM_AVX512 void q4_1(const uint8_t* qs, float d, float m, reg out[2]) {
+    lookup(qs, _mm512_add_ps(_mm512_mul_ps(iota(0.f), set1(d)), set1(m)), out);
+  }
+  TANDEM_AVX512 void q8_0(const int8_t* qs, float d, reg out[2]) {
+    reg vd = set1(d);
+    out[0] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qs))), vd);
+    out[1] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + 16)))), vd);
   }
 };
 
@@ -89,20 +104,35 @@ struct Vec256 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  TANDEM_AVX2 float half(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-  // out[0..3] = low nibbles of bytes 0..7, 8..15, then high nibbles of bytes 0..7, 8..15.
-  TANDEM_AVX2 void nibbles(const uint8_t* qs, int bias, reg out[4]) {
+  TANDEM_AVX2 void halves(const uint8_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(load_u16(src + 2 * i));
+  }
+  // One block's 32 weights as Vec512's, in 4 registers: elements 0-7, 8-15 (low nibbles of bytes 0-7,
+  // 8-15), 16-23, 24-31 (high nibbles). AVX2's vpermps indexes only 8 lanes, so nibbles are converted.
+  TANDEM_AVX2 void nibbles(const uint8_t* qs, reg out[4]) {
     __m128i b = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    __m256i off = _mm256_set1_epi32(bias);
-    out[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off));
-    out[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off));
-    out[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off));
-    out[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
   }
-  TANDEM_AVX2 void bytes(const int8_t* qs, reg out[4]) {
+  TANDEM_AVX2 void q4_0(const uint8_t* qs, float d, reg out[4]) {
+    nibbles(qs, out);
+    reg vd = set1(d), eight = set1(8.f);
+    for (int i = 0; i < 4; ++i) out[i] = mul(_mm256_sub_ps(out[i], eight), vd);
+  }
+  TANDEM_AVX2 void q4_1(const uint8_t* qs, float d, float m, reg out[4]) {
+    nibbles(qs, out);
+    reg vd = set1(d), vm = set1(m);
+    for (int i = 0; i < 4; ++i) out[i] = add(mul(out[i], vd), vm);
+  }
+  TANDEM_AVX2 void q8_0(const int8_t* qs, float d, reg out[4]) {
+    reg vd = set1(d);
     for (int i = 0; i < 4; ++i)
-      out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * i))));
+      out[i] = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * i)))), vd);
   }
 };
 
