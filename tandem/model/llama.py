@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.attention import decode_attention
 from ..kernels.quant import QuantWeight, qlinear
 from .config import ModelConfig
 from .kv_cache import StepKV
@@ -192,6 +193,8 @@ class LlamaModel:
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
+        if self.native and meta.q_index is None:
+            return self._decode_attention(i, q, k, v, meta)
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
@@ -203,3 +206,13 @@ class LlamaModel:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
         rows, cols = meta.token_rc
         return out[rows, cols].reshape(q.shape[0], -1)
+
+    def _decode_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          meta: AttentionMeta) -> torch.Tensor:
+        """Pure decode (one new token a row, T == B): write the step's K/V, then the native op reads every
+        key in place through kv_index (no gathered copy). A row's token sits at position seq_len - 1."""
+        kv = meta.kv
+        kv.cache.data[kv.out_cache_loc, i, 0] = k
+        kv.cache.data[kv.out_cache_loc, i, 1] = v
+        out = decode_attention(q, kv.cache.data, i, kv.kv_index, kv.positions + 1, q.shape[-1] ** -0.5)
+        return out.reshape(q.shape[0], -1)                              # [B, H*D]
