@@ -15,7 +15,7 @@
 // bytes stream through once, nothing is stored). For more rows a thread dequantizes its NR rows into a
 // private fp32 buffer [NR, K] (L1/L2-resident) once, then multiplies every row of x against it in tiles of
 // MR rows (NR x MR accumulators in registers), so the dequantization is paid once per weight row and call,
-// however many rows x has. Meant for few rows (decode, M <= ~64); for prefill the Python side dequantizes
+// however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
 // ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc) equal
@@ -132,10 +132,21 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
   return y;
 }
 
+void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa_req);
+
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa_req) {
+  at::Tensor out = at::empty({w.size(0), K}, w.options().dtype(at::kFloat));
+  dequantize_out(w, qtype, K, out, isa_req);
+  return out;
+}
+
+// Into a caller's buffer: prefill dequantizes a layer per call, and a fresh multi-MB tensor each time
+// costs its page faults (the CPU allocator returns large blocks to the OS).
+void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa_req) {
   check_weight(w, qtype, K);
   const int64_t N = w.size(0), row_bytes = w.size(1);
-  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == N * K,
+              "tandem.dequantize_out: out must be a contiguous fp32 tensor of N * K elements");
   Isa isa = resolve_isa(isa_req);
   DequantRow fn = isa == kAvx512 ? avx512::dequant_row : isa == kAvx2 ? avx2::dequant_row : scalar::dequant_row;
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -144,7 +155,6 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa
     std::vector<float> sc(2 * (K / 32));
     for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K, sc.data());
   });
-  return out;
 }
 
 }  // namespace tandem
