@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.kernels.quant import BLOCK_BYTES, Q4_0, Q4_1, Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref
@@ -160,3 +161,29 @@ def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
         got = torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, d ** -0.5, isa)
         ref = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- fused layer ops
+@pytest.mark.parametrize("t", [1, 5, 37])
+def test_fused_layer_ops_equal_llama_reference(t):
+    from tandem.model.llama import apply_rope, rms_norm
+    e, heads, kvh, d = 96, 3, 1, 32
+    x, delta, w = torch.randn(t, e), torch.randn(t, e), torch.randn(e)
+    torch.testing.assert_close(torch.ops.tandem.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    x2 = x.clone()
+    got = torch.ops.tandem.add_rms_norm_(x2, delta, w, 1e-6)
+    torch.testing.assert_close(x2, x + delta)
+    torch.testing.assert_close(got, rms_norm(x + delta, w, 1e-6))
+    gu = torch.randn(t, 2 * e)
+    torch.testing.assert_close(torch.ops.tandem.silu_mul(gu), F.silu(gu[:, :e]) * gu[:, e:])
+    cos, sin = torch.randn(50, d), torch.randn(50, d)
+    positions = torch.randint(0, 50, (t,))
+    qkv = torch.randn(t, (heads + 2 * kvh) * d)
+    ref_q = apply_rope(qkv[:, :heads * d].view(t, heads, d), cos[positions, None], sin[positions, None])
+    ref_k = apply_rope(qkv[:, heads * d:(heads + kvh) * d].view(t, kvh, d), cos[positions, None],
+                       sin[positions, None])
+    v = qkv[:, (heads + kvh) * d:].clone()
+    torch.ops.tandem.rope_(qkv, cos, sin, positions, heads + kvh, d)
+    torch.testing.assert_close(qkv[:, :heads * d].view(t, heads, d), ref_q)
+    torch.testing.assert_close(qkv[:, heads * d:(heads + kvh) * d].view(t, kvh, d), ref_k)
+    assert torch.equal(qkv[:, (heads + kvh) * d:], v)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import decode_attention
-from ..kernels.quant import QuantWeight, qlinear
+from ..kernels.quant import SMALL_M, QuantWeight, qlinear
 from .config import ModelConfig
 from .kv_cache import StepKV
 
@@ -174,6 +174,8 @@ class LlamaModel:
             x = self.embed.rows(input_ids)                              # [T, hidden]
         else:
             x = F.embedding(input_ids, self.embed)                      # [T, hidden]
+        if self.native:
+            return self._forward_native(x, positions, meta)
         cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -189,6 +191,34 @@ class LlamaModel:
             x = x + layer["down"](F.silu(gate) * up)
         x = rms_norm(x[meta.last_index], self.final_norm, c.rms_norm_eps)  # [B, hidden]
         return self.lm_head(x).float()                                    # [B, V]
+
+    def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
+        RoPE in place on the fused qkv, SiLU x up; a decode step profile had ~76 torch calls a layer."""
+        c, ops = self.config, torch.ops.tandem
+        eps = c.rms_norm_eps
+        delta = None                                                    # the residual add still to do
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                h = ops.rms_norm(x, layer["attn_norm"], eps)
+            else:
+                h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
+            qkv = layer["qkv"](h).contiguous()                          # [T, (H + 2 KVH) D]; rope_ is in place
+            ops.rope_(qkv, self.cos, self.sin, positions, c.num_heads + c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            attn = self._attention(i, q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
+                                   v.view(-1, c.num_kv_heads, c.head_dim), meta)
+            h = ops.add_rms_norm_(x, layer["o"](attn), layer["mlp_norm"], eps)
+            gate_up = layer["gate_up"](h)                               # [T, 2I]
+            if x.shape[0] <= SMALL_M:
+                act = ops.silu_mul(gate_up)
+            else:                       # many rows: torch's vectorized exp beats the scalar loop
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = layer["down"](act)
+        x = x + delta
+        x = ops.rms_norm(x[meta.last_index], self.final_norm, eps)      # [B, hidden]
+        return self.lm_head(x).float()                                  # [B, V]
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
