@@ -7,7 +7,7 @@ between rounds; ARCHITECTURE.md section 5), each figure the median of its rounds
 - prefill: 8 prompts x 512 tokens, 1 output token, input tok/s;
 - device RSS: resident memory of the device process after the runs (weights + touched KV + torch itself).
 Run under `flock /tmp/tandem-bench.lock` so no other benchmark shares the cores.
-    python benchmarks/kernels.py [--rounds 3] [--json out.json]
+    python benchmarks/kernels.py [--rounds 3] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -55,9 +55,11 @@ METRICS = {"TPOT@128 ms": lambda llm: tpot_ms(llm, 128), "TPOT@2k ms": lambda ll
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="device_threads (default: the engine's)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    llms = {k: LLM(kernels=k, max_running_requests=64, kv_cache_tokens=16384) for k in ("native", "torch")}
+    llms = {k: LLM(kernels=k, max_running_requests=64, kv_cache_tokens=16384, device_threads=args.threads)
+            for k in ("native", "torch")}
     try:
         for llm in llms.values():                       # first-forward costs stay out of the timed rounds
             batch_tok_s(llm, 8, 16, 4)
@@ -75,13 +77,15 @@ def main() -> None:
         for llm in llms.values():
             llm.shutdown()
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    threads = next(iter(llms.values())).engine.device_threads
+    print(f"device threads {threads}, {args.rounds} alternating rounds, medians")
     print(f"{'metric':16} {'native':>10} {'torch':>10} {'native/torch':>12}")
     for m in [*METRICS, "device RSS MB"]:
         a, b = result["native"][m], result["torch"][m]
         print(f"{m:16} {a:10.2f} {b:10.2f} {a / b:11.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"result": result, "lscpu": flags}, f, indent=1)
+            json.dump({"result": result, "threads": threads, "lscpu": flags}, f, indent=1)
 
 
 if __name__ == "__main__":
