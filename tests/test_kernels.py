@@ -70,8 +70,8 @@ def test_qlinear_equals_reference(name, isa, m, n, k):
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 200])
 def test_qlinear_dispatch_equals_reference(m):
     """The Python entry point: in-kernel up to SMALL_M rows, dequantize + fp32 GEMM past it."""
-    from tandem.kernels.quant import SMALL_M
-    assert 64 <= SMALL_M < 200
+    from tandem.kernels.quant import small_m
+    assert 1 <= small_m() < 200
     q = blocks(45, 224, Q4_1, seed=m)
     x = torch.randn(m, 224)
     w, ref = dequantize_ref(q.data, q.qtype, q.k), qlinear_ref(x, q)

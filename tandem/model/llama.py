@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import decode_attention
-from ..kernels.quant import SMALL_M, QuantWeight, qlinear
+from ..kernels.quant import QuantWeight, qlinear
 from .config import ModelConfig
 from .kv_cache import StepKV
 
