@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install test generate serve clean chromium
+.PHONY: install kernels test generate serve clean chromium
 SERVE_ARGS ?= --port 8000
 
 $(STAMP): pyproject.toml
@@ -16,9 +16,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) kernels
 
-test: $(STAMP) chromium
+# tandem's native CPU kernels (tandem/kernels/csrc), built once per source hash; g++ from Debian where no
+# C++ compiler is found. Without one the engine still runs, on the torch path (it says so in the log).
+kernels: $(STAMP)
+	@command -v $${CXX:-c++} >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; } || \
+	  echo "g++ not installed: tandem runs its torch path"
+	@$(PY) -m tandem.kernels.build >/dev/null || echo "native kernels did not build: tandem runs its torch path"
+
+test: $(STAMP) kernels chromium
 	$(PY) -m pytest -q tests
 
 # Headless Chromium for the report's browser test (Debian package); the test skips, saying why, where
@@ -28,10 +36,10 @@ chromium:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "chromium not installed: the browser test will skip"
 
-generate: $(STAMP)
+generate: $(STAMP) kernels
 	$(VENV)/bin/tandem generate "$(PROMPT)" --chat
 
-serve: $(STAMP)
+serve: $(STAMP) kernels
 	$(VENV)/bin/tandem serve $(SERVE_ARGS)
 
 clean:

@@ -37,12 +37,15 @@ class EngineConfig:
     trace_ring_steps: int = 4096        # steps the live trace keeps (the newest; older ones are dropped)
     cache_dir: str | None = None        # where dequantized GGUF weights are cached
     seed: int = 0                       # base seed for requests that give none
+    kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("overlap", "serial"):
             raise ValueError(f"scheduler must be 'overlap' or 'serial', got {self.scheduler!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.kernels not in ("native", "torch"):
+            raise ValueError(f"kernels must be 'native' or 'torch', got {self.kernels!r}")
         if self.device_backend not in ("auto", "process", "inline"):
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

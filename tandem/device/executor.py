@@ -33,6 +33,7 @@ class ExecutorSpec:
     kv_cache_tokens: int | None
     kv_memory_fraction: float
     poison_future_map: bool = False
+    kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -58,8 +59,10 @@ class ModelExecutor:
         self.device = torch.device(spec.device)
         dtype = _DTYPES[spec.dtype]
         c = self.config
+        from ..kernels import use_native
+        native = use_native(spec.kernels, self.device, dtype)
         if state is None:
-            state = load_weights(spec.source)
+            state = load_weights(spec.source, quantized=native)
         bytes_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
@@ -70,7 +73,7 @@ class ModelExecutor:
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
-        self.model = LlamaModel(c, state, self.max_context, self.device, dtype)
+        self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native)
         del state
         self.kv_cache = PagedKVCache(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -19,6 +20,8 @@ import numpy as np
 import torch
 
 from .config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
+
+log = logging.getLogger(__name__)
 
 # Bump when the conversion output changes, so old caches are not reused.
 CACHE_FORMAT = 1
@@ -182,26 +185,35 @@ def _dequant(t) -> np.ndarray:
     return a.reshape(tuple(int(s) for s in reversed(t.shape)))
 
 
-def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to fp32 under its HF name (q/k un-permuted for llama)."""
+def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozenset()) -> dict:
+    """Every tensor under its HF name (q/k un-permuted for llama): fp32, or, for 2-D tensors whose ggml
+    type is in `keep`, the GGUF blocks as a tandem.kernels.QuantWeight (rows are whole blocks along K,
+    so the q/k row permutation applies to the bytes unchanged)."""
     from .loader import expected_weight_shapes
 
     shapes = expected_weight_shapes(config)
-    out: dict[str, torch.Tensor] = {}
+    out: dict = {}
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
         if name not in shapes:
             raise ValueError(f"GGUF tensor {t.name!r} ({name}) does not fit the model config")
-        a = _dequant(t)
-        if a.shape != shapes[name]:
-            raise ValueError(f"GGUF tensor {t.name!r}: shape {a.shape}, expected {shapes[name]}")
+        shape = tuple(int(s) for s in reversed(t.shape))
+        quantized = int(t.tensor_type) in keep and len(shape) == 2
+        a = t.data if quantized else _dequant(t)                     # blocks: [rows, row bytes] uint8
+        if shape != shapes[name] or (not quantized and a.shape != shape):
+            raise ValueError(f"GGUF tensor {t.name!r}: shape {shape}, expected {shapes[name]}")
         if config.architecture == "llama":
             if ".self_attn.q_proj." in name:
                 a = unpermute_qk(a, config.num_heads)
             elif ".self_attn.k_proj." in name:
                 a = unpermute_qk(a, config.num_kv_heads)
+        if quantized:
+            from ..kernels.quant import QuantWeight
+            out[name] = QuantWeight.from_gguf(torch.from_numpy(np.array(a, dtype=np.uint8, copy=True)),
+                                              int(t.tensor_type), shape[1])
+            continue
         a = np.array(a, dtype=np.float32, order="C", copy=True)
         out[name] = torch.from_numpy(a)
     missing = sorted(set(shapes) - set(out))
@@ -209,6 +221,20 @@ def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
     return out
+
+
+def gguf_quantized_state_dict(path: str, config: ModelConfig) -> dict:
+    """The state dict for the native kernels: Q4_0/Q4_1/Q8_0 matrices stay GGUF blocks, the rest fp32."""
+    import gguf
+
+    from ..kernels.quant import NATIVE_QTYPES
+
+    reader = gguf.GGUFReader(path)
+    other = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2
+                    and int(t.tensor_type) not in NATIVE_QTYPES})
+    if other:
+        log.info("GGUF matrices of type %s have no native kernel: dequantized to fp32 at load", ", ".join(other))
+    return gguf_state_dict(reader, config, keep=NATIVE_QTYPES)
 
 
 def build_gguf_tokenizer(path: str, out_dir: str, reader, config: ModelConfig) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.attention import decode_attention
+from ..kernels.quant import QuantWeight, qlinear
 from .config import ModelConfig
 from .kv_cache import StepKV
 
@@ -82,6 +84,29 @@ class Linear:
         return y + self.bias if self.bias is not None else y.contiguous()
 
 
+class QLinear:
+    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native")."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qlinear(x, self.weight, self.bias)
+
+
+def linear(weight: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> "Linear | QLinear":
+    return QLinear(weight, bias) if isinstance(weight, QuantWeight) else Linear(weight, bias)
+
+
+def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> "torch.Tensor | QuantWeight":
+    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        fused = QuantWeight.cat(parts)
+        if fused is not None:
+            return fused
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
@@ -97,34 +122,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused."""
+    """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], max_context: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
+    """
+
+    def __init__(self, config: ModelConfig, state: dict, max_context: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 native: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.native = native
         c = config
 
-        def w(name: str) -> torch.Tensor:
-            return state[name].to(device=self.device, dtype=dtype).contiguous()
+        def w(name: str) -> "torch.Tensor | QuantWeight":
+            t = state[name]
+            if isinstance(t, QuantWeight):
+                return t if native else t.dequantize().to(device=self.device, dtype=dtype)
+            return t.to(device=self.device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")                    # [V, hidden]
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
+        self.embed = w("model.embed_tokens.weight")                    # [V, hidden] (or its blocks)
+        self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
+            qkv = cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if c.attention_bias else None)
             self.layers.append(dict(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(qkv, qkv_bias),
-                o=Linear(w(p + "self_attn.o_proj.weight")),
+                qkv=linear(qkv, qkv_bias),
+                o=linear(w(p + "self_attn.o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
-                down=Linear(w(p + "mlp.down_proj.weight")),
+                gate_up=linear(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
+                down=linear(w(p + "mlp.down_proj.weight")),
             ))
         inv_freq = rope_inv_freq(c)
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
@@ -138,7 +171,12 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32)."""
         c = self.config
-        x = F.embedding(input_ids, self.embed)                          # [T, hidden]
+        if isinstance(self.embed, QuantWeight):
+            x = self.embed.rows(input_ids)                              # [T, hidden]
+        else:
+            x = F.embedding(input_ids, self.embed)                      # [T, hidden]
+        if self.native:
+            return self._forward_native(x, positions, meta)
         cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -155,11 +193,41 @@ class LlamaModel:
         x = rms_norm(x[meta.last_index], self.final_norm, c.rms_norm_eps)  # [B, hidden]
         return self.lm_head(x).float()                                    # [B, V]
 
+    def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
+        RoPE in place on the fused qkv, SiLU x up; a decode step profile had ~76 torch calls a layer."""
+        c, ops = self.config, torch.ops.tandem
+        eps = c.rms_norm_eps
+        delta = None                                                    # the residual add still to do
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                h = ops.rms_norm(x, layer["attn_norm"], eps)
+            else:
+                h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
+            qkv = layer["qkv"](h).contiguous()                          # [T, (H + 2 KVH) D]; rope_ is in place
+            ops.rope_(qkv, self.cos, self.sin, positions, c.num_heads + c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            attn = self._attention(i, q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
+                                   v.view(-1, c.num_kv_heads, c.head_dim), meta)
+            h = ops.add_rms_norm_(x, layer["o"](attn), layer["mlp_norm"], eps)
+            gate_up = layer["gate_up"](h)                               # [T, 2I]
+            if x.shape[0] <= SMALL_M:
+                act = ops.silu_mul(gate_up)
+            else:                       # many rows: torch's vectorized exp beats the scalar loop
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = layer["down"](act)
+        x = x + delta
+        x = ops.rms_norm(x[meta.last_index], self.final_norm, eps)      # [B, hidden]
+        return self.lm_head(x).float()                                  # [B, V]
+
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
         if meta.parts is not None:      # a mixed step: decode rows and prefill rows attend in their own layouts
             return torch.cat([self._attention(i, q[t], k[t], v[t], m) for t, m in meta.parts])
+        if self.native and meta.q_index is None:
+            return self._decode_attention(i, q, k, v, meta)
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
@@ -171,3 +239,13 @@ class LlamaModel:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
         rows, cols = meta.token_rc
         return out[rows, cols].reshape(q.shape[0], -1)
+
+    def _decode_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          meta: AttentionMeta) -> torch.Tensor:
+        """Pure decode (one new token a row, T == B): write the step's K/V, then the native op reads every
+        key in place through kv_index (no gathered copy). A row's token sits at position seq_len - 1."""
+        kv = meta.kv
+        kv.cache.data[kv.out_cache_loc, i, 0] = k
+        kv.cache.data[kv.out_cache_loc, i, 1] = v
+        out = decode_attention(q, kv.cache.data, i, kv.kv_index, kv.positions + 1, q.shape[-1] ** -0.5)
+        return out.reshape(q.shape[0], -1)                              # [B, H*D]

@@ -50,6 +50,7 @@ class ModelSource:
     config: ModelConfig
     weight_files: tuple[str, ...]  # safetensors files with HF-named weights
     tokenizer_dir: str  # loadable offline by AutoTokenizer.from_pretrained
+    gguf_file: str | None = None  # the GGUF itself, read again when the weights stay quantized
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -101,7 +102,7 @@ def resolve_model(model: str | None = None, cache_dir: str | None = None) -> Mod
         config = ModelConfig.from_dict(json.load(f))
     name = os.path.basename(path)[: -len(".gguf")]
     return ModelSource(name=name, config=config, weight_files=(os.path.join(d, "model.safetensors"),),
-                       tokenizer_dir=os.path.join(d, "tokenizer"))
+                       tokenizer_dir=os.path.join(d, "tokenizer"), gguf_file=os.path.abspath(path))
 
 
 def _resolve_hf_dir(path: str) -> ModelSource:
@@ -139,9 +140,17 @@ def _resolve_hf_dir(path: str) -> ModelSource:
 
 
 def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """HF-named state dict; no lm_head.weight when embeddings are tied. Shapes are checked."""
+                 device: str | torch.device = "cpu", quantized: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named state dict; no lm_head.weight when embeddings are tied. Shapes are checked.
+
+    quantized: for a GGUF source, matrices whose block type the native kernels read stay as their GGUF
+    blocks (tandem.kernels.QuantWeight values); everything else is dequantized as usual.
+    """
     from safetensors.torch import load_file
+
+    if quantized and source.gguf_file is not None:
+        from .gguf_loader import gguf_quantized_state_dict
+        return gguf_quantized_state_dict(source.gguf_file, source.config)
 
     shapes = expected_weight_shapes(source.config)
     out: dict[str, torch.Tensor] = {}

@@ -1,0 +1,92 @@
+"""kernels="native" against kernels="torch" on the default model, in one run (issue 11's figures).
+
+Both engines stay loaded and every measurement alternates between them round by round (this machine drifts
+between rounds; ARCHITECTURE.md section 5), each figure the median of its rounds:
+- TPOT@128 and TPOT@2k: one request, (t(1 + O tokens) - t(1 token)) / O, prompt of 128 / 2000 tokens;
+- batch 64: 64 prompts x 32 in -> 128 out, output tok/s through the overlap loop;
+- prefill: 8 prompts x 512 tokens, 1 output token, input tok/s;
+- device RSS: resident memory of the device process after the runs (weights + touched KV + torch itself).
+Run under `flock /tmp/tandem-bench.lock` so no other benchmark shares the cores.
+    python benchmarks/kernels.py [--rounds 3] [--threads N] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+from tandem import LLM, SamplingParams
+from tandem.bench.datasets import random_requests
+
+
+def generate_s(llm, prompts: list[list[int]], out: int) -> float:
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def tpot_ms(llm, prompt_len: int, out: int = 64) -> float:
+    p = [random_requests(1, prompt_len, 1, llm.engine.model_config.vocab_size, seed=prompt_len)[0].prompt]
+    return (generate_s(llm, p, 1 + out) - generate_s(llm, p, 1)) / out * 1e3
+
+
+def batch_tok_s(llm, n: int = 64, n_in: int = 32, n_out: int = 128) -> float:
+    reqs = random_requests(n, n_in, n_out, llm.engine.model_config.vocab_size, seed=1)
+    return n * n_out / generate_s(llm, [r.prompt for r in reqs], n_out)
+
+
+def prefill_tok_s(llm, n: int = 8, n_in: int = 512) -> float:
+    reqs = random_requests(n, n_in, 1, llm.engine.model_config.vocab_size, seed=2)
+    return n * n_in / generate_s(llm, [r.prompt for r in reqs], 1)
+
+
+def device_rss_mb(llm) -> float:
+    with open(f"/proc/{llm.engine.runner.proc.pid}/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
+
+
+METRICS = {"TPOT@128 ms": lambda llm: tpot_ms(llm, 128), "TPOT@2k ms": lambda llm: tpot_ms(llm, 2000),
+           "batch 64 tok/s": batch_tok_s, "prefill tok/s": prefill_tok_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="device_threads (default: the engine's)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    llms = {k: LLM(kernels=k, max_running_requests=64, kv_cache_tokens=16384, device_threads=args.threads)
+            for k in ("native", "torch")}
+    try:
+        for llm in llms.values():                       # first-forward costs stay out of the timed rounds
+            batch_tok_s(llm, 8, 16, 4)
+            prefill_tok_s(llm, 2, 64)
+        rounds: dict[str, dict[str, list[float]]] = {k: {m: [] for m in METRICS} for k in llms}
+        for r in range(args.rounds):
+            for name, fn in METRICS.items():
+                for k in (("native", "torch") if r % 2 == 0 else ("torch", "native")):
+                    rounds[k][name].append(fn(llms[k]))
+        result = {k: {m: statistics.median(v) for m, v in rounds[k].items()} for k in llms}
+        for k, llm in llms.items():
+            result[k]["device RSS MB"] = device_rss_mb(llm)
+            result[k]["rounds"] = rounds[k]
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    threads = next(iter(llms.values())).engine.device_threads
+    print(f"device threads {threads}, {args.rounds} alternating rounds, medians")
+    print(f"{'metric':16} {'native':>10} {'torch':>10} {'native/torch':>12}")
+    for m in [*METRICS, "device RSS MB"]:
+        a, b = result["native"][m], result["torch"][m]
+        print(f"{m:16} {a:10.2f} {b:10.2f} {a / b:11.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"result": result, "threads": threads, "lscpu": flags}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

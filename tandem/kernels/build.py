@@ -1,0 +1,108 @@
+"""Compile csrc/*.cpp into one shared library that registers torch.ops.tandem.* (no ninja, no pybind).
+
+The library is keyed by a hash of the sources, the torch version and the compiler, and cached in
+``_build/`` beside this file (or $TANDEM_KERNELS_BUILD), so `make install` builds it once and every later
+import (the device process included) only loads it. Building takes ~1 min on 2 cores; a file lock makes
+concurrent first imports wait for one build. `python -m tandem.kernels.build` builds it (the Makefile does).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+log = logging.getLogger(__name__)
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = ("isa.cpp", "quant_gemm.cpp", "decode_attention.cpp", "norm.cpp", "registration.cpp")
+FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-psabi",
+         "-Wno-maybe-uninitialized")
+
+
+def compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "c++"
+    return shutil.which(cxx) or shutil.which("g++")
+
+
+def build_dir() -> str:
+    env = os.environ.get("TANDEM_KERNELS_BUILD")
+    return env or os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build")
+
+
+def _compile_flags() -> list[str]:
+    import torch
+    from torch.utils.cpp_extension import include_paths
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    incs = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
+    return [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *incs]
+
+
+def _key(cxx: str) -> str:
+    import torch
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(CSRC)):
+        with open(os.path.join(CSRC, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    h.update(f"{torch.__version__}|{version}|{FLAGS}|{sys.version_info[:2]}".encode())
+    return h.hexdigest()[:16]
+
+
+def library_path() -> str | None:
+    """Where the library for these sources lives (built or not); None without a C++ compiler."""
+    cxx = compiler()
+    return None if cxx is None else os.path.join(build_dir(), f"tandem_kernels-{_key(cxx)}.so")
+
+
+def build(verbose: bool = False) -> str:
+    """Build the library if it is not cached; return its path. Raises RuntimeError when it cannot."""
+    from torch.utils.cpp_extension import library_paths
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++: apt-get install -y g++, or `make install`)")
+    path = library_path()
+    if os.path.exists(path):
+        return path
+    os.makedirs(build_dir(), exist_ok=True)
+    with open(os.path.join(build_dir(), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):                 # another process built it while we waited
+            return path
+        log.warning("building tandem native kernels with %s (once, ~1 min)", cxx)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=build_dir())
+        try:
+            flags = _compile_flags()
+            objs, procs = [], []
+            for src in SOURCES:                  # one compiler process per source, in parallel
+                obj = os.path.join(tmp, src + ".o")
+                objs.append(obj)
+                procs.append((src, subprocess.Popen([cxx, *flags, "-c", os.path.join(CSRC, src), "-o", obj],
+                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+            for src, p in procs:
+                out = p.communicate()[0]
+                if p.returncode != 0:
+                    raise RuntimeError(f"compiling {src} failed:\n{out}")
+                if verbose and out:
+                    print(out, file=sys.stderr)
+            libs = [f"-L{d}" for d in library_paths()] + [f"-Wl,-rpath,{d}" for d in library_paths()]
+            so = os.path.join(tmp, "lib.so")
+            res = subprocess.run([cxx, "-shared", "-fopenmp", *objs, "-o", so, *libs, "-lc10", "-ltorch_cpu"],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"linking failed:\n{res.stdout}{res.stderr}")
+            os.chmod(so, 0o755)
+            os.replace(so, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(build(verbose=True))

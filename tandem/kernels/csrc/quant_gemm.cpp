@@ -1,0 +1,160 @@
+// Weight-only quantized linear on GGUF blocks: y[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias), fp32 x and y.
+//
+// Block formats (ggml), 32 weights along K per block, fp16 scales little-endian:
+//   Q4_0 (18 B): d fp16 | qs[16]   value i = d * ((qs[i % 16] >> 4 * (i / 16) & 15) - 8)
+//   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
+//   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
+// So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
+// Weight tensor: uint8 [N, K / 32 * block bytes], one row per output feature holding the GGUF bytes of its
+// nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
+//   [d fp16 x nb][m fp16 x nb, Q4_1 only][qs x nb: 16 bytes (Q4) or 32 int8 (Q8) each]
+// so a row's scales convert 16 at a time and broadcast from memory in the block loop.
+//
+// Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
+// (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
+// bytes stream through once, nothing is stored). For more rows a thread dequantizes its NR rows into a
+// private fp32 buffer [NR, K] (L1/L2-resident) once, then multiplies every row of x against it in tiles of
+// MR rows (NR x MR accumulators in registers), so the dequantization is paid once per weight row and call,
+// however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
+// the layer and calls the fp32 GEMM (measured faster there).
+//
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc) equal
+// it up to summation order. The dequantized weights are bit-identical (d * q + m unfused, as gguf-py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace tandem {
+
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml type ids
+
+static int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+  }
+  TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+}
+
+struct GemmArgs {
+  int64_t qtype, M, N, K, row_bytes;
+  const float* x;       // [M, K]
+  const uint8_t* w;     // [N, row_bytes]
+  const float* bias;    // [N] or null
+  float* y;             // [M, N]
+};
+
+namespace scalar {
+constexpr int NR = 1;
+
+// Weight i of block b of a row (the specification of the format).
+static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
+  float d = fp16_to_fp32(load_u16(row + 2 * b));
+  if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
+  bool q41 = qtype == kQ4_1;
+  uint8_t byte = row[(q41 ? 4 : 2) * nb + 16 * b + i % 16];
+  int q = i < 16 ? byte & 15 : byte >> 4;
+  return q41 ? d * (float)q + fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) : d * (float)(q - 8);
+}
+
+static void dequant_row(int64_t qtype, const uint8_t* row, int64_t nb, float* dst, float* = nullptr) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int i = 0; i < 32; ++i) dst[b * 32 + i] = weight(qtype, row, nb, b, i);
+}
+
+static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(a.qtype, a.w + n * a.row_bytes, a.K / 32, buf);
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* x = a.x + m * a.K;
+      float s = 0.f;
+      for (int64_t k = 0; k < a.K; ++k) s += buf[k] * x[k];
+      a.y[m * a.N + n] = s + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+}  // namespace scalar
+
+#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
+namespace avx2 {
+using V = Vec256;
+constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
+constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
+#include "quant_gemm_simd.inc"
+}  // namespace avx2
+#undef KERNEL
+
+#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
+namespace avx512 {
+using V = Vec512;
+constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
+constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
+#include "quant_gemm_simd.inc"
+}  // namespace avx512
+#undef KERNEL
+
+using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
+using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*, float*);
+
+static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem: K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "tandem: w must be a contiguous uint8 [N, row bytes] tensor");
+  TORCH_CHECK(w.size(1) == K / 32 * block_bytes(qtype), "tandem: w has ", w.size(1), " bytes a row, ",
+              "expected ", K / 32 * block_bytes(qtype), " for K=", K);
+}
+
+at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                   const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  check_weight(w, qtype, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
+              "tandem.qlinear: x must be fp32 [M, ", K, "]");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  Isa isa = resolve_isa(isa_req);
+  GemmRows fn = isa == kAvx512 ? avx512::gemm_rows : isa == kAvx2 ? avx2::gemm_rows : scalar::gemm_rows;
+  const int nr = isa == kAvx512 ? avx512::NR : isa == kAvx2 ? avx2::NR : scalar::NR;
+  GemmArgs a{qtype, M, N, K, w.size(1), x.data_ptr<float>(), w.data_ptr<uint8_t>(),
+             bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+  const int64_t tiles = (N + nr - 1) / nr;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf((size_t)nr * K + 8 * (K / 32));     // weight rows, then 4 rows' scales
+    fn(a, t0 * nr, std::min(t1 * nr, N), buf.data());
+  });
+  return y;
+}
+
+void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa_req);
+
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa_req) {
+  at::Tensor out = at::empty({w.size(0), K}, w.options().dtype(at::kFloat));
+  dequantize_out(w, qtype, K, out, isa_req);
+  return out;
+}
+
+// Into a caller's buffer: prefill dequantizes a layer per call, and a fresh multi-MB tensor each time
+// costs its page faults (the CPU allocator returns large blocks to the OS).
+void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa_req) {
+  check_weight(w, qtype, K);
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == N * K,
+              "tandem.dequantize_out: out must be a contiguous fp32 tensor of N * K elements");
+  Isa isa = resolve_isa(isa_req);
+  DequantRow fn = isa == kAvx512 ? avx512::dequant_row : isa == kAvx2 ? avx2::dequant_row : scalar::dequant_row;
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sc(2 * (K / 32));
+    for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K, sc.data());
+  });
+}
+
+}  // namespace tandem

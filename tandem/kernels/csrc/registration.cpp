@@ -1,0 +1,46 @@
+// Every op's schema, in one place: torch.ops.tandem.<name>. `isa` = -1 picks the best body this CPU runs
+// (capped by TANDEM_ISA); 0 scalar, 1 AVX2, 2 AVX-512 force one (capped by what the CPU has), for tests.
+#include <torch/library.h>
+
+#include "vec.h"
+
+namespace tandem {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                   const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);
+void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
+                            const at::Tensor& seq_lens, double scale, int64_t isa);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+           int64_t heads, int64_t D);
+
+static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
+}  // namespace tandem
+
+TORCH_LIBRARY(tandem, m) {
+  m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
+  m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
+  m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
+        "int isa=-1) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int head_dim) -> ()");
+  m.def("isa(int requested=-1) -> int", &tandem::isa_op);
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("qlinear", &tandem::qlinear);
+  m.impl("dequantize", &tandem::dequantize);
+  m.impl("dequantize_out", &tandem::dequantize_out);
+  m.impl("decode_attention", &tandem::decode_attention);
+  m.impl("rms_norm", &tandem::rms_norm);
+  m.impl("add_rms_norm_", &tandem::add_rms_norm_);
+  m.impl("silu_mul", &tandem::silu_mul);
+  m.impl("rope_", &tandem::rope_);
+}

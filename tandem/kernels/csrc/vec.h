@@ -1,0 +1,139 @@
+// Vector helpers shared by the kernels, and the one place that picks an ISA.
+//
+// Each ISA is a struct of static inline functions over one register type (Vec512: 16 fp32 lanes,
+// Vec256: 8 lanes). Every function carries its own target attribute, so this header compiles at the
+// baseline (x86-64) and nothing here runs unless best_isa() said the CPU has it. The SIMD kernel bodies
+// are written once over `V` and included inside `#pragma GCC target` regions (see quant_gemm.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define TANDEM_TARGET_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#define TANDEM_TARGET_AVX2 "avx2,fma,f16c"
+#define TANDEM_AVX512 __attribute__((target(TANDEM_TARGET_AVX512), always_inline)) static inline
+#define TANDEM_AVX2 __attribute__((target(TANDEM_TARGET_AVX2), always_inline)) static inline
+
+namespace tandem {
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The best body this CPU runs, capped by TANDEM_ISA=scalar|avx2|avx512 (for tests and comparisons).
+Isa best_isa();
+// `requested` < 0: best_isa(); otherwise min(requested, what the CPU supports).
+Isa resolve_isa(int64_t requested);
+const char* isa_name(Isa isa);
+
+// IEEE half -> float without F16C (the scalar body's specification of the block scales).
+inline float fp16_to_fp32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);                      // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);             // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    bits = sign;                                                 // +-0
+  } else {                                                       // subnormal: normalize
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+struct Vec512 {
+  using reg = __m512;
+  static constexpr int W = 16;
+  TANDEM_AVX512 reg zero() { return _mm512_setzero_ps(); }
+  TANDEM_AVX512 reg set1(float v) { return _mm512_set1_ps(v); }
+  TANDEM_AVX512 reg load(const float* p) { return _mm512_loadu_ps(p); }
+  TANDEM_AVX512 void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  TANDEM_AVX512 reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  TANDEM_AVX512 reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  TANDEM_AVX512 reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  TANDEM_AVX512 float hsum(reg v) { return _mm512_reduce_add_ps(v); }
+  TANDEM_AVX512 void halves(const uint8_t* src, float* dst, int64_t n) {   // n fp16 -> fp32
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + 2 * i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(load_u16(src + 2 * i));
+  }
+  // One block's 32 weights (element i < 16: low nibble of byte i, i >= 16: high nibble of byte i - 16).
+  // The 16 levels of the block are a table in one register, and vpermps looks each nibble up in it (it
+  // reads only the low 4 bits of each index lane), so no per-element int -> float conversion is needed.
+  // Values equal gguf-py's: d * (q - 8) for Q4_0, d * q + m (unfused) for Q4_1, d * q for Q8_0.
+  TANDEM_AVX512 void lookup(const uint8_t* qs, reg table, reg out[2]) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    out[0] = _mm512_permutexvar_ps(v, table);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+  }
+  TANDEM_AVX512 reg iota(float offset) {
+    return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), set1(offset));
+  }
+  TANDEM_AVX512 void q4_0(const uint8_t* qs, float d, reg out[2]) {
+    lookup(qs, _mm512_mul_ps(iota(-8.f), set1(d)), out);
+  }
+  TANDEM_AVX512 void q4_1(const uint8_t* qs, float d, float m, reg out[2]) {
+    lookup(qs, _mm512_add_ps(_mm512_mul_ps(iota(0.f), set1(d)), set1(m)), out);
+  }
+  TANDEM_AVX512 void q8_0(const int8_t* qs, float d, reg out[2]) {
+    reg vd = set1(d);
+    out[0] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qs))), vd);
+    out[1] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + 16)))), vd);
+  }
+};
+
+struct Vec256 {
+  using reg = __m256;
+  static constexpr int W = 8;
+  TANDEM_AVX2 reg zero() { return _mm256_setzero_ps(); }
+  TANDEM_AVX2 reg set1(float v) { return _mm256_set1_ps(v); }
+  TANDEM_AVX2 reg load(const float* p) { return _mm256_loadu_ps(p); }
+  TANDEM_AVX2 void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  TANDEM_AVX2 reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  TANDEM_AVX2 reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  TANDEM_AVX2 reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  TANDEM_AVX2 float hsum(reg v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  TANDEM_AVX2 void halves(const uint8_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(load_u16(src + 2 * i));
+  }
+  // One block's 32 weights as Vec512's, in 4 registers: elements 0-7, 8-15 (low nibbles of bytes 0-7,
+  // 8-15), 16-23, 24-31 (high nibbles). AVX2's vpermps indexes only 8 lanes, so nibbles are converted.
+  TANDEM_AVX2 void nibbles(const uint8_t* qs, reg out[4]) {
+    __m128i b = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  TANDEM_AVX2 void q4_0(const uint8_t* qs, float d, reg out[4]) {
+    nibbles(qs, out);
+    reg vd = set1(d), eight = set1(8.f);
+    for (int i = 0; i < 4; ++i) out[i] = mul(_mm256_sub_ps(out[i], eight), vd);
+  }
+  TANDEM_AVX2 void q4_1(const uint8_t* qs, float d, float m, reg out[4]) {
+    nibbles(qs, out);
+    reg vd = set1(d), vm = set1(m);
+    for (int i = 0; i < 4; ++i) out[i] = add(mul(out[i], vd), vm);
+  }
+  TANDEM_AVX2 void q8_0(const int8_t* qs, float d, reg out[4]) {
+    reg vd = set1(d);
+    for (int i = 0; i < 4; ++i)
+      out[i] = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * i)))), vd);
+  }
+};
+
+}  // namespace tandem

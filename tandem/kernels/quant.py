@@ -1,0 +1,123 @@
+"""Weights kept as GGUF blocks, the quantized linear over them, and the torch reference of both.
+
+A QuantWeight holds the GGUF's own bytes, one row per output feature, regrouped within the row (same size):
+    row = [d fp16 x nb][m fp16 x nb, Q4_1 only][quants x nb: 16 bytes of nibbles (Q4), 32 int8 (Q8)]
+nb = K / 32 blocks. Scales apart from quants let a kernel convert 16 scales in one instruction and
+broadcast them from memory (measured: the per-block fp16 scale handling of the interleaved GGUF layout kept
+the AVX-512 decode kernel on one execution port). Rows are whole blocks along K, so permuting or
+concatenating rows (llama's q/k un-permutation, the fused qkv and gate_up) works on the bytes as on a dense
+matrix. See csrc/quant_gemm.cpp for the block formats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8                           # ggml type ids
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}         # per 32 weights
+NATIVE_QTYPES = frozenset(BLOCK_BYTES)
+# Rows of x up to which the in-kernel GEMM runs (measured: 1.4x the fp32 GEMM at 65 rows, even at 128);
+# past it the layer is dequantized into a reused buffer and MKL's fp32 GEMM
+# takes over (its blocking wins on many rows; the dequantization is then a small part of the work).
+SMALL_M = 96
+# The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
+# GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
+SMALL_M_AVX2 = 16
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    data: torch.Tensor          # uint8 [N, K / 32 * BLOCK_BYTES[qtype]], rows regrouped (module docstring)
+    qtype: int
+    k: int                      # input features
+
+    @staticmethod
+    def from_gguf(blocks: torch.Tensor, qtype: int, k: int) -> "QuantWeight":
+        """From GGUF rows of interleaved blocks, uint8 [N, K / 32 * block bytes]."""
+        n, nb = blocks.shape[0], k // 32
+        b = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
+        scales = 4 if qtype == Q4_1 else 2
+        parts = [b[..., i:i + 2].reshape(n, -1) for i in range(0, scales, 2)] + [b[..., scales:].reshape(n, -1)]
+        return QuantWeight(torch.cat(parts, dim=1).contiguous(), qtype, k)
+
+    def to_gguf(self) -> torch.Tensor:
+        """The GGUF rows back (interleaved blocks)."""
+        n, nb = self.data.shape[0], self.k // 32
+        scales = 4 if self.qtype == Q4_1 else 2
+        s = self.data[:, :scales * nb].reshape(n, scales // 2, nb, 2).transpose(1, 2).reshape(n, nb, scales)
+        q = self.data[:, scales * nb:].reshape(n, nb, -1)
+        return torch.cat([s, q], dim=2).reshape(n, -1).contiguous()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.k)
+
+    def numel(self) -> int:
+        return self.data.shape[0] * self.k
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K], by the native op where it is loaded."""
+        from . import available
+        if available():
+            return torch.ops.tandem.dequantize(self.data, self.qtype, self.k)
+        return dequantize_ref(self.data, self.qtype, self.k)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [len(index), K] (an embedding lookup without a dense table)."""
+        return torch.ops.tandem.dequantize(self.data[index], self.qtype, self.k)
+
+    @staticmethod
+    def cat(parts: list["QuantWeight"]) -> "QuantWeight | None":
+        """Rows of several weights stacked (None when their types or K differ)."""
+        if len({(p.qtype, p.k) for p in parts}) != 1:
+            return None
+        return QuantWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype, parts[0].k)
+
+
+_scratch = torch.empty(0)      # reused fp32 buffer of the prefill path (one forward runs at a time)
+_small_m: int | None = None
+
+
+def small_m() -> int:
+    """Rows up to which qlinear runs in-kernel on this CPU."""
+    global _small_m
+    if _small_m is None:
+        _small_m = SMALL_M if torch.ops.tandem.isa(-1) == 2 else SMALL_M_AVX2
+    return _small_m
+
+
+def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]."""
+    global _scratch
+    if x.shape[0] <= small_m():
+        return torch.ops.tandem.qlinear(x, w.data, w.qtype, w.k, bias)
+    if _scratch.numel() < w.numel():
+        _scratch = torch.empty(w.numel())
+    dense = _scratch[:w.numel()].view(w.shape)
+    torch.ops.tandem.dequantize_out(w.data, w.qtype, w.k, dense)
+    return F.linear(x, dense, bias)
+
+
+# ---------------------------------------------------------------------------------------- torch reference
+def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """fp32 [N, K] from QuantWeight rows, in torch ops (the specification the native op is tested against)."""
+    n, nb = data.shape[0], k // 32
+    d = data[:, :2 * nb].contiguous().view(torch.float16).float()[..., None]     # [N, nb, 1]
+    if qtype == Q8_0:
+        return (d * data[:, 2 * nb:].contiguous().view(torch.int8).float().view(n, nb, 32)).reshape(n, k)
+    qs = data[:, (4 if qtype == Q4_1 else 2) * nb:].reshape(n, nb, 16)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()                 # element i<16: low nibble of byte i
+    if qtype == Q4_0:
+        return (d * (q - 8)).reshape(n, k)
+    m = data[:, 2 * nb:4 * nb].contiguous().view(torch.float16).float()[..., None]
+    return (d * q + m).reshape(n, k)
+
+
+def qlinear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize_ref(w.data, w.qtype, w.k), bias)

@@ -1,0 +1,189 @@
+"""tandem's native kernels against their torch references, on odd shapes, for every ISA body this CPU runs;
+GGUF blocks kept by the loader against the dequantized weights; the real model's greedy parity with
+transformers through both loops with kernels="native" and kernels="torch"."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.kernels.quant import BLOCK_BYTES, Q4_0, Q4_1, Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
+                                f"{kernels.unavailable_reason()}")
+QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+
+
+def isas() -> list[int]:
+    """Every body this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512."""
+    return list(range(torch.ops.tandem.isa(2) + 1)) if kernels.available() else []
+
+
+def blocks(n: int, k: int, qtype: int, seed: int = 0) -> QuantWeight:
+    """Random weights [n, k] quantized by gguf-py (the same code that wrote the GGUF files)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    return QuantWeight.from_gguf(torch.from_numpy(quantize(w, GGMLQuantizationType(qtype))), qtype, k)
+
+
+def assert_close_sum(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to fp32 summation order: |y - ref| within K * 2^-20 of sum |x| |w| (a worst-case bound)."""
+    bound = x.abs() @ w.abs().t() * (x.shape[1] * 2.0 ** -20) + 1e-6
+    assert ((y - ref).abs() <= bound).all(), float((y - ref).abs().max())
+
+
+@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("isa", [0, 1, 2])
+def test_dequantize_equals_gguf(name, isa):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    q = blocks(7, 96, QTYPES[name])
+    ref = torch.from_numpy(dequantize(q.to_gguf().numpy(), GGMLQuantizationType(q.qtype)))
+    assert torch.equal(QuantWeight.from_gguf(q.to_gguf(), q.qtype, q.k).data, q.data)
+    assert torch.equal(dequantize_ref(q.data, q.qtype, q.k), ref)
+    assert torch.equal(torch.ops.tandem.dequantize(q.data, q.qtype, q.k, isa), ref)   # bit-identical weights
+
+
+@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (17, 64, 160),
+                                     (64, 13, 1536),
+                                     (5, 258, 64)])
+def test_qlinear_equals_reference(name, isa, m, n, k):
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    q = blocks(n, k, QTYPES[name], seed=m + n)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    w = dequantize_ref(q.data, q.qtype, k)
+    for b in (None, bias):
+        y = torch.ops.tandem.qlinear(x, q.data, q.qtype, k, b, isa)
+        ref = qlinear_ref(x, q, b)
+        assert y.shape == (m, n)
+        assert_close_sum(y, x, w, ref)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 200])
+def test_qlinear_dispatch_equals_reference(m):
+    """The Python entry point: in-kernel up to SMALL_M rows, dequantize + fp32 GEMM past it."""
+    from tandem.kernels.quant import small_m
+    assert 1 <= small_m() < 200
+    q = blocks(45, 224, Q4_1, seed=m)
+    x = torch.randn(m, 224)
+    w, ref = dequantize_ref(q.data, q.qtype, q.k), qlinear_ref(x, q)
+    assert_close_sum(qlinear(x, q), x, w, ref)
+    assert_close_sum(qlinear(x.t().contiguous().t(), q), x, w, ref)          # a strided x
+
+
+def test_rows_cat_and_errors():
+    a, b = blocks(5, 64, Q8_0), blocks(3, 64, Q8_0, seed=1)
+    ab = QuantWeight.cat([a, b])
+    assert torch.equal(ab.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    assert QuantWeight.cat([a, blocks(3, 64, Q4_0)]) is None
+    ids = torch.tensor([4, 0, 4])
+    assert torch.equal(a.rows(ids), a.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.tandem.qlinear(torch.randn(1, 40), a.data, Q8_0, 40)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, Q4_1, 64)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, 12, 64)
+    assert a.data.shape[1] == 2 * BLOCK_BYTES[Q8_0]
+
+
+def test_use_native_falls_back(monkeypatch):
+    assert kernels.use_native("native", torch.device("cpu"), torch.float32)
+    assert not kernels.use_native("torch", torch.device("cpu"), torch.float32)
+    assert not kernels.use_native("native", torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(kernels, "_loaded", False)
+    assert not kernels.use_native("native", torch.device("cpu"), torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- the loader
+def test_quantized_state_equals_dense_weights():
+    """The kept GGUF blocks (q/k rows un-permuted on the bytes) dequantize to the fp32 weights bit for bit."""
+    from tandem.model.loader import load_weights, resolve_model
+    src = resolve_model(None)
+    quant, dense = load_weights(src, quantized=True), load_weights(src)
+    assert set(quant) == set(dense)
+    kinds = {type(v).__name__ for v in quant.values()}
+    assert kinds == {"QuantWeight", "Tensor"}
+    for name, v in quant.items():
+        got = v.dequantize() if isinstance(v, QuantWeight) else v
+        assert torch.equal(got, dense[name]), name
+    qbytes = sum(v.nbytes for v in quant.values() if isinstance(v, QuantWeight))
+    assert qbytes * 5 < sum(t.numel() * 4 for t in dense.values())
+
+
+# ------------------------------------------------------------------------------------------- whole model
+@pytest.fixture(scope="module")
+def hf_reference():
+    from test_parity import _hf_from_gguf
+    return _hf_from_gguf()
+
+
+@pytest.mark.parametrize("kernels_opt", ["native", "torch"])
+def test_real_model_parity_both_loops(kernels_opt, hf_reference, smollm, make_llm):
+    from conftest import run_with
+    from tandem import SamplingParams
+    from test_parity import assert_parity, hf_greedy
+    llm = smollm if kernels_opt == "native" else make_llm(None, kernels="torch")
+    assert llm.engine.config.kernels == kernels_opt
+    tok = llm.tokenizer
+    prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]]
+    refs = [hf_greedy(hf_reference, p, 12) for p in prompts]
+    for scheduler in ("serial", "overlap"):
+        outs = run_with(llm, scheduler, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for o, (ref_ids, scores) in zip(outs, refs):
+            assert_parity(o.token_ids, ref_ids, scores)
+
+
+# ------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("b, h, kvh, d, lens", [(1, 9, 3, 64, [1]), (3, 4, 2, 16, [5, 1, 300]),
+                                                (2, 2, 2, 24, [600, 513]), (4, 6, 1, 64, [7, 256, 257, 40])])
+def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
+    from tandem.kernels.attention import decode_attention_ref
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    slots, layers = 2048, 3
+    cache = torch.randn(slots + 1, layers, 2, kvh, d)
+    lk = max(lens)
+    kv_index = torch.stack([torch.randperm(slots)[:lk] for _ in range(b)])    # scattered slots
+    seq_lens = torch.tensor(lens)
+    kv_index[torch.arange(lk)[None, :] >= seq_lens[:, None]] = slots          # pad slot past the length
+    q = torch.randn(b, h, d)
+    for layer in (0, layers - 1):
+        got = torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, d ** -0.5, isa)
+        ref = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- fused layer ops
+@pytest.mark.parametrize("t", [1, 5, 37])
+def test_fused_layer_ops_equal_llama_reference(t):
+    from tandem.model.llama import apply_rope, rms_norm
+    e, heads, kvh, d = 96, 3, 1, 32
+    x, delta, w = torch.randn(t, e), torch.randn(t, e), torch.randn(e)
+    torch.testing.assert_close(torch.ops.tandem.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    x2 = x.clone()
+    got = torch.ops.tandem.add_rms_norm_(x2, delta, w, 1e-6)
+    torch.testing.assert_close(x2, x + delta)
+    torch.testing.assert_close(got, rms_norm(x + delta, w, 1e-6))
+    gu = torch.randn(t, 2 * e)
+    torch.testing.assert_close(torch.ops.tandem.silu_mul(gu), F.silu(gu[:, :e]) * gu[:, e:])
+    cos, sin = torch.randn(50, d), torch.randn(50, d)
+    positions = torch.randint(0, 50, (t,))
+    qkv = torch.randn(t, (heads + 2 * kvh) * d)
+    ref_q = apply_rope(qkv[:, :heads * d].view(t, heads, d), cos[positions, None], sin[positions, None])
+    ref_k = apply_rope(qkv[:, heads * d:(heads + kvh) * d].view(t, kvh, d), cos[positions, None],
+                       sin[positions, None])
+    v = qkv[:, (heads + kvh) * d:].clone()
+    torch.ops.tandem.rope_(qkv, cos, sin, positions, heads + kvh, d)
+    torch.testing.assert_close(qkv[:, :heads * d].view(t, heads, d), ref_q)
+    torch.testing.assert_close(qkv[:, heads * d:(heads + kvh) * d].view(t, kvh, d), ref_k)
+    assert torch.equal(qkv[:, (heads + kvh) * d:], v)
