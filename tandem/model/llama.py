@@ -63,8 +63,8 @@ ROW_BLOCKS = 8
 class Linear:
     """y = x @ w.T (+ b), with a CPU path for few rows.
 
-    MKL's fp32 GEMV/GEMM for a handful of rows runs on one thread on an AMD EPYC machine of this project: measured 16 GB/s of
-    weight traffic, 2.5-4x slower than a bmm over 8 row blocks of the weight, which MKL spreads over the cores
+    MKL's fp32 GEMV/GEMM for a handful of rows runs on one thread on an AMD EPYC machine of this project:
+    measured 16 GB/s of weight traffic, 2.5-4x slower than a bmm over 8 row blocks of the weight, which MKL spreads over the cores
     (46 GB/s, the copy bandwidth). At 64 rows the bmm still wins for the wide weights (gate_up, LM head:
     -10 to -15 %); past that the plain GEMM is as fast or faster, so it takes over.
     """
