@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,37 +26,14 @@ from ..request import StepOutput
 from . import protocol as P
 from . import tools
 from .client import EngineClient, EngineError, RequestStream
+from .errors import error, sse, stream_error, validation_error
 from .frontend import Frontend, TextStream
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .tools import ToolPlan
-from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 DONE = "data: [DONE]\n\n"
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class ErrorResponse(JSONResponse):
-    """An error body in ASCII JSON: a message that quotes client text holding a lone surrogate still renders."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True).encode()
-
-
-def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return ErrorResponse(error_body(message, type, param, code), status_code=status, headers=headers)
-
-
-def _stream_error(e: Exception) -> str:
-    """The SSE event that ends a stream its request could not finish (engine down or stopping, or failed)."""
-    if isinstance(e, APIError):
-        return _sse(e.body())
-    return _sse(error_body(e.message, "service_unavailable" if e.status == 503 else "invalid_request_error",
-                           None, str(e.status)))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -250,7 +226,7 @@ class OpenAIServer:
         n_out: dict[int, int] = {}
 
         def chunk(c: Choice, text: str, reason: str | None = None, echo: bool = False) -> str:
-            return _sse(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage, c.index,
+            return sse(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage, c.index,
                                            None if echo else self._take_logprobs(c, False)))
         try:
             for c in choices:
@@ -261,10 +237,10 @@ class OpenAIServer:
                 if delta or o.finished:
                     yield chunk(c, delta, o.finish_reason if o.finished else None)
             if include_usage:
-                yield _sse(P.completion_chunk(rid, self.model, created, None, None,
+                yield sse(P.completion_chunk(rid, self.model, created, None, None,
                                               P.usage(n_prompt, sum(n_out.values()), _cached(choices)), True))
         except (EngineError, APIError) as e:
-            yield _stream_error(e)
+            yield stream_error(e)
         finally:
             self._abort(choices)              # a client that left mid-stream: free its KV (no-op if finished)
         yield DONE
@@ -276,7 +252,7 @@ class OpenAIServer:
         sent: dict[int, int] = {c.index: 0 for c in choices}       # how much of it went out as content
 
         def chunk(c: Choice | None, delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
-            return _sse(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
+            return sse(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
                                      c.index if c is not None else 0,
                                      self._take_logprobs(c, True) if c is not None and delta is not None
                                      and "role" not in delta else None))
@@ -308,7 +284,7 @@ class OpenAIServer:
             if include_usage:
                 yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values()), _cached(choices)))
         except (EngineError, APIError) as e:
-            yield _stream_error(e)
+            yield stream_error(e)
         finally:
             self._abort(choices)
         yield DONE
@@ -317,12 +293,12 @@ class OpenAIServer:
         """200 while the engine is alive and its loop turns; 503 once it died, stopped making progress for
         health_timeout_s (a stuck step: the device hung or was stopped), or the server is stopping."""
         if self.client.dead is not None:
-            return _error(503, f"the engine is down: {self.client.dead}", "service_unavailable")
+            return error(503, f"the engine is down: {self.client.dead}", "service_unavailable")
         if self.client.closing:
-            return _error(503, "the server is shutting down", "service_unavailable")
+            return error(503, "the server is shutting down", "service_unavailable")
         silent = self.client.silent_for()
         if silent > self.limits.health_timeout_s:
-            return _error(503, f"the engine has made no progress for {silent:.0f} s (--health-timeout "
+            return error(503, f"the engine has made no progress for {silent:.0f} s (--health-timeout "
                                f"{self.limits.health_timeout_s:g})", "service_unavailable")
         return Response(status_code=200)
 
@@ -343,48 +319,12 @@ class OpenAIServer:
         try:
             if await asyncio.wait_for(probe(), self.limits.health_timeout_s):
                 return Response(status_code=200)
-            return _error(503, "the probe request did not produce a token", "service_unavailable")
+            return error(503, "the probe request did not produce a token", "service_unavailable")
         except asyncio.TimeoutError:
             self.client.abort(rid)
-            return _error(503, f"no token within {self.limits.health_timeout_s:g} s", "service_unavailable")
+            return error(503, f"no token within {self.limits.health_timeout_s:g} s", "service_unavailable")
         except EngineError as e:
-            return _error(503, f"the probe request failed: {e.message}", "service_unavailable")
-
-
-def _param_path(loc) -> str | None:
-    """The field a validation error is about, as `messages[0].role`: body fields and list indices, up to
-    the first union branch pydantic adds to the location (`str`, `list[int]` ...)."""
-    if len(loc) < 2 or loc[0] != "body":
-        return None
-    path = str(loc[1])
-    for part in loc[2:]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part not in _UNION_TAGS:
-            path += f".{part}"
-        else:
-            break
-    return path
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    errs = exc.errors()
-    first = errs[0] if errs else {"type": "", "loc": (), "msg": "invalid request"}
-    if first["type"] == "json_invalid":
-        return _error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
-                      "invalid_request_error")
-    param = _param_path(first["loc"])
-    if param is None:
-        return _error(400, f"the request body must be a JSON object: {first['msg']}", "invalid_request_error")
-    if first["type"] == "missing":
-        return _error(400, f"missing required field: {param}", "invalid_request_error", param)
-    if first["type"] == "extra_forbidden":
-        return _error(400, f"unrecognized request argument supplied: {param}", "invalid_request_error", param)
-    msgs = list(dict.fromkeys(e["msg"] for e in errs if _param_path(e["loc"]) == param))
-    return _error(400, f"invalid value for {param}: {'; or '.join(msgs)}"[:1000], "invalid_request_error", param)
+            return error(503, f"the probe request failed: {e.message}", "service_unavailable")
 
 
 def build_app(client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics,
@@ -394,13 +334,13 @@ def build_app(client: EngineClient, frontend: Frontend, model_name: str, metrics
     app.state.api = api
     app.add_middleware(BodyLimitMiddleware, limits=limits)
 
-    app.exception_handler(RequestValidationError)(lambda _r, e: _validation_error(e))
-    app.exception_handler(APIError)(lambda _r, e: _error(e.status, e.message, e.type, e.param, e.code))
-    app.exception_handler(EngineError)(lambda _r, e: _error(
+    app.exception_handler(RequestValidationError)(lambda _r, e: validation_error(e))
+    app.exception_handler(APIError)(lambda _r, e: error(e.status, e.message, e.type, e.param, e.code))
+    app.exception_handler(EngineError)(lambda _r, e: error(
         e.status, e.message, "invalid_request_error" if e.status == 400 else "service_unavailable"))
-    app.exception_handler(StarletteHTTPException)(lambda _r, e: _error(
+    app.exception_handler(StarletteHTTPException)(lambda _r, e: error(
         e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"))
-    app.exception_handler(Exception)(lambda _r, e: _error(500, f"internal error: {type(e).__name__}: {e}",
+    app.exception_handler(Exception)(lambda _r, e: error(500, f"internal error: {type(e).__name__}: {e}",
                                                            "server_error"))
 
     @app.post("/v1/completions")

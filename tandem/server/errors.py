@@ -1,0 +1,70 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, for responses, for streams, and
+for FastAPI's validation errors (folded into 400s that name the field's path, e.g. `messages[1].role`)."""
+from __future__ import annotations
+
+import json
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from .protocol import RETRY_AFTER_S, APIError, error_body
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes client text holding a lone surrogate still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True).encode()
+
+
+def error(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return ErrorResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def stream_error(e: Exception) -> str:
+    """The SSE event that ends a stream its request could not finish (engine down or stopping, or failed)."""
+    if isinstance(e, APIError):
+        return sse(e.body())
+    return sse(error_body(e.message, "service_unavailable" if e.status == 503 else "invalid_request_error",
+                           None, str(e.status)))
+
+
+def _param_path(loc) -> str | None:
+    """The field a validation error is about, as `messages[0].role`: body fields and list indices, up to
+    the first union branch pydantic adds to the location (`str`, `list[int]` ...)."""
+    if len(loc) < 2 or loc[0] != "body":
+        return None
+    path = str(loc[1])
+    for part in loc[2:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _UNION_TAGS:
+            path += f".{part}"
+        else:
+            break
+    return path
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_error(exc: RequestValidationError) -> JSONResponse:
+    errs = exc.errors()
+    first = errs[0] if errs else {"type": "", "loc": (), "msg": "invalid request"}
+    if first["type"] == "json_invalid":
+        return error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+                      "invalid_request_error")
+    param = _param_path(first["loc"])
+    if param is None:
+        return error(400, f"the request body must be a JSON object: {first['msg']}", "invalid_request_error")
+    if first["type"] == "missing":
+        return error(400, f"missing required field: {param}", "invalid_request_error", param)
+    if first["type"] == "extra_forbidden":
+        return error(400, f"unrecognized request argument supplied: {param}", "invalid_request_error", param)
+    msgs = list(dict.fromkeys(e["msg"] for e in errs if _param_path(e["loc"]) == param))
+    return error(400, f"invalid value for {param}: {'; or '.join(msgs)}"[:1000], "invalid_request_error", param)
