@@ -31,7 +31,7 @@ def stream_error(e: Exception) -> str:
     if isinstance(e, APIError):
         return sse(e.body())
     return sse(error_body(e.message, "service_unavailable" if e.status == 503 else "invalid_request_error",
-                           None, str(e.status)))
+                          None, str(e.status)))
 
 
 def _param_path(loc) -> str | None:
