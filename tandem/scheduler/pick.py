@@ -183,6 +183,8 @@ def _penalty_fields(decode: list[Req], chunks: list[Chunk], positions: list[int]
         p = r.params
         if is_first and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
             prefix_ids.extend(r.fill_ids()[:r.cached_len])
+        if not p.logit_bias and pos >= p.min_tokens:
+            continue                              # the common case: nothing to add to this row's logits
         bans = (set(r.eos_token_ids) | set(p.stop_token_ids)) if pos < p.min_tokens else set()
         for tok, val in ((p.logit_bias or {}) | dict.fromkeys(bans, -np.inf)).items():
             bias_rows.append(i)
