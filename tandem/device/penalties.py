@@ -26,18 +26,13 @@ class PenaltyState:
         self.counts: torch.Tensor | None = None     # [rows, V] int32, made at the first penalized step
         self.prompt: torch.Tensor | None = None     # [rows, V] bool
 
-    @staticmethod
-    def active(step: StepInput) -> np.ndarray:
-        """[B] rows whose request uses a penalty."""
-        return (step.presence_penalty != 0) | (step.frequency_penalty != 0) | (step.repetition_penalty != 1)
-
     def update_inputs(self, step: StepInput, rows: torch.Tensor, tok_row: torch.Tensor, positions: torch.Tensor,
                       input_ids: torch.Tensor) -> None:
         """Before the forward: resets, cached prefix ids and the step's own prefill ids."""
         if self.counts is None:
             self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.int32, device=self.device)
             self.prompt = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
-        act = self.active(step)
+        act = step.penalized()
         reset = np.nonzero(act & (step.pen_reset == 1))[0]
         if len(reset):
             r = rows[torch.from_numpy(reset).to(self.device)]
@@ -65,7 +60,7 @@ class PenaltyState:
 
     def apply(self, step: StepInput, rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Penalize the logits of the penalized rows in place."""
-        act = np.nonzero(self.active(step))[0]
+        act = np.nonzero(step.penalized())[0]
         a = torch.from_numpy(act).to(self.device)
         r = rows[a]
         counts = self.counts[r].float()                                  # [A, V]
@@ -78,7 +73,7 @@ class PenaltyState:
 
     def count_outputs(self, step: StepInput, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """After sampling: the sampled tokens that are outputs add to their rows' counts."""
-        sel = np.nonzero(self.active(step) & (step.pen_count == 1))[0]
+        sel = np.nonzero(step.penalized() & (step.pen_count == 1))[0]
         if len(sel):
             s = torch.from_numpy(sel).to(self.device)
             self.counts.index_put_((rows[s], tokens[s]), torch.ones(len(sel), dtype=torch.int32,

@@ -87,8 +87,11 @@ class StepInput:
 
     @property
     def has_penalties(self) -> bool:
-        return bool((self.presence_penalty != 0).any() or (self.frequency_penalty != 0).any()
-                    or (self.repetition_penalty != 1).any())
+        return bool(self.penalized().any())
+
+    def penalized(self) -> np.ndarray:
+        """[B] rows whose request uses a presence, frequency or repetition penalty."""
+        return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
 
     def int_words(self) -> int:
         return HEADER + len(ROW_INTS) * self.batch_size + sum(len(getattr(self, n)) for n in VAR_INTS)
