@@ -187,3 +187,44 @@ def test_fused_layer_ops_equal_llama_reference(t):
     torch.testing.assert_close(qkv[:, :heads * d].view(t, heads, d), ref_q)
     torch.testing.assert_close(qkv[:, heads * d:(heads + kvh) * d].view(t, kvh, d), ref_k)
     assert torch.equal(qkv[:, (heads + kvh) * d:], v)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 17, 33, 1000])
+def test_race_argmax_equals_torch(isa, vocab):
+    """The sampler's fused divide / subtract / argmax equals the torch reference exactly, ties (first index),
+    -inf masks (grammar, top-k) and NaN (counts as the largest, as torch.argmax) included."""
+    from tandem.sampler import race_argmax
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g) * 4
+    x[1] = 0.5                                                       # all tied: index 0
+    x[2, vocab // 2:] = -float("inf")                                # masked tail
+    x[3] = -float("inf")                                             # all masked: index 0, as torch
+    x[4, vocab - 1] = x[4].max() + 1                                 # the last element wins (SIMD tail)
+    x[5, (2 * vocab) // 3] = float("nan")
+    x[6, :] = x[6].round()                                           # many exact ties after the divide
+    t = torch.rand(9, generator=g) + 0.25
+    noise = torch.rand(9, vocab, generator=g).clamp_min(1e-30).log()
+    for tt, gg in ((None, None), (t, None), (None, noise), (t, noise)):
+        ref = race_argmax(x, tt, gg, native=False)
+        got = torch.ops.tandem.race_argmax(x, tt, gg, isa)
+        assert got.tolist() == ref.tolist(), (tt is not None, gg is not None)
+
+
+def test_native_sampling_equals_the_torch_path():
+    """sample(native=True) draws the same tokens as the torch path: greedy, tempered, top-k/p and min-p rows
+    in one batch over a SmolLM2-sized vocabulary."""
+    from tandem.sampler import SamplingBatch, draw_seeds, sample
+    n, vocab = 12, 49152
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    temperature = np.array([0.0, 1.0, 0.7, 1.3] * 3)
+    top_k = np.array([-1] * 4 + [20] * 4 + [-1] * 4)
+    top_p = np.array([1.0] * 8 + [0.9] * 4)
+    min_p = np.array([0.0] * 10 + [0.05] * 2)
+    seeds = draw_seeds(np.arange(n), np.full(n, 5))
+    for rows in (slice(None), slice(1, 4)):                          # mixed greedy/sampled, all sampled
+        p = SamplingBatch.from_host(temperature[rows], top_p[rows], top_k[rows], min_p[rows], seeds[rows],
+                                    torch.device("cpu"))
+        assert sample(logits[rows], p, native=True).tolist() == sample(logits[rows], p, native=False).tolist()
