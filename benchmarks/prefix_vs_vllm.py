@@ -100,7 +100,7 @@ def main() -> None:
         server.start()
         print(f"vLLM up after {time.perf_counter() - t:.0f} s", flush=True)
         for w in workloads:              # warm-up: a small version of each workload (unseen prompts), both engines
-            small = requests_for(w, vocab, 10_000)[:4]
+            small = requests_for(w, vocab, 10_000)[:2]
             run_tandem(llm, w, small)
             run_vllm(server, w, small)
         for w in workloads:

@@ -5,8 +5,9 @@ quantized weights): tandem overlap, tandem serial, transformers `generate` on st
 --hf-batch-sizes in a short probe), transformers continuous batching, llama.cpp single stream and batched (the
 fastest of --llama-batch-sizes) and, where installed (--vllm-python), vLLM's CPU build through its OpenAI server
 (fp32, on a Hugging Face folder of the same weights; the install is in tandem/bench/vllm_peer.py). Rounds
-alternate the engines' order, because this machine drifts between rounds; the table gives each engine's median output tokens/s, its ratio to tandem overlap, and its
-single-stream TPOT = (time for O tokens - time for 1 token) / (O - 1) of one request.
+alternate the engines' order, because this machine drifts between rounds; the table gives each engine's median
+output tokens/s, its ratio to tandem overlap, and its single-stream TPOT = (time for O tokens - time for 1
+token) / (O - 1) of one request.
 `--concurrency 1,8,32` adds a sweep: every engine at batch (running-request cap) c on max(4, c) prompts
 (the prompt count `bench serve --max-concurrency c` is given in benchmarks/run_all.py).
 """

