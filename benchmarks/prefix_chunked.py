@@ -4,6 +4,7 @@ in one run (the machine drifts between runs):
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/prefix_chunked.py shared-prefix [--rounds 2]
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/prefix_chunked.py itl [--mixed 32,64,128]
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/prefix_chunked.py decode [--rounds 2]
+    flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/prefix_chunked.py behind [--rounds 3]
 
 shared-prefix: 32 requests, one 900-token prefix + 24 own tokens -> 32 tokens, prefix cache on vs off
   (interleaved rounds; each round a fresh prefix, so the cached engine computes it once per round).
@@ -13,6 +14,9 @@ itl: 16 streams (32 in -> 160 out) are decoding when a 4000-token prompt arrives
   configurations switched between runs (the scheduler reads its config live), in interleaved rounds; also
   the median mixed step over the median decode-only step of each run, from the device spans.
 decode: 64 x 32 -> 128 (the RESULTS.md offline workload) with the cache and mixed steps on vs off.
+behind: a 32-token request arrives just after a 4000-token prompt's first chunk is launched (idle engine,
+  default config): its TTFT against one chunk step (the first step: the long prompt's first 2048 tokens, in
+  flight when it arrives) plus its own prefill (its TTFT on an idle engine, same round).
 """
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ def _itl_run(llm, rng: random.Random) -> dict:
     from tandem import SamplingParams
     eng = llm.engine
     stamps: dict[str, list[float]] = {}
-    long_rid, added = [], []
+    added: list[float] = []
     streams = [eng.make_request(_ids(rng, 32), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
                for _ in range(16)]
     long = eng.make_request(_ids(rng, 4000), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -146,14 +150,76 @@ def decode(args) -> dict:
             statistics.median(tps["cache and mixed off"])}
 
 
+def _ttft(eng, short, long=None) -> tuple[float, list]:
+    """TTFT of `short`; with `long`, `long` is queued first and `short` arrives right after the first step
+    (the long prompt's first chunk) is launched. Also the device spans of the run."""
+    stamps: dict[str, float] = {}
+    added: list[float] = []
+    s = eng.scheduler
+
+    def sink(outputs):
+        t = time.perf_counter()
+        for o in outputs:
+            if o.new_token_ids:
+                stamps.setdefault(o.rid, t)
+
+    def launch(batch):
+        handle = type(s).launch_step(s, batch)
+        if not added:
+            added.append(time.perf_counter())
+            eng.add_request(short, bounded=False)
+        return handle
+
+    old = eng._sink
+    eng._sink = sink
+    eng.recorder.clear()
+    try:
+        if long is None:
+            added.append(time.perf_counter())
+            eng.add_request(short, bounded=False)
+        else:
+            s.launch_step = launch                  # instance attribute: the loop calls s.launch_step(batch)
+            eng.add_request(long, bounded=False)
+        eng.run()
+    finally:
+        eng._sink = old
+        s.__dict__.pop("launch_step", None)
+    return stamps[short.rid] - added[0], list(eng.recorder.devices)
+
+
+def behind(args) -> list[dict]:
+    from tandem import SamplingParams
+    llm = _llm()
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = []
+    try:
+        _warm(llm)
+        for r in range(args.rounds):
+            rng = random.Random(100 + r)            # fresh prompts: nothing served from the prefix cache
+            alone, _ = _ttft(eng, eng.make_request(_ids(rng, 32), params))
+            long = eng.make_request(_ids(rng, 4000), params)
+            ttft, devs = _ttft(eng, eng.make_request(_ids(rng, 32), params), long)
+            first = min(devs, key=lambda d: d.step)
+            chunk = first.end - first.start         # the long prompt's first chunk, in flight at the arrival
+            res = {"short_ttft_behind_s": ttft, "chunk_step_s": chunk, "short_alone_ttft_s": alone,
+                   "ratio_to_chunk_plus_own": ttft / (chunk + alone),
+                   "steps": [[d.batch_size, d.num_tokens, round(d.end - d.start, 3)] for d in devs[:4]]}
+            out.append(res)
+            print(f"round {r}", json.dumps(res), flush=True)
+    finally:
+        llm.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("shared-prefix", "itl", "decode"))
+    ap.add_argument("what", choices=("shared-prefix", "itl", "decode", "behind"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mixed", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = {"shared-prefix": shared_prefix, "itl": itl, "decode": decode}[args.what](args)
+    result = {"shared-prefix": shared_prefix, "itl": itl, "decode": decode, "behind": behind}[args.what](args)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

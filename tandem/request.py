@@ -48,6 +48,7 @@ class Req:
     cache_node: object | None = None       # the radix node that match ends at, locked while running
     num_cached_tokens: int | None = None   # prompt tokens served from the cache at first admission
     num_launched: int = 0
+    stood_aside: bool = False              # a started chunked prefill left one step to new arrivals (once a chunk)
     aborted: bool = False
     stop_checker: object | None = None     # StopStrings for requests with stop strings
     text: str | None = None                # final text when a stop string cut it

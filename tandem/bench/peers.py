@@ -3,9 +3,11 @@
 Engines (greedy, ignore_eos, same thread count; tandem and transformers in fp32, llama.cpp on the GGUF's own
 quantized weights): tandem overlap, tandem serial, transformers `generate` on static batches (the fastest of
 --hf-batch-sizes in a short probe), transformers continuous batching, llama.cpp single stream and batched (the
-fastest of --llama-batch-sizes). Rounds alternate the engines' order, because this machine drifts between
-rounds; the table gives each engine's median output tokens/s, its ratio to tandem overlap, and its
-single-stream TPOT = (time for O tokens - time for 1 token) / (O - 1) of one request.
+fastest of --llama-batch-sizes) and, where installed (--vllm-python), vLLM's CPU build through its OpenAI server
+(fp32, on a Hugging Face folder of the same weights; the install is in tandem/bench/vllm_peer.py). Rounds
+alternate the engines' order, because this machine drifts between rounds; the table gives each engine's median
+output tokens/s, its ratio to tandem overlap, and its single-stream TPOT = (time for O tokens - time for 1
+token) / (O - 1) of one request.
 `--concurrency 1,8,32` adds a sweep: every engine at batch (running-request cap) c on max(4, c) prompts
 (the prompt count `bench serve --max-concurrency c` is given in benchmarks/run_all.py).
 """
@@ -19,11 +21,12 @@ from . import engine_threads, machine_info
 from .datasets import random_requests
 from .engines import (HFContinuousPeer, HFGeneratePeer, LlamaCppPeer, Peer, TandemPeer, hf_continuous_reason,
                       llama_cpp_reason, load_hf_model)
+from .vllm_peer import VllmPeer, VllmServer, export_hf_folder, vllm_reason
 
 ENGINES = ("tandem overlap", "tandem serial", "transformers generate", "transformers generate_batch",
-           "llama.cpp single", "llama.cpp batched")
+           "llama.cpp single", "llama.cpp batched", "vllm cpu")
 SWEEP_ENGINES = ("tandem overlap", "tandem serial", "transformers generate", "transformers generate_batch",
-                 "llama.cpp")
+                 "llama.cpp", "vllm cpu")
 Factory = Callable[[int | None], Peer]
 
 
@@ -65,8 +68,10 @@ def probe(make: Factory, sizes: list[int], prompts: list[list[int]], probe_len: 
     return best, seen
 
 
-def make_factories(llm, model_path: str, threads: int, context_len: int) -> tuple[dict[str, Factory], dict]:
-    """Peer factories by engine name (argument: the batch size or running cap), and why others are skipped."""
+def make_factories(llm, model_path: str, threads: int, context_len: int, args=None,
+                   servers: list | None = None) -> tuple[dict[str, Factory], dict]:
+    """Peer factories by engine name (argument: the batch size or running cap), and why others are skipped.
+    Servers started for a peer (vLLM) are appended to `servers`, for the caller to close."""
     made: dict[str, Factory] = {
         "tandem overlap": lambda b: TandemPeer(llm, "overlap", b),
         "tandem serial": lambda b: TandemPeer(llm, "serial", b),
@@ -89,6 +94,20 @@ def make_factories(llm, model_path: str, threads: int, context_len: int) -> tupl
     else:
         made["llama.cpp single"] = lambda b: LlamaCppPeer(model_path, threads, 1, context_len)
         made["llama.cpp batched"] = lambda b: LlamaCppPeer(model_path, threads, b or 1, context_len)
+    python = getattr(args, "vllm_python", None)
+    reason = vllm_reason(python)
+    if reason:
+        skipped["vllm cpu"] = reason
+    else:
+        try:
+            server = VllmServer(python, export_hf_folder(model_path), threads, kv_gib=args.vllm_kv_gib,
+                                max_num_seqs=llm.engine.config.max_running_requests,
+                                max_model_len=context_len, log_path=args.vllm_log)
+            print(f"starting vLLM ({' '.join(server.command())}); it compiles for about 2 minutes", flush=True)
+            servers.append(server.start())
+            made["vllm cpu"] = lambda b: VllmPeer(server, b)
+        except Exception as e:
+            skipped["vllm cpu"] = f"failed to start: {type(e).__name__}: {e}"
     return made, skipped
 
 
@@ -169,11 +188,13 @@ def bench_peers(args) -> dict:
     model_path = config.model or default_model_path()
     llm = LLM(**dataclasses.asdict(config))
     peers: dict[str, Peer] = {}
+    servers: list = []
     try:
         vocab = llm.engine.model_config.vocab_size
         prompts = [r.prompt for r in random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
                                                      0.0, args.seed)]
-        made, skipped = make_factories(llm, model_path, threads, args.input_len + args.output_len + 16)
+        made, skipped = make_factories(llm, model_path, threads, args.input_len + args.output_len + 16, args,
+                                       servers)
         peers = build_peers(made, skipped, prompts, args)
         tps = run_rounds(peers, skipped, prompts, args.output_len, args.rounds)
         tpot = {}
@@ -188,6 +209,8 @@ def bench_peers(args) -> dict:
     finally:
         for peer in peers.values():
             peer.close()
+        for server in servers:
+            server.close()
         llm.shutdown()
     base = statistics.median(tps["tandem overlap"]) if tps.get("tandem overlap") else None
     results = []

@@ -64,7 +64,8 @@ def _decode_reserve(s: "Scheduler", reqs: list[Req]) -> int:
 
 
 def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
-    """Prefill chunks of at most `budget` tokens in all: a started chunked prefill first, then admissions.
+    """Prefill chunks of at most `budget` tokens in all: a started chunked prefill first, then admissions;
+    but once a chunk, arrivals whose whole prefill fits go first, alone, for one step.
 
     A request is admitted whole (its prompt's KV is allocated at once, so a chunked prefill never stalls for
     memory) and prefilled in chunks: it keeps its row and KV across chunks and joins decode after its last.
@@ -74,14 +75,12 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         s.end(s.waiting.popleft(), "length")
     chunks: list[Chunk] = []
     tokens = 0
-    for req in s.running:
-        # The next chunk may be launched while the previous one is still in flight: its ids are host prompt
-        # ids (no FutureMap read), and the device runs steps in launch order, so the chunks of one row are
-        # written in order and chunk j+1 attends over the KV chunk j wrote.
-        if req.prefilling and not req.aborted and tokens < budget:
-            n = min(req.allocated - req.filled, budget - tokens)
-            chunks.append(Chunk(req, req.filled, n, req.filled + n == req.allocated))
-            tokens += n
+    started = [r for r in s.running if r.prefilling and not r.aborted]
+    # Arrivals go first for one step, once per chunk of a started prefill: a short request behind a long prompt
+    # waits for the chunk in flight, not also for the next chunk in the step that would carry it.
+    aside = bool(s.waiting) and bool(started) and not any(r.stood_aside for r in started)
+    if not aside:
+        tokens = _continue_started(started, chunks, budget)
     decode_reserve = _decode_reserve(s, s.running)
     admitted: list[Req] = []
     reserved = 0
@@ -93,10 +92,14 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         fill = req.fill_ids()
         cached = s.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         n = len(fill) - cached                    # tokens this prefill computes
-        if s.cache is not None and any(_shared(fill, c.req.fill_ids()) - cached >= IN_BATCH_SHARE
-                                     for c in chunks):
+        mates = [c.req for c in chunks] + (started if aside else [])
+        if s.cache is not None and any(_shared(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE for m in mates):
             # A batch mate computes the same uncached prefix in this step: wait one step and hit its KV
             # (a burst of requests behind one system prompt computes it once, not once per step's admission).
+            s.unmatch(req)
+            break
+        if aside and n > budget - tokens:
+            # Standing aside is for arrivals whose whole prefill fits this step; a long one queues behind.
             s.unmatch(req)
             break
         future = int(min(req.max_new_tokens() - len(req.output_ids), NEW_TOKEN_CLIP) * s.new_token_ratio)
@@ -123,7 +126,28 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         req.row = s.rows.alloc()
         req.status = ReqStatus.RUNNING
         s.running.append(req)
+    if aside and admitted:
+        for req in started:
+            req.stood_aside = True
+    elif aside:                                   # nobody could be admitted: the started prefills go on now
+        _continue_started(started, chunks, budget - tokens)
     return chunks
+
+
+def _continue_started(started: list[Req], chunks: list[Chunk], budget: int) -> int:
+    """The next chunks of started prefills within `budget` tokens, appended to `chunks`; the tokens used.
+    The next chunk may be launched while the previous one is still in flight: its ids are host prompt ids (no
+    FutureMap read), and the device runs steps in launch order, so the chunks of one row are written in order
+    and chunk j+1 attends over the KV chunk j wrote."""
+    tokens = 0
+    for req in started:
+        if tokens >= budget:
+            break
+        n = min(req.allocated - req.filled, budget - tokens)
+        chunks.append(Chunk(req, req.filled, n, req.filled + n == req.allocated))
+        req.stood_aside = False
+        tokens += n
+    return tokens
 
 
 def _shared(a: list[int], b: list[int]) -> int:
