@@ -85,25 +85,33 @@ class Linear:
 
 
 class QLinear:
-    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native")."""
+    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native").
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
+    A list of weights is a fused linear whose parts have different types (Q4_K_M files keep attn_v in Q6_K
+    beside Q4_K q/k): each part runs on its own blocks and the outputs are concatenated."""
+
+    def __init__(self, weight: "QuantWeight | list[QuantWeight]", bias: torch.Tensor | None = None) -> None:
+        self.parts, self.bias = (weight if isinstance(weight, list) else [weight]), bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.weight, self.bias)
+        if len(self.parts) == 1:
+            return qlinear(x, self.parts[0], self.bias)
+        y = torch.cat([qlinear(x, p) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
 
 
-def linear(weight: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> "Linear | QLinear":
-    return QLinear(weight, bias) if isinstance(weight, QuantWeight) else Linear(weight, bias)
+Weight = "torch.Tensor | QuantWeight | list[QuantWeight]"
 
 
-def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> "torch.Tensor | QuantWeight":
-    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks."""
+def linear(weight: Weight, bias: torch.Tensor | None = None) -> "Linear | QLinear":
+    return Linear(weight, bias) if isinstance(weight, torch.Tensor) else QLinear(weight, bias)
+
+
+def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> Weight:
+    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks, blocks of mixed
+    types stay a list of blocks (QLinear runs each)."""
     if all(isinstance(p, QuantWeight) for p in parts):
-        fused = QuantWeight.cat(parts)
-        if fused is not None:
-            return fused
+        return QuantWeight.cat(parts) or list(parts)
     return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
 
 
