@@ -100,6 +100,62 @@ def test_qlinear_dispatch_equals_reference(m, qtype, k):
     assert_close_sum(qlinear(x.t().contiguous().t(), q), x, w, ref)          # a strided x
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
+                                     (17, 6, 224), (64, 13, 1536)])
+def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
+    """kernels_act="int8": x rounded to int8 blocks (the reference's rounding, bit for bit), integer block dot
+    products; equal to the float64 product of the dequantized operands up to fp32 summation order. K covers
+    whole 4-block groups and their 2- and 1-block tails."""
+    from tandem.kernels.quant import qlinear_q8_ref, quantize_act_ref
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    q = blocks(n, k, QTYPES[name], seed=m + n)
+    x, bias = torch.randn(m, k) * 3, torch.randn(n)
+    xq, d = quantize_act_ref(x)
+    xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
+    for b in (None, bias):
+        y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
+        assert y.shape == (m, n)
+        assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
+
+
+def test_qlinear_int8_act_dispatch():
+    """int8 activations only where the op reads the type and the rows run in-kernel; otherwise fp32, unchanged."""
+    from tandem.kernels.quant import small_m
+    q8, qk = blocks(9, 256, Q8_0), blocks(9, 256, Q4_K)
+    x = torch.randn(3, 256)
+    assert torch.equal(qlinear(x, q8, int8_act=True), torch.ops.tandem.qlinear_q8(x, q8.data, Q8_0, 256))
+    assert not torch.equal(qlinear(x, q8, int8_act=True), qlinear(x, q8))
+    assert torch.equal(qlinear(x, qk, int8_act=True), qlinear(x, qk))
+    big = torch.randn(small_m() + 1, 256)
+    assert torch.equal(qlinear(big, q8, int8_act=True), qlinear(big, q8))
+    with pytest.raises(RuntimeError, match="int8 activations support"):
+        torch.ops.tandem.qlinear_q8(x, qk.data, Q4_K, 256)
+
+
+def test_int8_act_config_reaches_the_model(tmp_path, make_llm, monkeypatch):
+    """kernels_act="int8" builds every quantized linear with int8 activations; a bad value is refused."""
+    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+
+    from tandem import SamplingParams
+    from tandem.config import EngineConfig
+    from tandem.model import gguf_loader
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q8_0",
+                           with_tokenizer=False)
+    llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
+    model = llm.engine.runner.executor.model
+    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
+    assert all(lin.int8_act and lin.parts[0].qtype == Q8_0 for lin in linears)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ValueError, match="kernels_act"):
+        EngineConfig(kernels_act="int4")
+
+
 def test_rows_cat_and_errors():
     a, b = blocks(5, 64, Q8_0), blocks(3, 64, Q8_0, seed=1)
     ab = QuantWeight.cat([a, b])

@@ -20,6 +20,7 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14       # ggml type ids
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}   # per block
 BLOCK_WEIGHTS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}  # weights along K per block
 K_QUANTS = frozenset({Q4_K, Q6_K})
+INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q8_0})       # what tandem.qlinear_q8 reads (kernels_act="int8")
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMM runs (measured: 1.4x the fp32 GEMM at 65 rows, even at 128);
 # past it the layer is dequantized into a reused buffer and MKL's fp32 GEMM
@@ -99,10 +100,14 @@ def small_m() -> int:
     return _small_m
 
 
-def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]."""
+def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, int8_act: bool = False
+            ) -> torch.Tensor:
+    """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]. int8_act: rows of x quantized to int8 blocks first
+    (in-kernel rows and INT8_ACT_QTYPES only; prefill and other types keep fp32 activations)."""
     global _scratch
     if x.shape[0] <= small_m():
+        if int8_act and w.qtype in INT8_ACT_QTYPES:
+            return torch.ops.tandem.qlinear_q8(x, w.data, w.qtype, w.k, bias)
         return torch.ops.tandem.qlinear(x, w.data, w.qtype, w.k, bias)
     if _scratch.numel() < w.numel():
         _scratch = torch.empty(w.numel())
@@ -155,3 +160,20 @@ def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     scales = data.reshape(n, ns, 210)[..., 192:208].contiguous().view(torch.int8).float()   # [n, ns, 16]
     d = _half(data.reshape(n, ns, 210)[..., 208:210])                                        # [n, ns, 1]
     return ((d * scales)[..., None] * q.reshape(n, ns, 16, 16).float()).reshape(n, k)
+
+
+def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as int8 blocks of 32 (llama.cpp's Q8_0 activations): xq int8 [M, K / 32, 32] and
+    dx [M, K / 32, 1]."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return torch.round(xb * inv).to(torch.int8), d
+
+
+def qlinear_q8_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-activation linear in float64: dequantized weights times the dequantized int8 rows of x."""
+    xq, d = quantize_act_ref(x)
+    xd = (xq.double() * d.double()).reshape(x.shape)
+    y = xd @ dequantize_ref(w.data, w.qtype, w.k).double().t()
+    return (y if bias is None else y + bias.double()).float()
