@@ -66,17 +66,23 @@ static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
 
 // A K-quant row's sub-block scales as fp32: Q4_K sc[b] = d * sc_b, sc[nb + b] = dmin * m_b for each 32-weight
 // block b; Q6_K sc[2 b + i] = d * scales (16-weight halves). nb = K / 32; sc holds 2 nb floats.
+// Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
+// q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block).
 static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
   for (int64_t s = 0; s < nb / 8; ++s) {
     if (qtype == kQ4_K) {
       const uint8_t* blk = row + 144 * s;
       float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
-      for (int j = 0; j < 8; ++j) {
-        int scale, min;
-        q4_k_scale_min(blk + 4, j, scale, min);
-        sc[8 * s + j] = d * (float)scale;
-        sc[nb + 8 * s + j] = dmin * (float)min;
-      }
+      uint32_t u[3], v[4];
+      std::memcpy(u, blk + 4, 12);
+      v[0] = u[0] & 0x3f3f3f3f;                                             // scales 0-3
+      v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);       // scales 4-7
+      v[2] = u[1] & 0x3f3f3f3f;                                             // mins 0-3
+      v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // mins 4-7
+      uint8_t b[16];
+      std::memcpy(b, v, 16);
+      for (int j = 0; j < 8; ++j) sc[8 * s + j] = d * (float)b[j];
+      for (int j = 0; j < 8; ++j) sc[nb + 8 * s + j] = dmin * (float)b[8 + j];
     } else {
       const uint8_t* blk = row + 210 * s;
       float d = fp16_to_fp32(load_u16(blk + 208));
