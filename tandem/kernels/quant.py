@@ -4,8 +4,11 @@ A QuantWeight holds the GGUF's own bytes, one row per output feature, regrouped 
     row = [d fp16 x nb][m fp16 x nb, Q4_1 only][quants x nb: 16 bytes of nibbles (Q4), 32 int8 (Q8)]
 nb = K / 32 blocks. Scales apart from quants let a kernel convert 16 scales in one instruction and
 broadcast them from memory (measured: the per-block fp16 scale handling of the interleaved GGUF layout kept
-the AVX-512 decode kernel on one execution port). K-quant rows (Q4_K, Q6_K: 256-weight super-blocks) keep
-the GGUF's bytes as they are: their 6-bit / int8 sub-block scales are decoded once per row and call anyway.
+the AVX-512 decode kernel on one execution port). K-quants (256-weight super-blocks): Q6_K rows keep the
+GGUF's bytes; Q4_K rows are regrouped (same size) as [16-byte super-block headers][quants, 16 bytes a
+32-weight sub-block in Q4_0's nibble order], so the kernels treat a sub-block as a Q4_1 block (measured: the
+GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x Q4_1's time per weight). Their 6-bit / int8
+sub-block scales are decoded once per row and call.
 Rows are whole blocks along K, so permuting or concatenating rows (llama's q/k un-permutation, the fused qkv
 and gate_up) works on the bytes as on a dense matrix. See csrc/quant_gemm.cpp for the block formats.
 """
@@ -40,8 +43,10 @@ class QuantWeight:
     @staticmethod
     def from_gguf(blocks: torch.Tensor, qtype: int, k: int) -> "QuantWeight":
         """From GGUF rows of interleaved blocks, uint8 [N, K / block weights * block bytes]."""
-        if qtype in K_QUANTS:
+        if qtype == Q6_K:
             return QuantWeight(blocks.contiguous(), qtype, k)
+        if qtype == Q4_K:
+            return QuantWeight(_q4_k_regroup(blocks, k), qtype, k)
         n, nb = blocks.shape[0], k // 32
         b = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
         scales = 4 if qtype == Q4_1 else 2
@@ -50,8 +55,10 @@ class QuantWeight:
 
     def to_gguf(self) -> torch.Tensor:
         """The GGUF rows back (interleaved blocks)."""
-        if self.qtype in K_QUANTS:
+        if self.qtype == Q6_K:
             return self.data
+        if self.qtype == Q4_K:
+            return _q4_k_ungroup(self.data, self.k)
         n, nb = self.data.shape[0], self.k // 32
         scales = 4 if self.qtype == Q4_1 else 2
         s = self.data[:, :scales * nb].reshape(n, scales // 2, nb, 2).transpose(1, 2).reshape(n, nb, scales)
@@ -120,7 +127,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """fp32 [N, K] from QuantWeight rows, in torch ops (the specification the native op is tested against)."""
     if qtype in K_QUANTS:
-        return _dequantize_k_ref(data, qtype, k)
+        return _dequantize_k_ref(_q4_k_ungroup(data, k) if qtype == Q4_K else data, qtype, k)
     n, nb = data.shape[0], k // 32
     d = data[:, :2 * nb].contiguous().view(torch.float16).float()[..., None]     # [N, nb, 1]
     if qtype == Q8_0:
@@ -135,6 +142,28 @@ def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 def qlinear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize_ref(w.data, w.qtype, w.k), bias)
+
+
+def _q4_k_regroup(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q4_K rows -> [headers (d, dmin, scales: 16 bytes) x ns][qs: 16 bytes a sub-block, element i < 16 the
+    low nibble of byte i, i >= 16 the high nibble of byte i - 16]. GGUF: sub-blocks 2c, 2c + 1 are the low and
+    high nibbles of the same 32 bytes."""
+    n, ns = blocks.shape[0], k // 256
+    b = blocks.reshape(n, ns, 144)
+    q = b[..., 16:].reshape(n, ns, 4, 32)
+    sub = torch.stack([q & 15, q >> 4], dim=3).reshape(n, ns * 8, 32)               # [n, nb, 32] one nibble a byte
+    qs = sub[..., :16] | (sub[..., 16:] << 4)
+    return torch.cat([b[..., :16].reshape(n, -1), qs.reshape(n, -1)], dim=1).contiguous()
+
+
+def _q4_k_ungroup(data: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of _q4_k_regroup: GGUF Q4_K rows."""
+    n, ns = data.shape[0], k // 256
+    head = data[:, :16 * ns].reshape(n, ns, 16)
+    qs = data[:, 16 * ns:].reshape(n, ns, 8, 16)
+    sub = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, ns, 4, 2, 32)            # [.., chunk, low/high, 32]
+    q = sub[..., 0, :] | (sub[..., 1, :] << 4)
+    return torch.cat([head, q.reshape(n, ns, 128)], dim=-1).reshape(n, -1).contiguous()
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@
 //   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
 //   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
 // So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
-// K-quants, 256 weights along K per super-block, kept in the GGUF's own interleaved layout:
+// K-quants, 256 weights along K per super-block (GGUF layout; Q4_K is regrouped at load, below):
 //   Q4_K (144 B): d fp16 | dmin fp16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
 //     sub-block j (32 weights) = nibbles of qs[32 (j / 2) ..][0..31], low for even j, high for odd;
 //     value = (d * sc_j) * q - (dmin * m_j)
@@ -15,8 +15,11 @@
 // Weight tensor: uint8 [N, K / block weights * block bytes], one row per output feature holding the GGUF bytes of its
 // nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
 //   [d fp16 x nb][m fp16 x nb, Q4_1 only][qs x nb: 16 bytes (Q4) or 32 int8 (Q8) each]
-// so a row's scales convert 16 at a time and broadcast from memory in the block loop. K-quant rows are the
-// GGUF's super-blocks unchanged; a row's 6-bit / int8 sub-block scales are decoded to fp32 once per call.
+// so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
+// super-blocks unchanged; Q4_K rows are regrouped (same size) as
+//   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qs x nb: 16 bytes in Q4_0's nibble order]
+// so a Q4_K sub-block is a Q4_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 6-bit / int8
+// sub-block scales are decoded to fp32 once per call.
 //
 // Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
 // (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
@@ -64,14 +67,14 @@ static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
-// A K-quant row's sub-block scales as fp32: Q4_K sc[b] = d * sc_b, sc[nb + b] = dmin * m_b for each 32-weight
+// A K-quant row's sub-block scales as fp32: Q4_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
 // block b; Q6_K sc[2 b + i] = d * scales (16-weight halves). nb = K / 32; sc holds 2 nb floats.
 // Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
 // q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block).
 static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
   for (int64_t s = 0; s < nb / 8; ++s) {
     if (qtype == kQ4_K) {
-      const uint8_t* blk = row + 144 * s;
+      const uint8_t* blk = row + 16 * s;                                    // the regrouped header
       float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
       uint32_t u[3], v[4];
       std::memcpy(u, blk + 4, 12);
@@ -82,7 +85,7 @@ static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float
       uint8_t b[16];
       std::memcpy(b, v, 16);
       for (int j = 0; j < 8; ++j) sc[8 * s + j] = d * (float)b[j];
-      for (int j = 0; j < 8; ++j) sc[nb + 8 * s + j] = dmin * (float)b[8 + j];
+      for (int j = 0; j < 8; ++j) sc[nb + 8 * s + j] = -(dmin * (float)b[8 + j]);   // Q4_1's m = -dmin m_j
     } else {
       const uint8_t* blk = row + 210 * s;
       float d = fp16_to_fp32(load_u16(blk + 208));
@@ -103,13 +106,13 @@ namespace scalar {
 constexpr int NR = 1;
 
 // Weight i of 32-weight block b of a K-quant row (b / 8: super-block, b % 8: its sub-block).
-static float k_weight(int64_t qtype, const uint8_t* row, int64_t b, int i) {
+static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
   const int j = (int)(b % 8);
   if (qtype == kQ4_K) {
-    const uint8_t* blk = row + 144 * (b / 8);
+    const uint8_t* blk = row + 16 * (b / 8);
     int scale, min;
     q4_k_scale_min(blk + 4, j, scale, min);
-    int q = blk[16 + 32 * (j / 2) + i] >> 4 * (j % 2) & 15;
+    int q = row[2 * nb + 16 * b + i % 16] >> 4 * (i / 16) & 15;      // the qs after nb / 8 16-byte headers
     return fp16_to_fp32(load_u16(blk)) * (float)scale * (float)q - fp16_to_fp32(load_u16(blk + 2)) * (float)min;
   }
   const uint8_t* blk = row + 210 * (b / 8);
@@ -121,7 +124,7 @@ static float k_weight(int64_t qtype, const uint8_t* row, int64_t b, int i) {
 
 // Weight i of block b of a row (the specification of the format).
 static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
-  if (qtype == kQ4_K || qtype == kQ6_K) return k_weight(qtype, row, b, i);
+  if (qtype == kQ4_K || qtype == kQ6_K) return k_weight(qtype, row, nb, b, i);
   float d = fp16_to_fp32(load_u16(row + 2 * b));
   if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
   bool q41 = qtype == kQ4_1;

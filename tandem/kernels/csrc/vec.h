@@ -96,14 +96,6 @@ struct Vec512 {
     out[0] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qs))), vd);
     out[1] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + 16)))), vd);
   }
-  // Q4_K sub-block: 32 nibbles, one per byte of q (low nibbles: shift 0, high: 4); value d * q - m.
-  TANDEM_AVX512 void q4_k(const uint8_t* q, int shift, float d, float m, reg out[2]) {
-    reg table = _mm512_sub_ps(_mm512_mul_ps(iota(0.f), set1(d)), set1(m));
-    __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-    __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)));
-    out[0] = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, shift), table);
-    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, shift), table);
-  }
   // Q6_K 32 weights: (4 bits of ql >> lshift) | (2 bits of qh >> hshift) << 4, minus 32; elements 0-15
   // scaled by d0, 16-31 by d1.
   TANDEM_AVX512 void q6_k(const uint8_t* ql, int lshift, const uint8_t* qh, int hshift, float d0, float d1,
@@ -159,15 +151,6 @@ struct Vec256 {
     reg vd = set1(d);
     for (int i = 0; i < 4; ++i)
       out[i] = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * i)))), vd);
-  }
-  TANDEM_AVX2 void q4_k(const uint8_t* q, int shift, float d, float m, reg out[4]) {
-    __m256i b = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)q), shift),
-                                 _mm256_set1_epi8(0x0f));
-    __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    reg vd = set1(d), vm = set1(m);
-    for (int i = 0; i < 4; ++i)
-      out[i] = _mm256_sub_ps(mul(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), vd), vm);
   }
   TANDEM_AVX2 void q6_k(const uint8_t* ql, int lshift, const uint8_t* qh, int hshift, float d0, float d1,
                         reg out[4]) {
