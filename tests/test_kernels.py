@@ -3,6 +3,8 @@ GGUF blocks kept by the loader against the dequantized weights; the real model's
 transformers through both loops with kernels="native" and kernels="torch"."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -292,3 +294,80 @@ def test_fused_layer_ops_equal_llama_reference(t):
     torch.testing.assert_close(qkv[:, :heads * d].view(t, heads, d), ref_q)
     torch.testing.assert_close(qkv[:, heads * d:(heads + kvh) * d].view(t, kvh, d), ref_k)
     assert torch.equal(qkv[:, (heads + kvh) * d:], v)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 17, 33, 1000])
+def test_race_argmax_equals_torch(isa, vocab):
+    """The sampler's race (noise, divide, subtract, argmax in one pass) equals the torch reference: ties (first
+    index), -inf masks (grammar, top-k) and NaN (the largest, as torch.argmax) included; its noise equals the
+    reference's hash exactly, up to the log's last bits."""
+    from tandem.sampler import race_argmax, race_noise
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g) * 4
+    x[1] = 0.5                                                       # all tied: index 0 without noise
+    x[2, vocab // 2:] = -float("inf")                                # masked tail
+    x[3] = -float("inf")                                             # all masked: index 0, as torch
+    x[4, vocab - 1] = x[4].max() + 100                               # the last element wins (SIMD tail)
+    x[5, (2 * vocab) // 3] = float("nan")
+    x[6, :] = x[6].round()                                           # many exact ties after the divide
+    t = torch.rand(9, generator=g) + 0.25
+    seeds = torch.randint(0, 2 ** 62, (9,), generator=g)
+    for tt, ss in ((None, None), (t, None), (None, seeds), (t, seeds)):
+        ref = race_argmax(x, tt, ss, native=False)
+        got = torch.ops.tandem.race_argmax(x, tt, ss, isa)
+        assert got.tolist() == ref.tolist(), (tt is not None, ss is not None)
+    native, ref = torch.ops.tandem.race_noise(seeds, vocab, isa), race_noise(seeds, vocab)
+    assert torch.allclose(native, ref, rtol=2e-6, atol=2e-6), float((native - ref).abs().max())
+
+
+def test_race_noise_is_exponential_and_row_pure():
+    """E = exp(log E) ~ Exp(1) (mean 1, P(E > 1) = 1/e), rows depend on their seed alone, and rows differ."""
+    from tandem.sampler import race_noise
+    seeds = torch.tensor([7, 8, 7, 2 ** 40 + 7])
+    e = torch.ops.tandem.race_noise(seeds, 200_000).exp()
+    assert torch.equal(e[0], e[2]) and not torch.equal(e[0], e[1]) and not torch.equal(e[0], e[3])
+    assert abs(float(e[0].mean()) - 1) < 0.01 and abs(float((e[0] > 1).float().mean()) - math.exp(-1)) < 0.005
+    assert torch.equal(race_noise(seeds[:1], 50), race_noise(seeds, 50)[:1])
+
+
+def test_race_noise_of_one_is_clamped():
+    """v == 1 gives E == 0, whose log would turn a masked token's score into NaN, which argmax picks: the
+    noise keeps E >= FLT_MIN. Found by search: a (seed, token) whose hash's top 24 bits are all ones."""
+    from tandem.sampler import SamplingBatch, _mix, race_noise, sample
+    j = torch.arange(1 << 20)
+    for seed in range(1000):
+        x = _mix(_mix((j * 0x9E3779B9 + seed) & 0xFFFFFFFF))
+        hit = ((x >> 8) == 0xFFFFFF).nonzero()
+        if len(hit):
+            tok = int(hit[0])
+            break
+    else:
+        pytest.fail("no v == 1 in the search range")
+    seeds = torch.tensor([seed])
+    for noise in (race_noise(seeds, tok + 1), torch.ops.tandem.race_noise(seeds, tok + 1)):
+        assert noise[0, tok] == math.log(torch.finfo(torch.float32).tiny)
+    logits = torch.full((1, tok + 1), -float("inf"))
+    logits[0, :3] = 0.0                                              # the hit token is masked
+    p = SamplingBatch.from_host(np.ones(1), np.ones(1), np.full(1, -1), np.zeros(1), np.array([seed]),
+                                torch.device("cpu"))
+    assert sample(logits, p, native=True).item() < 3 and sample(logits, p, native=False).item() < 3
+
+
+def test_native_sampling_equals_the_torch_path():
+    """sample(native=True) draws the same tokens as the torch path: greedy, tempered, top-k/p and min-p rows
+    in one batch over a SmolLM2-sized vocabulary."""
+    from tandem.sampler import SamplingBatch, draw_seeds, sample
+    n, vocab = 12, 49152
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    temperature = np.array([0.0, 1.0, 0.7, 1.3] * 3)
+    top_k = np.array([-1] * 4 + [20] * 4 + [-1] * 4)
+    top_p = np.array([1.0] * 8 + [0.9] * 4)
+    min_p = np.array([0.0] * 10 + [0.05] * 2)
+    seeds = draw_seeds(np.arange(n), np.full(n, 5))
+    for rows in (slice(None), slice(1, 4)):                          # mixed greedy/sampled, all sampled
+        p = SamplingBatch.from_host(temperature[rows], top_p[rows], top_k[rows], min_p[rows], seeds[rows],
+                                    torch.device("cpu"))
+        assert sample(logits[rows], p, native=True).tolist() == sample(logits[rows], p, native=False).tolist()

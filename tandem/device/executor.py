@@ -142,7 +142,7 @@ class ModelExecutor:
             apply_token_bitmask(logits, self._tensor(step.grammar_rows),
                                 torch.from_numpy(masks()).to(self.device, non_blocking=True))
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
-                                                        step.draw_seed, dev))
+                                                        step.draw_seed, dev), native=self.model.native)
         if penalized:
             self.penalties.count_outputs(step, rows, tokens)
         # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).

@@ -19,6 +19,9 @@ at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at:
 at::Tensor silu_mul(const at::Tensor& gu);
 void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
            int64_t heads, int64_t D);
+at::Tensor race_argmax(const at::Tensor& x, const std::optional<at::Tensor>& t,
+                       const std::optional<at::Tensor>& seeds, int64_t isa);
+at::Tensor race_noise(const at::Tensor& seeds, int64_t vocab, int64_t isa);
 
 static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
 }  // namespace tandem
@@ -34,6 +37,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int head_dim) -> ()");
+  m.def("race_argmax(Tensor x, Tensor? t=None, Tensor? seeds=None, int isa=-1) -> Tensor");
+  m.def("race_noise(Tensor seeds, int vocab, int isa=-1) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
 }
 
@@ -47,4 +52,6 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("add_rms_norm_", &tandem::add_rms_norm_);
   m.impl("silu_mul", &tandem::silu_mul);
   m.impl("rope_", &tandem::rope_);
+  m.impl("race_argmax", &tandem::race_argmax);
+  m.impl("race_noise", &tandem::race_noise);
 }

@@ -1,0 +1,327 @@
+// The sampler's exponential race in one pass over each row, noise included:
+//   race_argmax(x [B, V], t [B]?, seeds [B]?) -> int64 [B],  out[i] = argmax_j (x[i, j] / t[i] - log E[i, j])
+//   race_noise(seeds [B], V) -> log E [B, V]      (the noise alone, for tests and the reference's check)
+// t absent: no division; seeds absent: no noise (plain argmax, the greedy rows). E[i, j] ~ Exp(1) comes from
+// a counter-based hash of (seeds[i], j): v = (hash24 + 1) / 2^24 in (0, 1], E = max(-log v, FLT_MIN), so a
+// row's noise is a pure function of its seed, computed lane-parallel. A row of 49,152 tokens, one thread:
+// ~130 us with AVX-512 (the hash and two logs are most of it; no noise: 10-20 us), ~360 us with AVX2, where
+// torch took ~650 us (mt19937 uniform_ ~200 us, argmax ~100 us, then ~7 passes). The first index wins a
+// tie and a NaN counts as the largest value, as torch.argmax does. The torch reference (sampler.py) computes
+// the same hash exactly; its log is torch's, ours a Cephes polynomial (~1 ulp), so a draw can differ only
+// where two tokens' scores lie within ~1e-6 of each other. One pass writes the scores and finds the maximum,
+// a second returns its index.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace tandem {
+namespace {
+
+constexpr uint32_t kGolden = 0x9E3779B9u, kMul1 = 0x7feb352du, kMul2 = 0x846ca68bu;  // lowbias32's constants
+
+inline uint32_t mix(uint32_t x) {
+  x ^= x >> 16; x *= kMul1; x ^= x >> 15; x *= kMul2; x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t noise_bits(uint32_t k0, uint32_t k1, uint32_t j) { return mix(mix(j * kGolden + k0) ^ k1); }
+
+// Cephes' logf for a positive normal x (every input here is one): x = m 2^e, m in [sqrt(1/2), sqrt(2)).
+inline float log_poly(float m, float e) {
+  const float f = m - 1.f, z = f * f;
+  float y = 7.0376836292E-2f;
+  y = y * f - 1.1514610310E-1f; y = y * f + 1.1676998740E-1f; y = y * f - 1.2420140846E-1f;
+  y = y * f + 1.4249322787E-1f; y = y * f - 1.6668057665E-1f; y = y * f + 2.0000714765E-1f;
+  y = y * f - 2.4999993993E-1f; y = y * f + 3.3333331174E-1f;
+  y = y * f * z + -2.12194440E-4f * e - 0.5f * z;
+  return f + y + 0.693359375f * e;
+}
+
+inline float log_scalar(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  float e = (float)((int)(b >> 23) - 127);
+  b = (b & 0x007fffffu) | 0x3f800000u;
+  float m;
+  std::memcpy(&m, &b, 4);
+  if (m > 1.41421356f) { m *= 0.5f; e += 1.f; }
+  return log_poly(m, e);
+}
+
+inline float log_noise_scalar(uint32_t k0, uint32_t k1, uint32_t j) {
+  const float v = (float)((noise_bits(k0, k1, j) >> 8) + 1) * (1.f / 16777216.f);
+  float E = -log_scalar(v);
+  return log_scalar(E < FLT_MIN ? FLT_MIN : E);
+}
+
+struct Row {
+  const float* x;
+  float t;
+  bool div;           // divide by t
+  bool noise;         // subtract log E
+  uint32_t k0, k1;    // the row's seed, low and high halves
+  int64_t V;
+};
+
+inline float value(const Row& r, int64_t j) {
+  float v = r.div ? r.x[j] / r.t : r.x[j];
+  return r.noise ? v - log_noise_scalar(r.k0, r.k1, (uint32_t)j) : v;
+}
+
+// First index of the maximum of s[0..V) (a NaN is the largest, the first one wins), plainly.
+int64_t first_max(const float* s, int64_t V) {
+  int64_t best = 0;
+  float bv = s[0];
+  if (std::isnan(bv)) return 0;
+  for (int64_t j = 1; j < V; ++j) {
+    if (std::isnan(s[j])) return j;
+    if (s[j] > bv) { bv = s[j]; best = j; }
+  }
+  return best;
+}
+
+void scores_scalar(const Row& r, float* s) {
+  for (int64_t j = 0; j < r.V; ++j) s[j] = value(r, j);
+}
+
+// ---- AVX-512 ----
+#define T512 __attribute__((target(TANDEM_TARGET_AVX512)))
+T512 inline __m512i mix16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)kMul1));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)kMul2));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+T512 inline __m512 log16(__m512 x) {
+  __m512 e = _mm512_getexp_ps(x);
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+  __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.f));
+  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.f)), z = _mm512_mul_ps(f, f);
+  __m512 y = _mm512_set1_ps(7.0376836292E-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993E-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174E-1f));
+  y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440E-4f), y);
+  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
+}
+
+T512 inline __m512 log_noise16(const Row& r, int64_t j) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)j), iota);
+  x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)kGolden)), _mm512_set1_epi32((int)r.k0));
+  x = mix16(_mm512_xor_si512(mix16(x), _mm512_set1_epi32((int)r.k1)));
+  __m512i bits = _mm512_add_epi32(_mm512_srli_epi32(x, 8), _mm512_set1_epi32(1));
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.f / 16777216.f));
+  __m512 E = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), log16(v)), _mm512_set1_ps(FLT_MIN));
+  return log16(E);
+}
+
+T512 void scores_avx512(const Row& r, float* s) {
+  const __m512 t = _mm512_set1_ps(r.t);
+  for (int64_t j = 0; j < r.V; j += 16) {
+    __mmask16 m = r.V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (r.V - j)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, r.x + j);
+    if (r.div) v = _mm512_div_ps(v, t);
+    if (r.noise) v = _mm512_sub_ps(v, log_noise16(r, j));
+    _mm512_mask_storeu_ps(s + j, m, v);
+  }
+}
+
+// First index of the maximum (NaN: the plain scan's answer).
+T512 int64_t first_max_avx512(const float* s, int64_t V) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = ninf;
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < V; j += 16) {
+    __mmask16 m = V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - j)) - 1);
+    __m512 v = _mm512_mask_loadu_ps(ninf, m, s + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
+  if (nan) return first_max(s, V);
+  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t j = 0; j < V; j += 16) {
+    __mmask16 m = V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - j)) - 1);
+    __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s + j), best, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  return 0;                                       // unreachable: the maximum is some element
+}
+
+// ---- AVX2 ----
+#define T256 __attribute__((target(TANDEM_TARGET_AVX2)))
+T256 inline __m256i mix8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)kMul1));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)kMul2));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+T256 inline __m256 log8(__m256 x) {
+  __m256i b = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(127)));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x007fffff)),
+                                                 _mm256_set1_epi32(0x3f800000)));
+  __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.f)));
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.f)), z = _mm256_mul_ps(f, f);
+  __m256 y = _mm256_set1_ps(7.0376836292E-2f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.1514610310E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.1676998740E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.2420140846E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.4249322787E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.6668057665E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0000714765E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-2.4999993993E-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(3.3333331174E-1f));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, f), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440E-4f), y);
+  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
+}
+
+T256 inline __m256 log_noise8(const Row& r, int64_t j) {
+  __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  x = _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)kGolden)), _mm256_set1_epi32((int)r.k0));
+  x = mix8(_mm256_xor_si256(mix8(x), _mm256_set1_epi32((int)r.k1)));
+  __m256i bits = _mm256_add_epi32(_mm256_srli_epi32(x, 8), _mm256_set1_epi32(1));
+  __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(1.f / 16777216.f));
+  __m256 E = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), log8(v)), _mm256_set1_ps(FLT_MIN));
+  return log8(E);
+}
+
+T256 void scores_avx2(const Row& r, float* s) {
+  const __m256 t = _mm256_set1_ps(r.t);
+  const int64_t body = r.V / 8 * 8;
+  for (int64_t j = 0; j < body; j += 8) {
+    __m256 v = _mm256_loadu_ps(r.x + j);
+    if (r.div) v = _mm256_div_ps(v, t);
+    if (r.noise) v = _mm256_sub_ps(v, log_noise8(r, j));
+    _mm256_storeu_ps(s + j, v);
+  }
+  for (int64_t j = body; j < r.V; ++j) s[j] = value(r, j);
+}
+
+T256 int64_t first_max_avx2(const float* s, int64_t V) {
+  const int64_t body = V / 8 * 8;
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  for (int64_t j = 0; j < body; j += 8) {
+    __m256 v = _mm256_loadu_ps(s + j);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mx);
+  float m = lanes[0];
+  for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
+  for (int64_t j = body; j < V; ++j) {
+    if (std::isnan(s[j])) return first_max(s, V);
+    m = s[j] > m ? s[j] : m;
+  }
+  if (_mm256_movemask_ps(nan)) return first_max(s, V);
+  const __m256 best = _mm256_set1_ps(m);
+  for (int64_t j = 0; j < body; j += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + j), best, _CMP_EQ_OQ));
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  for (int64_t j = body; j < V; ++j)
+    if (s[j] == m) return j;
+  return 0;
+}
+
+void scores(Isa isa, const Row& r, float* s) {
+  if (isa == kAvx512) scores_avx512(r, s);
+  else if (isa == kAvx2) scores_avx2(r, s);
+  else scores_scalar(r, s);
+}
+
+Row make_row(const float* x, const float* t, const int64_t* seeds, int64_t b, int64_t V) {
+  const uint64_t seed = seeds ? (uint64_t)seeds[b] : 0;
+  return Row{x ? x + b * V : nullptr, t ? t[b] : 1.f, t != nullptr, seeds != nullptr, (uint32_t)seed,
+             (uint32_t)(seed >> 32), V};
+}
+
+at::Tensor checked_seeds(const std::optional<at::Tensor>& s_in, int64_t B) {
+  if (!s_in.has_value()) return at::Tensor();
+  at::Tensor s = s_in->contiguous();
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == B && s.scalar_type() == at::kLong,
+              "tandem.race_argmax: seeds must be int64 [rows]");
+  return s;
+}
+
+}  // namespace
+
+at::Tensor race_argmax(const at::Tensor& x_in, const std::optional<at::Tensor>& t_in,
+                       const std::optional<at::Tensor>& seeds_in, int64_t isa_req) {
+  at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0 && x.size(1) < (1ll << 31),
+              "tandem.race_argmax: x must be fp32 [rows, vocab] with 0 < vocab < 2^31");
+  const int64_t B = x.size(0), V = x.size(1);
+  at::Tensor t;
+  if (t_in.has_value()) {
+    t = t_in->contiguous();
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == B && t.scalar_type() == at::kFloat,
+                "tandem.race_argmax: t must be fp32 [rows]");
+  }
+  at::Tensor seeds = checked_seeds(seeds_in, B);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  const float* pt = t.defined() ? t.data_ptr<float>() : nullptr;
+  const int64_t* ps = seeds.defined() ? seeds.data_ptr<int64_t>() : nullptr;
+  int64_t* po = out.data_ptr<int64_t>();
+  const Isa isa = resolve_isa(isa_req);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(pt || ps ? V : 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const Row r = make_row(px, pt, ps, b, V);
+      const float* s = r.x;
+      if (pt || ps) {
+        scores(isa, r, buf.data());
+        s = buf.data();
+      }
+      po[b] = isa == kAvx512 ? first_max_avx512(s, V) : isa == kAvx2 ? first_max_avx2(s, V) : first_max(s, V);
+    }
+  });
+  return out;
+}
+
+at::Tensor race_noise(const at::Tensor& seeds_in, int64_t V, int64_t isa_req) {
+  TORCH_CHECK(V > 0 && V < (1ll << 31), "tandem.race_noise: 0 < vocab < 2^31");
+  at::Tensor seeds = checked_seeds(seeds_in, seeds_in.dim() == 1 ? seeds_in.size(0) : -1);
+  const int64_t B = seeds.size(0);
+  at::Tensor zeros = at::zeros({B, V}, seeds.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({B, V}, zeros.options());
+  const int64_t* ps = seeds.data_ptr<int64_t>();
+  const Isa isa = resolve_isa(isa_req);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      scores(isa, make_row(zeros.data_ptr<float>(), nullptr, ps, b, V), out.data_ptr<float>() + b * V);
+      float* o = out.data_ptr<float>() + b * V;
+      for (int64_t j = 0; j < V; ++j) o[j] = -o[j];      // scores are 0 - log E
+    }
+  });
+  return out;
+}
+
+}  // namespace tandem
