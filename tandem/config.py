@@ -38,6 +38,7 @@ class EngineConfig:
     cache_dir: str | None = None        # where dequantized GGUF weights are cached
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
+    kernels_act: str = "fp32"           # "int8": native decode linears on Q4_0/Q4_1/Q8_0 quantize x to int8 (llama.cpp)
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("overlap", "serial"):
@@ -46,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.kernels not in ("native", "torch"):
             raise ValueError(f"kernels must be 'native' or 'torch', got {self.kernels!r}")
+        if self.kernels_act not in ("fp32", "int8"):
+            raise ValueError(f"kernels_act must be 'fp32' or 'int8', got {self.kernels_act!r}")
         if self.device_backend not in ("auto", "process", "inline"):
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -61,7 +61,8 @@ class Engine:
             source=self.source, device=config.resolved_device(), dtype=config.resolved_dtype(),
             max_running=config.max_running_requests, max_model_len=config.max_model_len,
             kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
-            poison_future_map=config.poison_future_map, kernels=config.kernels)
+            poison_future_map=config.poison_future_map, kernels=config.kernels,
+            kernels_act=config.kernels_act)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
             from .device.cpu_process import ProcessRunner

@@ -66,7 +66,7 @@ def test_peers(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_VLLM_PYTHON", raising=False)
     r = run_json(tmp_path, "peers", "--model", tiny_llama, "--num-prompts", "4", "--input-len", "8",
                  "--output-len", "3", "--rounds", "2", "--hf-batch-sizes", "2,4", "--probe-len", "2",
-                 "--concurrency", "1,2", *ENGINE)
+                 "--concurrency", "1,2", "--tpot-contexts", "8,20", "--tpot-output-len", "3", *ENGINE)
     from tandem.bench.peers import ENGINES, SWEEP_ENGINES
     assert [row["engine"] for row in r["results"]] == list(ENGINES)
     rows = {row["engine"]: row for row in r["results"]}
@@ -86,6 +86,10 @@ def test_peers(tiny_llama, tmp_path, monkeypatch):
     assert all(len(v) == 2 for v in sweep["engines"].values())
     assert all(v is not None for v in sweep["engines"]["tandem overlap"] + sweep["engines"]["tandem serial"])
     assert MACHINE_KEYS <= set(r["machine"]) and r["threads"] == 1
+    ctx = r["context_tpot"]
+    assert ctx["contexts"] == [8, 20] and list(ctx["tpot_ms"]) == ["tandem overlap"]     # no GGUF: no llama.cpp
+    assert all(v > 0 for v in ctx["tpot_ms"]["tandem overlap"]) and ctx["tandem_over_llama_cpp"] is None
+    assert len(ctx["rounds_ms"]["tandem overlap"]["20"]) == 2 and "GGUF" in ctx["skipped"]["llama.cpp single"]
 
 
 def test_roofline(tiny_llama, tmp_path):
@@ -93,6 +97,7 @@ def test_roofline(tiny_llama, tmp_path):
                  "--output-len", "4", "--bandwidth-mb", "8", "--min-seconds", "0.01", *ENGINE)
     assert {"model", "threads", "shapes", "memory_bandwidth_gb_s", "weight_bytes", "kv_bytes_per_request",
             "memory_bound_batch1_tokens_per_s", "batches", "machine"} <= set(r)
+    assert "quantized_bytes" not in r                                    # a HF folder has no GGUF blocks
     # tiny llama: hidden 64, intermediate 128, 4 heads x 16, 2 kv heads, 2 layers
     assert r["shapes"]["qkv"] == [(4 + 2 * 2) * 16, 64, 2] and r["shapes"]["gate_up"] == [256, 64, 2]
     assert r["shapes"]["down"] == [64, 128, 2] and r["shapes"]["lm_head"][1:] == [64, 1]
@@ -100,6 +105,21 @@ def test_roofline(tiny_llama, tmp_path):
     for row in r["batches"]:
         assert set(row) == ROOF_ROW_KEYS and set(row["matmul_ms"]) == set(r["shapes"])
         assert row["bound_tokens_per_s"] > 0 and row["tandem_decode_tokens_per_s"] > 0
+
+
+def test_quantized_bytes_of_the_default_gguf():
+    """The bytes a native decode step reads: the GGUF's Q4_1 layers and Q8_0 tied head as blocks, norms in fp32."""
+    import gguf
+
+    from tandem.bench.roofline import quantized_bytes
+    from tandem.model.loader import default_model_path
+    path = default_model_path()
+    q = quantized_bytes(path, tied=True)
+    tensors = gguf.GGUFReader(path).tensors
+    assert q["by_type"]["Q8_0"] == sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q8_0")
+    assert set(q["by_type"]) == {"Q4_1", "Q8_0", "fp32"} and q["total"] == sum(q["by_type"].values())
+    assert q["total"] * 5 < sum(int(t.n_elements) for t in tensors) * 4
+    assert quantized_bytes(path, tied=False)["total"] < q["total"]   # untied: the embedding is a lookup
 
 
 # ---- bench serve against a fake OpenAI-compatible server --------------------------------------------------

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.kernels.quant import BLOCK_BYTES, Q4_0, Q4_1, Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref
+from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantWeight, dequantize_ref,
+                                  qlinear, qlinear_ref)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
-QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 
 
 def isas() -> list[int]:
@@ -24,11 +25,28 @@ def isas() -> list[int]:
 
 
 def blocks(n: int, k: int, qtype: int, seed: int = 0) -> QuantWeight:
-    """Random weights [n, k] quantized by gguf-py (the same code that wrote the GGUF files)."""
+    """Random weights [n, k] quantized by gguf-py (the same code that wrote the GGUF files); K-quants (gguf-py
+    has no quantizer for them): random super-blocks, every byte random but the fp16 d (and dmin), which are
+    finite and small, so every 6-bit scale, min and quant pattern occurs."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        b = rng.integers(0, 256, (n, k // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
+        d = (rng.standard_normal((n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)   # [n, ns, 4]
+        if qtype == Q4_K:
+            b[..., 0:4] = d                                       # d, dmin
+        else:
+            b[..., 208:210] = d[..., :2]                          # d
+        return QuantWeight.from_gguf(torch.from_numpy(b.reshape(n, -1)), qtype, k)
+    w = rng.standard_normal((n, k), dtype=np.float32)
     return QuantWeight.from_gguf(torch.from_numpy(quantize(w, GGMLQuantizationType(qtype))), qtype, k)
+
+
+def k_of(k: int, qtype: int) -> int:
+    """K rounded up to whole blocks of the type (256 weights for K-quants, 32 otherwise)."""
+    qk = 256 if qtype in K_QUANTS else 32
+    return -(-k // qk) * qk
 
 
 def assert_close_sum(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> None:
@@ -44,7 +62,7 @@ def test_dequantize_equals_gguf(name, isa):
     from gguf.quants import dequantize
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
-    q = blocks(7, 96, QTYPES[name])
+    q = blocks(7, k_of(96, QTYPES[name]) * (2 if QTYPES[name] in K_QUANTS else 1), QTYPES[name])
     ref = torch.from_numpy(dequantize(q.to_gguf().numpy(), GGMLQuantizationType(q.qtype)))
     assert torch.equal(QuantWeight.from_gguf(q.to_gguf(), q.qtype, q.k).data, q.data)
     assert torch.equal(dequantize_ref(q.data, q.qtype, q.k), ref)
@@ -54,11 +72,13 @@ def test_dequantize_equals_gguf(name, isa):
 @pytest.mark.parametrize("name", QTYPES)
 @pytest.mark.parametrize("isa", [0, 1, 2])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (17, 64, 160),
-                                     (64, 13, 1536),
+                                     (64, 13, 1536), (200, 3, 512),
                                      (5, 258, 64)])
 def test_qlinear_equals_reference(name, isa, m, n, k):
+    """K-quant cases take K up to whole 256-weight super-blocks (256, 768, 1536, 512)."""
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
+    k = k_of(k, QTYPES[name])
     q = blocks(n, k, QTYPES[name], seed=m + n)
     x, bias = torch.randn(m, k), torch.randn(n)
     w = dequantize_ref(q.data, q.qtype, k)
@@ -69,16 +89,73 @@ def test_qlinear_equals_reference(name, isa, m, n, k):
         assert_close_sum(y, x, w, ref)
 
 
+@pytest.mark.parametrize("qtype, k", [(Q4_1, 224), (Q4_K, 512), (Q6_K, 256)])
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 200])
-def test_qlinear_dispatch_equals_reference(m):
+def test_qlinear_dispatch_equals_reference(m, qtype, k):
     """The Python entry point: in-kernel up to SMALL_M rows, dequantize + fp32 GEMM past it."""
     from tandem.kernels.quant import small_m
     assert 1 <= small_m() < 200
-    q = blocks(45, 224, Q4_1, seed=m)
-    x = torch.randn(m, 224)
+    q = blocks(45, k, qtype, seed=m)
+    x = torch.randn(m, k)
     w, ref = dequantize_ref(q.data, q.qtype, q.k), qlinear_ref(x, q)
     assert_close_sum(qlinear(x, q), x, w, ref)
     assert_close_sum(qlinear(x.t().contiguous().t(), q), x, w, ref)          # a strided x
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
+                                     (17, 6, 224), (64, 13, 1536)])
+def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
+    """kernels_act="int8": x rounded to int8 blocks (the reference's rounding, bit for bit), integer block dot
+    products; equal to the float64 product of the dequantized operands up to fp32 summation order. K covers
+    whole 4-block groups and their 2- and 1-block tails."""
+    from tandem.kernels.quant import qlinear_q8_ref, quantize_act_ref
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    q = blocks(n, k, QTYPES[name], seed=m + n)
+    x, bias = torch.randn(m, k) * 3, torch.randn(n)
+    xq, d = quantize_act_ref(x)
+    xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
+    for b in (None, bias):
+        y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
+        assert y.shape == (m, n)
+        assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
+
+
+def test_qlinear_int8_act_dispatch():
+    """int8 activations only where the op reads the type and the rows run in-kernel; otherwise fp32, unchanged."""
+    from tandem.kernels.quant import small_m
+    q8, qk = blocks(9, 256, Q8_0), blocks(9, 256, Q4_K)
+    x = torch.randn(3, 256)
+    assert torch.equal(qlinear(x, q8, int8_act=True), torch.ops.tandem.qlinear_q8(x, q8.data, Q8_0, 256))
+    assert not torch.equal(qlinear(x, q8, int8_act=True), qlinear(x, q8))
+    assert torch.equal(qlinear(x, qk, int8_act=True), qlinear(x, qk))
+    big = torch.randn(small_m() + 1, 256)
+    assert torch.equal(qlinear(big, q8, int8_act=True), qlinear(big, q8))
+    with pytest.raises(RuntimeError, match="int8 activations support"):
+        torch.ops.tandem.qlinear_q8(x, qk.data, Q4_K, 256)
+
+
+def test_int8_act_config_reaches_the_model(tmp_path, make_llm, monkeypatch):
+    """kernels_act="int8" builds every quantized linear with int8 activations; a bad value is refused."""
+    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+
+    from tandem import SamplingParams
+    from tandem.config import EngineConfig
+    from tandem.model import gguf_loader
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q8_0",
+                           with_tokenizer=False)
+    llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
+    model = llm.engine.runner.executor.model
+    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
+    assert all(lin.int8_act and lin.parts[0].qtype == Q8_0 for lin in linears)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ValueError, match="kernels_act"):
+        EngineConfig(kernels_act="int4")
 
 
 def test_rows_cat_and_errors():
@@ -92,8 +169,10 @@ def test_rows_cat_and_errors():
         torch.ops.tandem.qlinear(torch.randn(1, 40), a.data, Q8_0, 40)
     with pytest.raises(RuntimeError, match="bytes a row"):
         torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, Q4_1, 64)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, Q4_K, 64)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, 12, 64)
+        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, 13, 64)          # Q5_K
     assert a.data.shape[1] == 2 * BLOCK_BYTES[Q8_0]
 
 
@@ -119,6 +198,32 @@ def test_quantized_state_equals_dense_weights():
         assert torch.equal(got, dense[name]), name
     qbytes = sum(v.nbytes for v in quant.values() if isinstance(v, QuantWeight))
     assert qbytes * 5 < sum(t.numel() * 4 for t in dense.values())
+
+
+def test_k_quant_gguf_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch):
+    """A tiny random Llama written as Q4_K_M (Q4_K, Q6_K head, layer 0 mixing Q4_K q/k with Q6_K v): the loader
+    keeps both types as blocks, and kernels="native" decodes greedily as kernels="torch" (dequantized weights)."""
+    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+
+    from tandem import SamplingParams
+    from tandem.model import gguf_loader
+    from tandem.model.loader import load_weights, resolve_model
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",      # transformers' GGUF tokenizer build is slow
+                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", hf_dir, quant="Q4_K_M", with_tokenizer=False)
+    state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)
+    qtypes = {k: v.qtype for k, v in state.items() if isinstance(v, QuantWeight)}
+    assert qtypes["lm_head.weight"] == qtypes["model.layers.0.self_attn.v_proj.weight"] == Q6_K
+    assert qtypes["model.layers.0.self_attn.q_proj.weight"] == qtypes["model.layers.1.self_attn.v_proj.weight"] == Q4_K
+    assert len(qtypes) == 2 + 7 * 2
+    outs = []
+    for opt in ("native", "torch"):
+        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+        prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        outs.append([o.token_ids for o in res])
+    assert outs[0] == outs[1]
 
 
 # ------------------------------------------------------------------------------------------- whole model

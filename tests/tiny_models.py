@@ -124,7 +124,9 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
 
     Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
     (not qwen2), no output.weight when tied, tokenizer metadata + chat template copied from
-    the SmolLM2 GGUF. ``quant``: "F32", "F16" or "Q8_0" for 2-D weights (norms/biases stay F32).
+    the SmolLM2 GGUF. ``quant``: "F32", "F16", "Q8_0" or "Q4_K_M" for 2-D weights (norms/biases stay F32);
+    "Q4_K_M" (K a multiple of 256) is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer
+    0's fused qkv mixes types.
     ``arch_name`` overrides general.architecture (to test errors); ``rope_freqs``: optional
     float32 array written as rope_freqs.weight. ``with_tokenizer=False`` skips the tokenizer
     metadata (faster; the file then only works with a patched tokenizer builder).
@@ -177,7 +179,8 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
         block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
     glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}
-    qtype = gguf.GGMLQuantizationType[quant]
+    k_quant = quant == "Q4_K_M"
+    qtype = gguf.GGMLQuantizationType["Q4_K" if k_quant else quant]
     for name, t in sd.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -189,7 +192,11 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
         t = np.ascontiguousarray(t, dtype=np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = np.ascontiguousarray(_llamacpp_permute(t, n_head if ".q_proj." in name else n_kv))
-        if t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if t.ndim == 2 and k_quant:
+            q6 = gname in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight")
+            kt = gguf.GGMLQuantizationType.Q6_K if q6 else qtype
+            w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
+        elif t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, t)
@@ -200,3 +207,47 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def quantize_k(w, qtype: int):
+    """A plain Q4_K (12) / Q6_K (14) quantizer (gguf-py has none): min/max or absmax scales per sub-block, scales
+    quantized against the super-block's fp16 d (and dmin). Returns GGUF rows, uint8 [N, K / 256 * block bytes]."""
+    import numpy as np
+
+    n, k = w.shape
+    assert k % 256 == 0, "K-quants need K a multiple of 256"
+    x = w.astype(np.float32).reshape(n, k // 256, -1)
+
+    def fp16(v):
+        return v.astype(np.float16)
+
+    def steps(v, d, lo, hi):
+        return np.clip(np.round(np.divide(v, d, out=np.zeros_like(v), where=d != 0)), lo, hi)
+
+    if qtype == 12:
+        x = x.reshape(n, k // 256, 8, 32)
+        mn, mx = np.minimum(x.min(-1), 0), x.max(-1)
+        d, dmin = fp16((mx - mn).max(-1) / 15 / 63), fp16((-mn).max(-1) / 63)                # [n, ns]
+        sc = steps((mx - mn) / 15, d.astype(np.float32)[..., None], 0, 63).astype(np.uint8)
+        m = steps(-mn, dmin.astype(np.float32)[..., None], 0, 63).astype(np.uint8)
+        scale = np.broadcast_to((d.astype(np.float32)[..., None] * sc)[..., None], x.shape)
+        q = steps(x + (dmin.astype(np.float32)[..., None] * m)[..., None], scale, 0, 15).astype(np.uint8)
+        packed = np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
+                                 (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4], axis=-1)      # [n, ns, 12]
+        qs = (q[:, :, 0::2] | q[:, :, 1::2] << 4).reshape(n, k // 256, 128)
+        out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+        return out.reshape(n, -1)
+    assert qtype == 14, f"quantize_k: ggml type {qtype} is not Q4_K (12) or Q6_K (14)"
+    x = x.reshape(n, k // 256, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = fp16(scale.max(-1) / 127)
+    sc = steps(scale, d.astype(np.float32)[..., None], -128, 127).astype(np.int8)
+    step = np.broadcast_to((d.astype(np.float32)[..., None] * sc)[..., None], x.shape)
+    u = (steps(x, step, -32, 31) + 32).astype(np.uint8)
+    u = u.reshape(n, k // 256, 2, 4, 32)                                    # element 128 h + 32 t + l
+    lo, hi = u & 15, u >> 4
+    ql = np.concatenate([lo[:, :, :, 0] | lo[:, :, :, 2] << 4, lo[:, :, :, 1] | lo[:, :, :, 3] << 4], axis=-1)
+    qh = hi[:, :, :, 0] | hi[:, :, :, 1] << 2 | hi[:, :, :, 2] << 4 | hi[:, :, :, 3] << 6
+    out = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8),
+                          d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(n, -1)

@@ -58,6 +58,8 @@ def _peers(args):
     for name in ("num_prompts", "input_len", "output_len", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.tpot_output_len < 2:
+        raise ValueError(f"--tpot-output-len must be >= 2 (TPOT is a difference of runs), got {args.tpot_output_len}")
     return bench_peers(args)
 
 
@@ -128,6 +130,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--single-prompts", type=int, default=4, help="prompts llama.cpp single stream times")
     p.add_argument("--concurrency", type=int_list, default=[], help="also sweep batch sizes, e.g. 1,8,32,64")
     _vllm_args(p)
+    p.add_argument("--tpot-contexts", type=int_list, default=[128, 2000],
+                   help="prompt lengths of the single-stream TPOT runs of tandem and llama.cpp (empty: none)")
+    p.add_argument("--tpot-output-len", type=int, default=32, help="tokens each of those TPOT runs generates")
     add_engine_args(p)
     p.set_defaults(func=_runner(_peers))
 

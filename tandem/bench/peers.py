@@ -8,8 +8,10 @@ fastest of --llama-batch-sizes) and, where installed (--vllm-python), vLLM's CPU
 alternate the engines' order, because this machine drifts between rounds; the table gives each engine's median
 output tokens/s, its ratio to tandem overlap, and its single-stream TPOT = (time for O tokens - time for 1
 token) / (O - 1) of one request.
-`--concurrency 1,8,32` adds a sweep: every engine at batch (running-request cap) c on max(4, c) prompts
-(the prompt count `bench serve --max-concurrency c` is given in benchmarks/run_all.py).
+`--tpot-contexts 128,2000` (the default) adds single-stream TPOT at those prompt lengths for tandem overlap and
+llama.cpp single, rounds alternating the two, medians. `--concurrency 1,8,32` adds a sweep: every engine at
+batch (running-request cap) c on max(4, c) prompts (the prompt count `bench serve --max-concurrency c` is
+given in benchmarks/run_all.py).
 """
 from __future__ import annotations
 
@@ -150,6 +152,35 @@ def run_rounds(peers: dict[str, Peer], skipped: dict, prompts, output_len: int, 
     return tps
 
 
+CONTEXT_ENGINES = ("tandem overlap", "llama.cpp single")
+
+
+def context_tpot(peers: dict[str, Peer], skipped: dict, vocab: int, args) -> dict:
+    """Single-stream TPOT (ms) at each --tpot-contexts prompt length, per engine of CONTEXT_ENGINES."""
+    names = [n for n in CONTEXT_ENGINES if n in peers and n not in skipped]
+    runs: dict[str, dict[int, list[float]]] = {n: {c: [] for c in args.tpot_contexts} for n in names}
+    errors: dict[str, str] = {}
+    for c in args.tpot_contexts:
+        prompt = random_requests(1, c, 1, vocab, 0.0, args.seed + c)[0].prompt
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                if name in errors:
+                    continue
+                try:
+                    runs[name][c].append(single_stream_tpot_ms(peers[name], prompt, args.tpot_output_len))
+                except Exception as e:
+                    errors[name] = f"{type(e).__name__}: {e}"
+    med = {n: [statistics.median(runs[n][c]) if runs[n][c] and n not in errors else None
+               for c in args.tpot_contexts] for n in names}
+    ratio = None
+    if len(names) == 2 and "llama.cpp single" not in errors:
+        ratio = [a / b if a is not None and b else None for a, b in zip(med[names[0]], med[names[1]])]
+    return {"contexts": args.tpot_contexts, "output_len": args.tpot_output_len, "tpot_ms": med,
+            "rounds_ms": {n: {str(c): v for c, v in runs[n].items()} for n in names},
+            "tandem_over_llama_cpp": ratio, "skipped": {**{n: skipped[n] for n in CONTEXT_ENGINES if n in skipped},
+                                                       **errors}}
+
+
 def sweep(made: dict[str, Factory], concurrency: list[int], vocab: int, args) -> dict:
     out = {"concurrency": concurrency, "prompts": [], "engines": {name: [] for name in SWEEP_ENGINES},
            "skipped": {}}
@@ -193,8 +224,8 @@ def bench_peers(args) -> dict:
         vocab = llm.engine.model_config.vocab_size
         prompts = [r.prompt for r in random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
                                                      0.0, args.seed)]
-        made, skipped = make_factories(llm, model_path, threads, args.input_len + args.output_len + 16, args,
-                                       servers)
+        longest = max([args.input_len + args.output_len] + [c + args.tpot_output_len for c in args.tpot_contexts])
+        made, skipped = make_factories(llm, model_path, threads, longest + 16, args, servers)
         peers = build_peers(made, skipped, prompts, args)
         tps = run_rounds(peers, skipped, prompts, args.output_len, args.rounds)
         tpot = {}
@@ -204,6 +235,7 @@ def bench_peers(args) -> dict:
                     tpot[name] = single_stream_tpot_ms(peer, prompts[0], args.output_len)
                 except Exception as e:
                     skipped[name] = f"failed in the TPOT run: {type(e).__name__}: {e}"
+        contexts = context_tpot(peers, skipped, vocab, args) if args.tpot_contexts else None
         swept = sweep(made, args.concurrency, vocab, args) if args.concurrency else None
         name = llm.engine.model_name
     finally:
@@ -226,7 +258,7 @@ def bench_peers(args) -> dict:
             "probe_tokens_per_s": getattr(peer, "probe", None), "skipped": skipped.get(engine)})
     out = {"model": name, "model_path": model_path, "num_prompts": args.num_prompts, "input_len": args.input_len,
            "output_len": args.output_len, "rounds": args.rounds, "seed": args.seed, "threads": threads,
-           "results": results, "sweep": swept, "engine_config": dataclasses.asdict(config),
+           "results": results, "context_tpot": contexts, "sweep": swept, "engine_config": dataclasses.asdict(config),
            "machine": machine_info(threads)}
     print_table(out)
     return out
@@ -244,3 +276,12 @@ def print_table(out: dict) -> None:
         tpot = f"{r['tpot_ms']:.2f}" if r["tpot_ms"] is not None else "-"
         batch = str(r["batch_size"]) if r["batch_size"] else "-"
         print(f"{r['engine']:30s} {batch:>5s} {r['output_tokens_per_s']:10.1f} {ratio:>10s} {tpot:>10s}")
+    c = out.get("context_tpot")
+    if c:
+        print(f"single-stream TPOT ms ({c['output_len']} tokens after a prompt of N):")
+        for name, values in c["tpot_ms"].items():
+            print(f"  {name:28s} " + "  ".join(f"N={n}: {v:.2f}" if v is not None else f"N={n}: -"
+                                               for n, v in zip(c["contexts"], values)))
+        if c["tandem_over_llama_cpp"]:
+            print("  tandem / llama.cpp          " + "  ".join(f"N={n}: {r:.2f}x" if r is not None else f"N={n}: -"
+                                                           for n, r in zip(c["contexts"], c["tandem_over_llama_cpp"])))

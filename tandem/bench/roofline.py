@@ -5,7 +5,9 @@ Per batch size b, the fp32 GEMMs of one decode step are timed on the model's own
 [2I, hidden], down [hidden, I]; once lm_head [V, hidden]. Attention is estimated as reading every running
 request's KV (mean context input_len + output_len / 2) at the measured memory bandwidth (a large tensor
 copy). The upper bound on decode tokens/s is b / (matmul time + attention time) per step; the batch-1
-memory-bound limit is bandwidth / weight bytes. tandem's decode tokens/s at the same b comes from the
+memory-bound limit is bandwidth / weight bytes, in fp32 and, for a GGUF model, in the bytes a native decode
+step reads (quantized_bytes: the blocks kept as they are, other types dequantized to fp32 at load, the
+LM head once, the embedding one row a token, so not counted). tandem's decode tokens/s at the same b comes from the
 difference of two offline runs (output_len and 1 token: prefill cancels out) through the overlap loop.
 """
 from __future__ import annotations
@@ -50,6 +52,24 @@ def matmul_seconds(out_f: int, in_f: int, batch: int, min_s: float) -> float:
     x = torch.randn(batch, in_f)          # [b, in]
     with torch.inference_mode():
         return time_call(lambda: F.linear(x, w), min_s)
+
+
+def quantized_bytes(model_path: str | None, tied: bool) -> dict | None:
+    """Bytes of weights one decode step reads under kernels="native", from the GGUF file (None otherwise):
+    per ggml type kept as blocks, plus what is dequantized to fp32 at load."""
+    if not model_path or not model_path.endswith(".gguf"):
+        return None
+    import gguf
+
+    from ..kernels.quant import NATIVE_QTYPES
+    by_type: dict[str, int] = {}
+    for t in gguf.GGUFReader(model_path).tensors:
+        if t.name == "token_embd.weight" and not tied:
+            continue                                      # a lookup of one row per token, not a matmul
+        kept = int(t.tensor_type) in NATIVE_QTYPES and len(t.shape) == 2
+        key = t.tensor_type.name if kept else "fp32"
+        by_type[key] = by_type.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * FP32)
+    return {"total": sum(by_type.values()), "by_type": by_type}
 
 
 def memory_bandwidth(megabytes: int = 256, min_s: float = 0.2) -> float:
@@ -105,8 +125,13 @@ def bench_roofline(args) -> dict:
     llm = LLM(**dataclasses.asdict(config))
     try:
         torch.set_num_threads(threads)    # the device process's thread count, here in the measuring process
-        out = roofline(llm.engine.model_config, args.batch_sizes, args.input_len, args.output_len,
-                       args.bandwidth_mb, args.min_seconds)
+        mc = llm.engine.model_config
+        out = roofline(mc, args.batch_sizes, args.input_len, args.output_len, args.bandwidth_mb, args.min_seconds)
+        from ..model.loader import resolve_model
+        q = quantized_bytes(resolve_model(config.model, cache_dir=config.cache_dir).gguf_file, mc.tie_word_embeddings)
+        if q is not None:
+            out["quantized_bytes"] = q
+            out["memory_bound_batch1_tokens_per_s_quantized"] = out["memory_bandwidth_gb_s"] * 1e9 / q["total"]
         warm_up(llm)
         for row in out["batches"]:
             tps = tandem_decode_tps(llm, row["batch_size"], args.input_len, args.output_len, args.seed)
@@ -125,6 +150,11 @@ def print_roofline(out: dict) -> None:
     print(f"{out['model']}: fp32, {out['threads']} threads; memory bandwidth {out['memory_bandwidth_gb_s']:.1f} GB/s; "
           f"weights {out['weight_bytes'] / 1e6:.0f} MB -> batch-1 memory-bound limit "
           f"{out['memory_bound_batch1_tokens_per_s']:.1f} tok/s")
+    if "quantized_bytes" in out:
+        q = out["quantized_bytes"]
+        parts = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in q["by_type"].items())
+        print(f"GGUF blocks a native decode step reads: {q['total'] / 1e6:.1f} MB ({parts}) -> batch-1 limit "
+              f"{out['memory_bound_batch1_tokens_per_s_quantized']:.1f} tok/s")
     names = list(out["shapes"])
     print(f"{'batch':>5s} " + " ".join(f"{n:>8s}" for n in names) + "  (ms per call)"
           f" {'step ms':>8s} {'GFLOP/s':>8s} {'bound tok/s':>11s} {'tandem tok/s':>12s} {'% bound':>7s}")

@@ -34,6 +34,7 @@ class ExecutorSpec:
     kv_memory_fraction: float
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
+    kernels_act: str = "fp32"     # "int8": the native decode linears quantize activations to int8 blocks
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -73,7 +74,8 @@ class ModelExecutor:
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
-        self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native)
+        self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
+                                int8_act=spec.kernels_act == "int8")
         del state
         self.kv_cache = PagedKVCache(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.

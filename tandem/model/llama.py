@@ -85,25 +85,35 @@ class Linear:
 
 
 class QLinear:
-    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native")."""
+    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native").
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
+    A list of weights is a fused linear whose parts have different types (Q4_K_M files keep attn_v in Q6_K
+    beside Q4_K q/k): each part runs on its own blocks and the outputs are concatenated."""
+
+    def __init__(self, weight: "QuantWeight | list[QuantWeight]", bias: torch.Tensor | None = None,
+                 int8_act: bool = False) -> None:
+        self.parts, self.bias = (weight if isinstance(weight, list) else [weight]), bias
+        self.int8_act = int8_act
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.weight, self.bias)
+        if len(self.parts) == 1:
+            return qlinear(x, self.parts[0], self.bias, self.int8_act)
+        y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
 
 
-def linear(weight: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> "Linear | QLinear":
-    return QLinear(weight, bias) if isinstance(weight, QuantWeight) else Linear(weight, bias)
+Weight = "torch.Tensor | QuantWeight | list[QuantWeight]"
 
 
-def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> "torch.Tensor | QuantWeight":
-    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks."""
+def linear(weight: Weight, bias: torch.Tensor | None = None, int8_act: bool = False) -> "Linear | QLinear":
+    return Linear(weight, bias) if isinstance(weight, torch.Tensor) else QLinear(weight, bias, int8_act)
+
+
+def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> Weight:
+    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks, blocks of mixed
+    types stay a list of blocks (QLinear runs each)."""
     if all(isinstance(p, QuantWeight) for p in parts):
-        fused = QuantWeight.cat(parts)
-        if fused is not None:
-            return fused
+        return QuantWeight.cat(parts) or list(parts)
     return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
 
 
@@ -125,11 +135,12 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
     native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
+    int8_act: their decode linears quantize activations to int8 blocks (kernels_act="int8").
     """
 
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False) -> None:
+                 native: bool = False, int8_act: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -143,7 +154,10 @@ class LlamaModel:
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")                    # [V, hidden] (or its blocks)
-        self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
+        def lin(weight: Weight, bias: torch.Tensor | None = None) -> "Linear | QLinear":
+            return linear(weight, bias, int8_act)
+
+        self.lm_head = lin(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -153,11 +167,11 @@ class LlamaModel:
                         if c.attention_bias else None)
             self.layers.append(dict(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(qkv, qkv_bias),
-                o=linear(w(p + "self_attn.o_proj.weight")),
+                qkv=lin(qkv, qkv_bias),
+                o=lin(w(p + "self_attn.o_proj.weight")),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
-                down=linear(w(p + "mlp.down_proj.weight")),
+                gate_up=lin(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
+                down=lin(w(p + "mlp.down_proj.weight")),
             ))
         inv_freq = rope_inv_freq(c)
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)

@@ -32,6 +32,12 @@ Isa resolve_isa(int64_t requested) {
   return requested < cpu ? (Isa)requested : cpu;
 }
 
+// AVX-512 VNNI (vpdpbusd), for the int8-activation linear; without it that op runs its AVX2 body.
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+}
+
 const char* isa_name(Isa isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "scalar"; }
 
 }  // namespace tandem

@@ -5,10 +5,21 @@
 //   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
 //   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
 // So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
-// Weight tensor: uint8 [N, K / 32 * block bytes], one row per output feature holding the GGUF bytes of its
+// K-quants, 256 weights along K per super-block (GGUF layout; Q4_K is regrouped at load, below):
+//   Q4_K (144 B): d fp16 | dmin fp16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
+//     sub-block j (32 weights) = nibbles of qs[32 (j / 2) ..][0..31], low for even j, high for odd;
+//     value = (d * sc_j) * q - (dmin * m_j)
+//   Q6_K (210 B): ql[128] | qh[64] | scales int8[16] | d fp16
+//     element 128 h + 32 t + l (h < 2, t < 4, l < 32): 4 low bits from ql[64 h + 32 (t % 2) + l] >> 4 (t / 2),
+//     2 high bits from qh[32 h + l] >> 2 t; value = (d * scales[8 h + 2 t + l / 16]) * (q - 32)
+// Weight tensor: uint8 [N, K / block weights * block bytes], one row per output feature holding the GGUF bytes of its
 // nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
 //   [d fp16 x nb][m fp16 x nb, Q4_1 only][qs x nb: 16 bytes (Q4) or 32 int8 (Q8) each]
-// so a row's scales convert 16 at a time and broadcast from memory in the block loop.
+// so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
+// super-blocks unchanged; Q4_K rows are regrouped (same size) as
+//   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qs x nb: 16 bytes in Q4_0's nibble order]
+// so a Q4_K sub-block is a Q4_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 6-bit / int8
+// sub-block scales are decoded to fp32 once per call.
 //
 // Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
 // (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
@@ -29,15 +40,58 @@
 
 namespace tandem {
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml type ids
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml type ids
 
-static int64_t block_bytes(int64_t qtype) {
+static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weights; 256 for K-quants)
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
   }
-  TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
+              " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
+}
+
+static int64_t block_weights(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32; }
+
+// Q4_K: the 6-bit scale and min of sub-block j < 8 from the super-block's 12 scale bytes.
+static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// A K-quant row's sub-block scales as fp32: Q4_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
+// block b; Q6_K sc[2 b + i] = d * scales (16-weight halves). nb = K / 32; sc holds 2 nb floats.
+// Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
+// q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block).
+static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    if (qtype == kQ4_K) {
+      const uint8_t* blk = row + 16 * s;                                    // the regrouped header
+      float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
+      uint32_t u[3], v[4];
+      std::memcpy(u, blk + 4, 12);
+      v[0] = u[0] & 0x3f3f3f3f;                                             // scales 0-3
+      v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);       // scales 4-7
+      v[2] = u[1] & 0x3f3f3f3f;                                             // mins 0-3
+      v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // mins 4-7
+      uint8_t b[16];
+      std::memcpy(b, v, 16);
+      for (int j = 0; j < 8; ++j) sc[8 * s + j] = d * (float)b[j];
+      for (int j = 0; j < 8; ++j) sc[nb + 8 * s + j] = -(dmin * (float)b[8 + j]);   // Q4_1's m = -dmin m_j
+    } else {
+      const uint8_t* blk = row + 210 * s;
+      float d = fp16_to_fp32(load_u16(blk + 208));
+      for (int i = 0; i < 16; ++i) sc[16 * s + i] = d * (float)(int8_t)blk[192 + i];
+    }
+  }
 }
 
 struct GemmArgs {
@@ -51,8 +105,26 @@ struct GemmArgs {
 namespace scalar {
 constexpr int NR = 1;
 
+// Weight i of 32-weight block b of a K-quant row (b / 8: super-block, b % 8: its sub-block).
+static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
+  const int j = (int)(b % 8);
+  if (qtype == kQ4_K) {
+    const uint8_t* blk = row + 16 * (b / 8);
+    int scale, min;
+    q4_k_scale_min(blk + 4, j, scale, min);
+    int q = row[2 * nb + 16 * b + i % 16] >> 4 * (i / 16) & 15;      // the qs after nb / 8 16-byte headers
+    return fp16_to_fp32(load_u16(blk)) * (float)scale * (float)q - fp16_to_fp32(load_u16(blk + 2)) * (float)min;
+  }
+  const uint8_t* blk = row + 210 * (b / 8);
+  const int h = j / 4, t = j % 4;
+  int lo = blk[64 * h + 32 * (t % 2) + i] >> 4 * (t / 2) & 15, hi = blk[128 + 32 * h + i] >> 2 * t & 3;
+  return fp16_to_fp32(load_u16(blk + 208)) * (float)(int8_t)blk[192 + 8 * h + 2 * t + i / 16] *
+         (float)((lo | hi << 4) - 32);
+}
+
 // Weight i of block b of a row (the specification of the format).
 static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
+  if (qtype == kQ4_K || qtype == kQ6_K) return k_weight(qtype, row, nb, b, i);
   float d = fp16_to_fp32(load_u16(row + 2 * b));
   if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
   bool q41 = qtype == kQ4_1;
@@ -101,11 +173,13 @@ using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
 using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*, float*);
 
 static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem: K must be a positive multiple of 32, got ", K);
+  const int64_t bytes = block_bytes(qtype), qk = block_weights(qtype);
+  TORCH_CHECK(K > 0 && K % qk == 0, "tandem: K must be a positive multiple of ", qk, " for ggml type ", qtype,
+              ", got ", K);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "tandem: w must be a contiguous uint8 [N, row bytes] tensor");
-  TORCH_CHECK(w.size(1) == K / 32 * block_bytes(qtype), "tandem: w has ", w.size(1), " bytes a row, ",
-              "expected ", K / 32 * block_bytes(qtype), " for K=", K);
+  TORCH_CHECK(w.size(1) == K / qk * bytes, "tandem: w has ", w.size(1), " bytes a row, ",
+              "expected ", K / qk * bytes, " for K=", K);
 }
 
 at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,

@@ -7,6 +7,8 @@
 namespace tandem {
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                    const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                      const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);
 void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
@@ -26,6 +28,7 @@ static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
 
 TORCH_LIBRARY(tandem, m) {
   m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("qlinear_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
@@ -41,6 +44,7 @@ TORCH_LIBRARY(tandem, m) {
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("qlinear", &tandem::qlinear);
+  m.impl("qlinear_q8", &tandem::qlinear_q8);
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);

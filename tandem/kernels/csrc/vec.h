@@ -47,6 +47,16 @@ inline float fp16_to_fp32(uint16_t h) {
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
+// Q6_K: 32 signed 6-bit quants as int8, from 32 bytes of low nibbles (ql >> lshift) and 32 bytes holding
+// 2 high bits each (qh >> hshift); both bodies share it (AVX2 integer ops).
+TANDEM_AVX2 __m256i q6_k_bytes(const uint8_t* ql, int lshift, const uint8_t* qh, int hshift) {
+  __m256i l = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)ql), lshift);
+  __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)qh), hshift);
+  l = _mm256_and_si256(l, _mm256_set1_epi8(0x0f));
+  h = _mm256_and_si256(h, _mm256_set1_epi8(0x03));
+  return _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(h, 4)), _mm256_set1_epi8(32));
+}
+
 struct Vec512 {
   using reg = __m512;
   static constexpr int W = 16;
@@ -85,6 +95,14 @@ struct Vec512 {
     reg vd = set1(d);
     out[0] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qs))), vd);
     out[1] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + 16)))), vd);
+  }
+  // Q6_K 32 weights: (4 bits of ql >> lshift) | (2 bits of qh >> hshift) << 4, minus 32; elements 0-15
+  // scaled by d0, 16-31 by d1.
+  TANDEM_AVX512 void q6_k(const uint8_t* ql, int lshift, const uint8_t* qh, int hshift, float d0, float d1,
+                          reg out[2]) {
+    __m256i q = q6_k_bytes(ql, lshift, qh, hshift);
+    out[0] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), set1(d0));
+    out[1] = mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), set1(d1));
   }
 };
 
@@ -133,6 +151,14 @@ struct Vec256 {
     reg vd = set1(d);
     for (int i = 0; i < 4; ++i)
       out[i] = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * i)))), vd);
+  }
+  TANDEM_AVX2 void q6_k(const uint8_t* ql, int lshift, const uint8_t* qh, int hshift, float d0, float d1,
+                        reg out[4]) {
+    __m256i q = q6_k_bytes(ql, lshift, qh, hshift);
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i)
+      out[i] = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), set1(i < 2 ? d0 : d1));
   }
 };
 
