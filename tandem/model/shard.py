@@ -84,12 +84,12 @@ def _rows(t, a: int, b: int, pad_to: int | None = None):
     return part.contiguous()
 
 
-def _cols(t, a: int, b: int, name: str):
-    """Columns [a, b) (the input features of a row-parallel weight)."""
+def _cols(t, a: int, b: int, cut: list[str], name: str):
+    """Columns [a, b) (the input features of a row-parallel weight); `cut` collects the dequantized ones."""
     if not isinstance(t, QuantWeight):
         return t[:, a:b].contiguous()
     if a % BLOCK or b % BLOCK:
-        log.info("%s: tp slice [%d, %d) cuts GGUF blocks of 32; this slice is dequantized to fp32", name, a, b)
+        cut.append(name)
         return t.dequantize()[:, a:b].contiguous()
     blocks = t.to_gguf()
     bb = blocks.shape[1] // (t.k // BLOCK)
@@ -104,7 +104,7 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
     kv = (lay.kv_head_start * d, (lay.kv_head_start + lay.kv_heads) * d)
     mlp = (lay.inter_start, lay.inter_start + lay.inter)
     vocab = (lay.vocab_start, min(lay.vocab_start + lay.vocab, c.vocab_size))
-    out = {}
+    out, cut = {}, []
     for name in list(state):
         t = state.pop(name)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -116,9 +116,12 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         elif ".gate_proj." in name or ".up_proj." in name:
             out[name] = _rows(t, *mlp)
         elif ".o_proj." in name:
-            out[name] = _cols(t, *q, name)
+            out[name] = _cols(t, *q, cut, name)
         elif ".down_proj." in name:
-            out[name] = _cols(t, *mlp, name)
+            out[name] = _cols(t, *mlp, cut, name)
         else:                                  # norms: every rank keeps them whole
             out[name] = t
+    if cut and lay.rank == 0:
+        log.warning("tp_size %d cuts the GGUF blocks (32 weights along K) of %d row-parallel weights (%s ...): "
+                    "their slices are dequantized to fp32 (more memory, the fp32 GEMM)", lay.size, len(cut), cut[0])
     return out
