@@ -170,7 +170,10 @@ class ProcessRunner:
             self.shutdown()
             raise
         finally:
-            listener.close()
+            try:
+                listener.close()        # unlinks its socket, already gone if shutdown() removed the folder
+            except FileNotFoundError:
+                pass
             try:
                 os.unlink(shm_path)   # both sides hold the mapping; nothing is left behind on a crash
             except FileNotFoundError:
@@ -276,9 +279,9 @@ def _write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
     """n entries: floats [n chosen | n x MAX_LOGPROBS top], ints [n | n x MAX_LOGPROBS top ids] (ints[:n] unused
     for the sampled rows' part: those hold the sampled ids)."""
     k = lp.top.shape[1]
-    floats[:n] = lp.chosen.numpy()
-    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.numpy()
-    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.numpy()
+    floats[:n] = lp.chosen.cpu().numpy()
+    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.cpu().numpy()
+    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.cpu().numpy()
 
 
 def _read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tuple:
@@ -334,7 +337,9 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                     continue
                 msg = later.popleft() if later else conn.recv_bytes()
             except (EOFError, OSError):
-                return                      # the scheduler is gone: exit with it
+                if tp is not None:
+                    tp.quit(quiet=True)
+                return                      # the scheduler is gone: exit with it (the other ranks too)
             start = now()           # the device span: from the launch message in hand to the ids written back
             if msg == b"Q":
                 if tp is not None:
@@ -349,7 +354,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                 tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
             tokens = executor.run_step(step, masks_of(step, buf))
             b = step.batch_size
-            buffers.outs[buf][:b] = tokens.numpy()
+            buffers.outs[buf][:b] = tokens.cpu().numpy()
             for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
                 if lp is not None:
                     _write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)

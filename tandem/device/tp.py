@@ -111,8 +111,13 @@ class TPGroup:
     def keepalive(self) -> None:
         self._send(_NOOP)
 
-    def quit(self) -> None:
-        self._send(_QUIT)
+    def quit(self, quiet: bool = False) -> None:
+        """Tell the other ranks to exit (quiet: on the way out anyway, a dead peer is no news)."""
+        try:
+            self._send(_QUIT)
+        except RuntimeError:
+            if not quiet:
+                raise
 
     def recv_step(self) -> tuple[StepInput, torch.Tensor, torch.Tensor] | None:
         """Ranks 1..: the next step and the previous step's (rows, ids); None when rank 0 quits."""
