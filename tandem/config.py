@@ -39,7 +39,7 @@ class EngineConfig:
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
-    tp_size: int = 1                    # tensor-parallel device ranks (--tp): weights split by heads/rows, device_threads each
+    tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
     nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)
     node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
