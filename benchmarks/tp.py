@@ -7,7 +7,9 @@ loaded and the rounds alternate between them; each figure is the median of its r
 - decode tok/s at batch B: B prompts of 32 tokens, (t(B x (1 + O)) - t(B x 1)) / (B x O), so prefill is
   subtracted out;
 - per decode step: device time and the time rank 0 spent in collectives (all-reduces, the logits gather,
-  the step broadcast; DeviceSpan.comm in the trace), from the recorder of the last round.
+  the step broadcast; DeviceSpan.comm in the trace), from the recorder of the last round;
+- one gloo all-reduce alone (2 processes x 1 thread, the decode step's [B, 576] fp32 at B = 1 and 64), the
+  per-call cost the projection in benchmarks/results/tp.md starts from.
 Run under `flock /tmp/tandem-bench.lock`:
     python benchmarks/tp.py [--rounds 3] [--out 64] [--json out.json]
 """
@@ -59,7 +61,39 @@ def decode(llm, batch: int, out: int) -> dict:
             "comm_ms": 1e3 * statistics.mean(d.comm for d in steps)}
 
 
+def allreduce_us(rows: int, iters: int = 300) -> float:
+    """Median microseconds of one all-reduce of [rows, 576] fp32 between two 1-thread processes."""
+    store = tempfile.mktemp(prefix="tandem-tp-bench-")
+    procs = [subprocess.Popen([sys.executable, __file__, "--allreduce-worker", str(r), store, str(rows), str(iters)],
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    if os.path.exists(store):
+        os.unlink(store)
+    return float(out[0].strip().splitlines()[-1])
+
+
+def allreduce_worker(rank: int, store: str, rows: int, iters: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    x, times = torch.randn(rows, 576), []
+    for i in range(iters + 20):
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 20:
+            times.append(time.perf_counter() - t)
+    dist.destroy_process_group()
+    print(1e6 * statistics.median(times))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--allreduce-worker":
+        return allreduce_worker(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per engine")
     ap.add_argument("--out", type=int, default=64, help="decode tokens per request")
@@ -90,6 +124,7 @@ def main() -> None:
     for (name, b), rs in rounds.items():
         result["figures"][f"{name}_b{b}"] = {k: statistics.median(r[k] for r in rs) for k in rs[0]} | \
             {"tok_s_rounds": [round(r["tok_s"], 1) for r in rs]}
+    result["allreduce_us"] = {f"b{b}": allreduce_us(b) for b in batches}
     for b in batches:
         f = result["figures"]
         result["figures"][f"ratio_b{b}"] = f[f"tp2x1_b{b}"]["tok_s"] / f[f"tp1x2_b{b}"]["tok_s"]
