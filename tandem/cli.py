@@ -11,6 +11,8 @@ from .config import EngineConfig
 
 # Modules that add a subcommand through add_parser(subparsers); missing ones are skipped.
 SUBCOMMANDS = ("tandem.server.cli", "tandem.trace.cli", "tandem.bench.cli")
+# Short flags beside the field's own (--trace-dir, --tp-size).
+ALIASES = {"trace_dir": ("--trace",), "tp_size": ("--tp",)}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         # EngineConfig.seed (for requests that give none) is --engine-seed: --seed is a request's own seed.
         flag = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
-        flags = (flag, "--trace") if f.name == "trace_dir" else (flag,)
+        flags = (flag, *ALIASES[f.name]) if f.name in ALIASES else (flag,)
         default = f.default
         doc = helps.get(f.name, "")
         if isinstance(default, bool):

@@ -39,6 +39,11 @@ class EngineConfig:
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
     kernels_act: str = "fp32"           # "int8": native decode linears on Q4_0/Q4_1/Q8_0 quantize x to int8 (llama.cpp)
+    # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
+    tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
+    nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)
+    node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks
+    dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("overlap", "serial"):
@@ -63,6 +68,23 @@ class EngineConfig:
             raise ValueError(f"device_threads must be >= 1, got {self.device_threads}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1:
+            raise ValueError(f"tp_size and nnodes must be >= 1, got {self.tp_size} and {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} does not split evenly over {self.nnodes} nodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address), "
+                                 f"got {self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.device_backend == "inline":
+            raise ValueError("tp_size > 1 runs its ranks in device processes: device_backend must be 'process' "
+                             "or 'auto', not 'inline'")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
@@ -94,6 +116,8 @@ class EngineConfig:
     def resolved_backend(self) -> str:
         if self.device_backend != "auto":
             return self.device_backend
+        if self.tp_size > 1:
+            return "process"
         return "inline" if self.resolved_device() == "cuda" else "process"
 
     def resolved_dtype(self) -> str:

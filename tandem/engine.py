@@ -49,31 +49,48 @@ def default_device_threads(params: int | None = None) -> int:
     return max(1, cores)
 
 
+def rank_threads(config: EngineConfig, model_config) -> int:
+    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks."""
+    if config.device_threads:
+        return config.device_threads
+    return max(1, default_device_threads(num_params(model_config)) // (config.tp_size // config.nnodes))
+
+
+def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
+    return ExecutorSpec(
+        source=source, device=config.resolved_device(), dtype=config.resolved_dtype(),
+        max_running=config.max_running_requests, max_model_len=config.max_model_len,
+        kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
+        poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
+        tp_size=config.tp_size)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, sink: Callable[[list[StepOutput]], None] | None = None,
                  poll: Callable[[], None] | None = None) -> None:
         from .model.loader import load_tokenizer, resolve_model
+        from .model.shard import check_tp_size
+        if config.node_rank > 0:
+            raise ValueError(f"node_rank {config.node_rank} runs only device ranks, no engine: start it with "
+                             f"`tandem serve --node-rank {config.node_rank} ...`")
         self.config = config
         self.source = resolve_model(config.model, config.cache_dir)
         self.model_config = self.source.config
         self.model_name = self.source.name
-        spec = ExecutorSpec(
-            source=self.source, device=config.resolved_device(), dtype=config.resolved_dtype(),
-            max_running=config.max_running_requests, max_model_len=config.max_model_len,
-            kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
-            poison_future_map=config.poison_future_map, kernels=config.kernels,
-            kernels_act=config.kernels_act)
+        check_tp_size(self.model_config, config.tp_size, self.model_name)
+        spec = executor_spec(config, self.source)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
             from .device.cpu_process import ProcessRunner
             cap = config.max_model_len or self.model_config.max_position_embeddings
             if config.kv_cache_tokens is not None:
                 cap = min(cap, config.kv_cache_tokens)
-            threads = config.device_threads or default_device_threads(num_params(self.model_config))
+            threads = rank_threads(config, self.model_config)
             step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests
             # Prefix-cache hits send their cached slots once; no row's prefix is longer than the context.
             prefix_slots = cap * config.max_running_requests if config.prefix_cache else 0
-            self.runner = ProcessRunner(spec, threads, step_tokens, max_prefix_slots=prefix_slots)
+            self.runner = ProcessRunner(spec, threads, step_tokens, max_prefix_slots=prefix_slots,
+                                        nnodes=config.nnodes, dist_init_addr=config.dist_init_addr)
             self.device_threads = threads
         else:
             from .device.runner import InlineRunner

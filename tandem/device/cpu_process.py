@@ -9,6 +9,9 @@ memory, and the "done" message is the copy_done event the scheduler waits on.
 The process is started with `python -m tandem.device.cpu_process` (not multiprocessing's spawn, which
 re-imports the user's __main__), dies with its parent (socket EOF and PR_SET_PDEATHSIG), and a crash in it
 surfaces in the scheduler as DeviceProcessError, never a hang.
+
+With tp_size > 1 this process is tp rank 0 (device/tp.py): the runner also starts this node's other ranks
+(device/tp_ranks.py) and watches every one of them; a rank that dies fails the step (DeviceProcessError).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from .step import StepInput
 from .streams import now
 
 _LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
-_DONE = struct.Struct("<cqdd")     # b"D", step id, forward start, forward end
+_DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives
 
 
 class DeviceProcessError(RuntimeError):
@@ -83,6 +86,7 @@ class ProcessHandle:
         self._runner, self._buf, self._b = runner, buf, step.batch_size
         self._result: np.ndarray | None = None
         self._span = (0.0, 0.0)
+        self.comm_s = 0.0          # the step's time in tp collectives (after wait())
 
     def send_masks(self, masks: np.ndarray) -> None:
         """The grammar branch: the token masks of this step's grammar rows, once the host has them."""
@@ -91,7 +95,8 @@ class ProcessHandle:
 
     def wait(self) -> np.ndarray:
         if self._result is None:
-            self._span = self._runner._wait_done(self.step_id)          # copy_done.wait()
+            *span, self.comm_s = self._runner._wait_done(self.step_id)  # copy_done.wait()
+            self._span = tuple(span)
             self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
         return self._result
 
@@ -113,7 +118,8 @@ class ProcessHandle:
 
 class ProcessRunner:
     def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
-                 start_timeout: float = 600.0, max_prefix_slots: int = 0) -> None:
+                 start_timeout: float = 600.0, max_prefix_slots: int = 0, nnodes: int = 1,
+                 dist_init_addr: str | None = None) -> None:
         b = spec.max_running
         # StepInput.pack: header, the row fields, then the VAR fields, each bounded: ids and slots (a token
         # each), poisoned and grammar rows (<= rows), prefix slots and the penalized rows' prefix ids (<= the
@@ -136,7 +142,14 @@ class ProcessRunner:
             env=env, stdin=subprocess.PIPE, close_fds=True)
         self.proc.stdin.write(authkey)
         self.proc.stdin.close()
-        self._done: dict[int, tuple[float, float]] = {}
+        self.dist = None                    # rank 0's DistInfo under tp; the other ranks of this node:
+        self.ranks: list[subprocess.Popen] = []
+        if spec.tp_size > 1:
+            from .tp_ranks import rank_infos, spawn_rank
+            init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/tp-store"
+            self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init)
+            self.ranks = [spawn_rank(spec, info) for info in others]
+        self._done: dict[int, tuple[float, float, float]] = {}
         self._closed = False
         self._listener, self._shm_path, self._spec, self._timeout = listener, shm_path, spec, start_timeout
         self.num_slots = self.max_context = 0
@@ -149,7 +162,7 @@ class ProcessRunner:
         listener, shm_path = self._listener, self._shm_path
         try:
             self.conn = self._accept(listener, self._timeout)
-            self.conn.send((self._spec, self.buffers.sizes))
+            self.conn.send((self._spec, self.buffers.sizes, self.dist))
             info = self._recv()
             if info[0] != "ready":
                 raise DeviceProcessError(f"device process sent {info[0]!r} at start")
@@ -157,7 +170,10 @@ class ProcessRunner:
             self.shutdown()
             raise
         finally:
-            listener.close()
+            try:
+                listener.close()        # unlinks its socket, already gone if shutdown() removed the folder
+            except FileNotFoundError:
+                pass
             try:
                 os.unlink(shm_path)   # both sides hold the mapping; nothing is left behind on a crash
             except FileNotFoundError:
@@ -173,7 +189,7 @@ class ProcessRunner:
             try:
                 return listener.accept()
             except socket.timeout:
-                if self.proc.poll() is not None:
+                if self._dead() is not None:
                     raise self._died() from None
                 if now() > deadline:
                     raise DeviceProcessError("device process did not connect in time") from None
@@ -206,25 +222,32 @@ class ProcessRunner:
                     break
             except (OSError, EOFError) as e:
                 raise self._died() from e
-            if self.proc.poll() is not None:
+            if self._dead() is not None:
                 raise self._died()
         if msg[:1] == b"D":
-            _, step_id, start, end = _DONE.unpack(msg)
-            return ("done", step_id, start, end)
+            _, step_id, start, end, comm = _DONE.unpack(msg)
+            return ("done", step_id, start, end, comm)
         kind, payload = pickle.loads(msg)
         if kind == "error":
             raise DeviceProcessError(f"device process failed:\n{payload[0]}")
         return (kind, *payload)
 
-    def _wait_done(self, step_id: int) -> tuple[float, float]:
+    def _wait_done(self, step_id: int) -> tuple[float, float, float]:
         while step_id not in self._done:
-            _, sid, start, end = self._recv()
-            self._done[sid] = (start, end)
+            _, sid, start, end, comm = self._recv()
+            self._done[sid] = (start, end, comm)
         return self._done.pop(step_id)
 
+    def _dead(self) -> tuple[str, int] | None:
+        """(which, exit code) of the first of this node's device processes that has exited."""
+        for i, p in enumerate([self.proc, *self.ranks]):
+            if p.poll() is not None:
+                return ("device process" if i == 0 else f"tp rank {self.dist.rank + i}", p.returncode)
+        return None
+
     def _died(self) -> DeviceProcessError:
-        code = self.proc.poll()
-        return DeviceProcessError(f"device process died (exit code {code})" if code is not None
+        dead = self._dead()
+        return DeviceProcessError(f"{dead[0]} died (exit code {dead[1]})" if dead is not None
                                   else "lost the connection to the device process")
 
     def shutdown(self) -> None:
@@ -237,11 +260,12 @@ class ProcessRunner:
                 self.conn.close()
         except (OSError, EOFError):
             pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        for p in [self.proc, *self.ranks]:   # rank 0 tells the others to quit; a stuck one is killed
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __del__(self) -> None:
@@ -255,9 +279,9 @@ def _write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
     """n entries: floats [n chosen | n x MAX_LOGPROBS top], ints [n | n x MAX_LOGPROBS top ids] (ints[:n] unused
     for the sampled rows' part: those hold the sampled ids)."""
     k = lp.top.shape[1]
-    floats[:n] = lp.chosen.numpy()
-    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.numpy()
-    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.numpy()
+    floats[:n] = lp.chosen.cpu().numpy()
+    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.cpu().numpy()
+    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.cpu().numpy()
 
 
 def _read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tuple:
@@ -279,11 +303,16 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
+    tp = None
     try:
-        spec, sizes = conn.recv()
+        spec, sizes, dist = conn.recv()
         buffers = _SharedBuffers(shm_path, *sizes, create=False)
         from .executor import ModelExecutor
-        executor = ModelExecutor(spec)
+        if dist is not None:               # tp rank 0: join the group, then broadcast every step to it
+            from .tp import KEEPALIVE_S, TPGroup
+            from .tp_ranks import rank_device
+            tp = TPGroup(dist, rank_device(spec.device, dist))
+        executor = ModelExecutor(spec, tp=tp)
         conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context))))
         early: set[int] = set()              # steps whose mask message came before they were run
         later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
@@ -303,30 +332,42 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
 
         while True:
             try:
+                if tp is not None and not later and not conn.poll(KEEPALIVE_S):
+                    tp.keepalive()          # idle: the other ranks' collective timeout must not fire
+                    continue
                 msg = later.popleft() if later else conn.recv_bytes()
             except (EOFError, OSError):
-                return                      # the scheduler is gone: exit with it
+                if tp is not None:
+                    tp.quit(quiet=True)
+                return                      # the scheduler is gone: exit with it (the other ranks too)
             start = now()           # the device span: from the launch message in hand to the ids written back
             if msg == b"Q":
+                if tp is not None:
+                    tp.quit()
                 return
             kind, step_id, buf = _LAUNCH.unpack(msg)
             if kind == b"M":                # the masks of a step not yet run (it is next)
                 early.add(step_id)
                 continue
             step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
+            if tp is not None:
+                tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
             tokens = executor.run_step(step, masks_of(step, buf))
             b = step.batch_size
-            buffers.outs[buf][:b] = tokens.numpy()
+            buffers.outs[buf][:b] = tokens.cpu().numpy()
             for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
                 if lp is not None:
                     _write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
-            conn.send_bytes(_DONE.pack(b"D", step_id, start, now()))
+            conn.send_bytes(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
     except BaseException:
         try:
             conn.send_bytes(pickle.dumps(("error", (traceback.format_exc(),))))
         except (OSError, EOFError):
             pass
         raise
+    finally:
+        if tp is not None:
+            tp.close()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ It runs inline (CUDA streams, or CPU synchronously) or inside the CPU device pro
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -14,6 +15,7 @@ import torch
 from ..model.kv_cache import PagedKVCache
 from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
+from ..model.shard import TPLayout, shard_state
 from ..sampler import SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
@@ -35,6 +37,12 @@ class ExecutorSpec:
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "fp32"     # "int8": the native decode linears quantize activations to int8 blocks
+    tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
+
+    def fingerprint(self) -> dict:
+        """What every tp rank must agree on (paths and the device may differ between machines)."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device")}
+        return {**d, "model": self.source.config.to_dict()}
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -54,44 +62,57 @@ def _decode_split(seq_lens: np.ndarray) -> list[int]:
 
 
 class ModelExecutor:
-    def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None) -> None:
+    """tp: this executor is one rank of a tensor-parallel group (device/tp.py): it holds its shard of the
+    weights and KV heads, and only rank 0 samples (run_step returns None on the others)."""
+
+    def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None, tp=None) -> None:
         self.spec = spec
         self.config = spec.source.config
-        self.device = torch.device(spec.device)
+        self.device = torch.device(spec.device) if tp is None else tp.device
+        self.tp = tp
+        self.samples = tp is None or tp.rank == 0
         dtype = _DTYPES[spec.dtype]
         c = self.config
         from ..kernels import use_native
         native = use_native(spec.kernels, self.device, dtype)
+        if tp is not None:
+            tp.check_same("engine options", spec.fingerprint())
         if state is None:
             state = load_weights(spec.source, quantized=native)
-        bytes_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize
+        layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)
+        if tp is not None:
+            state = shard_state(state, c, layout)
+        bytes_per_slot = 2 * c.num_layers * layout.kv_heads * c.head_dim * dtype.itemsize
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
             weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
             free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
             num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
+            if tp is not None:              # slot ids come from one scheduler: every rank holds them all
+                num_slots = tp.min_int(num_slots)
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
-                                int8_act=spec.kernels_act == "int8")
+                                int8_act=spec.kernels_act == "int8", tp=tp)
         del state
-        self.kv_cache = PagedKVCache(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, dtype, self.device)
+        self.kv_cache = PagedKVCache(num_slots, c.num_layers, layout.kv_heads, c.head_dim, dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
                                         device=self.device)
         self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
         self.last_prompt_logprobs = None  # and of its prompt positions (prompt_logprob_targets)
-        self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device)
+        self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None) -> torch.Tensor:
-        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device.
+    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None) -> torch.Tensor | None:
+        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device (None on a
+        tp rank other than 0: it runs the forward only).
 
         The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
         called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
@@ -125,10 +146,12 @@ class ModelExecutor:
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
         if plp is not None:
             meta.last_index = torch.cat([meta.last_index, self._tensor(plp[0])])   # logits there too
-        penalized = step.has_penalties
+        penalized = self.samples and step.has_penalties
         if penalized:
             self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
         logits = self.model.forward(input_ids, positions, meta)
+        if logits is None:
+            return None
         self.last_prompt_logprobs = None
         if plp is not None:
             self.last_prompt_logprobs = prompt_logprobs(logits[b:], self._tensor(plp[1]),
@@ -152,6 +175,8 @@ class ModelExecutor:
                                           int(step.num_logprobs.max()))
         # FutureMap write: the next step of these rows reads its input ids from here.
         self.future_map.stash(rows, tokens)
+        if self.tp is not None:
+            self.tp.sampled(rows, tokens)
         return tokens
 
     def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:

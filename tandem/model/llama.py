@@ -15,6 +15,7 @@ from ..kernels.attention import decode_attention
 from ..kernels.quant import QuantWeight, qlinear
 from .config import ModelConfig
 from .kv_cache import StepKV
+from .shard import TPLayout
 
 
 @dataclass
@@ -136,16 +137,23 @@ class LlamaModel:
 
     native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
     int8_act: their decode linears quantize activations to int8 blocks (kernels_act="int8").
+    tp: a tensor-parallel rank (device/tp.py): `state` is this rank's shard (model/shard.py); o and down
+    partial sums and the vocab-parallel embedding are all-reduced, the LM head's vocab shards gathered on
+    rank 0 (other ranks' forward returns None).
     """
 
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False, int8_act: bool = False) -> None:
+                 native: bool = False, int8_act: bool = False, tp=None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.native = native
+        self.tp = tp
         c = config
+        lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
+        self.layout = lay
+        self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
 
         def w(name: str) -> "torch.Tensor | QuantWeight":
             t = state[name]
@@ -178,17 +186,42 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        self.q_size = lay.heads * c.head_dim
+        self.kv_size = lay.kv_heads * c.head_dim
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial outputs over the ranks (in place)."""
+        if self.tp is not None:
+            x = x.contiguous()
+            self.tp.all_reduce(x)
+        return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T, hidden]; vocab-parallel under tp: each rank looks up the ids of its shard, zeros elsewhere."""
+        ids, inside = input_ids, None
+        if self.tp is not None:
+            ids = input_ids - self.layout.vocab_start
+            inside = (ids >= 0) & (ids < self.layout.vocab)
+            ids = torch.where(inside, ids, 0)
+        x = self.embed.rows(ids) if isinstance(self.embed, QuantWeight) else F.embedding(ids, self.embed)
+        if inside is None:
+            return x
+        return self._reduce(x * inside[:, None].to(x.dtype))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[B, V] fp32; under tp the vocab shards gathered on rank 0 (None on the others)."""
+        logits = self.lm_head(x).float()
+        if self.tp is None:
+            return logits
+        full = self.tp.gather(logits.contiguous())
+        return None if full is None else full[:, :self.config.vocab_size]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32)."""
+        """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32; None on a tp
+        rank other than 0)."""
         c = self.config
-        if isinstance(self.embed, QuantWeight):
-            x = self.embed.rows(input_ids)                              # [T, hidden]
-        else:
-            x = F.embedding(input_ids, self.embed)                      # [T, hidden]
+        x = self._embed(input_ids)                                      # [T, hidden]
         if self.native:
             return self._forward_native(x, positions, meta)
         cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
@@ -197,15 +230,15 @@ class LlamaModel:
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             qkv = layer["qkv"](h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            attn = self._attention(i, q, k, v.view(-1, c.num_kv_heads, c.head_dim), meta)
-            x = x + layer["o"](attn)
+            q = apply_rope(q.view(-1, self.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, self.num_kv_heads, c.head_dim), cos, sin)
+            attn = self._attention(i, q, k, v.view(-1, self.num_kv_heads, c.head_dim), meta)
+            x = x + self._reduce(layer["o"](attn))
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-            x = x + layer["down"](F.silu(gate) * up)
+            x = x + self._reduce(layer["down"](F.silu(gate) * up))
         x = rms_norm(x[meta.last_index], self.final_norm, c.rms_norm_eps)  # [B, hidden]
-        return self.lm_head(x).float()                                    # [B, V]
+        return self._logits(x)                                            # [B, V]
 
     def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
@@ -219,21 +252,21 @@ class LlamaModel:
             else:
                 h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
             qkv = layer["qkv"](h).contiguous()                          # [T, (H + 2 KVH) D]; rope_ is in place
-            ops.rope_(qkv, self.cos, self.sin, positions, c.num_heads + c.num_kv_heads, c.head_dim)
+            ops.rope_(qkv, self.cos, self.sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            attn = self._attention(i, q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
-                                   v.view(-1, c.num_kv_heads, c.head_dim), meta)
-            h = ops.add_rms_norm_(x, layer["o"](attn), layer["mlp_norm"], eps)
+            hd, kvh = c.head_dim, self.num_kv_heads
+            attn = self._attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd), meta)
+            h = ops.add_rms_norm_(x, self._reduce(layer["o"](attn)), layer["mlp_norm"], eps)
             gate_up = layer["gate_up"](h)                               # [T, 2I]
             if x.shape[0] <= SMALL_M:
                 act = ops.silu_mul(gate_up)
             else:                       # many rows: torch's vectorized exp beats the scalar loop
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            delta = layer["down"](act)
+            delta = self._reduce(layer["down"](act))
         x = x + delta
         x = ops.rms_norm(x[meta.last_index], self.final_norm, eps)      # [B, hidden]
-        return self.lm_head(x).float()                                  # [B, V]
+        return self._logits(x)                                          # [B, V]
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:

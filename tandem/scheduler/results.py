@@ -60,7 +60,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
                                   len(req.prompt_ids), len(req.output_ids),
                                   num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
                                   prompt_logprobs=prompt_lp))
-    s.recorder.device(batch, handle.device_span, len(outputs))
+    s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s)
     s.emit(outputs)
 
 

@@ -1,5 +1,7 @@
 """`tandem serve`: the OpenAI-compatible server (frontend process + engine process).
 
+With --nnodes M, node 0 serves and nodes 1..M-1 (`--node-rank R`) only run their tensor-parallel ranks.
+
 SIGTERM / SIGINT: stop accepting, end in-flight requests (503 + Retry-After), stop the engine process,
 exit 0. A second SIGINT skips the graceful wait. If the engine process dies, in-flight requests fail with
 503 and the server exits 1 (unless --no-exit-on-engine-failure), so that a supervisor restarts it.
@@ -54,6 +56,9 @@ def serve(args: argparse.Namespace) -> int:
     options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
                            args.max_messages, args.health_timeout, args.exit_on_engine_failure)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
+        from ..device.tp_ranks import run_node
+        return run_node(config)
     try:
         return asyncio.run(run_server(config, options))
     except RuntimeError as e:                      # the engine could not start: say why, no traceback

@@ -134,7 +134,8 @@ def chrome_trace(recs: Iterable[Recording], meta: dict | None = None) -> dict:
                            "ts": _us(d.start, t0), "dur": round((d.end - d.start) * 1e6, 3),
                            "args": {"step": d.step, "batch_size": d.batch_size, "num_tokens": d.num_tokens,
                                     "prefill": d.is_prefill, "launch_ts": _us(d.launch, t0),
-                                    "queued_ms": round(1e3 * (d.start - d.launch), 3)}})
+                                    "queued_ms": round(1e3 * (d.start - d.launch), 3),
+                                    "tp_comm_ms": round(1e3 * d.comm, 3)}})
             events.append({"ph": "f", "bp": "e", "name": "step", "cat": "flow", "id": pid * 10**7 + d.step,
                            "pid": pid, "tid": DEVICE_TID, "ts": _us(d.start, t0)})
         for s, e in idle_gaps(rec):

@@ -24,6 +24,7 @@ class DeviceSpan:
     num_tokens: int
     is_prefill: bool
     launch: float
+    comm: float = 0.0        # seconds of the forward in tensor-parallel collectives (all-reduce, gather, broadcast)
 
 
 class Recorder:
@@ -59,13 +60,13 @@ class Recorder:
         if self.enabled:
             self._launch[batch.step_id] = now()
 
-    def device(self, batch, span: tuple[float, float], output_tokens: int) -> None:
+    def device(self, batch, span: tuple[float, float], output_tokens: int, comm_s: float = 0.0) -> None:
         """The step's forward span, and the tokens its processing kept (dropped one-step-lag tokens excluded)."""
         if not self.enabled:
             return
         launch = self._launch.pop(batch.step_id, span[0])
         self.devices.append(DeviceSpan(batch.step_id, span[0], span[1], batch.size, batch.num_tokens,
-                                       batch.is_prefill, launch))
+                                       batch.is_prefill, launch, comm_s))
         self.output_tokens += output_tokens
 
     def clear(self) -> None:
@@ -92,4 +93,5 @@ class Recorder:
             "tokens_per_s": out / wall if wall > 0 else 0.0,
             "host_ms_per_step": 1e3 * (host_total - waited) / steps if steps else 0.0,
             "device_ms_per_step": 1e3 * busy / steps if steps else 0.0,
+            "comm_ms_per_step": 1e3 * sum(d.comm for d in dev) / steps if steps else 0.0,
         }

@@ -1,0 +1,139 @@
+"""The tensor-parallel group: the device ranks of one engine joined by torch.distributed (gloo on CPU, NCCL
+on CUDA: the same calls).
+
+Rank 0 is the device process the scheduler launches into; it broadcasts every step (the StepInput words it
+read from shared memory) to the other ranks, which run the same forward on their weight shards. Collectives
+in the forward: one all-reduce after each row-parallel layer (o, down) and after the vocab-parallel
+embedding, and a gather of the LM head's vocab shards on rank 0, which alone samples (penalties, grammar
+masks, logprobs stay there). The other ranks learn the sampled ids with the next step's broadcast and
+stash them into their own FutureMap before that step gathers from it, so every rank's FutureMap holds what
+rank 0's does when a step reads it.
+
+An idle rank 0 sends a no-op every KEEPALIVE_S, so the other ranks' collective timeout (TIMEOUT_S) only
+fires for a peer that is stuck or unreachable; a peer that dies closes its connections and the next
+collective fails at once (DeviceProcessError on the scheduler's side, never a hang).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .step import StepInput
+
+TIMEOUT_S = 600.0         # rendezvous of all ranks, and any single collective
+KEEPALIVE_S = 60.0        # an idle rank 0 broadcasts a no-op this often
+_QUIT, _STEP, _NOOP = 0, 1, 2
+_HEADER = 6               # kind, step id, int words, float words, previous step's rows, spare
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where one rank sits in the group; plain data (it crosses process and machine boundaries)."""
+    rank: int
+    size: int
+    local_rank: int           # index among this machine's ranks (its CUDA device)
+    init_method: str          # file://... (one machine) or tcp://HOST:PORT (node 0's rendezvous)
+    threads: int              # torch threads of this rank
+    loopback: bool            # every rank on this machine: gloo talks over "lo"
+
+
+class TPGroup:
+    def __init__(self, info: DistInfo, device: torch.device) -> None:
+        if info.loopback:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.size,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        self.rank, self.size, self.device = info.rank, info.size, device
+        self.comm_s = 0.0         # seconds in collectives since reset (rank 0 reports it per step)
+        self._prev: tuple[np.ndarray, np.ndarray] | None = None   # rank 0: the last step's rows and ids
+
+    # ---- collectives of the forward -------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> None:
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        self.comm_s += time.perf_counter() - t
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[B, Vp] shards -> [B, size * Vp] on rank 0 (None elsewhere)."""
+        t = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        self.comm_s += time.perf_counter() - t
+        return torch.cat(parts, dim=1) if parts is not None else None
+
+    def min_int(self, v: int) -> int:
+        t = torch.tensor([v], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def check_same(self, what: str, fingerprint: dict) -> None:
+        """Every rank raises the same clear error when the ranks were started with different options."""
+        every: list = [None] * self.size
+        dist.all_gather_object(every, fingerprint)
+        for r, fp in enumerate(every):
+            diff = sorted(k for k in set(fp) | set(every[0]) if fp.get(k) != every[0].get(k))
+            if diff:
+                raise ValueError(f"tp rank {r} was started with other {what} than rank 0: {', '.join(diff)} "
+                                 f"differ (give every node the same model and engine options)")
+
+    # ---- the step broadcast (rank 0 sends, the others receive) ----------------------------------------------
+    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        dist.broadcast(t, src=0)
+        self.comm_s += time.perf_counter() - start
+        return t
+
+    def _send(self, kind: int, step_id: int = 0, payload: np.ndarray | None = None, words=(0, 0, 0)) -> None:
+        self._bcast(torch.tensor([kind, step_id, *words, 0], dtype=torch.int64).to(self.device))
+        if payload is not None and len(payload):
+            self._bcast(torch.from_numpy(payload).to(self.device))
+
+    def send_step(self, step_id: int, step: StepInput, ints: np.ndarray, floats: np.ndarray) -> None:
+        """Rank 0, before its forward: the step's packed words and the previous step's sampled ids."""
+        self.comm_s = 0.0
+        ni, nf = step.int_words(), step.float_words()
+        rows, ids = self._prev if self._prev is not None else (np.zeros(0, np.int64),) * 2
+        self._prev = None
+        payload = np.concatenate([ints[:ni], floats[:nf].view(np.int64), rows, ids])
+        self._send(_STEP, step_id, payload, (ni, nf, len(rows)))
+
+    def sampled(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Rank 0, after sampling: what the other ranks stash into their FutureMap next step."""
+        self._prev = (rows.cpu().numpy().astype(np.int64), ids.cpu().numpy().astype(np.int64))
+
+    def keepalive(self) -> None:
+        self._send(_NOOP)
+
+    def quit(self, quiet: bool = False) -> None:
+        """Tell the other ranks to exit (quiet: on the way out anyway, a dead peer is no news)."""
+        try:
+            self._send(_QUIT)
+        except RuntimeError:
+            if not quiet:
+                raise
+
+    def recv_step(self) -> tuple[StepInput, torch.Tensor, torch.Tensor] | None:
+        """Ranks 1..: the next step and the previous step's (rows, ids); None when rank 0 quits."""
+        while True:
+            head = self._bcast(torch.zeros(_HEADER, dtype=torch.int64, device=self.device)).tolist()
+            kind, step_id, ni, nf, nprev, _ = head
+            if kind == _QUIT:
+                return None
+            if kind == _STEP:
+                break
+        payload = self._bcast(torch.empty(ni + nf + 2 * nprev, dtype=torch.int64, device=self.device)).cpu()
+        words = payload.numpy()
+        step = StepInput.unpack(step_id, words[:ni], words[ni:ni + nf].view(np.float64))
+        prev = torch.from_numpy(words[ni + nf:].copy()).to(self.device).view(2, nprev)
+        return step, prev[0], prev[1]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

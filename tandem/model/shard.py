@@ -1,0 +1,127 @@
+"""Tensor-parallel layout of one rank and the slicing of its weights (Megatron style, as SGLang and vLLM do).
+
+Column-parallel (output rows split): q/k/v by heads, gate/up by intermediate rows. Row-parallel (input
+columns split, partial sums all-reduced): o and down. Vocab-parallel: the embedding and LM head by vocab
+rows (padded to equal shards, so the logits gather is even). KV heads are split when tp_size divides them
+and replicated when tp_size is a multiple of them (each rank keeps the one KV head its query heads read).
+
+The whole state is read, then sliced (every rank of a node reads the file; fine for the models this engine
+runs on CPU). GGUF blocks slice by rows freely; a row-parallel slice keeps its blocks only when it cuts K on
+a 32-weight block boundary, and is dequantized otherwise (logged).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.quant import QuantWeight
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+BLOCK = 32
+
+
+def _fits(c: ModelConfig, n: int) -> list[str]:
+    """Why tp_size n does not fit this model (empty: it fits)."""
+    why = []
+    if c.num_heads % n:
+        why.append(f"its {c.num_heads} attention heads are not divisible by {n}")
+    if c.num_kv_heads % n and n % c.num_kv_heads:
+        why.append(f"its {c.num_kv_heads} KV heads neither divide nor are divisible by {n}")
+    if c.intermediate_size % n:
+        why.append(f"its MLP width {c.intermediate_size} is not divisible by {n}")
+    return why
+
+
+def check_tp_size(c: ModelConfig, n: int, name: str = "the model") -> None:
+    """A clear ValueError when the model's shapes do not split over n ranks."""
+    why = _fits(c, n)
+    if why:
+        ok = [k for k in range(1, c.num_heads + 1) if not _fits(c, k)]
+        raise ValueError(f"tp_size {n} does not fit {name}: {'; '.join(why)} "
+                         f"(tp sizes that fit it: {', '.join(map(str, ok))})")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What rank `rank` of `size` holds: its heads, KV heads, MLP rows and vocab rows."""
+    size: int
+    rank: int
+    heads: int
+    head_start: int
+    kv_heads: int
+    kv_head_start: int
+    inter: int
+    inter_start: int
+    vocab: int               # rows of this rank's vocab shard (padded: the same on every rank)
+    vocab_start: int
+
+    @staticmethod
+    def of(c: ModelConfig, size: int, rank: int) -> "TPLayout":
+        check_tp_size(c, size)
+        heads = c.num_heads // size
+        if c.num_kv_heads % size == 0:
+            kv, kv_start = c.num_kv_heads // size, rank * (c.num_kv_heads // size)
+        else:                                  # replicated: size / KVH ranks share each KV head
+            kv, kv_start = 1, rank // (size // c.num_kv_heads)
+        inter = c.intermediate_size // size
+        vocab = -(-c.vocab_size // size)
+        return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab)
+
+
+def _rows(t, a: int, b: int, pad_to: int | None = None):
+    """Rows [a, b) of a weight or bias (zero rows appended up to pad_to)."""
+    if isinstance(t, QuantWeight):
+        data = t.data[a:b]
+        if pad_to is not None and pad_to > data.shape[0]:
+            data = torch.cat([data, data.new_zeros(pad_to - data.shape[0], data.shape[1])])
+        return QuantWeight(data.contiguous(), t.qtype, t.k)
+    part = t[a:b]
+    if pad_to is not None and pad_to > part.shape[0]:
+        part = torch.cat([part, part.new_zeros(pad_to - part.shape[0], *part.shape[1:])])
+    return part.contiguous()
+
+
+def _cols(t, a: int, b: int, cut: list[str], name: str):
+    """Columns [a, b) (the input features of a row-parallel weight); `cut` collects the dequantized ones."""
+    if not isinstance(t, QuantWeight):
+        return t[:, a:b].contiguous()
+    if a % BLOCK or b % BLOCK:
+        cut.append(name)
+        return t.dequantize()[:, a:b].contiguous()
+    blocks = t.to_gguf()
+    bb = blocks.shape[1] // (t.k // BLOCK)
+    part = blocks.view(blocks.shape[0], -1, bb)[:, a // BLOCK:b // BLOCK].reshape(blocks.shape[0], -1)
+    return QuantWeight.from_gguf(part.contiguous(), t.qtype, b - a)
+
+
+def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
+    """This rank's slice of an HF-named state dict (tensors or QuantWeight); the input is consumed."""
+    d = c.head_dim
+    q = (lay.head_start * d, (lay.head_start + lay.heads) * d)
+    kv = (lay.kv_head_start * d, (lay.kv_head_start + lay.kv_heads) * d)
+    mlp = (lay.inter_start, lay.inter_start + lay.inter)
+    vocab = (lay.vocab_start, min(lay.vocab_start + lay.vocab, c.vocab_size))
+    out, cut = {}, []
+    for name in list(state):
+        t = state.pop(name)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = _rows(t, *vocab, pad_to=lay.vocab)
+        elif ".q_proj." in name:
+            out[name] = _rows(t, *q)
+        elif ".k_proj." in name or ".v_proj." in name:
+            out[name] = _rows(t, *kv)
+        elif ".gate_proj." in name or ".up_proj." in name:
+            out[name] = _rows(t, *mlp)
+        elif ".o_proj." in name:
+            out[name] = _cols(t, *q, cut, name)
+        elif ".down_proj." in name:
+            out[name] = _cols(t, *mlp, cut, name)
+        else:                                  # norms: every rank keeps them whole
+            out[name] = t
+    if cut and lay.rank == 0:
+        log.warning("tp_size %d cuts the GGUF blocks (32 weights along K) of %d row-parallel weights (%s ...): "
+                    "their slices are dequantized to fp32 (more memory, the fp32 GEMM)", lay.size, len(cut), cut[0])
+    return out
