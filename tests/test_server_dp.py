@@ -85,6 +85,14 @@ def test_dp2_equals_dp1_with_per_replica_metrics_and_clean_sigterm(tiny_llama, t
         assert m['tandem:generation_tokens_total{model_name="tiny"}'] == sum(
             r.json()["usage"]["completion_tokens"] for r in out)
 
+        # A client that leaves mid-stream aborts its request on whichever replica holds it.
+        with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as h:
+            with h.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 400,
+                                                           "ignore_eos": True, "stream": True}) as resp:
+                next(resp.iter_lines())
+        srv.wait_metric('tandem:request_success_total{finished_reason="abort",model_name="tiny"}', lambda v: v == 1)
+        srv.wait_metric('tandem:frontend_open_requests{model_name="tiny"}', lambda v: v == 0)
+
         assert srv.stop(signal.SIGTERM) == 0, srv.log()
         assert wait_gone(pids) == []
         assert runtime_dirs(*pids) == []      # neither replica's shared memory nor the IPC sockets remain
