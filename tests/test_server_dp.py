@@ -148,3 +148,24 @@ def test_cache_aware_router_then_a_replica_dies(tiny_llama, tmp_path):
     finally:
         if srv.proc.poll() is None:
             srv.kill()
+
+
+def test_offline_dp2_equals_dp1(tiny_llama, reference):
+    from tandem import LLM, SamplingParams
+    before = set(children(os.getpid()))
+    llm = LLM(tiny_llama, dp_size=2, router="cache-aware", kv_cache_tokens=int(KV))
+    try:
+        assert len(set(children(os.getpid())) - before) == 2           # two engine processes
+        greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        seeded = llm.generate([PROMPTS[0]] * len(SEEDS), [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS)
+                                                          for s in SEEDS], use_tqdm=False)
+        assert [o.text for o in greedy] == reference[0] and [o.text for o in seeded] == reference[1]
+        assert llm.stats()["num_running"] == 0
+        with pytest.raises(ValueError, match="out of range"):
+            llm.generate([[10 ** 9]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        engines = set(children(os.getpid())) - before
+        llm.shutdown()
+    assert wait_gone(sorted(engines)) == []
+    with pytest.raises(ValueError, match="router must be one of"):
+        LLM(tiny_llama, dp_size=2, router="random")

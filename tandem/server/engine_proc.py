@@ -135,8 +135,11 @@ def _die_with_parent() -> None:
 
 def main(in_addr: str, out_addr: str, cpus: str | None = None) -> int:
     _die_with_parent()
-    if cpus:
-        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])   # before torch: its threads follow
+    if cpus:                   # a replica's share of the cores: the device process it spawns inherits it
+        cores = [int(c) for c in cpus.split(",")]
+        os.sched_setaffinity(0, cores)
+        import torch
+        torch.set_num_threads(len(cores))      # this process's own torch ops (its pool was sized at import)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # run the finally: stop the device process
     config: EngineConfig = pickle.loads(sys.stdin.buffer.read())
     ctx = zmq.Context()
