@@ -92,7 +92,8 @@ def write_md(args, runs: dict[str, list[dict]], commands: list[str]) -> None:
              f"{args.input_len} random prompt ids -> {args.output_len} tokens (ignore_eos, greedy, streamed), "
              f"{args.concurrency} clients in flight; each run starts a fresh server, rounds alternate the order. "
              f"`--dp 2` pins each replica (engine and device process) to one core; the frontend is unpinned.", "",
-             "```", *commands, "```", "",
+             "```", "flock /tmp/tandem-bench.lock .venv/bin/python " + shlex.join(["benchmarks/dp.py", *sys.argv[1:]]),
+             "# which runs, for each configuration and round:", *commands, "```", "",
              "| round | configuration | output tok/s | median TTFT ms | median TPOT ms | p99 ITL ms | failed |",
              "|---|---|---|---|---|---|---|"]
     for r in range(len(dp1)):
