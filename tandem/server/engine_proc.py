@@ -2,8 +2,8 @@
 
 Started by the frontend as `python -m tandem.server.engine_proc IN_ADDR OUT_ADDR [CPUS]` with the pickled
 EngineConfig on stdin; CPUS ("0,1") pins it, and so its device process, to those cores (a data-parallel
-replica's share, see replicas.py). It dies with its parent (PR_SET_PDEATHSIG); it runs in a session of its own, so a
-terminal's Ctrl-C reaches only the frontend, which stops it in order (Shutdown: abort all, then exit).
+replica's share, see replicas.py). It dies with its parent (PR_SET_PDEATHSIG); it runs in a session of its
+own, so a terminal's Ctrl-C reaches only the frontend, which stops it in order (Shutdown: abort all, then exit).
 Nothing a client sends reaches this interpreter except validated token ids and sampling fields, and every
 error in building a request is answered as a rejection, never raised into the loop.
 """
