@@ -1,9 +1,16 @@
-"""The offline API: LLM(model, **config).generate(prompts, sampling_params) and .chat(conversations)."""
+"""The offline API: LLM(model, **config).generate(prompts, sampling_params) and .chat(conversations).
+
+LLM(..., dp_size=D) with D > 1 runs D engine processes (the server's replicas and router, see
+tandem/server/offline_pool.py) instead of one in-process engine; the outputs are the same.
+"""
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import Any, Sequence
 
 from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
 from .request import CompletionOutput, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
@@ -12,10 +19,23 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **config: Any) -> None:
+    def __init__(self, model: str | None = None, dp_size: int = 1, router: str = "least-load",
+                 **config: Any) -> None:
+        """`dp_size` engine replicas (each its own engine process, pinned to its share of the cores) picked
+        per request by `router` ("least-load" or "cache-aware"); 1: one engine in this process."""
+        from .server.replicas import DataParallel
+        dp = DataParallel(dp_size, router)
         self.config = EngineConfig.from_kwargs(model, **config)
-        self.engine = Engine(self.config, sink=self._collect)
-        self.tokenizer = self.engine.tokenizer
+        self.engine: Engine | None = None
+        self.pool = None
+        if dp.size == 1:
+            self.engine = Engine(self.config, sink=self._collect)
+            self.tokenizer = self.engine.tokenizer
+        else:
+            from .model.loader import load_tokenizer, resolve_model
+            from .server.offline_pool import ReplicaPool
+            self.pool = ReplicaPool(self.config, dp)
+            self.tokenizer = load_tokenizer(resolve_model(self.config.model, self.config.cache_dir))
         self._results: dict[str, list[StepOutput]] = {}
         self._prompt_logprobs: dict[str, list] = {}
         self._bar = None
@@ -46,10 +66,13 @@ class LLM:
                                                   add_generation_prompt=add_generation_prompt)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self.engine.stats() if self.engine is not None else self.pool.stats()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+        else:
+            self.pool.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -87,11 +110,33 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character")
-            return self.engine.tokenize(prompt)
+            return self.tokenizer.encode(prompt)
         return list(prompt)
 
     def _run(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
+        if use_tqdm:
+            from tqdm import tqdm
+            self._bar = tqdm(total=sum(p.n for p in params), desc="generate", unit="req")
+        try:
+            groups = self._queue_and_run(encoded, params) if self.pool is None else \
+                self._run_replicas(encoded, params)
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+        outs = []
+        for (prompt, ids), group, p in zip(encoded, groups, params):
+            samples = [self._completion(i, ids, rid, p) for i, rid in enumerate(group)]
+            first, errors = samples[0][0], [e for _, e, _ in samples if e]
+            outs.append(RequestOutput(group[0], prompt if isinstance(prompt, str) else None, ids, first.text,
+                                      first.token_ids, first.finish_reason, [c for c, _, _ in samples],
+                                      errors[0] if errors else None, num_cached_tokens=samples[0][2],
+                                      prompt_logprobs=self._prompt_logprobs.pop(group[0], None)))
+        return outs
+
+    def _queue_and_run(self, encoded, params: list[SamplingParams]) -> list[list[str]]:
+        """One engine in this process: the request ids of each prompt's samples, once all have finished."""
         # Validate everything before queueing anything: a bad input raises and leaves the engine untouched
         # (an invalid schema, regex or grammar included: compiling it is cached for the engine).
         for p in params:
@@ -100,42 +145,40 @@ class LLM:
         # A prompt with n > 1 becomes n requests (sample i with its own derived seed).
         groups = [[self.engine.make_request(ids, p.sample(i)) for i in range(p.n)]
                   for (_, ids), p in zip(encoded, params)]
-        reqs = [r for g in groups for r in g]
-        for req in reqs:
+        for req in (r for g in groups for r in g):
             self._results[req.rid] = []
             self.engine.add_request(req, bounded=False)
-        if use_tqdm:
-            from tqdm import tqdm
-            self._bar = tqdm(total=len(reqs), desc="generate", unit="req")
-        try:
-            self.engine.run()
-        finally:
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
-        outs = []
-        for (prompt, ids), group, p in zip(encoded, groups, params):
-            samples = [self._completion(i, ids, req, p) for i, req in enumerate(group)]
-            first, errors = samples[0][0], [e for _, e, _ in samples if e]
-            outs.append(RequestOutput(group[0].rid, prompt if isinstance(prompt, str) else None, ids, first.text,
-                                      first.token_ids, first.finish_reason, [c for c, _, _ in samples],
-                                      errors[0] if errors else None, num_cached_tokens=samples[0][2],
-                                      prompt_logprobs=self._prompt_logprobs.pop(group[0].rid, None)))
-        return outs
+        self.engine.run()
+        return [[r.rid for r in g] for g in groups]
 
-    def _completion(self, index: int, ids: list[int], req,
+    def _run_replicas(self, encoded, params: list[SamplingParams]) -> list[list[str]]:
+        """dp_size > 1: the same requests through the replica pool (each replica validates its own)."""
+        groups = [[f"req-{uuid.uuid4().hex}" for _ in range(p.n)] for p in params]
+        plan = [(rid, ids, dataclasses.asdict(p.sample(i))) for ((_, ids), p, g) in zip(encoded, params, groups)
+                for i, rid in enumerate(g)]
+        for rid, _, _ in plan:
+            self._results[rid] = []
+        try:
+            self.pool.run(plan, lambda o: self._collect([o]))
+        except BaseException:
+            for rid, _, _ in plan:
+                self._results.pop(rid, None)
+            raise
+        return groups
+
+    def _completion(self, index: int, ids: list[int], rid: str,
                     p: SamplingParams) -> tuple[CompletionOutput, str | None, int]:
         """One sample's output from its collected steps, its error if the engine failed it, and its prompt
         tokens served from the prefix cache."""
-        steps = self._results.pop(req.rid)
+        steps = self._results.pop(rid)
         plp = next((s.prompt_logprobs for s in steps if s.prompt_logprobs is not None), None)
         if plp is not None:         # vLLM's shape: None for the first token, then {token: logprob, ...}
-            self._prompt_logprobs[req.rid] = [None] + [{tok: chosen, **dict(top)} for tok, (chosen, top)
+            self._prompt_logprobs[rid] = [None] + [{tok: chosen, **dict(top)} for tok, (chosen, top)
                                                        in zip(ids[1:], plp)]
         token_ids = [t for s in steps for t in s.new_token_ids]
         last = steps[-1] if steps else None
         text = last.text if last is not None and last.text is not None else \
-            self.engine.detokenizer(ids, p).add(token_ids)
+            IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens).add(token_ids)
         reason = last.finish_reason if last is not None else None
         out = CompletionOutput(index, text, token_ids, reason)
         if p.logprobs is not None:

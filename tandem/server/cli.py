@@ -5,6 +5,8 @@ With --nnodes M, node 0 serves and nodes 1..M-1 (`--node-rank R`) only run their
 SIGTERM / SIGINT: stop accepting, end in-flight requests (503 + Retry-After), stop the engine process,
 exit 0. A second SIGINT skips the graceful wait. If the engine process dies, in-flight requests fail with
 503 and the server exits 1 (unless --no-exit-on-engine-failure), so that a supervisor restarts it.
+With --dp D the engine is D replicas behind a router (replicas.py): a replica that dies does the same, or
+with --no-exit-on-engine-failure leaves the others serving.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from ..cli import add_engine_args, engine_config
 from ..config import EngineConfig
+from .replicas import DataParallel, add_dp_args, dp_options, replica_cores
 
 GRACEFUL_S = 5
 
@@ -43,6 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="exit 1 when the engine process dies, so that a supervisor restarts the server "
                         "(--no-exit-on-engine-failure: keep answering 503)")
+    add_dp_args(p)
     p.set_defaults(func=serve)
 
 
@@ -54,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     if not args.health_timeout > 0:
         raise ValueError("--health-timeout must be > 0")
     options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
-                           args.max_messages, args.health_timeout, args.exit_on_engine_failure)
+                           args.max_messages, args.health_timeout, args.exit_on_engine_failure, dp_options(args))
+    replica_cores(config, options.dp)              # a --dp the cores cannot take is a clear error, here
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
         from ..device.tp_ranks import run_node
@@ -77,6 +82,7 @@ class ServeOptions:
     max_messages: int = 2048
     health_timeout_s: float = 30.0
     exit_on_engine_failure: bool = True
+    dp: DataParallel = DataParallel()
 
 
 async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
@@ -84,13 +90,14 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
     import uvicorn
 
     from ..model.loader import load_tokenizer, resolve_model
-    from .client import EngineClient
     from .frontend import Frontend
     from .limits import ServerLimits
     from .metrics import ServerMetrics
     from .openai_api import build_app
+    from .replicas import ReplicaSet, replica_clients
+    from .router import Router
 
-    client = EngineClient(config)
+    client = ReplicaSet(replica_clients(config, options.dp), Router(options.dp.size, options.dp.router))
     frontend = None
     try:
         info = await client.start()
@@ -99,7 +106,7 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
         name = options.served_model_name or info.model_name
         limits = ServerLimits(options.max_request_bytes or ServerLimits.default_request_bytes(info.max_context),
                               options.max_messages, options.health_timeout_s)
-        metrics = ServerMetrics(name, lambda: client.stats, lambda: len(client.reqs))
+        metrics = ServerMetrics(name, client.replica_stats)
         client.on_output = metrics.on_output
         frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages)
         app = build_app(client, frontend, name, metrics, limits)

@@ -50,11 +50,21 @@ class RequestStream:
     last_token: float | None = None
     aborted: bool = False     # nobody reads it any more; kept until the engine says it finished (metrics)
     num_cached_tokens: int = 0    # prompt tokens the prefix cache served (usage.prompt_tokens_details)
+    num_prompt: int = 0           # prompt tokens (the router's outstanding-token count)
+    max_new: int = 0              # tokens it may still generate at most, when submitted
+    num_output: int = 0           # tokens generated so far
+
+    def outstanding(self) -> int:
+        """Tokens the engine still has to compute for it: the prompt until its first token, then what is left
+        of its output budget (the router's measure of load)."""
+        return (self.num_prompt if self.num_output == 0 else 0) + \
+            max(0, self.max_new - self.num_output)
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cpus: list[int] | None = None) -> None:
         self.config = config
+        self.cpus = cpus                     # cores the engine (and its device process) may run on; None: all
         self.info: ipc.Ready | None = None
         self.reqs: dict[str, RequestStream] = {}
         self.stats: dict[str, float] = {}
@@ -80,7 +90,8 @@ class EngineClient:
         self._rx = self._actx.socket(zmq.PULL)
         self._rx.bind(out_addr)
         # Spawned from the main thread: PR_SET_PDEATHSIG in the child follows this thread's life.
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.server.engine_proc", in_addr, out_addr],
+        cpus = [",".join(map(str, self.cpus))] if self.cpus else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.server.engine_proc", in_addr, out_addr, *cpus],
                                      stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
         self.proc.stdin.write(pickle.dumps(self.config))
         self.proc.stdin.close()
@@ -136,7 +147,9 @@ class EngineClient:
             raise EngineError(503, f"the engine is not running: {self.dead}")
         if self.closing:
             raise EngineError(503, "the server is shutting down")
-        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future())
+        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future(), num_prompt=len(prompt_ids))
+        room = (self.info.max_context if self.info is not None else 0) - len(prompt_ids)
+        st.max_new = max(0, min(room, params.get("max_tokens") or room))
         self.reqs[rid] = st
         try:
             sent = self._send(ipc.AddRequest(rid, prompt_ids, params))
@@ -153,7 +166,12 @@ class EngineClient:
             raise
         return st
 
-    async def outputs(self, st: RequestStream) -> AsyncIterator[StepOutput]:
+    def outstanding(self) -> int:
+        """Tokens still to compute for every open request (the router's load of this engine)."""
+        return sum(st.outstanding() for st in self.reqs.values())
+
+    @staticmethod
+    async def outputs(st: RequestStream) -> AsyncIterator[StepOutput]:
         while True:
             item = await st.queue.get()
             if isinstance(item, Exception):
@@ -197,6 +215,7 @@ class EngineClient:
                 st = self.reqs.get(o.rid)
                 if st is None:
                     continue                  # ended here already (shutdown)
+                st.num_output = o.num_output_tokens
                 if self.on_output is not None:
                     self.on_output(st, o, t)
                 if not st.aborted:

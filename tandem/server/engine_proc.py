@@ -1,8 +1,9 @@
 """The engine process: the scheduler loop and the model, fed over ZMQ by the frontend.
 
-Started by the frontend as `python -m tandem.server.engine_proc IN_ADDR OUT_ADDR` with the pickled
-EngineConfig on stdin. It dies with its parent (PR_SET_PDEATHSIG); it runs in a session of its own, so a
-terminal's Ctrl-C reaches only the frontend, which stops it in order (Shutdown: abort all, then exit).
+Started by the frontend as `python -m tandem.server.engine_proc IN_ADDR OUT_ADDR [CPUS]` with the pickled
+EngineConfig on stdin; CPUS ("0,1") pins it, and so its device process, to those cores (a data-parallel
+replica's share, see replicas.py). It dies with its parent (PR_SET_PDEATHSIG); it runs in a session of its
+own, so a terminal's Ctrl-C reaches only the frontend, which stops it in order (Shutdown: abort all, then exit).
 Nothing a client sends reaches this interpreter except validated token ids and sampling fields, and every
 error in building a request is answered as a rejection, never raised into the loop.
 """
@@ -132,8 +133,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(in_addr: str, out_addr: str) -> int:
+def main(in_addr: str, out_addr: str, cpus: str | None = None) -> int:
     _die_with_parent()
+    if cpus:                   # a replica's share of the cores: the device process it spawns inherits it
+        cores = [int(c) for c in cpus.split(",")]
+        os.sched_setaffinity(0, cores)
+        import torch
+        torch.set_num_threads(len(cores))      # this process's own torch ops (its pool was sized at import)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # run the finally: stop the device process
     config: EngineConfig = pickle.loads(sys.stdin.buffer.read())
     ctx = zmq.Context()
@@ -162,7 +168,7 @@ def main(in_addr: str, out_addr: str) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1], sys.argv[2])
+    code = main(*sys.argv[1:4])
     # Everything is closed (device process, sockets); skip the interpreter's teardown of torch (~1 s here),
     # as multiprocessing does for its workers, so that the server stops promptly.
     sys.stdout.flush()

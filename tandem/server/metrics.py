@@ -2,6 +2,11 @@
 
 Gauges come from the engine's latest stats (sent with every step's outputs and whenever they change while
 idle); token counters and latency histograms are observed in the frontend as outputs arrive.
+
+With data-parallel replicas (--dp D > 1) every engine gauge and counter has one series per replica (label
+`replica`) beside the one without it, which is the whole server's: the sum, or for fractions (KV usage,
+device idle) the mean over live replicas. `sum(x{replica!=""})` and `x{replica=""}` so agree, never count
+twice. `tandem:replica_up{replica}` is 1 while a replica lives.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                7.5, 10.0, 20.0, 40.0, 80.0)
 
 # gauge name -> (engine stats key, help)
+MEANS = {"kv_usage", "device_idle_fraction"}      # fractions: the server's value is the mean over live replicas
 GAUGES = {
     "tandem:num_requests_running": ("num_running", "Requests in the running batch."),
     "tandem:num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
@@ -33,31 +39,50 @@ ENGINE_COUNTERS = {
 }
 
 
-class _EngineGauges:
-    """Reads the engine's latest stats, and the frontend's open requests, at scrape time."""
+# (engine stats, open requests in the frontend, alive) of each replica, read at scrape time
+ReplicaStats = Callable[[], "list[tuple[dict, int, bool]]"]
 
-    def __init__(self, model_name: str, stats: Callable[[], dict], open_requests: Callable[[], int]) -> None:
-        self.model_name, self.stats, self.open_requests = model_name, stats, open_requests
+
+def _total(key: str, replicas: list[tuple[dict, int, bool]]) -> float:
+    """The server's value of an engine stat: the sum over replicas, or for a fraction the mean over live ones."""
+    if key in MEANS:
+        live = [float(stats.get(key, 0.0)) for stats, _, alive in replicas if alive]
+        return sum(live) / len(live) if live else 0.0
+    return sum(float(stats.get(key, 0.0)) for stats, _, _ in replicas)
+
+
+class _EngineGauges:
+    """Reads the replicas' latest stats, and the frontend's open requests, at scrape time."""
+
+    def __init__(self, model_name: str, replicas: ReplicaStats) -> None:
+        self.model_name, self.replicas = model_name, replicas
 
     def collect(self):
-        stats = self.stats()
-        for name, (key, doc) in GAUGES.items():
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(stats.get(key, 0.0)))
+        reps = self.replicas()
+        many = len(reps) > 1
+        series = [(GaugeMetricFamily, name, doc, key) for name, (key, doc) in GAUGES.items()]
+        series += [(CounterMetricFamily, name, doc, key) for name, (key, doc) in ENGINE_COUNTERS.items()]
+        series.append((GaugeMetricFamily, "tandem:frontend_open_requests", "Requests the frontend holds state for "
+                       "(submitted, not yet finished); 0 when idle.", None))
+        for kind, name, doc, key in series:
+            per = [float(n) if key is None else float(stats.get(key, 0.0)) for stats, n, _ in reps]
+            total = sum(per) if key is None else _total(key, reps)
+            f = kind(name, doc, labels=["model_name"])
+            f.add_metric([self.model_name], total)
+            if many:                   # the same family, one more label: samples may differ in labels
+                for i, v in enumerate(per):
+                    f.add_sample(f.samples[0].name, {"model_name": self.model_name, "replica": str(i)}, v)
+            yield f
+        if many:
+            g = GaugeMetricFamily("tandem:replica_up", "1 while the data-parallel replica lives, 0 once it died.",
+                                  labels=["model_name", "replica"])
+            for i, (_, _, alive) in enumerate(reps):
+                g.add_metric([self.model_name, str(i)], 1.0 if alive else 0.0)
             yield g
-        g = GaugeMetricFamily("tandem:frontend_open_requests", "Requests the frontend holds state for "
-                              "(submitted, not yet finished); 0 when idle.", labels=["model_name"])
-        g.add_metric([self.model_name], float(self.open_requests()))
-        yield g
-        for name, (key, doc) in ENGINE_COUNTERS.items():
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(stats.get(key, 0.0)))
-            yield c
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict],
-                 open_requests: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, model_name: str, replicas: ReplicaStats) -> None:
         self.registry = r = CollectorRegistry()
         m = [model_name]
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prefilled prompt tokens.", ["model_name"],
@@ -71,7 +96,7 @@ class ServerMetrics:
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                              ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(*m)
         self.model_name = model_name
-        r.register(_EngineGauges(model_name, stats, open_requests))
+        r.register(_EngineGauges(model_name, replicas))
 
     def on_output(self, st: RequestStream, o: StepOutput, t: float) -> None:
         """Called by the EngineClient's reader for every StepOutput of a live request."""

@@ -25,12 +25,13 @@ from ..device.streams import now
 from ..request import StepOutput
 from . import protocol as P
 from . import tools
-from .client import EngineClient, EngineError, RequestStream
+from .client import EngineError, RequestStream
 from .errors import error, sse, stream_error, validation_error
 from .frontend import Frontend, TextStream
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .replicas import ReplicaSet
 from .tools import ToolPlan
 
 DONE = "data: [DONE]\n\n"
@@ -69,7 +70,7 @@ def _cached(choices: list[Choice]) -> int:
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics,
+    def __init__(self, client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
                  limits: ServerLimits) -> None:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
@@ -327,7 +328,7 @@ class OpenAIServer:
             return error(503, f"the probe request failed: {e.message}", "service_unavailable")
 
 
-def build_app(client: EngineClient, frontend: Frontend, model_name: str, metrics: ServerMetrics,
+def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
               limits: ServerLimits) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible server of the tandem engine")
     api = OpenAIServer(client, frontend, model_name, metrics, limits)
