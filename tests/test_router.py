@@ -56,3 +56,7 @@ def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="needs at least 3 cores"):
         split_cores([0, 1], 3)
     assert split_cores([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3, 4]]
+    from tandem.config import EngineConfig
+    from tandem.server.replicas import replica_cores
+    with pytest.raises(ValueError, match="--nnodes 2 is not supported"):
+        replica_cores(EngineConfig(tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:29500"), DataParallel(2))

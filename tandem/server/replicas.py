@@ -67,6 +67,9 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
 
 def replica_cores(config: EngineConfig, dp: DataParallel) -> list[list[int] | None]:
     """The cores of each replica (None: unpinned); ValueError when the split cannot work."""
+    if dp.size > 1 and config.nnodes > 1:
+        raise ValueError(f"--dp {dp.size} with --nnodes {config.nnodes} is not supported: replicas run on this "
+                         "machine; tensor parallelism inside a replica (--tp) works on one node")
     if dp.size == 1 or not dp.pin_cores:
         return [None] * dp.size
     shares = split_cores(sorted(os.sched_getaffinity(0)), dp.size)
