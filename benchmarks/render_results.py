@@ -51,8 +51,10 @@ def peers_section(p: dict | None) -> list[str]:
         rows.append([r["engine"], str(r["batch_size"] or "–"), fmt(r["output_tokens_per_s"]),
                      fmt(r["ratio_to_tandem_overlap"], ".2f") + ("x" if r["ratio_to_tandem_overlap"] else ""),
                      fmt(r["tpot_ms"], ".2f"), " / ".join(fmt(v, ".0f") for v in r["rounds_tokens_per_s"]), note])
+    where = p.get("machine", {}).get("cpu_model")
     return [(f"{p['model']}: {p['num_prompts']} prompts x {p['input_len']} in, {p['output_len']} out, "
-             f"{p['threads']} threads, median of {p['rounds']} alternating rounds. Batch: tandem's running-request "
+             + (f"on {where} (this run's machine; the Machine section is run_all's), " if where else "")
+             + f"{p['threads']} threads, median of {p['rounds']} alternating rounds. Batch: tandem's running-request "
              f"cap, the probed static batch of transformers generate and llama.cpp batched. TPOT@1: one request, "
              f"(t(O tokens) - t(1 token)) / (O - 1). llama.cpp runs the GGUF's own quantized weights."), ""] + \
         table(["engine", "batch", "output tok/s", "vs tandem overlap", "TPOT@1 ms", "rounds tok/s", "note"], rows)

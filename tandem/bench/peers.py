@@ -162,6 +162,13 @@ def context_tpot(peers: dict[str, Peer], skipped: dict, vocab: int, args) -> dic
     errors: dict[str, str] = {}
     for c in args.tpot_contexts:
         prompt = random_requests(1, c, 1, vocab, 0.0, args.seed + c)[0].prompt
+        for name in names:
+            # Warm-up at this context: a first long prefill allocates buffers, and TPOT is a difference of two
+            # runs that both prefill c tokens (unwarmed, the first round read 0 ms at 2,000 tokens).
+            try:
+                peers[name].run([prompt], 2)
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 if name in errors:
