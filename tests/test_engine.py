@@ -230,13 +230,14 @@ def test_n_samples_prefill_their_prompt_once(tiny_llama, make_llm):
     assert llm.stats()["prefix_cache_hits"] - before == 2 * (len(prompt) - 1)
 
 
-@pytest.mark.parametrize("chunk", [2048, 7])
-def test_prompt_logprobs_equal_a_log_softmax_reference(tiny_llama, make_llm, chunk):
+@pytest.mark.parametrize("chunk,n", [(2048, 20), (7, 20), (2048, 500)])
+def test_prompt_logprobs_equal_a_log_softmax_reference(tiny_llama, make_llm, chunk, n):
     """Prompt logprobs (echo with logprobs): raw log_softmax at each position, scoring the next prompt token,
-    across prefill chunks too; the first token has none. Such prompts do not reuse cached KV."""
+    across prefill chunks too, and across the pieces of PROMPT_LOGPROB_ROWS positions the LM head runs on
+    (n = 500); the first token has none. Such prompts do not reuse cached KV."""
     from transformers import AutoModelForCausalLM
     llm = make_llm(tiny_llama, max_prefill_tokens=chunk)
-    ids = list(range(500, 520))
+    ids = [500 + i % 300 for i in range(n)]
     llm.generate([ids], greedy(2), use_tqdm=False)                   # its prefix is now cached
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)

@@ -16,11 +16,12 @@ from ..model.kv_cache import PagedKVCache
 from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
 from ..model.shard import TPLayout, shard_state
-from ..sampler import SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
+from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .step import StepInput, prompt_logprob_targets
 
+PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -144,19 +145,18 @@ class ModelExecutor:
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
         meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
-        if plp is not None:
-            meta.last_index = torch.cat([meta.last_index, self._tensor(plp[0])])   # logits there too
+        index = meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])])
         penalized = self.samples and step.has_penalties
         if penalized:
             self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
-        logits = self.model.forward(input_ids, positions, meta)
-        if logits is None:
-            return None
+        hidden = self.model.final_hidden(input_ids, positions, meta, index)        # [B (+ prompt positions), H]
         self.last_prompt_logprobs = None
         if plp is not None:
-            self.last_prompt_logprobs = prompt_logprobs(logits[b:], self._tensor(plp[1]),
-                                                        int(step.prompt_logprobs.max()))
-            logits = logits[:b]
+            self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(plp[1]),
+                                                              int(step.prompt_logprobs.max()))
+        logits = self.model.logits(hidden[:b])                                     # [B, V]
+        if logits is None:
+            return None
         if penalized:
             self.penalties.apply(step, rows, logits)
         if len(step.bias_rows):
@@ -178,6 +178,20 @@ class ModelExecutor:
         if self.tp is not None:
             self.tp.sampled(rows, tokens)
         return tokens
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs | None:
+        """Prompt logprobs of N positions (hidden [N, H], targets [N]) in bounded memory: the LM head runs on
+        PROMPT_LOGPROB_ROWS positions at a time and only the chosen and top-k logprobs outlive a piece, never
+        an [N, vocab] tensor (2048 x 49,152 fp32 logits and their log_softmax were 0.8 GB at a time). Under
+        tp every rank runs the pieces (the logits gather is a collective); rank 0 returns them, others None."""
+        parts = []
+        for i in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
+            logits = self.model.logits(hidden[i:i + PROMPT_LOGPROB_ROWS])
+            if logits is not None:
+                parts.append(prompt_logprobs(logits, targets[i:i + PROMPT_LOGPROB_ROWS], k))
+        if not parts:
+            return None
+        return Logprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("chosen", "top_ids", "top")))
 
     def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:
         """One attention layout for the step, or one per group of rows: a mixed step's leading one-token

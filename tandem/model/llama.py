@@ -208,8 +208,9 @@ class LlamaModel:
             return x
         return self._reduce(x * inside[:, None].to(x.dtype))
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[B, V] fp32; under tp the vocab shards gathered on rank 0 (None on the others)."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x: final hidden states [N, hidden] -> [N, V] fp32; under tp the vocab shards gathered on rank 0
+        (None on the others: every rank calls it, the gather is a collective)."""
         logits = self.lm_head(x).float()
         if self.tp is None:
             return logits
@@ -220,10 +221,17 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits of each row's last token: [B, V] (fp32; None on a tp
         rank other than 0)."""
+        return self.logits(self.final_hidden(input_ids, positions, meta, meta.last_index))
+
+    @torch.inference_mode()
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                     index: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; index: [N] flat token indices. The final-normed hidden states there:
+        [N, hidden], for logits() (which callers may apply to a few rows at a time)."""
         c = self.config
         x = self._embed(input_ids)                                      # [T, hidden]
         if self.native:
-            return self._forward_native(x, positions, meta)
+            return self._forward_native(x, positions, meta, index)
         cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -237,10 +245,10 @@ class LlamaModel:
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
             x = x + self._reduce(layer["down"](F.silu(gate) * up))
-        x = rms_norm(x[meta.last_index], self.final_norm, c.rms_norm_eps)  # [B, hidden]
-        return self._logits(x)                                            # [B, V]
+        return rms_norm(x[index], self.final_norm, c.rms_norm_eps)          # [N, hidden]
 
-    def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                        index: torch.Tensor) -> torch.Tensor:
         """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
         RoPE in place on the fused qkv, SiLU x up; a decode step profile had ~76 torch calls a layer."""
         c, ops = self.config, torch.ops.tandem
@@ -265,8 +273,7 @@ class LlamaModel:
                 act = F.silu(gate) * up
             delta = self._reduce(layer["down"](act))
         x = x + delta
-        x = ops.rms_norm(x[meta.last_index], self.final_norm, eps)      # [B, hidden]
-        return self._logits(x)                                          # [B, V]
+        return ops.rms_norm(x[index], self.final_norm, eps)             # [N, hidden]
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:

@@ -54,7 +54,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         if reason is not None:
             s.finish(req, reason)
         k = req.params.logprobs
-        token_lp = None if k is None else [_entry(lp, i, k)]
+        token_lp = None if k is None else _entries(lp, i, i + 1, k)
         prompt_lp, req.prompt_lp = req.prompt_lp, None      # sent once, with the first token
         outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
                                   len(req.prompt_ids), len(req.output_ids),
@@ -64,9 +64,11 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     s.emit(outputs)
 
 
-def _entry(lp: tuple, i: int, k: int) -> list:
-    """[logprob, [[top id, top logprob], ...]] of entry i of (chosen, top ids, top logprobs)."""
-    return [float(lp[0][i]), [[int(a), float(b)] for a, b in zip(lp[1][i][:k], lp[2][i][:k])]]
+def _entries(lp: tuple, lo: int, hi: int, k: int) -> list:
+    """[logprob, [[top id, top logprob], ...]] of entries lo..hi-1 of (chosen, top ids, top logprobs), as
+    Python numbers (tolist per array: an 8,000-position prompt with k = 20 is 168k numbers)."""
+    chosen, ids, top = lp[0][lo:hi].tolist(), lp[1][lo:hi, :k].tolist(), lp[2][lo:hi, :k].tolist()
+    return [[c, [[a, b] for a, b in zip(i, t)]] for c, i, t in zip(chosen, ids, top)]
 
 
 def collect_prompt_logprobs(batch: Batch, handle: ResultHandle) -> None:
@@ -86,7 +88,7 @@ def collect_prompt_logprobs(batch: Batch, handle: ResultHandle) -> None:
         req, kr = batch.reqs[i], int(step.prompt_logprobs[i])
         if req.prompt_lp is None:
             req.prompt_lp = []
-        req.prompt_lp.extend(_entry(lp, j, kr) for j in range(o, o + n))
+        req.prompt_lp.extend(_entries(lp, o, o + n, kr))
         o += n
 
 
