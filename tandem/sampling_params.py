@@ -59,7 +59,7 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the field; called before anything is queued."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+            raise ValueError(f"invalid sampling parameter {name}={quote(getattr(self, name))}: {why}")
 
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")
@@ -127,6 +127,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0, or so close to it that only the argmax can win (GREEDY_EPS)."""
         return self.temperature < GREEDY_EPS
+
+
+QUOTE_CHARS = 200      # an error quotes a value up to this many characters of its repr
+
+
+def quote(value: Any) -> str:
+    """repr(value), cut to QUOTE_CHARS: a 50,000-entry logit_bias must not come back as a 600k-character error."""
+    r = repr(value)
+    return r if len(r) <= QUOTE_CHARS else f"{r[:QUOTE_CHARS]}... ({len(r)} characters)"
 
 
 def is_utf8(text: str) -> bool:

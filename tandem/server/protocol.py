@@ -14,6 +14,7 @@ INT64 = 2 ** 63
 Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]   # every integer field: nothing past int64 reaches the engine
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")   # OpenAI's message roles
 RETRY_AFTER_S = 1          # Retry-After of every 503 (a full queue drains, a restarted server comes back)
+MAX_MESSAGE_CHARS = 1000   # an error message's length at most: a quoted value never makes it long
 
 
 class APIError(Exception):
@@ -34,6 +35,10 @@ class APIError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """Every error's shape. Values are quoted short where they are quoted (sampling_params.quote); this cap
+    holds for any message, whatever quoted it (a grammar compiler's error, a field path)."""
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = f"{message[:MAX_MESSAGE_CHARS]}... (message cut at {MAX_MESSAGE_CHARS} of {len(message)} characters)"
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -168,6 +173,25 @@ class ChatMessage(_Strict):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None
 
+    def shape_error(self) -> tuple[str, str] | None:
+        """(field, why) where the message breaks OpenAI's rules for its role, else None. content is required
+        and not null for every role but an assistant turn that calls tools (and the deprecated function
+        role, whose result may be null); a tool result names the call it answers; only assistants call."""
+        extra = self.model_extra or {}
+        calls = extra.get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls) and self.role != "function":
+            return "content", (f"a {self.role} message needs content (a string or a list of text parts); null "
+                               "or a missing content is allowed only on an assistant message with tool_calls")
+        if isinstance(self.content, list) and not self.content:
+            return "content", "content must be a string or a non-empty list of text parts"
+        if calls is not None and (self.role != "assistant" or not isinstance(calls, list)):
+            return "tool_calls", "tool_calls is a list, and only assistant messages carry it"
+        if self.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            return "tool_call_id", "a tool message needs tool_call_id (a string: the id of the call it answers)"
+        if self.role == "function" and not isinstance(extra.get("name"), str):
+            return "name", "a function message needs name (a string)"
+        return None
+
     def as_template_dict(self) -> dict:
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
@@ -190,6 +214,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None   # extra (vLLM): passed to the chat template
 
     def unsupported(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            bad = m.shape_error()
+            if bad is not None:
+                return f"messages[{i}].{bad[0]}", bad[1]
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         if self.functions or self.function_call not in (None, "none"):
@@ -212,6 +240,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}    # served from the prefix cache
 
 
+MIN_LOGPROB = -9999.0       # a token the grammar or logit_bias ruled out has log p = -inf: JSON has no such number
+
+
+def _finite(lp: float | None) -> float | None:
+    return lp if lp is None or lp >= MIN_LOGPROB else MIN_LOGPROB    # vLLM's clamp, for the same reason
+
+
 def completion_logprobs(entries: list, decode, offset: int) -> dict:
     """Completions' logprobs shape for (token id, logprob, [[top id, top logprob], ...]) entries; `offset`:
     where the first token's text starts in the choice's text."""
@@ -220,8 +255,8 @@ def completion_logprobs(entries: list, decode, offset: int) -> dict:
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [None if lp is None else {decode(a): b for a, b in top} for _, lp, top in entries],
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in entries],
+            "top_logprobs": [None if lp is None else {decode(a): _finite(b) for a, b in top} for _, lp, top in entries],
             "text_offset": offsets}
 
 
@@ -229,7 +264,7 @@ def chat_logprobs(entries: list, decode) -> dict:
     """Chat's logprobs shape for (token id, logprob, [[top id, top logprob], ...]) entries."""
     def item(t: int, lp: float) -> dict:
         text = decode(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8", "replace"))}
     return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries]}
 
 
