@@ -158,6 +158,77 @@ COMPAT = [  # (id, path, raw body, status, param, code)
 ]
 
 
+def _chat(*messages) -> str:
+    return json.dumps({"messages": list(messages), "max_tokens": 2})
+
+
+CALL = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+MESSAGE_SHAPES = [  # (id, raw body, status, param): OpenAI's rules for content per role
+    ("user-null", _chat({"role": "user", "content": None}), 400, "messages[0].content"),
+    ("user-missing", _chat({"role": "user"}), 400, "messages[0].content"),
+    ("system-null", _chat({"role": "system", "content": None}, {"role": "user", "content": "hi"}), 400,
+     "messages[0].content"),
+    ("developer-null", _chat({"role": "developer", "content": None}, {"role": "user", "content": "hi"}), 400,
+     "messages[0].content"),
+    ("user-empty-list", _chat({"role": "user", "content": []}), 400, "messages[0].content"),
+    ("assistant-null-no-calls", _chat({"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                                      {"role": "user", "content": "again"}), 400, "messages[1].content"),
+    ("tool-null", _chat({"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": CALL},
+                        {"role": "tool", "tool_call_id": "call_1", "content": None}), 400, "messages[2].content"),
+    ("tool-without-id", _chat({"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": None, "tool_calls": CALL},
+                              {"role": "tool", "content": "sunny"}), 400, "messages[2].tool_call_id"),
+    ("user-with-tool-calls", _chat({"role": "user", "content": "hi", "tool_calls": CALL}), 400,
+     "messages[0].tool_calls"),
+    ("assistant-null-with-calls", _chat({"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": None, "tool_calls": CALL},
+                                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}), 200, None),
+    ("assistant-empty-string", _chat({"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                                     {"role": "user", "content": "again"}), 200, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", [c[1:] for c in MESSAGE_SHAPES], ids=[c[0] for c in MESSAGE_SHAPES])
+def test_message_shapes_follow_openai(server, body, status, param):
+    # Was: a user message with "content": null was accepted with 200.
+    r = post_raw(server, CHAT, body)
+    if status == 200:
+        assert r.status_code == 200, r.text
+    else:
+        assert_error(r, status, param)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", {str(i): 1.0 for i in range(50_000)}),
+    ("stop", ["x" * 50] * 5000 + [""]),
+    ("stop_token_ids", list(range(20_000))),
+])
+def test_errors_quote_values_briefly(server, field, value):
+    # Was: the 400 for a 50,000-entry logit_bias quoted it whole (a 589k-character message).
+    err = assert_error(server.http.post(CMPL, json={**OK, field: value}), 400)
+    assert field in err["message"] and len(err["message"]) <= 1100, len(err["message"])
+
+
+def test_error_body_caps_any_message():
+    from tandem.server.protocol import MAX_MESSAGE_CHARS, error_body
+    msg = error_body("y" * 100_000, "invalid_request_error")["error"]["message"]
+    assert len(msg) < MAX_MESSAGE_CHARS + 100 and msg.startswith("y" * MAX_MESSAGE_CHARS) and "100000" in msg
+
+
+def test_logprobs_of_ruled_out_tokens_are_finite_json(server):
+    # A grammar that allows one token leaves the other top_logprobs at -inf, which JSON cannot carry (the
+    # response was a 500); they are clamped to -9999.0, as vLLM does.
+    body = {"messages": [{"role": "user", "content": "yes?"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 5, "guided_choice": ["yes"]}
+    r = server.http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    tops = [t["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"] for t in c["top_logprobs"]]
+    assert min(tops) == -9999.0                      # some were ruled out, and came back clamped
+    with server.http.stream("POST", CHAT, json={**body, "stream": True}) as resp:
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+
+
 @pytest.mark.parametrize("path,body,status,param,code", [c[1:] for c in COMPAT], ids=[c[0] for c in COMPAT])
 def test_compatibility_answers(server, path, body, status, param, code):
     err = assert_error(post_raw(server, path, body), status, param)
@@ -188,6 +259,11 @@ def test_health_turns_503_when_the_device_stops(server):
             time.sleep(0.2)
         err = assert_error(server.http.get("/health"), 503)
         assert "no progress" in err["message"]
+        # Was: new requests were still accepted and hung. Now they get the same 503 at once (the timeout
+        # only bounds a hang; it asserts no speed).
+        late = server.http.post(CMPL, json=OK, timeout=20)
+        assert_error(late, 503)
+        assert "no progress" in late.json()["error"]["message"] and late.headers["retry-after"] == "1"
     finally:
         os.kill(device, signal.SIGCONT)
     t.join(120)

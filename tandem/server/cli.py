@@ -2,11 +2,10 @@
 
 With --nnodes M, node 0 serves and nodes 1..M-1 (`--node-rank R`) only run their tensor-parallel ranks.
 
-SIGTERM / SIGINT: stop accepting, end in-flight requests (503 + Retry-After), stop the engine process,
-exit 0. A second SIGINT skips the graceful wait. If the engine process dies, in-flight requests fail with
-503 and the server exits 1 (unless --no-exit-on-engine-failure), so that a supervisor restarts it.
-With --dp D the engine is D replicas behind a router (replicas.py): a replica that dies does the same, or
-with --no-exit-on-engine-failure leaves the others serving.
+SIGTERM / SIGINT, at any moment from start-up to teardown: stop accepting, end in-flight requests (503 +
+Retry-After), stop the engine processes, exit 0. If an engine process dies, its in-flight requests fail with
+503 and the server exits 1 (unless --no-exit-on-engine-failure), so that a supervisor restarts it; with --dp
+the other replicas' requests first get --engine-failure-grace seconds to finish. lifecycle.py has the rules.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -23,6 +21,7 @@ from ..config import EngineConfig
 from .replicas import DataParallel, add_dp_args, dp_options, replica_cores
 
 GRACEFUL_S = 5
+ENGINE_FAILURE_GRACE_S = 30.0
 
 
 def add_parser(subparsers) -> None:
@@ -45,7 +44,11 @@ def add_parser(subparsers) -> None:
                         "for models whose single step takes longer)")
     p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="exit 1 when the engine process dies, so that a supervisor restarts the server "
-                        "(--no-exit-on-engine-failure: keep answering 503)")
+                        "(--no-exit-on-engine-failure: keep answering 503; with --dp the live replicas keep serving)")
+    p.add_argument("--engine-failure-grace", type=float, default=ENGINE_FAILURE_GRACE_S,
+                   help="with --exit-on-engine-failure: seconds the other replicas' in-flight requests get to "
+                        f"finish (new ones get 503) before the rest are ended with 503 and the server exits 1 "
+                        f"(default {ENGINE_FAILURE_GRACE_S:g})")
     add_dp_args(p)
     p.set_defaults(func=serve)
 
@@ -57,8 +60,11 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.health_timeout > 0:
         raise ValueError("--health-timeout must be > 0")
+    if not args.engine_failure_grace >= 0:
+        raise ValueError("--engine-failure-grace must be >= 0")
     options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
-                           args.max_messages, args.health_timeout, args.exit_on_engine_failure, dp_options(args))
+                           args.max_messages, args.health_timeout, args.exit_on_engine_failure, dp_options(args),
+                           args.engine_failure_grace)
     replica_cores(config, options.dp)              # a --dp the cores cannot take is a clear error, here
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
@@ -83,24 +89,30 @@ class ServeOptions:
     health_timeout_s: float = 30.0
     exit_on_engine_failure: bool = True
     dp: DataParallel = DataParallel()
+    engine_failure_grace_s: float = ENGINE_FAILURE_GRACE_S
 
 
 async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
-    """Serve until a signal (exit 0) or, with exit_on_engine_failure, until the engine dies (exit 1)."""
+    """Serve until a signal (exit 0) or, with exit_on_engine_failure, until an engine dies (exit 1)."""
     import uvicorn
 
     from ..model.loader import load_tokenizer, resolve_model
     from .frontend import Frontend
+    from .lifecycle import Lifecycle
     from .limits import ServerLimits
     from .metrics import ServerMetrics
     from .openai_api import build_app
     from .replicas import ReplicaSet, replica_clients
     from .router import Router
 
-    client = ReplicaSet(replica_clients(config, options.dp), Router(options.dp.size, options.dp.router))
+    client = ReplicaSet(replica_clients(config, options.dp), Router(options.dp.size, options.dp.router),
+                        options.health_timeout_s)
+    life = Lifecycle(client, options.exit_on_engine_failure, options.engine_failure_grace_s)
+    life.install()                                 # before any engine process or runtime folder exists
+    client.on_dead = life.on_dead
     frontend = None
     try:
-        info = await client.start()
+        info = await life.start(client.start())
         # The engine has converted/cached the model by now; the frontend only reads its tokenizer.
         tokenizer = load_tokenizer(resolve_model(config.model, config.cache_dir))
         name = options.served_model_name or info.model_name
@@ -110,41 +122,34 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
         client.on_output = metrics.on_output
         frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages)
         app = build_app(client, frontend, name, metrics, limits)
-        server = _make_server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                                             lifespan="off", timeout_graceful_shutdown=GRACEFUL_S),
-                              client.begin_shutdown)
-        if options.exit_on_engine_failure:
-            client.on_dead = lambda: setattr(server, "should_exit", True)
-        await server.serve()
+        life.server = _make_server(uvicorn.Config(app, host=options.host, port=options.port,
+                                                  log_level=options.log_level, lifespan="off",
+                                                  timeout_graceful_shutdown=GRACEFUL_S))
+        if life.signalled:                         # a signal while the frontend was being built
+            return 0
+        if client.engine_failed:                   # a replica died while the frontend was being built
+            life.on_dead()
+        await life.server.serve()
+    except asyncio.CancelledError:                 # a signal during start-up
+        if not life.signalled:
+            raise
     finally:
         await client.close()
         if frontend is not None:
             frontend.close()
+        life.remove()                              # the last folder is gone: default handlers from here
     return 1 if client.engine_failed and options.exit_on_engine_failure else 0
 
 
-def _make_server(config, on_exit):
-    """A uvicorn.Server whose signal handler also ends in-flight requests, and which exits 0 after a signal
-    (uvicorn's own re-raises the signal once it has shut down)."""
+def _make_server(config):
+    """A uvicorn.Server without signal handlers of its own: Lifecycle's span the whole run, where uvicorn's
+    live only while it serves (and re-raise the signal once it has shut down; here a signal means exit 0)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._on_signal)
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-        def _on_signal(self) -> None:
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
-            on_exit()
+            yield
 
     return Server(config)
 

@@ -120,9 +120,12 @@ class EngineClient:
         return 0.0 if self.dead is not None else now() - self.last_heard
 
     async def close(self) -> None:
+        """Stop the engine process and remove every folder it and this client made, at any point of start()."""
         self.begin_shutdown()
         for t in self._tasks:
             t.cancel()
+        if self.proc is not None and self.info is None and self.proc.poll() is None:
+            self.proc.terminate()            # still loading: it reads no Shutdown until its loop turns
         if self.proc is not None:
             deadline = now() + STOP_TIMEOUT_S
             while self.proc.poll() is None and now() < deadline:
@@ -137,8 +140,8 @@ class EngineClient:
             self._ctx.term()
             self._actx.term()
             shutil.rmtree(self._dir, ignore_errors=True)
-        if self.info is not None:
-            runtime_files.remove_owned_by(self.info.pid)    # the engine's, should it have been killed
+        if self.proc is not None:
+            runtime_files.remove_owned_by(self.proc.pid)    # the engine's, should it have been killed
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def submit(self, rid: str, prompt_ids: list[int], params: dict, arrival: float) -> RequestStream:
@@ -158,6 +161,10 @@ class EngineClient:
             raise
         if not sent:
             self.reqs.pop(rid, None)
+            if self.dead is None and self.proc.poll() is not None:   # no peer on the socket: it just died
+                self._fail(f"the engine process exited (code {self.proc.returncode})")
+            if self.dead is not None:
+                raise EngineError(503, f"the engine is not running: {self.dead}")
             raise EngineError(503, "the engine's request queue is full")
         try:
             await st.accepted
@@ -256,8 +263,8 @@ class EngineClient:
         if first and not self.closing:
             self.engine_failed = True
             log.error("%s", reason)
-            if self.info is not None:
-                runtime_files.remove_owned_by(self.info.pid)   # a killed engine leaves its shared memory
+            if self.proc is not None:
+                runtime_files.remove_owned_by(self.proc.pid)   # a killed engine leaves its shared memory
             if self.on_dead is not None:
                 self.on_dead()
 

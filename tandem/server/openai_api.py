@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -218,9 +218,15 @@ class OpenAIServer:
         done = await self._unless_disconnected(request, choices)
         if done is None:
             return Response(status_code=499)
-        return build(rid, self.model, created, [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
-                                                for c, (text, reason, _) in zip(choices, done)],
-                     P.usage(n_prompt, sum(n for _, _, n in done), _cached(choices)))
+
+        def render() -> JSONResponse:
+            # Off the event loop: with echo and logprobs a body holds 20 alternatives per prompt token (an
+            # 8,000-token prompt: ~4 MB of JSON), which would stall every other stream and /health meanwhile.
+            return JSONResponse(build(rid, self.model, created,
+                                      [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
+                                       for c, (text, reason, _) in zip(choices, done)],
+                                      P.usage(n_prompt, sum(n for _, _, n in done), _cached(choices))))
+        return await self.fe.off_loop(render)
 
     async def _stream_completion(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
                                  include_usage: bool):
@@ -292,15 +298,12 @@ class OpenAIServer:
 
     def health(self) -> Response:
         """200 while the engine is alive and its loop turns; 503 once it died, stopped making progress for
-        health_timeout_s (a stuck step: the device hung or was stopped), or the server is stopping."""
-        if self.client.dead is not None:
-            return error(503, f"the engine is down: {self.client.dead}", "service_unavailable")
-        if self.client.closing:
-            return error(503, "the server is shutting down", "service_unavailable")
-        silent = self.client.silent_for()
-        if silent > self.limits.health_timeout_s:
-            return error(503, f"the engine has made no progress for {silent:.0f} s (--health-timeout "
-                               f"{self.limits.health_timeout_s:g})", "service_unavailable")
+        health_timeout_s (a stuck step: the device hung or was stopped), or the server is stopping. New
+        requests get the same 503 at once meanwhile (ReplicaSet.refusal); in-flight ones wait. With --dp:
+        200 while one replica can take requests (the router skips dead and stuck ones)."""
+        why = self.client.refusal()
+        if why is not None:
+            return error(503, why, "service_unavailable")
         return Response(status_code=200)
 
     async def health_generate(self) -> Response:

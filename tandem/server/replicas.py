@@ -8,10 +8,13 @@ fans out to or gathers from the replicas.
 Cores are split: with D replicas on C usable cores, replica i is pinned to cores [i*C/D, (i+1)*C/D), and its
 device threads default to that share (engine.default_device_threads reads the affinity).
 
-A replica that dies fails its own open requests with 503 at once (never a hang); the router stops sending
-to it. With --exit-on-engine-failure (the default) the server then exits 1, as with one engine, so that a
-supervisor restarts the whole set; with --no-exit-on-engine-failure the other replicas keep serving, and
-/health stays 200 until the last replica is down.
+A replica that dies fails its own open requests with 503 at once (never a hang); the router never sends to
+a dead replica (a send that finds its engine gone marks it dead and the request goes to another) nor to
+one that has been silent past the health timeout (a hung device): with none left, a new request gets 503 at
+once. With --exit-on-engine-failure (the default) the server then drains and exits 1, as with one engine,
+so that a supervisor restarts the whole set (lifecycle.py: the other replicas' requests get a grace period
+first); with --no-exit-on-engine-failure the other replicas keep serving, and /health stays 200 until the
+last replica is down.
 """
 from __future__ import annotations
 
@@ -87,10 +90,12 @@ def replica_clients(config: EngineConfig, dp: DataParallel) -> list[EngineClient
 class ReplicaSet:
     """The EngineClient interface over D replicas (D = 1: a thin pass-through)."""
 
-    def __init__(self, clients: list[EngineClient], router: Router) -> None:
+    def __init__(self, clients: list[EngineClient], router: Router, stuck_after_s: float = float("inf")) -> None:
         self.clients, self.router = clients, router
+        self.stuck_after_s = stuck_after_s  # a replica silent this long takes no new request (--health-timeout)
         self.info: ipc.Ready | None = None
         self.closing = False
+        self.refusing: str | None = None    # why new requests get 503 while in-flight ones finish (a drain)
         self.on_output: Callable[[RequestStream, StepOutput, float], None] | None = None   # metrics hook
         self.on_dead: Callable[[], None] | None = None     # a replica died (not at shutdown)
         for i, c in enumerate(clients):
@@ -107,6 +112,10 @@ class ReplicaSet:
         first = started[0]
         self.info = ipc.Ready(first.model_name, min(r.max_context for r in started), first.vocab_size, first.pid)
         return self.info
+
+    def stop_accepting(self, reason: str) -> None:
+        """New requests get 503 (reason); open ones go on (the drain after a replica died)."""
+        self.refusing = reason
 
     def begin_shutdown(self) -> None:
         self.closing = True
@@ -129,24 +138,40 @@ class ReplicaSet:
             return reasons[0] if len(reasons) == 1 else "; ".join(f"replica {i}: {r}" for i, r in enumerate(reasons))
         return None
 
-    def silent_for(self) -> float:
-        """The longest silence of a live replica: one stuck replica makes /health say so."""
-        return max((c.silent_for() for c in self.clients if c.dead is None), default=0.0)
-
     # ---- requests ------------------------------------------------------------------------------------------
-    def loads(self) -> list[ReplicaLoad]:
-        return [ReplicaLoad(c.dead is None and not c.closing, c.outstanding()) for c in self.clients]
+    def _takes_requests(self, c: EngineClient) -> bool:
+        return c.dead is None and not c.closing and c.silent_for() <= self.stuck_after_s
 
-    def pick(self, prompt_ids: list[int]) -> int:
-        if len(self.clients) == 1:
-            return 0
-        try:
-            return self.router.pick(prompt_ids, self.loads())
-        except ValueError:             # no replica alive: the first one's submit says why
-            return 0
+    def loads(self) -> list[ReplicaLoad]:
+        return [ReplicaLoad(self._takes_requests(c), c.outstanding()) for c in self.clients]
+
+    def refusal(self) -> str | None:
+        """Why a new request gets 503 now, or None; /health answers 503 with the same reason."""
+        if self.closing:
+            return "the server is shutting down"
+        if self.refusing is not None:
+            return self.refusing
+        if any(self._takes_requests(c) for c in self.clients):
+            return None
+        if self.dead is not None:
+            return f"the engine is down: {self.dead}"
+        silent = min(c.silent_for() for c in self.clients if c.dead is None)
+        return f"the engine has made no progress for {silent:.0f} s (--health-timeout {self.stuck_after_s:g})"
 
     async def submit(self, rid: str, prompt_ids: list[int], params: dict, arrival: float) -> RequestStream:
-        return await self.clients[self.pick(prompt_ids)].submit(rid, prompt_ids, params, arrival)
+        """Queue a request on the replica the router picks; EngineError(503) at once when none can take it.
+        A replica found dead by the send itself (its watcher had not seen it yet) is skipped: another one is
+        picked, so a request never gets a dead replica's error while a live one could serve it."""
+        while True:
+            loads = self.loads()
+            if self.closing or self.refusing is not None or not any(r.alive for r in loads):
+                raise EngineError(503, self.refusal() or "no replica can take a request now")
+            c = self.clients[0 if len(self.clients) == 1 else self.router.pick(prompt_ids, loads)]
+            try:
+                return await c.submit(rid, prompt_ids, params, arrival)
+            except EngineError:
+                if c.dead is None or len(self.clients) == 1:
+                    raise                  # refused by a live engine (400, full queue), or the only one
 
     outputs = staticmethod(EngineClient.outputs)
 
