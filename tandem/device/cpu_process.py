@@ -16,6 +16,7 @@ With tp_size > 1 this process is tp rank 0 (device/tp.py): the runner also start
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import mmap
 import os
@@ -32,6 +33,7 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 
 from .. import runtime_files
+from ..trace.device_profile import DeviceProfile
 from ..grammar.compiler import mask_words
 from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
@@ -303,7 +305,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
-    tp = None
+    tp = profile = None
     try:
         spec, sizes, dist = conn.recv()
         buffers = _SharedBuffers(shm_path, *sizes, create=False)
@@ -313,6 +315,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             from .tp_ranks import rank_device
             tp = TPGroup(dist, rank_device(spec.device, dist))
         executor = ModelExecutor(spec, tp=tp)
+        profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
         conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context))))
         early: set[int] = set()              # steps whose mask message came before they were run
         later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
@@ -352,9 +355,10 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
             if tp is not None:
                 tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
-            tokens = executor.run_step(step, masks_of(step, buf))
             b = step.batch_size
-            buffers.outs[buf][:b] = tokens.cpu().numpy()
+            with profile.step(b, step.num_tokens) if profile is not None else contextlib.nullcontext():
+                tokens = executor.run_step(step, masks_of(step, buf))
+                buffers.outs[buf][:b] = tokens.cpu().numpy()
             for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
                 if lp is not None:
                     _write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
@@ -366,6 +370,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             pass
         raise
     finally:
+        if profile is not None:
+            profile.write()
         if tp is not None:
             tp.close()
 
