@@ -230,3 +230,16 @@ def test_long_echo_with_logprobs_keeps_device_memory_bounded(tmp_path_factory):
         assert sum(start <= x <= end for x in got) >= 2                # the other stream went on meanwhile
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+# ---- a child whose parent died before it armed PR_SET_PDEATHSIG --------------------------------------------
+def test_a_child_orphaned_before_it_armed_the_death_signal_exits():
+    # Was: an engine process whose frontend died while the engine imported torch lived on (PPID 1), holding
+    # its shared memory: PR_SET_PDEATHSIG only covers deaths after it is set.
+    from tandem.lifeline import PARENT_ENV, child_env
+    code = "from tandem.lifeline import die_with_parent; die_with_parent(); print('alive')"
+    ok = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == "alive", ok
+    orphan = subprocess.run([sys.executable, "-c", code], env={**os.environ, PARENT_ENV: str(os.getpid() + 1)},
+                            capture_output=True, text=True, timeout=60)       # "spawned by" another process
+    assert orphan.returncode == 1 and orphan.stdout == "", orphan

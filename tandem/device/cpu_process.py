@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import mmap
 import os
 import pickle
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -33,6 +31,7 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 
 from .. import runtime_files
+from ..lifeline import child_env, die_with_parent
 from ..trace.device_profile import DeviceProfile
 from ..grammar.compiler import mask_words
 from ..sampler import MAX_BIASES, MAX_LOGPROBS
@@ -138,7 +137,7 @@ class ProcessRunner:
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
-        env = dict(os.environ, OMP_NUM_THREADS=str(device_threads))
+        env = child_env(dict(os.environ, OMP_NUM_THREADS=str(device_threads)))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(device_threads)],
             env=env, stdin=subprocess.PIPE, close_fds=True)
@@ -291,16 +290,8 @@ def _read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tupl
             floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy())
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def device_main(sock: str, shm_path: str, threads: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     import torch
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from .executor import ExecutorSpec
+from ..lifeline import child_env, die_with_parent
 from .tp import DistInfo, TPGroup
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_met
 
 
 def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(info.threads))
+    env = child_env(dict(os.environ, OMP_NUM_THREADS=str(info.threads)))
     proc = subprocess.Popen([sys.executable, "-m", "tandem.device.tp_ranks"], env=env, stdin=subprocess.PIPE,
                             close_fds=True)
     proc.stdin.write(pickle.dumps((spec, info)))
@@ -43,8 +44,7 @@ def rank_device(device: str, info: DistInfo):
 
 def rank_main() -> int:
     """A rank other than 0: join the group, load its shard, then run every step rank 0 broadcasts."""
-    from .cpu_process import _die_with_parent
-    _die_with_parent()
+    die_with_parent()
     import torch
     spec, info = pickle.loads(sys.stdin.buffer.read())
     torch.set_num_threads(info.threads)

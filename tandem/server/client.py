@@ -25,6 +25,7 @@ from ..config import EngineConfig
 from ..device.streams import now
 from ..request import StepOutput
 from .. import runtime_files
+from ..lifeline import child_env
 from . import ipc
 
 log = logging.getLogger("tandem.server")
@@ -92,7 +93,7 @@ class EngineClient:
         # Spawned from the main thread: PR_SET_PDEATHSIG in the child follows this thread's life.
         cpus = [",".join(map(str, self.cpus))] if self.cpus else []
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.server.engine_proc", in_addr, out_addr, *cpus],
-                                     stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+                                     stdin=subprocess.PIPE, start_new_session=True, close_fds=True, env=child_env())
         self.proc.stdin.write(pickle.dumps(self.config))
         self.proc.stdin.close()
         while not await self._rx.poll(int(WATCH_S * 1000)):

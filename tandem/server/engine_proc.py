@@ -9,7 +9,6 @@ error in building a request is answered as a rejection, never raised into the lo
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -21,6 +20,7 @@ import zmq
 from ..config import EngineConfig
 from ..device.streams import now
 from ..engine import Engine
+from ..lifeline import die_with_parent
 from ..request import StepOutput
 from ..sampling_params import SamplingParams
 from . import ipc
@@ -126,15 +126,8 @@ class EngineProc:
         return self._idle
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def main(in_addr: str, out_addr: str, cpus: str | None = None) -> int:
-    _die_with_parent()
+    die_with_parent()
     if cpus:                   # a replica's share of the cores: the device process it spawns inherits it
         cores = [int(c) for c in cpus.split(",")]
         os.sched_setaffinity(0, cores)
