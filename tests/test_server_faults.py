@@ -90,12 +90,14 @@ async def _load(url: str, n: int, kill) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("grace", ["30", "0.2"])
-def test_a_replica_killed_under_load_loses_nothing_on_the_other(tiny_llama, tmp_path, grace):
+@pytest.mark.parametrize("grace,sigterm", [("30", False), ("0.2", False), ("30", True)],
+                         ids=["grace-30", "grace-0.2", "sigterm-during-drain"])
+def test_a_replica_killed_under_load_loses_nothing_on_the_other(tiny_llama, tmp_path, grace, sigterm):
     """--dp 2, 32 clients (half streaming, some leaving early), then SIGKILL of one replica's engine. Every
     client gets a finished answer or an OpenAI-shaped 503 / SSE error event + [DONE], never a plain-text
     body, a reset or a truncated stream; with the default grace the other replica's requests finish; new
-    requests during the drain get 503 + Retry-After; the server exits 1 and leaves nothing behind."""
+    requests during the drain get 503 + Retry-After; the server exits 1 and leaves nothing behind, also when
+    a SIGTERM comes in the middle of that teardown."""
     srv = ServerProcess(["--model", tiny_llama, "--kv-cache-tokens", "8192", "--dp", "2",
                          "--engine-failure-grace", grace], str(tmp_path / "server.log"))
     pids = process_tree(srv.proc.pid)
@@ -110,10 +112,12 @@ def test_a_replica_killed_under_load_loses_nothing_on_the_other(tiny_llama, tmp_
                                      trust_env=False))
         except httpx.HTTPError:
             pass                                        # the grace was over and the server gone: fine
+        if sigterm:
+            srv.proc.send_signal(signal.SIGTERM)        # during the drain: ends it early, same rules
     try:
         outcomes = [_outcome(r) for r in asyncio.run(_load(srv.url, 32, kill))]
         assert outcomes.count("503") + outcomes.count("error event") >= 1, outcomes     # the dead replica's
-        if grace == "30":
+        if grace == "30" and not sigterm:
             assert outcomes.count("finished") >= 8, outcomes                           # the live replica's
             assert during and during[0].status_code == 503 and during[0].headers["retry-after"] == "1"
             assert "replica" in during[0].json()["error"]["message"]
