@@ -124,9 +124,10 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
 
     Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
     (not qwen2), no output.weight when tied, tokenizer metadata + chat template copied from
-    the SmolLM2 GGUF. ``quant``: "F32", "F16", "Q8_0" or "Q4_K_M" for 2-D weights (norms/biases stay F32);
-    "Q4_K_M" (K a multiple of 256) is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer
-    0's fused qkv mixes types.
+    the SmolLM2 GGUF. ``quant``: "F32", "F16", "Q8_0", "Q5_0", "Q5_1" or "Q4_K_M" for 2-D weights (norms/biases
+    stay F32); "Q4_K_M" is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer 0's fused qkv
+    mixes types, and, as llama.cpp does for a K that is not a multiple of 256, Q5_0 in place of Q4_K and Q8_0 in
+    place of Q6_K for such tensors (a width of 192: Q5_0 + Q8_0 + Q4_K + Q6_K).
     ``arch_name`` overrides general.architecture (to test errors); ``rope_freqs``: optional
     float32 array written as rope_freqs.weight. ``with_tokenizer=False`` skips the tokenizer
     metadata (faster; the file then only works with a patched tokenizer builder).
@@ -195,7 +196,11 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
         if t.ndim == 2 and k_quant:
             q6 = gname in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight")
             kt = gguf.GGMLQuantizationType.Q6_K if q6 else qtype
-            w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
+            if t.shape[1] % 256 == 0:
+                w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
+            else:                                               # llama.cpp's fallbacks for rows of 32-blocks
+                kt = gguf.GGMLQuantizationType.Q8_0 if q6 else gguf.GGMLQuantizationType.Q5_0
+                w.add_tensor(gname, gguf.quants.quantize(t, kt), raw_dtype=kt)
         elif t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:

@@ -4,22 +4,29 @@
 //   Q4_0 (18 B): d fp16 | qs[16]   value i = d * ((qs[i % 16] >> 4 * (i / 16) & 15) - 8)
 //   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
 //   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
-// So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
+//   Q5_0 (22 B): d fp16 | qh[4] | qs[16]     value i = d * ((q4_i | (qh >> i & 1) << 4) - 16)
+//   Q5_1 (24 B): d fp16 | m fp16 | qh[4] | qs[16]   value i = d * (q4_i | (qh >> i & 1) << 4) + m
+// So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16 (q4_i), and
+// qh, a little-endian uint32, holds the fifth bit of element i at bit i.
 // K-quants, 256 weights along K per super-block (GGUF layout; Q4_K is regrouped at load, below):
 //   Q4_K (144 B): d fp16 | dmin fp16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
 //     sub-block j (32 weights) = nibbles of qs[32 (j / 2) ..][0..31], low for even j, high for odd;
 //     value = (d * sc_j) * q - (dmin * m_j)
+//   Q5_K (176 B): d fp16 | dmin fp16 | scales[12] (as Q4_K) | qh[32] | qs[128] (as Q4_K)
+//     weight l of sub-block j: Q4_K's nibble | (qh[l] >> j & 1) << 4; value = (d * sc_j) * q - (dmin * m_j)
 //   Q6_K (210 B): ql[128] | qh[64] | scales int8[16] | d fp16
 //     element 128 h + 32 t + l (h < 2, t < 4, l < 32): 4 low bits from ql[64 h + 32 (t % 2) + l] >> 4 (t / 2),
 //     2 high bits from qh[32 h + l] >> 2 t; value = (d * scales[8 h + 2 t + l / 16]) * (q - 32)
 // Weight tensor: uint8 [N, K / block weights * block bytes], one row per output feature holding the GGUF bytes of its
 // nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
-//   [d fp16 x nb][m fp16 x nb, Q4_1 only][qs x nb: 16 bytes (Q4) or 32 int8 (Q8) each]
+//   [d fp16 x nb][m fp16 x nb, Q4_1 / Q5_1][qh uint32 x nb, Q5][qs x nb: 16 bytes (Q4, Q5) or 32 int8 (Q8) each]
 // so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
-// super-blocks unchanged; Q4_K rows are regrouped (same size) as
-//   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qs x nb: 16 bytes in Q4_0's nibble order]
-// so a Q4_K sub-block is a Q4_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 6-bit / int8
-// sub-block scales are decoded to fp32 once per call.
+// super-blocks unchanged; Q4_K and Q5_K rows are regrouped (same size) as
+//   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qh uint32 x nb, Q5_K]
+//   [qs x nb: 16 bytes in Q4_0's nibble order]
+// (Q5_K's qh of sub-block b: bit l = the fifth bit of its weight l), so a Q4_K / Q5_K sub-block is a Q4_1 /
+// Q5_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 6-bit / int8 sub-block scales are
+// decoded to fp32 once per call.
 //
 // Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
 // (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
@@ -40,21 +47,25 @@
 
 namespace tandem {
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml type ids
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weights; 256 for K-quants)
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
-              " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
+              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
-static int64_t block_weights(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32; }
+static bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+static int64_t block_weights(int64_t qtype) { return is_k_quant(qtype) ? 256 : 32; }
 
 // Q4_K: the 6-bit scale and min of sub-block j < 8 from the super-block's 12 scale bytes.
 static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
@@ -67,13 +78,13 @@ static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
-// A K-quant row's sub-block scales as fp32: Q4_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
+// A K-quant row's sub-block scales as fp32: Q4_K / Q5_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
 // block b; Q6_K sc[2 b + i] = d * scales (16-weight halves). nb = K / 32; sc holds 2 nb floats.
 // Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
 // q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block).
 static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
   for (int64_t s = 0; s < nb / 8; ++s) {
-    if (qtype == kQ4_K) {
+    if (qtype == kQ4_K || qtype == kQ5_K) {
       const uint8_t* blk = row + 16 * s;                                    // the regrouped header
       float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
       uint32_t u[3], v[4];
@@ -108,11 +119,13 @@ constexpr int NR = 1;
 // Weight i of 32-weight block b of a K-quant row (b / 8: super-block, b % 8: its sub-block).
 static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
   const int j = (int)(b % 8);
-  if (qtype == kQ4_K) {
+  if (qtype == kQ4_K || qtype == kQ5_K) {
     const uint8_t* blk = row + 16 * (b / 8);
     int scale, min;
     q4_k_scale_min(blk + 4, j, scale, min);
-    int q = row[2 * nb + 16 * b + i % 16] >> 4 * (i / 16) & 15;      // the qs after nb / 8 16-byte headers
+    const uint8_t* qs = row + (qtype == kQ5_K ? 6 : 2) * nb;         // after nb / 8 16-byte headers (and qh)
+    int q = qs[16 * b + i % 16] >> 4 * (i / 16) & 15;
+    if (qtype == kQ5_K) q |= (row[2 * nb + 4 * b + i / 8] >> i % 8 & 1) << 4;
     return fp16_to_fp32(load_u16(blk)) * (float)scale * (float)q - fp16_to_fp32(load_u16(blk + 2)) * (float)min;
   }
   const uint8_t* blk = row + 210 * (b / 8);
@@ -124,9 +137,14 @@ static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, 
 
 // Weight i of block b of a row (the specification of the format).
 static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
-  if (qtype == kQ4_K || qtype == kQ6_K) return k_weight(qtype, row, nb, b, i);
+  if (is_k_quant(qtype)) return k_weight(qtype, row, nb, b, i);
   float d = fp16_to_fp32(load_u16(row + 2 * b));
   if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
+  if (qtype == kQ5_0 || qtype == kQ5_1) {
+    const uint8_t* qh = row + (qtype == kQ5_1 ? 4 : 2) * nb;      // past d (and m); qs follow the nb masks
+    int q = (qh[4 * nb + 16 * b + i % 16] >> 4 * (i / 16) & 15) | (qh[4 * b + i / 8] >> i % 8 & 1) << 4;
+    return qtype == kQ5_1 ? d * (float)q + fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) : d * (float)(q - 16);
+  }
   bool q41 = qtype == kQ4_1;
   uint8_t byte = row[(q41 ? 4 : 2) * nb + 16 * b + i % 16];
   int q = i < 16 ? byte & 15 : byte >> 4;
@@ -151,9 +169,12 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 }
 }  // namespace scalar
 
+#include "quant_gemm_q5.inc"
+
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
 namespace avx2 {
 using V = Vec256;
+using V5 = Q5Vec256;
 constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
 constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
 #include "quant_gemm_simd.inc"
@@ -163,6 +184,7 @@ constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight regi
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
 namespace avx512 {
 using V = Vec512;
+using V5 = Q5Vec512;
 constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
 constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
 #include "quant_gemm_simd.inc"
