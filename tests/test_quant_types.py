@@ -1,7 +1,7 @@
-"""The GGUF types added to the native kernels after the first five (Q5_0, Q5_1, Q5_K): bit-identical
+"""The GGUF types added to the native kernels after the first five (Q5_0, Q5_1, Q5_K, F16, BF16): bit-identical
 dequantization against gguf-py on every ISA body this CPU runs, the quantized linear against its torch reference
 on odd shapes, the row regrouping's round trip, and a tiny Llama written as a real Q4_K_M mix (a width that is
-not a multiple of 256 keeps most matrices as Q5_0) loaded without dequantizing anything."""
+not a multiple of 256 keeps most matrices as Q5_0), and F16 / BF16 files, loaded without dequantizing anything."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,20 +10,25 @@ import torch
 from test_kernels import assert_close_sum, isas
 
 from tandem import kernels
-from tandem.kernels.quant import (BLOCK_BYTES, BLOCK_WEIGHTS, NATIVE_QTYPES, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-                                  QuantWeight, dequantize_ref, qlinear, qlinear_ref, small_m)
+from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, NATIVE_QTYPES, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
+                                  Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
-NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K}
+NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "F16": F16, "BF16": BF16}
 # Where a block's fp16 scales sit (d, and m / dmin): every other byte of a random block is valid.
 SCALE_BYTES = {Q5_0: slice(0, 2), Q5_1: slice(0, 4), Q5_K: slice(0, 4)}
 
 
 def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
     """GGUF rows [n, K / block weights * block bytes] of random bytes but finite, small fp16 scales, so every
-    quant, high-bit and 6-bit scale pattern occurs."""
+    quant, high-bit and 6-bit scale pattern occurs. F16 / BF16: random finite halves (subnormals included)."""
     rng = np.random.default_rng(seed)
+    if qtype in (F16, BF16):
+        h = rng.integers(0, 1 << 16, (n, k), dtype=np.uint16)
+        exp = 0x7c00 if qtype == F16 else 0x7f80                  # all-ones exponent: inf / nan
+        h[(h & exp) == exp] &= ~np.uint16(0x4000)
+        return torch.from_numpy(h.view(np.uint8))
     b = rng.integers(0, 256, (n, k // BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]), dtype=np.uint8)
     s = SCALE_BYTES[qtype]
     b[..., s] = (rng.standard_normal((*b.shape[:2], (s.stop - s.start) // 2)) * 0.01).astype(np.float16).view(np.uint8)
@@ -31,13 +36,14 @@ def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
 
 
 def weights(n: int, k: int, qtype: int, seed: int = 0) -> QuantWeight:
-    """Random weights quantized by gguf-py where it has a quantizer (Q5_0, Q5_1), random blocks otherwise."""
+    """Random weights quantized by gguf-py where it has a quantizer (all but Q5_K), random blocks otherwise."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
     if qtype == Q5_K:
         return QuantWeight.from_gguf(random_blocks(n, k, qtype, seed), qtype, k)
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
-    return QuantWeight.from_gguf(torch.from_numpy(quantize(w, GGMLQuantizationType(qtype))), qtype, k)
+    rows = quantize(w, GGMLQuantizationType(qtype)).view(np.uint8)            # F16 comes as float16 [n, k]
+    return QuantWeight.from_gguf(torch.from_numpy(rows), qtype, k)
 
 
 def whole(k: int, qtype: int) -> int:
@@ -46,7 +52,7 @@ def whole(k: int, qtype: int) -> int:
 
 
 def test_new_types_are_native():
-    assert {Q5_0, Q5_1, Q5_K} <= NATIVE_QTYPES
+    assert {Q5_0, Q5_1, Q5_K, F16, BF16} <= NATIVE_QTYPES
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -64,7 +70,8 @@ def test_dequantize_bit_identical_to_gguf(name, isa, source):
         pytest.skip("gguf-py has no Q5_K quantizer")
     k = whole(96, qtype) * 3
     raw = random_blocks(7, k, qtype, seed=isa) if source == "random" else weights(7, k, qtype, seed=isa).to_gguf()
-    ref = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(qtype)))
+    ref = torch.from_numpy(dequantize(raw.numpy().view(np.float16) if qtype == F16 else raw.numpy(),
+                                      GGMLQuantizationType(qtype)))
     q = QuantWeight.from_gguf(raw, qtype, k)
     assert q.data.shape == raw.shape and torch.equal(q.to_gguf(), raw)
     assert torch.equal(dequantize_ref(q.data, qtype, k), ref)
@@ -141,5 +148,33 @@ def test_q4_k_m_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch)
         llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
         prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        outs.append([o.token_ids for o in res])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("quant, qtype", [("F16", F16), ("BF16", BF16)])
+def test_half_gguf_kept_and_greedy_equal_torch(quant, qtype, tmp_path, make_llm, monkeypatch):
+    """An F16 / BF16 file: every matrix stays halves (half the bytes of the fp32 it was dequantized to), and
+    kernels="native" decodes greedily as kernels="torch"."""
+    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+
+    from tandem import SamplingParams
+    from tandem.model import gguf_loader
+    from tandem.model.loader import load_weights, resolve_model
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    path = write_tiny_gguf(tmp_path / f"tiny-{quant}.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant=quant,
+                           with_tokenizer=False)
+    state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)
+    dense = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")))
+    for name, v in state.items():
+        if name.endswith(".weight") and "norm" not in name:
+            assert isinstance(v, QuantWeight) and v.qtype == qtype, name
+            assert torch.equal(v.dequantize(), dense[name]), name
+    outs = []
+    for opt in ("native", "torch"):
+        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+        res = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                           use_tqdm=False)
         outs.append([o.token_ids for o in res])
     assert outs[0] == outs[1]

@@ -124,7 +124,7 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
 
     Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
     (not qwen2), no output.weight when tied, tokenizer metadata + chat template copied from
-    the SmolLM2 GGUF. ``quant``: "F32", "F16", "Q8_0", "Q5_0", "Q5_1" or "Q4_K_M" for 2-D weights (norms/biases
+    the SmolLM2 GGUF. ``quant``: "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1" or "Q4_K_M" for 2-D weights (norms/biases
     stay F32); "Q4_K_M" is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer 0's fused qkv
     mixes types, and, as llama.cpp does for a K that is not a multiple of 256, Q5_0 in place of Q4_K and Q8_0 in
     place of Q6_K for such tensors (a width of 192: Q5_0 + Q8_0 + Q4_K + Q6_K).

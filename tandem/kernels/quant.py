@@ -14,6 +14,7 @@ handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one ex
 treat a sub-block as a Q4_1 block (measured: the GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x
 Q4_1's time per weight); Q5_K rows likewise as [headers][qh u32 a sub-block][qs 16 bytes a sub-block], a
 sub-block then being a Q5_1 block. Their 6-bit / int8 sub-block scales are decoded once per row and call.
+F16 / BF16 rows are the GGUF's halves, read by the same kernels as blocks of 32 (half the bytes of fp32).
 Rows are whole blocks along K, so permuting or concatenating rows (llama's q/k un-permutation, the fused qkv
 and gate_up) works on the bytes as on a dense matrix. See csrc/quant_gemm.cpp for the block formats.
 """
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14      # ggml type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}   # per block
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30      # ggml type ids
+BLOCK_BYTES = {F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
+               Q6_K: 210}   # per block (F16 / BF16: 32 halves)
 BLOCK_WEIGHTS = {q: 256 if q in (Q4_K, Q5_K, Q6_K) else 32 for q in BLOCK_BYTES}  # weights along K per block
 K_QUANTS = frozenset({Q4_K, Q5_K, Q6_K})
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
@@ -50,7 +52,7 @@ class QuantWeight:
     @staticmethod
     def from_gguf(blocks: torch.Tensor, qtype: int, k: int) -> "QuantWeight":
         """From GGUF rows of interleaved blocks, uint8 [N, K / block weights * block bytes]."""
-        if qtype == Q6_K:
+        if qtype in (Q6_K, F16, BF16):
             return QuantWeight(blocks.contiguous(), qtype, k)
         if qtype == Q4_K:
             return QuantWeight(_q4_k_regroup(blocks, k), qtype, k)
@@ -62,7 +64,7 @@ class QuantWeight:
 
     def to_gguf(self) -> torch.Tensor:
         """The GGUF rows back (interleaved blocks)."""
-        if self.qtype == Q6_K:
+        if self.qtype in (Q6_K, F16, BF16):
             return self.data
         if self.qtype == Q4_K:
             return _q4_k_ungroup(self.data, self.k)
@@ -138,6 +140,10 @@ def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         ungroup = {Q4_K: _q4_k_ungroup, Q5_K: _q5_k_ungroup}.get(qtype)
         return _dequantize_k_ref(ungroup(data, k) if ungroup else data, qtype, k)
     n, nb = data.shape[0], k // 32
+    if qtype == F16:
+        return data.contiguous().view(torch.float16).float()
+    if qtype == BF16:
+        return (data.contiguous().view(torch.int16).int() << 16).view(torch.float32)
     if qtype in (Q5_0, Q5_1):
         d, *m, qh, qs = torch.split(data, [nb * f for f in BLOCK_FIELDS[qtype]], dim=1)
         d = _half(d.reshape(n, nb, 2))                                                # [N, nb, 1]

@@ -6,6 +6,7 @@
 //   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
 //   Q5_0 (22 B): d fp16 | qh[4] | qs[16]     value i = d * ((q4_i | (qh >> i & 1) << 4) - 16)
 //   Q5_1 (24 B): d fp16 | m fp16 | qh[4] | qs[16]   value i = d * (q4_i | (qh >> i & 1) << 4) + m
+//   F16 / BF16 (64 B): 32 halves              value i = the half, exact in fp32
 // So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16 (q4_i), and
 // qh, a little-endian uint32, holds the fifth bit of element i at bit i.
 // K-quants, 256 weights along K per super-block (GGUF layout; Q4_K is regrouped at load, below):
@@ -18,7 +19,7 @@
 //     element 128 h + 32 t + l (h < 2, t < 4, l < 32): 4 low bits from ql[64 h + 32 (t % 2) + l] >> 4 (t / 2),
 //     2 high bits from qh[32 h + l] >> 2 t; value = (d * scales[8 h + 2 t + l / 16]) * (q - 32)
 // Weight tensor: uint8 [N, K / block weights * block bytes], one row per output feature holding the GGUF bytes of its
-// nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
+// nb = K / 32 blocks (F16 / BF16: the row's halves unchanged), otherwise regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
 //   [d fp16 x nb][m fp16 x nb, Q4_1 / Q5_1][qh uint32 x nb, Q5][qs x nb: 16 bytes (Q4, Q5) or 32 int8 (Q8) each]
 // so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
 // super-blocks unchanged; Q4_K and Q5_K rows are regrouped (same size) as
@@ -47,10 +48,14 @@
 
 namespace tandem {
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QType : int64_t {
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30
+};  // ggml type ids
 
 static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weights; 256 for K-quants)
   switch (qtype) {
+    case kF16:
+    case kBF16: return 64;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ5_0: return 22;
@@ -61,7 +66,7 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
     case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
-              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+              " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
 static bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
@@ -138,6 +143,13 @@ static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, 
 // Weight i of block b of a row (the specification of the format).
 static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
   if (is_k_quant(qtype)) return k_weight(qtype, row, nb, b, i);
+  if (qtype == kF16) return fp16_to_fp32(load_u16(row + 64 * b + 2 * i));
+  if (qtype == kBF16) {
+    uint32_t bits = (uint32_t)load_u16(row + 64 * b + 2 * i) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
   float d = fp16_to_fp32(load_u16(row + 2 * b));
   if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
   if (qtype == kQ5_0 || qtype == kQ5_1) {
@@ -169,12 +181,12 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 }
 }  // namespace scalar
 
-#include "quant_gemm_q5.inc"
+#include "quant_gemm_ext.inc"
 
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
 namespace avx2 {
 using V = Vec256;
-using V5 = Q5Vec256;
+using VE = Vec256Ext;
 constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
 constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
 #include "quant_gemm_simd.inc"
@@ -184,7 +196,7 @@ constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight regi
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
 namespace avx512 {
 using V = Vec512;
-using V5 = Q5Vec512;
+using VE = Vec512Ext;
 constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
 constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
 #include "quant_gemm_simd.inc"
