@@ -1,4 +1,4 @@
-"""The GGUF types added to the native kernels after the first five (Q5_0, Q5_1, Q5_K, F16, BF16): bit-identical
+"""The GGUF types added to the native kernels after the first five (Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16): bit-identical
 dequantization against gguf-py on every ISA body this CPU runs, the quantized linear against its torch reference
 on odd shapes, the row regrouping's round trip, and a tiny Llama written as a real Q4_K_M mix (a width that is
 not a multiple of 256 keeps most matrices as Q5_0), and F16 / BF16 files, loaded without dequantizing anything."""
@@ -10,14 +10,15 @@ import torch
 from test_kernels import assert_close_sum, isas
 
 from tandem import kernels
-from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, NATIVE_QTYPES, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-                                  Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref, small_m)
+from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, NATIVE_QTYPES, Q2_K, Q3_K, Q4_K,
+                                  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref,
+                                  small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
-NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "F16": F16, "BF16": BF16}
+NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "Q3_K": Q3_K, "Q2_K": Q2_K, "F16": F16, "BF16": BF16}
 # Where a block's fp16 scales sit (d, and m / dmin): every other byte of a random block is valid.
-SCALE_BYTES = {Q5_0: slice(0, 2), Q5_1: slice(0, 4), Q5_K: slice(0, 4)}
+SCALE_BYTES = {Q5_0: slice(0, 2), Q5_1: slice(0, 4), Q5_K: slice(0, 4), Q3_K: slice(108, 110), Q2_K: slice(80, 84)}
 
 
 def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
@@ -36,10 +37,10 @@ def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
 
 
 def weights(n: int, k: int, qtype: int, seed: int = 0) -> QuantWeight:
-    """Random weights quantized by gguf-py where it has a quantizer (all but Q5_K), random blocks otherwise."""
+    """Random weights quantized by gguf-py where it has a quantizer (not for K-quants), random blocks otherwise."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    if qtype == Q5_K:
+    if qtype in K_QUANTS:
         return QuantWeight.from_gguf(random_blocks(n, k, qtype, seed), qtype, k)
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
     rows = quantize(w, GGMLQuantizationType(qtype)).view(np.uint8)            # F16 comes as float16 [n, k]
@@ -52,7 +53,7 @@ def whole(k: int, qtype: int) -> int:
 
 
 def test_new_types_are_native():
-    assert {Q5_0, Q5_1, Q5_K, F16, BF16} <= NATIVE_QTYPES
+    assert {Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16} <= NATIVE_QTYPES
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -66,8 +67,8 @@ def test_dequantize_bit_identical_to_gguf(name, isa, source):
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
     qtype = NEW[name]
-    if source == "gguf-py" and qtype == Q5_K:
-        pytest.skip("gguf-py has no Q5_K quantizer")
+    if source == "gguf-py" and qtype in K_QUANTS:
+        pytest.skip("gguf-py has no K-quant quantizer")
     k = whole(96, qtype) * 3
     raw = random_blocks(7, k, qtype, seed=isa) if source == "random" else weights(7, k, qtype, seed=isa).to_gguf()
     ref = torch.from_numpy(dequantize(raw.numpy().view(np.float16) if qtype == F16 else raw.numpy(),
@@ -86,7 +87,7 @@ def test_dequantize_bit_identical_to_gguf(name, isa, source):
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (1, 65, 1536), (2, 5, 64), (3, 33, 96), (4, 9, 608),
                                      (17, 64, 160), (64, 13, 1536), (200, 3, 512), (5, 258, 64)])
 def test_qlinear_equals_reference(name, isa, m, n, k):
-    """Odd shapes; K rounded up to whole blocks (Q5_K: 256, 768, 1536, 512); M = 1-4 runs the fused path,
+    """Odd shapes; K rounded up to whole blocks (K-quants: 256, 768, 1536, 512); M = 1-4 runs the fused path,
     more rows the tiled one."""
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")

@@ -9,7 +9,7 @@ qs: 16 bytes of nibbles (Q4, Q5 low bits: element i < 16 the low nibble of byte 
 byte i - 16), qh: bit i the fifth bit of element i. nb = K / 32 blocks. Scales apart from quants let a kernel
 convert 16 scales in one instruction and broadcast them from memory (measured: the per-block fp16 scale
 handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one execution port). K-quants
-(256-weight super-blocks): Q6_K rows keep the GGUF's bytes; Q4_K rows are regrouped (same size) as
+(256-weight super-blocks): Q2_K, Q3_K and Q6_K rows keep the GGUF's bytes; Q4_K rows are regrouped (same size) as
 [16-byte super-block headers][quants, 16 bytes a 32-weight sub-block in Q4_0's nibble order], so the kernels
 treat a sub-block as a Q4_1 block (measured: the GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x
 Q4_1's time per weight); Q5_K rows likewise as [headers][qh u32 a sub-block][qs 16 bytes a sub-block], a
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30      # ggml type ids
-BLOCK_BYTES = {F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
-               Q6_K: 210}   # per block (F16 / BF16: 32 halves)
-BLOCK_WEIGHTS = {q: 256 if q in (Q4_K, Q5_K, Q6_K) else 32 for q in BLOCK_BYTES}  # weights along K per block
-K_QUANTS = frozenset({Q4_K, Q5_K, Q6_K})
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30                          # ggml type ids
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+BLOCK_BYTES = {F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110,
+               Q4_K: 144, Q5_K: 176, Q6_K: 210}   # per block (F16 / BF16: 32 halves)
+K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
 BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32)}
 INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q8_0})       # what tandem.qlinear_q8 reads (kernels_act="int8")
@@ -43,6 +44,9 @@ SMALL_M = 96
 SMALL_M_AVX2 = 16
 
 
+_AS_IS = frozenset({F16, BF16, Q2_K, Q3_K, Q6_K})     # rows that keep the GGUF's bytes
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     data: torch.Tensor          # uint8 [N, K / BLOCK_WEIGHTS * BLOCK_BYTES], rows regrouped (module docstring)
@@ -52,7 +56,7 @@ class QuantWeight:
     @staticmethod
     def from_gguf(blocks: torch.Tensor, qtype: int, k: int) -> "QuantWeight":
         """From GGUF rows of interleaved blocks, uint8 [N, K / block weights * block bytes]."""
-        if qtype in (Q6_K, F16, BF16):
+        if qtype in _AS_IS:
             return QuantWeight(blocks.contiguous(), qtype, k)
         if qtype == Q4_K:
             return QuantWeight(_q4_k_regroup(blocks, k), qtype, k)
@@ -64,7 +68,7 @@ class QuantWeight:
 
     def to_gguf(self) -> torch.Tensor:
         """The GGUF rows back (interleaved blocks)."""
-        if self.qtype in (Q6_K, F16, BF16):
+        if self.qtype in _AS_IS:
             return self.data
         if self.qtype == Q4_K:
             return _q4_k_ungroup(self.data, self.k)
@@ -228,10 +232,26 @@ def _half(b: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Q4_K / Q5_K / Q6_K super-blocks (GGUF layout, csrc/quant_gemm.cpp) -> fp32 [N, K]."""
+    """K-quant super-blocks (GGUF layout, csrc/quant_gemm.cpp) -> fp32 [N, K]."""
     n, ns = data.shape[0], k // 256
     raw = data.reshape(n, ns, BLOCK_BYTES[qtype])
     b = raw.int()
+    two = torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 4, 1)
+    if qtype in (Q2_K, Q3_K):                                   # element 128 h + 32 t + l: qs[32 h + l] >> 2 t & 3
+        off = 16 if qtype == Q2_K else 32
+        q = ((b[..., off:off + 64].reshape(n, ns, 2, 1, 32) >> two) & 3).reshape(n, ns, 16, 16)
+        if qtype == Q2_K:
+            d, dmin, s = _half(raw[..., 80:82]), _half(raw[..., 82:84]), b[..., :16]
+            dl, ml = (d * (s & 15).float())[..., None], (dmin * (s >> 4).float())[..., None]
+            return (dl * q.float() - ml).reshape(n, k)
+        h = (b[..., None, :32] >> torch.arange(8).view(8, 1)) & 1                  # [n, ns, 8 (4 h + t), 32]
+        q = q - ((1 - h) << 2).reshape(n, ns, 16, 16)
+        s = b[..., 96:108]
+        lo = (s[..., None, :8] >> torch.tensor([0, 4]).view(2, 1)) & 15             # [n, ns, 2, 8]
+        hi = (s[..., None, 8:12] >> two.view(4, 1)) & 3                             # [n, ns, 4, 4]
+        scale = (lo.reshape(n, ns, 16) | (hi.reshape(n, ns, 16) << 4)) - 32
+        dl = (_half(raw[..., 108:110]) * scale.float())[..., None]
+        return (dl * q.float()).reshape(n, k)
     if qtype in (Q4_K, Q5_K):
         d, dmin, s = _half(raw[..., 0:2]), _half(raw[..., 2:4]), b[..., 4:16]
         sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)      # [n, ns, 8]

@@ -225,7 +225,7 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
 
 def gguf_quantized_state_dict(path: str, config: ModelConfig) -> dict:
     """The state dict for the native kernels: matrices of a type in NATIVE_QTYPES (F16, BF16, Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay GGUF blocks, the rest fp32."""
+    Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay GGUF blocks, the rest fp32."""
     import gguf
 
     from ..kernels.quant import NATIVE_QTYPES

@@ -15,6 +15,12 @@
 //     value = (d * sc_j) * q - (dmin * m_j)
 //   Q5_K (176 B): d fp16 | dmin fp16 | scales[12] (as Q4_K) | qh[32] | qs[128] (as Q4_K)
 //     weight l of sub-block j: Q4_K's nibble | (qh[l] >> j & 1) << 4; value = (d * sc_j) * q - (dmin * m_j)
+//   Q2_K (84 B): scales[16] (4-bit scale | 4-bit min << 4, one a 16 weights) | qs[64] | d fp16 | dmin fp16
+//     element 128 h + 32 t + l: q = qs[32 h + l] >> 2 t & 3, sub-block u = 8 h + 2 t + l / 16;
+//     value = (d * (scales[u] & 15)) * q - dmin * (scales[u] >> 4)
+//   Q3_K (110 B): hmask[32] | qs[64] | scales[12] (16 x 6-bit, gguf-py's packing) | d fp16
+//     element 128 h + 32 t + l: q = (qs[32 h + l] >> 2 t & 3) - 4 (+ 4 where hmask[l] >> (4 h + t) & 1);
+//     value = (d * (scale_u - 32)) * q, u = 8 h + 2 t + l / 16
 //   Q6_K (210 B): ql[128] | qh[64] | scales int8[16] | d fp16
 //     element 128 h + 32 t + l (h < 2, t < 4, l < 32): 4 low bits from ql[64 h + 32 (t % 2) + l] >> 4 (t / 2),
 //     2 high bits from qh[32 h + l] >> 2 t; value = (d * scales[8 h + 2 t + l / 16]) * (q - 32)
@@ -22,7 +28,7 @@
 // nb = K / 32 blocks (F16 / BF16: the row's halves unchanged), otherwise regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
 //   [d fp16 x nb][m fp16 x nb, Q4_1 / Q5_1][qh uint32 x nb, Q5][qs x nb: 16 bytes (Q4, Q5) or 32 int8 (Q8) each]
 // so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
-// super-blocks unchanged; Q4_K and Q5_K rows are regrouped (same size) as
+// super-blocks unchanged, as are Q2_K and Q3_K rows; Q4_K and Q5_K rows are regrouped (same size) as
 //   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qh uint32 x nb, Q5_K]
 //   [qs x nb: 16 bytes in Q4_0's nibble order]
 // (Q5_K's qh of sub-block b: bit l = the fifth bit of its weight l), so a Q4_K / Q5_K sub-block is a Q4_1 /
@@ -49,7 +55,8 @@
 namespace tandem {
 
 enum QType : int64_t {
-  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kBF16 = 30
 };  // ggml type ids
 
 static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weights; 256 for K-quants)
@@ -61,15 +68,17 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
     case kQ5_0: return 22;
     case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kQ2_K: return 84;
+    case kQ3_K: return 110;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
-              " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+              " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
-static bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+static bool is_k_quant(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }
 static int64_t block_weights(int64_t qtype) { return is_k_quant(qtype) ? 256 : 32; }
 
 // Q4_K: the 6-bit scale and min of sub-block j < 8 from the super-block's 12 scale bytes.
@@ -83,8 +92,14 @@ static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
+// Q3_K: the signed 6-bit scale of 16-weight sub-block u < 16 from the super-block's 12 scale bytes.
+static inline int q3_k_scale(const uint8_t* s, int u) {
+  return ((s[u % 8] >> 4 * (u / 8) & 15) | (s[8 + u % 4] >> 2 * (u / 4) & 3) << 4) - 32;
+}
+
 // A K-quant row's sub-block scales as fp32: Q4_K / Q5_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
-// block b; Q6_K sc[2 b + i] = d * scales (16-weight halves). nb = K / 32; sc holds 2 nb floats.
+// block b; Q6_K sc[2 b + i] = d * scales (16-weight halves); Q3_K sc[2 b + i] = d * (scale - 32); Q2_K
+// sc[2 b + i] = d * (scale & 15), sc[2 nb + 2 b + i] = dmin * (scale >> 4). nb = K / 32; sc holds 4 nb floats.
 // Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
 // q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block).
 static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
@@ -102,6 +117,21 @@ static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float
       std::memcpy(b, v, 16);
       for (int j = 0; j < 8; ++j) sc[8 * s + j] = d * (float)b[j];
       for (int j = 0; j < 8; ++j) sc[nb + 8 * s + j] = -(dmin * (float)b[8 + j]);   // Q4_1's m = -dmin m_j
+    } else if (qtype == kQ2_K) {
+      const uint8_t* blk = row + 84 * s;
+      float d = fp16_to_fp32(load_u16(blk + 80)), dmin = fp16_to_fp32(load_u16(blk + 82));
+      for (int u = 0; u < 16; ++u) sc[16 * s + u] = d * (float)(blk[u] & 15);
+      for (int u = 0; u < 16; ++u) sc[2 * nb + 16 * s + u] = dmin * (float)(blk[u] >> 4);
+    } else if (qtype == kQ3_K) {                    // q3_k_scale, 4 scales an operation (as Q4_K above)
+      const uint8_t* blk = row + 110 * s;
+      float d = fp16_to_fp32(load_u16(blk + 108));
+      uint32_t a[3], v[4];
+      std::memcpy(a, blk + 96, 12);
+      for (int i = 0; i < 4; ++i)
+        v[i] = ((a[i & 1] >> 4 * (i >> 1)) & 0x0f0f0f0f) | (((a[2] >> 2 * i) & 0x03030303) << 4);
+      uint8_t u8[16];
+      std::memcpy(u8, v, 16);
+      for (int u = 0; u < 16; ++u) sc[16 * s + u] = d * (float)((int)u8[u] - 32);
     } else {
       const uint8_t* blk = row + 210 * s;
       float d = fp16_to_fp32(load_u16(blk + 208));
@@ -133,8 +163,19 @@ static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, 
     if (qtype == kQ5_K) q |= (row[2 * nb + 4 * b + i / 8] >> i % 8 & 1) << 4;
     return fp16_to_fp32(load_u16(blk)) * (float)scale * (float)q - fp16_to_fp32(load_u16(blk + 2)) * (float)min;
   }
+  const int h = j / 4, t = j % 4, u = 2 * j + i / 16;
+  if (qtype == kQ2_K) {
+    const uint8_t* blk = row + 84 * (b / 8);
+    int q = blk[16 + 32 * h + i] >> 2 * t & 3;
+    return fp16_to_fp32(load_u16(blk + 80)) * (float)(blk[u] & 15) * (float)q -
+           fp16_to_fp32(load_u16(blk + 82)) * (float)(blk[u] >> 4);
+  }
+  if (qtype == kQ3_K) {
+    const uint8_t* blk = row + 110 * (b / 8);
+    int q = (blk[32 + 32 * h + i] >> 2 * t & 3) - (blk[i] >> j & 1 ? 0 : 4);
+    return fp16_to_fp32(load_u16(blk + 108)) * (float)q3_k_scale(blk + 96, u) * (float)q;
+  }
   const uint8_t* blk = row + 210 * (b / 8);
-  const int h = j / 4, t = j % 4;
   int lo = blk[64 * h + 32 * (t % 2) + i] >> 4 * (t / 2) & 15, hi = blk[128 + 32 * h + i] >> 2 * t & 3;
   return fp16_to_fp32(load_u16(blk + 208)) * (float)(int8_t)blk[192 + 8 * h + 2 * t + i / 16] *
          (float)((lo | hi << 4) - 32);
@@ -234,7 +275,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   const int64_t tiles = (N + nr - 1) / nr;
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf((size_t)nr * K + 8 * (K / 32));     // weight rows, then 4 rows' scales
+    std::vector<float> buf((size_t)nr * K + 16 * (K / 32));    // weight rows, then 4 rows' scales
     fn(a, t0 * nr, std::min(t1 * nr, N), buf.data());
   });
   return y;
@@ -260,7 +301,7 @@ void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Ten
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(2 * (K / 32));
+    std::vector<float> sc(4 * (K / 32));
     for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K, sc.data());
   });
 }
