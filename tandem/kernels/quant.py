@@ -33,7 +33,7 @@ K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
 BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32)}
-INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q8_0})       # what tandem.qlinear_q8 reads (kernels_act="int8")
+INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0})   # what tandem.qlinear_q8 reads (kernels_act="int8")
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMM runs (measured: 1.4x the fp32 GEMM at 65 rows, even at 128);
 # past it the layer is dequantized into a reused buffer and MKL's fp32 GEMM
