@@ -202,3 +202,18 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
         assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
     if m <= small_m():                                          # the Python entry point takes the same op
         assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
+
+
+@pytest.mark.parametrize("name", ["Q5_K", "Q2_K", "Q5_0"])
+def test_column_shards_cut_on_whole_blocks(name):
+    """Tensor parallelism's column split keeps blocks where the cut falls on a block of the type (256 weights for
+    K-quants) and dequantizes otherwise: a cut 32 weights into a super-block must not slice its bytes."""
+    from tandem.model.shard import _cols
+    qtype = NEW[name]
+    q = weights(3, 768, qtype)
+    dense, cut = q.dequantize(), []
+    kept = _cols(q, 256, 512, cut, "o")
+    assert isinstance(kept, QuantWeight) and cut == [] and torch.equal(kept.dequantize(), dense[:, 256:512])
+    part = _cols(q, 32, 288, cut, "o")
+    assert torch.equal(part.dequantize() if isinstance(part, QuantWeight) else part, dense[:, 32:288])
+    assert cut == ([] if qtype == Q5_0 else ["o"])
