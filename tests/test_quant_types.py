@@ -153,6 +153,35 @@ def test_q4_k_m_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch)
     assert outs[0] == outs[1]
 
 
+def test_k_quant_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch):
+    """Every K-quant in one tiny Llama (Q2_K gate / up, Q3_K q / k / o and embedding, Q4_K / Q5_K attn_v and
+    ffn_down, Q6_K head: the Q2_K and Q3_K_M mixes), kept as blocks; layer 0's fused qkv mixes Q3_K and Q5_K, and
+    kernels="native" decodes greedily as kernels="torch"."""
+    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+
+    from tandem import SamplingParams
+    from tandem.model import gguf_loader
+    from tandem.model.loader import load_weights, resolve_model
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
+    path = write_tiny_gguf(tmp_path / "tiny-k-mix.gguf", hf_dir, quant="K_MIX", with_tokenizer=False)
+    state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)
+    qtypes = {k: v.qtype for k, v in state.items() if isinstance(v, QuantWeight)}
+    assert len(qtypes) == 2 + 7 * 2
+    assert set(qtypes.values()) == {Q2_K, Q3_K, Q4_K, Q5_K, Q6_K}
+    assert qtypes["model.layers.0.self_attn.v_proj.weight"] == qtypes["model.layers.1.mlp.down_proj.weight"] == Q5_K
+    assert qtypes["model.layers.1.mlp.up_proj.weight"] == Q2_K and qtypes["model.embed_tokens.weight"] == Q3_K
+    outs = []
+    for opt in ("native", "torch"):
+        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+        prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        outs.append([o.token_ids for o in res])
+    assert outs[0] == outs[1]
+
+
+
 @pytest.mark.parametrize("quant, qtype", [("F16", F16), ("BF16", BF16)])
 def test_half_gguf_kept_and_greedy_equal_torch(quant, qtype, tmp_path, make_llm, monkeypatch):
     """An F16 / BF16 file: every matrix stays halves (half the bytes of the fp32 it was dequantized to), and
