@@ -1,7 +1,8 @@
-"""The GGUF types added to the native kernels after the first five (Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16): bit-identical
-dequantization against gguf-py on every ISA body this CPU runs, the quantized linear against its torch reference
-on odd shapes, the row regrouping's round trip, and a tiny Llama written as a real Q4_K_M mix (a width that is
-not a multiple of 256 keeps most matrices as Q5_0), and F16 / BF16 files, loaded without dequantizing anything."""
+"""The GGUF types added to the native kernels after the first five (Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16):
+bit-identical dequantization against gguf-py on every ISA body this CPU runs, the quantized linear (fp32 and,
+for Q5_0 / Q5_1, int8 activations) against its torch reference on odd shapes, the row regrouping's round trip,
+and tiny Llamas written as a real Q4_K_M mix (a width that is not a multiple of 256 keeps most matrices as
+Q5_0), with every K-quant, and as F16 / BF16, loaded without dequantizing anything."""
 from __future__ import annotations
 
 import numpy as np

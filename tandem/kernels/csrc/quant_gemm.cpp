@@ -9,7 +9,7 @@
 //   F16 / BF16 (64 B): 32 halves              value i = the half, exact in fp32
 // So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16 (q4_i), and
 // qh, a little-endian uint32, holds the fifth bit of element i at bit i.
-// K-quants, 256 weights along K per super-block (GGUF layout; Q4_K is regrouped at load, below):
+// K-quants, 256 weights along K per super-block (GGUF layout; Q4_K and Q5_K are regrouped at load, below):
 //   Q4_K (144 B): d fp16 | dmin fp16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
 //     sub-block j (32 weights) = nibbles of qs[32 (j / 2) ..][0..31], low for even j, high for odd;
 //     value = (d * sc_j) * q - (dmin * m_j)
@@ -25,15 +25,16 @@
 //     element 128 h + 32 t + l (h < 2, t < 4, l < 32): 4 low bits from ql[64 h + 32 (t % 2) + l] >> 4 (t / 2),
 //     2 high bits from qh[32 h + l] >> 2 t; value = (d * scales[8 h + 2 t + l / 16]) * (q - 32)
 // Weight tensor: uint8 [N, K / block weights * block bytes], one row per output feature holding the GGUF bytes of its
-// nb = K / 32 blocks (F16 / BF16: the row's halves unchanged), otherwise regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
+// nb = K / 32 blocks (F16 / BF16: the row's halves unchanged), otherwise regrouped (tandem/kernels/quant.py,
+// QuantWeight.from_gguf):
 //   [d fp16 x nb][m fp16 x nb, Q4_1 / Q5_1][qh uint32 x nb, Q5][qs x nb: 16 bytes (Q4, Q5) or 32 int8 (Q8) each]
 // so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
 // super-blocks unchanged, as are Q2_K and Q3_K rows; Q4_K and Q5_K rows are regrouped (same size) as
 //   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qh uint32 x nb, Q5_K]
 //   [qs x nb: 16 bytes in Q4_0's nibble order]
 // (Q5_K's qh of sub-block b: bit l = the fifth bit of its weight l), so a Q4_K / Q5_K sub-block is a Q4_1 /
-// Q5_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 6-bit / int8 sub-block scales are
-// decoded to fp32 once per call.
+// Q5_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 4-bit / 6-bit / int8 sub-block scales
+// (and Q2_K's mins) are decoded to fp32 once per call.
 //
 // Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
 // (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
@@ -43,8 +44,9 @@
 // however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
-// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc) equal
-// it up to summation order. The dequantized weights are bit-identical (d * q + m unfused, as gguf-py).
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc, with the
+// vector helpers of vec.h and quant_gemm_ext.inc) equal it up to summation order. The dequantized weights are
+// bit-identical (d * q + m unfused, as gguf-py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -75,7 +77,8 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
     case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
-              " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14)");
+              " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, ",
+              "Q5_K=13, Q6_K=14)");
 }
 
 static bool is_k_quant(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }

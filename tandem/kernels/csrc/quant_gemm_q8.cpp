@@ -7,10 +7,10 @@
 //   Q5_0, Q5_1: as Q4_0 (offset 16) and Q4_1, q_i the 5-bit value (0..31, still an unsigned byte for vpdpbusd)
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
 // the result differs from the fp32-activation kernel by the rounding of x (tests and kernels.md report it).
-// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 activations are stored in the nibble order of the
-// weights (Q5: its low 4 bits): a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds the g blocks'
-// elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted, lines up with
-// two loads of x. Q8_0 activations stay in natural order.
+// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 / Q5 activations are stored in the nibble order of the
+// weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds the g blocks'
+// elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted (Q5: the fifth
+// bits added from qh), lines up with two loads of x. Q8_0 activations stay in natural order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
