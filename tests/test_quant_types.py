@@ -247,3 +247,21 @@ def test_column_shards_cut_on_whole_blocks(name):
     part = _cols(q, 32, 288, cut, "o")
     assert torch.equal(part.dequantize() if isinstance(part, QuantWeight) else part, dense[:, 32:288])
     assert cut == ([] if qtype == Q5_0 else ["o"])
+
+
+def test_int8_act_reaches_q5_0_linears(tmp_path, make_llm, monkeypatch):
+    """kernels_act="int8" on a Q5_0 file: every linear is Q5_0 blocks with int8 activations, and it decodes."""
+    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+
+    from tandem import SamplingParams
+    from tandem.model import gguf_loader
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q5_0",
+                           with_tokenizer=False)
+    llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
+    model = llm.engine.runner.executor.model
+    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
+    assert all(lin.int8_act and lin.parts[0].qtype == Q5_0 for lin in linears)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
