@@ -38,7 +38,7 @@ class EngineConfig:
     cache_dir: str | None = None        # where dequantized GGUF weights are cached
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
-    kernels_act: str = "fp32"           # "int8": native decode linears on Q4_0/Q4_1/Q8_0 quantize x to int8 (llama.cpp)
+    kernels_act: str = "fp32"           # "int8": native decode linears on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 quantize x to int8
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
     tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
     nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)

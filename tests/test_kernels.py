@@ -172,7 +172,7 @@ def test_rows_cat_and_errors():
     with pytest.raises(RuntimeError, match="multiple of 256"):
         torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, Q4_K, 64)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, 13, 64)          # Q5_K
+        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, 16, 64)          # IQ2_XXS
     assert a.data.shape[1] == 2 * BLOCK_BYTES[Q8_0]
 
 

@@ -124,9 +124,12 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
 
     Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
     (not qwen2), no output.weight when tied, tokenizer metadata + chat template copied from
-    the SmolLM2 GGUF. ``quant``: "F32", "F16", "Q8_0" or "Q4_K_M" for 2-D weights (norms/biases stay F32);
-    "Q4_K_M" (K a multiple of 256) is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer
-    0's fused qkv mixes types.
+    the SmolLM2 GGUF. ``quant``: "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1" or "Q4_K_M" for 2-D weights (norms/biases
+    stay F32); "Q4_K_M" is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer 0's fused qkv
+    mixes types, and, as llama.cpp does for a K that is not a multiple of 256, Q5_0 in place of Q4_K and Q8_0 in
+    place of Q6_K for such tensors (a width of 192: Q5_0 + Q8_0 + Q4_K + Q6_K). "K_MIX" (K a multiple of 256)
+    writes every K-quant, as the Q2_K / Q3_K_M files mix them: Q2_K gate / up, Q3_K q / k / o, Q5_K attn_v and
+    Q4_K ffn_down in layer 0 (Q4_K and Q5_K in the others), Q6_K head and Q3_K embedding.
     ``arch_name`` overrides general.architecture (to test errors); ``rope_freqs``: optional
     float32 array written as rope_freqs.weight. ``with_tokenizer=False`` skips the tokenizer
     metadata (faster; the file then only works with a patched tokenizer builder).
@@ -179,7 +182,7 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
         block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
     glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}
-    k_quant = quant == "Q4_K_M"
+    k_quant = quant in ("Q4_K_M", "K_MIX")
     qtype = gguf.GGMLQuantizationType["Q4_K" if k_quant else quant]
     for name, t in sd.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
@@ -192,10 +195,17 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
         t = np.ascontiguousarray(t, dtype=np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = np.ascontiguousarray(_llamacpp_permute(t, n_head if ".q_proj." in name else n_kv))
-        if t.ndim == 2 and k_quant:
+        if t.ndim == 2 and quant == "K_MIX":
+            kt = _k_mix_type(gname)
+            w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
+        elif t.ndim == 2 and k_quant:
             q6 = gname in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight")
             kt = gguf.GGMLQuantizationType.Q6_K if q6 else qtype
-            w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
+            if t.shape[1] % 256 == 0:
+                w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
+            else:                                               # llama.cpp's fallbacks for rows of 32-blocks
+                kt = gguf.GGMLQuantizationType.Q8_0 if q6 else gguf.GGMLQuantizationType.Q5_0
+                w.add_tensor(gname, gguf.quants.quantize(t, kt), raw_dtype=kt)
         elif t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
@@ -209,9 +219,23 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     return str(path)
 
 
+def _k_mix_type(gname: str):
+    """The K_MIX type of a GGUF matrix (write_tiny_gguf)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    layer0 = gname.startswith("blk.0.")
+    for part, t in (("ffn_gate", T.Q2_K), ("ffn_up", T.Q2_K), ("attn_v", T.Q5_K if layer0 else T.Q4_K),
+                    ("ffn_down", T.Q4_K if layer0 else T.Q5_K), ("output.", T.Q6_K)):
+        if part in gname:
+            return t
+    return T.Q3_K
+
+
 def quantize_k(w, qtype: int):
-    """A plain Q4_K (12) / Q6_K (14) quantizer (gguf-py has none): min/max or absmax scales per sub-block, scales
-    quantized against the super-block's fp16 d (and dmin). Returns GGUF rows, uint8 [N, K / 256 * block bytes]."""
+    """A plain K-quant quantizer (gguf-py has none): Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14); min/max
+    or absmax scales per sub-block, scales quantized against the super-block's fp16 d (and dmin). Returns GGUF
+    rows, uint8 [N, K / 256 * block bytes]."""
     import numpy as np
 
     n, k = w.shape
@@ -224,20 +248,51 @@ def quantize_k(w, qtype: int):
     def steps(v, d, lo, hi):
         return np.clip(np.round(np.divide(v, d, out=np.zeros_like(v), where=d != 0)), lo, hi)
 
-    if qtype == 12:
+    if qtype in (10, 11):
+        x = x.reshape(n, k // 256, 16, 16)                                  # 16-weight sub-blocks
+        if qtype == 10:
+            mn, mx = np.minimum(x.min(-1), 0), x.max(-1)
+            d, dmin = fp16((mx - mn).max(-1) / 3 / 15), fp16((-mn).max(-1) / 15)             # [n, ns]
+            sc = steps((mx - mn) / 3, d.astype(np.float32)[..., None], 0, 15).astype(np.uint8)
+            m = steps(-mn, dmin.astype(np.float32)[..., None], 0, 15).astype(np.uint8)
+            scale = np.broadcast_to((d.astype(np.float32)[..., None] * sc)[..., None], x.shape)
+            q = steps(x + (dmin.astype(np.float32)[..., None] * m)[..., None], scale, 0, 3).astype(np.uint8)
+        else:
+            scale = np.abs(x).max(-1) / 4
+            d = fp16(scale.max(-1) / 31)
+            sc = steps(scale, d.astype(np.float32)[..., None], -32, 31).astype(np.int8)
+            step = np.broadcast_to((d.astype(np.float32)[..., None] * sc)[..., None], x.shape)
+            q = (steps(x, step, -4, 3) + 4).astype(np.uint8)                             # 0..7
+        q = q.reshape(n, k // 256, 2, 4, 32)                                    # element 128 h + 32 t + l
+        qs = (q[:, :, :, 0] & 3) | (q[:, :, :, 1] & 3) << 2 | (q[:, :, :, 2] & 3) << 4 | (q[:, :, :, 3] & 3) << 6
+        qs = qs.reshape(n, -1, 64)
+        if qtype == 10:
+            out = [(sc | m << 4), qs, d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)]
+            return np.concatenate(out, axis=-1).reshape(n, -1)
+        hmask = ((q >> 2).reshape(n, k // 256, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(2)
+        u = (sc.astype(np.int16) + 32).astype(np.uint8)                             # [n, ns, 16] 6-bit
+        lo = (u[..., :8] & 15) | (u[..., 8:] & 15) << 4
+        hi = ((u >> 4).reshape(n, -1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(2)
+        out = [hmask.astype(np.uint8), qs, lo, hi.astype(np.uint8), d[..., None].view(np.uint8)]
+        return np.concatenate(out, axis=-1).reshape(n, -1)
+    if qtype in (12, 13):
         x = x.reshape(n, k // 256, 8, 32)
+        top = 15 if qtype == 12 else 31
         mn, mx = np.minimum(x.min(-1), 0), x.max(-1)
-        d, dmin = fp16((mx - mn).max(-1) / 15 / 63), fp16((-mn).max(-1) / 63)                # [n, ns]
-        sc = steps((mx - mn) / 15, d.astype(np.float32)[..., None], 0, 63).astype(np.uint8)
+        d, dmin = fp16((mx - mn).max(-1) / top / 63), fp16((-mn).max(-1) / 63)                # [n, ns]
+        sc = steps((mx - mn) / top, d.astype(np.float32)[..., None], 0, 63).astype(np.uint8)
         m = steps(-mn, dmin.astype(np.float32)[..., None], 0, 63).astype(np.uint8)
         scale = np.broadcast_to((d.astype(np.float32)[..., None] * sc)[..., None], x.shape)
-        q = steps(x + (dmin.astype(np.float32)[..., None] * m)[..., None], scale, 0, 15).astype(np.uint8)
+        q = steps(x + (dmin.astype(np.float32)[..., None] * m)[..., None], scale, 0, top).astype(np.uint8)
         packed = np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
                                  (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4], axis=-1)      # [n, ns, 12]
-        qs = (q[:, :, 0::2] | q[:, :, 1::2] << 4).reshape(n, k // 256, 128)
-        out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
-        return out.reshape(n, -1)
-    assert qtype == 14, f"quantize_k: ggml type {qtype} is not Q4_K (12) or Q6_K (14)"
+        qs = ((q[:, :, 0::2] & 15) | (q[:, :, 1::2] & 15) << 4).reshape(n, k // 256, 128)
+        head = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed]
+        if qtype == 12:
+            return np.concatenate([*head, qs], axis=-1).reshape(n, -1)
+        qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(2).astype(np.uint8)    # [n, ns, 32]
+        return np.concatenate([*head, qh, qs], axis=-1).reshape(n, -1)
+    assert qtype == 14, f"quantize_k: ggml type {qtype} is not a K-quant (10-14)"
     x = x.reshape(n, k // 256, 16, 16)
     scale = np.abs(x).max(-1) / 31
     d = fp16(scale.max(-1) / 127)

@@ -1,14 +1,20 @@
 """Weights kept as GGUF blocks, the quantized linear over them, and the torch reference of both.
 
 A QuantWeight holds the GGUF's own bytes, one row per output feature, regrouped within the row (same size):
-    row = [d fp16 x nb][m fp16 x nb, Q4_1 only][quants x nb: 16 bytes of nibbles (Q4), 32 int8 (Q8)]
-nb = K / 32 blocks. Scales apart from quants let a kernel convert 16 scales in one instruction and
-broadcast them from memory (measured: the per-block fp16 scale handling of the interleaved GGUF layout kept
-the AVX-512 decode kernel on one execution port). K-quants (256-weight super-blocks): Q6_K rows keep the
-GGUF's bytes; Q4_K rows are regrouped (same size) as [16-byte super-block headers][quants, 16 bytes a
-32-weight sub-block in Q4_0's nibble order], so the kernels treat a sub-block as a Q4_1 block (measured: the
-GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x Q4_1's time per weight). Their 6-bit / int8
-sub-block scales are decoded once per row and call.
+each field of the 32-weight blocks gathered into one array, in the block's field order:
+    Q4_0 [d fp16 x nb][qs x nb]                    Q4_1 [d fp16 x nb][m fp16 x nb][qs x nb]
+    Q8_0 [d fp16 x nb][qs int8[32] x nb]
+    Q5_0 [d fp16 x nb][qh u32 x nb][qs x nb]       Q5_1 [d fp16 x nb][m fp16 x nb][qh u32 x nb][qs x nb]
+qs: 16 bytes of nibbles (Q4, Q5 low bits: element i < 16 the low nibble of byte i, i >= 16 the high nibble of
+byte i - 16), qh: bit i the fifth bit of element i. nb = K / 32 blocks. Scales apart from quants let a kernel
+convert 16 scales in one instruction and broadcast them from memory (measured: the per-block fp16 scale
+handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one execution port). K-quants
+(256-weight super-blocks): Q2_K, Q3_K and Q6_K rows keep the GGUF's bytes; Q4_K rows are regrouped (same size) as
+[16-byte super-block headers][quants, 16 bytes a 32-weight sub-block in Q4_0's nibble order], so the kernels
+treat a sub-block as a Q4_1 block (measured: the GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x
+Q4_1's time per weight); Q5_K rows likewise as [headers][qh u32 a sub-block][qs 16 bytes a sub-block], a
+sub-block then being a Q5_1 block. Their 6-bit / int8 sub-block scales are decoded once per row and call.
+F16 / BF16 rows are the GGUF's halves, read by the same kernels as blocks of 32 (half the bytes of fp32).
 Rows are whole blocks along K, so permuting or concatenating rows (llama's q/k un-permutation, the fused qkv
 and gate_up) works on the bytes as on a dense matrix. See csrc/quant_gemm.cpp for the block formats.
 """
@@ -19,11 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14       # ggml type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}   # per block
-BLOCK_WEIGHTS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}  # weights along K per block
-K_QUANTS = frozenset({Q4_K, Q6_K})
-INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q8_0})       # what tandem.qlinear_q8 reads (kernels_act="int8")
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30                          # ggml type ids
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+BLOCK_BYTES = {F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110,
+               Q4_K: 144, Q5_K: 176, Q6_K: 210}   # per block (F16 / BF16: 32 halves)
+K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
+# Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
+BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32)}
+INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0})   # what tandem.qlinear_q8 reads (kernels_act="int8")
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMM runs (measured: 1.4x the fp32 GEMM at 65 rows, even at 128);
 # past it the layer is dequantized into a reused buffer and MKL's fp32 GEMM
@@ -32,6 +42,9 @@ SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
 SMALL_M_AVX2 = 16
+
+
+_AS_IS = frozenset({F16, BF16, Q2_K, Q3_K, Q6_K})     # rows that keep the GGUF's bytes
 
 
 @dataclass(frozen=True)
@@ -43,27 +56,28 @@ class QuantWeight:
     @staticmethod
     def from_gguf(blocks: torch.Tensor, qtype: int, k: int) -> "QuantWeight":
         """From GGUF rows of interleaved blocks, uint8 [N, K / block weights * block bytes]."""
-        if qtype == Q6_K:
+        if qtype in _AS_IS:
             return QuantWeight(blocks.contiguous(), qtype, k)
         if qtype == Q4_K:
             return QuantWeight(_q4_k_regroup(blocks, k), qtype, k)
+        if qtype == Q5_K:
+            return QuantWeight(_q5_k_regroup(blocks, k), qtype, k)
         n, nb = blocks.shape[0], k // 32
-        b = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
-        scales = 4 if qtype == Q4_1 else 2
-        parts = [b[..., i:i + 2].reshape(n, -1) for i in range(0, scales, 2)] + [b[..., scales:].reshape(n, -1)]
-        return QuantWeight(torch.cat(parts, dim=1).contiguous(), qtype, k)
+        fields = torch.split(blocks.reshape(n, nb, BLOCK_BYTES[qtype]), BLOCK_FIELDS[qtype], dim=2)
+        return QuantWeight(torch.cat([f.reshape(n, -1) for f in fields], dim=1).contiguous(), qtype, k)
 
     def to_gguf(self) -> torch.Tensor:
         """The GGUF rows back (interleaved blocks)."""
-        if self.qtype == Q6_K:
+        if self.qtype in _AS_IS:
             return self.data
         if self.qtype == Q4_K:
             return _q4_k_ungroup(self.data, self.k)
+        if self.qtype == Q5_K:
+            return _q5_k_ungroup(self.data, self.k)
         n, nb = self.data.shape[0], self.k // 32
-        scales = 4 if self.qtype == Q4_1 else 2
-        s = self.data[:, :scales * nb].reshape(n, scales // 2, nb, 2).transpose(1, 2).reshape(n, nb, scales)
-        q = self.data[:, scales * nb:].reshape(n, nb, -1)
-        return torch.cat([s, q], dim=2).reshape(n, -1).contiguous()
+        sizes = BLOCK_FIELDS[self.qtype]
+        fields = torch.split(self.data, [nb * f for f in sizes], dim=1)
+        return torch.cat([f.reshape(n, nb, b) for f, b in zip(fields, sizes)], dim=2).reshape(n, -1).contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -127,8 +141,21 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """fp32 [N, K] from QuantWeight rows, in torch ops (the specification the native op is tested against)."""
     if qtype in K_QUANTS:
-        return _dequantize_k_ref(_q4_k_ungroup(data, k) if qtype == Q4_K else data, qtype, k)
+        ungroup = {Q4_K: _q4_k_ungroup, Q5_K: _q5_k_ungroup}.get(qtype)
+        return _dequantize_k_ref(ungroup(data, k) if ungroup else data, qtype, k)
     n, nb = data.shape[0], k // 32
+    if qtype == F16:
+        return data.contiguous().view(torch.float16).float()
+    if qtype == BF16:
+        return (data.contiguous().view(torch.int16).int() << 16).view(torch.float32)
+    if qtype in (Q5_0, Q5_1):
+        d, *m, qh, qs = torch.split(data, [nb * f for f in BLOCK_FIELDS[qtype]], dim=1)
+        d = _half(d.reshape(n, nb, 2))                                                # [N, nb, 1]
+        q = torch.cat([qs.reshape(n, nb, 16) & 15, qs.reshape(n, nb, 16) >> 4], dim=-1).int()
+        q = q | (_bits32(qh.reshape(n, nb, 4)) << 4)                                  # [N, nb, 32] 0..31
+        if qtype == Q5_0:
+            return (d * (q - 16).float()).reshape(n, k)
+        return (d * q.float() + _half(m[0].reshape(n, nb, 2))).reshape(n, k)
     d = data[:, :2 * nb].contiguous().view(torch.float16).float()[..., None]     # [N, nb, 1]
     if qtype == Q8_0:
         return (d * data[:, 2 * nb:].contiguous().view(torch.int8).float().view(n, nb, 32)).reshape(n, k)
@@ -166,22 +193,74 @@ def _q4_k_ungroup(data: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([head, q.reshape(n, ns, 128)], dim=-1).reshape(n, -1).contiguous()
 
 
+def _bits32(b: torch.Tensor) -> torch.Tensor:
+    """int32 [..., 32] of the bits of little-endian 32-bit masks [..., 4] (bit i of byte j at 8 j + i)."""
+    return ((b.int()[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1).flatten(-2)
+
+
+def _pack_bits32(bits: torch.Tensor) -> torch.Tensor:
+    """The inverse of _bits32: uint8 [..., 4] from bits [..., 32]."""
+    w = (bits.reshape(*bits.shape[:-1], 4, 8).int() << torch.arange(8, dtype=torch.int32)).sum(-1)
+    return w.to(torch.uint8)
+
+
+def _q5_k_regroup(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q5_K rows -> [headers (d, dmin, scales: 16 bytes) x ns][qh u32 x nb: bit i the fifth bit of weight i
+    of the sub-block][qs: 16 bytes a sub-block, Q4_0's nibble order]. GGUF: qh[32], bit j of byte l the fifth bit
+    of weight l of sub-block j; qs[128] as Q4_K's."""
+    n, ns = blocks.shape[0], k // 256
+    b = blocks.reshape(n, ns, 176)
+    bits = (b[..., 16:48].int()[:, :, None, :] >> torch.arange(8, dtype=torch.int32)[:, None]) & 1   # [n, ns, 8, 32]
+    qh = _pack_bits32(bits)                                                         # [n, ns, 8, 4]
+    lo = _q4_k_regroup(torch.cat([b[..., :16], b[..., 48:]], dim=-1).reshape(n, -1), k)
+    return torch.cat([lo[:, :16 * ns], qh.reshape(n, -1), lo[:, 16 * ns:]], dim=1).contiguous()
+
+
+def _q5_k_ungroup(data: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of _q5_k_regroup: GGUF Q5_K rows."""
+    n, ns = data.shape[0], k // 256
+    head, qh, qs = torch.split(data, [16 * ns, 32 * ns, 128 * ns], dim=1)
+    bits = _bits32(qh.reshape(n, ns, 8, 4))                                          # [n, ns, 8 (j), 32 (l)]
+    qh = (bits << torch.arange(8, dtype=torch.int32)[:, None]).sum(2).to(torch.uint8)   # [n, ns, 32]
+    lo = _q4_k_ungroup(torch.cat([head, qs], dim=1), k).reshape(n, ns, 144)
+    return torch.cat([lo[..., :16], qh, lo[..., 16:]], dim=-1).reshape(n, -1).contiguous()
+
+
 def _half(b: torch.Tensor) -> torch.Tensor:
     """fp32 of little-endian fp16 bytes [..., 2]."""
     return b.contiguous().view(torch.float16).float()
 
 
 def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Q4_K / Q6_K super-blocks (GGUF layout, csrc/quant_gemm.cpp) -> fp32 [N, K]."""
+    """K-quant super-blocks (GGUF layout, csrc/quant_gemm.cpp) -> fp32 [N, K]."""
     n, ns = data.shape[0], k // 256
-    b = data.reshape(n, ns, BLOCK_BYTES[qtype]).int()
-    if qtype == Q4_K:
-        d, dmin, s = _half(data.reshape(n, ns, 144)[..., 0:2]), _half(data.reshape(n, ns, 144)[..., 2:4]), b[..., 4:16]
+    raw = data.reshape(n, ns, BLOCK_BYTES[qtype])
+    b = raw.int()
+    two = torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 4, 1)
+    if qtype in (Q2_K, Q3_K):                                   # element 128 h + 32 t + l: qs[32 h + l] >> 2 t & 3
+        off = 16 if qtype == Q2_K else 32
+        q = ((b[..., off:off + 64].reshape(n, ns, 2, 1, 32) >> two) & 3).reshape(n, ns, 16, 16)
+        if qtype == Q2_K:
+            d, dmin, s = _half(raw[..., 80:82]), _half(raw[..., 82:84]), b[..., :16]
+            dl, ml = (d * (s & 15).float())[..., None], (dmin * (s >> 4).float())[..., None]
+            return (dl * q.float() - ml).reshape(n, k)
+        h = (b[..., None, :32] >> torch.arange(8).view(8, 1)) & 1                  # [n, ns, 8 (4 h + t), 32]
+        q = q - ((1 - h) << 2).reshape(n, ns, 16, 16)
+        s = b[..., 96:108]
+        lo = (s[..., None, :8] >> torch.tensor([0, 4]).view(2, 1)) & 15             # [n, ns, 2, 8]
+        hi = (s[..., None, 8:12] >> two.view(4, 1)) & 3                             # [n, ns, 4, 4]
+        scale = (lo.reshape(n, ns, 16) | (hi.reshape(n, ns, 16) << 4)) - 32
+        dl = (_half(raw[..., 108:110]) * scale.float())[..., None]
+        return (dl * q.float()).reshape(n, k)
+    if qtype in (Q4_K, Q5_K):
+        d, dmin, s = _half(raw[..., 0:2]), _half(raw[..., 2:4]), b[..., 4:16]
         sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)      # [n, ns, 8]
         mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
-        qs = b[..., 16:].reshape(n, ns, 4, 1, 32)
-        q = ((qs >> torch.tensor([0, 4]).view(1, 1, 1, 2, 1)) & 15).reshape(n, ns, 8, 32).float()
-        return ((d * sc.float())[..., None] * q - (dmin * mn.float())[..., None]).reshape(n, k)
+        qs = b[..., -128:].reshape(n, ns, 4, 1, 32)
+        q = ((qs >> torch.tensor([0, 4]).view(1, 1, 1, 2, 1)) & 15).reshape(n, ns, 8, 32)
+        if qtype == Q5_K:                                       # bit j of qh[l]: the fifth bit of weight l of j
+            q = q | (((b[..., 16:48, None] >> torch.arange(8)) & 1).transpose(-1, -2) << 4)
+        return ((d * sc.float())[..., None] * q.float() - (dmin * mn.float())[..., None]).reshape(n, k)
     ql, qh = b[..., :128].reshape(n, ns, 2, 1, 64), b[..., 128:192].reshape(n, ns, 2, 1, 32)
     lo = (ql >> torch.tensor([0, 4]).view(1, 1, 1, 2, 1)) & 15                      # [n, ns, 2, 2, 64]
     hi = (qh >> torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 4, 1)) & 3                  # [n, ns, 2, 4, 32]

@@ -211,8 +211,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
                 a = unpermute_qk(a, config.num_kv_heads)
         if quantized:
             from ..kernels.quant import QuantWeight
-            out[name] = QuantWeight.from_gguf(torch.from_numpy(np.array(a, dtype=np.uint8, copy=True)),
-                                              int(t.tensor_type), shape[1])
+            raw = np.ascontiguousarray(a).view(np.uint8)                # F16 reads as float16 [rows, K]
+            out[name] = QuantWeight.from_gguf(torch.from_numpy(raw.copy()), int(t.tensor_type), shape[1])
             continue
         a = np.array(a, dtype=np.float32, order="C", copy=True)
         out[name] = torch.from_numpy(a)
@@ -224,7 +224,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
 
 
 def gguf_quantized_state_dict(path: str, config: ModelConfig) -> dict:
-    """The state dict for the native kernels: Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices stay GGUF blocks, the rest fp32."""
+    """The state dict for the native kernels: matrices of a type in NATIVE_QTYPES (F16, BF16, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay GGUF blocks, the rest fp32."""
     import gguf
 
     from ..kernels.quant import NATIVE_QTYPES

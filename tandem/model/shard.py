@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.quant import QuantWeight
+from ..kernels.quant import BLOCK_WEIGHTS, QuantWeight
 from .config import ModelConfig
 
 log = logging.getLogger(__name__)
-BLOCK = 32
 
 
 def _fits(c: ModelConfig, n: int) -> list[str]:
@@ -88,12 +87,13 @@ def _cols(t, a: int, b: int, cut: list[str], name: str):
     """Columns [a, b) (the input features of a row-parallel weight); `cut` collects the dequantized ones."""
     if not isinstance(t, QuantWeight):
         return t[:, a:b].contiguous()
-    if a % BLOCK or b % BLOCK:
+    qk = BLOCK_WEIGHTS[t.qtype]                 # 256 for K-quants: a cut inside a super-block dequantizes
+    if a % qk or b % qk:
         cut.append(name)
         return t.dequantize()[:, a:b].contiguous()
     blocks = t.to_gguf()
-    bb = blocks.shape[1] // (t.k // BLOCK)
-    part = blocks.view(blocks.shape[0], -1, bb)[:, a // BLOCK:b // BLOCK].reshape(blocks.shape[0], -1)
+    bb = blocks.shape[1] // (t.k // qk)
+    part = blocks.view(blocks.shape[0], -1, bb)[:, a // qk:b // qk].reshape(blocks.shape[0], -1)
     return QuantWeight.from_gguf(part.contiguous(), t.qtype, b - a)
 
 

@@ -4,22 +4,37 @@
 //   Q4_0 (18 B): d fp16 | qs[16]   value i = d * ((qs[i % 16] >> 4 * (i / 16) & 15) - 8)
 //   Q4_1 (20 B): d fp16 | m fp16 | qs[16]   value i = d * (qs[i % 16] >> 4 * (i / 16) & 15) + m
 //   Q8_0 (34 B): d fp16 | qs int8[32]        value i = d * qs[i]
-// So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16.
-// K-quants, 256 weights along K per super-block (GGUF layout; Q4_K is regrouped at load, below):
+//   Q5_0 (22 B): d fp16 | qh[4] | qs[16]     value i = d * ((q4_i | (qh >> i & 1) << 4) - 16)
+//   Q5_1 (24 B): d fp16 | m fp16 | qh[4] | qs[16]   value i = d * (q4_i | (qh >> i & 1) << 4) + m
+//   F16 / BF16 (64 B): 32 halves              value i = the half, exact in fp32
+// So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16 (q4_i), and
+// qh, a little-endian uint32, holds the fifth bit of element i at bit i.
+// K-quants, 256 weights along K per super-block (GGUF layout; Q4_K and Q5_K are regrouped at load, below):
 //   Q4_K (144 B): d fp16 | dmin fp16 | scales[12] (8 x 6-bit scale, 8 x 6-bit min) | qs[128]
 //     sub-block j (32 weights) = nibbles of qs[32 (j / 2) ..][0..31], low for even j, high for odd;
 //     value = (d * sc_j) * q - (dmin * m_j)
+//   Q5_K (176 B): d fp16 | dmin fp16 | scales[12] (as Q4_K) | qh[32] | qs[128] (as Q4_K)
+//     weight l of sub-block j: Q4_K's nibble | (qh[l] >> j & 1) << 4; value = (d * sc_j) * q - (dmin * m_j)
+//   Q2_K (84 B): scales[16] (4-bit scale | 4-bit min << 4, one a 16 weights) | qs[64] | d fp16 | dmin fp16
+//     element 128 h + 32 t + l: q = qs[32 h + l] >> 2 t & 3, sub-block u = 8 h + 2 t + l / 16;
+//     value = (d * (scales[u] & 15)) * q - dmin * (scales[u] >> 4)
+//   Q3_K (110 B): hmask[32] | qs[64] | scales[12] (16 x 6-bit, gguf-py's packing) | d fp16
+//     element 128 h + 32 t + l: q = (qs[32 h + l] >> 2 t & 3) - 4 (+ 4 where hmask[l] >> (4 h + t) & 1);
+//     value = (d * (scale_u - 32)) * q, u = 8 h + 2 t + l / 16
 //   Q6_K (210 B): ql[128] | qh[64] | scales int8[16] | d fp16
 //     element 128 h + 32 t + l (h < 2, t < 4, l < 32): 4 low bits from ql[64 h + 32 (t % 2) + l] >> 4 (t / 2),
 //     2 high bits from qh[32 h + l] >> 2 t; value = (d * scales[8 h + 2 t + l / 16]) * (q - 32)
 // Weight tensor: uint8 [N, K / block weights * block bytes], one row per output feature holding the GGUF bytes of its
-// nb = K / 32 blocks regrouped (tandem/kernels/quant.py, QuantWeight.from_gguf):
-//   [d fp16 x nb][m fp16 x nb, Q4_1 only][qs x nb: 16 bytes (Q4) or 32 int8 (Q8) each]
+// nb = K / 32 blocks (F16 / BF16: the row's halves unchanged), otherwise regrouped (tandem/kernels/quant.py,
+// QuantWeight.from_gguf):
+//   [d fp16 x nb][m fp16 x nb, Q4_1 / Q5_1][qh uint32 x nb, Q5][qs x nb: 16 bytes (Q4, Q5) or 32 int8 (Q8) each]
 // so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
-// super-blocks unchanged; Q4_K rows are regrouped (same size) as
-//   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qs x nb: 16 bytes in Q4_0's nibble order]
-// so a Q4_K sub-block is a Q4_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 6-bit / int8
-// sub-block scales are decoded to fp32 once per call.
+// super-blocks unchanged, as are Q2_K and Q3_K rows; Q4_K and Q5_K rows are regrouped (same size) as
+//   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qh uint32 x nb, Q5_K]
+//   [qs x nb: 16 bytes in Q4_0's nibble order]
+// (Q5_K's qh of sub-block b: bit l = the fifth bit of its weight l), so a Q4_K / Q5_K sub-block is a Q4_1 /
+// Q5_1 block (value d * sc_j * q - dmin * m_j) for the kernels. A row's 4-bit / 6-bit / int8 sub-block scales
+// (and Q2_K's mins) are decoded to fp32 once per call.
 //
 // Thread split: at::parallel_for over tiles of output features (NR = FR = 4 per tile). For M <= FUSED_M
 // (decode at batch 1-4 on AVX-512, 1 on AVX2) each block is dequantized in registers and used at once (the fused path: weight
@@ -29,8 +44,9 @@
 // however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
-// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc) equal
-// it up to summation order. The dequantized weights are bit-identical (d * q + m unfused, as gguf-py).
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc, with the
+// vector helpers of vec.h and quant_gemm_ext.inc) equal it up to summation order. The dequantized weights are
+// bit-identical (d * q + m unfused, as gguf-py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -40,21 +56,33 @@
 
 namespace tandem {
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // ggml type ids
+enum QType : int64_t {
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kBF16 = 30
+};  // ggml type ids
 
 static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weights; 256 for K-quants)
   switch (qtype) {
+    case kF16:
+    case kBF16: return 64;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kQ2_K: return 84;
+    case kQ3_K: return 110;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
-              " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)");
+              " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, ",
+              "Q5_K=13, Q6_K=14)");
 }
 
-static int64_t block_weights(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32; }
+static bool is_k_quant(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }
+static int64_t block_weights(int64_t qtype) { return is_k_quant(qtype) ? 256 : 32; }
 
 // Q4_K: the 6-bit scale and min of sub-block j < 8 from the super-block's 12 scale bytes.
 static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
@@ -67,29 +95,63 @@ static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
-// A K-quant row's sub-block scales as fp32: Q4_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
-// block b; Q6_K sc[2 b + i] = d * scales (16-weight halves). nb = K / 32; sc holds 2 nb floats.
+// Q3_K: the signed 6-bit scale of 16-weight sub-block u < 16 from the super-block's 12 scale bytes.
+static inline int q3_k_scale(const uint8_t* s, int u) {
+  return ((s[u % 8] >> 4 * (u / 8) & 15) | (s[8 + u % 4] >> 2 * (u / 4) & 3) << 4) - 32;
+}
+
+// A K-quant row's sub-block scales as fp32: Q4_K / Q5_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
+// block b; Q6_K sc[2 b + i] = d * scales (16-weight halves); Q3_K sc[2 b + i] = d * (scale - 32); Q2_K
+// sc[2 b + i] = d * (scale & 15), sc[2 nb + 2 b + i] = dmin * (scale >> 4). nb = K / 32; sc holds 4 nb floats.
 // Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
-// q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block).
-static inline void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
+// q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block), and the
+// scale bytes are widened to fp32 in SSE registers (measured: through a byte array they cost Q4_K 40 us of
+// 90 at N=576, K=1536, store forwarding failing from the 32-bit stores to the wider loads). Inlined into the
+// SIMD bodies, which have F16C and SSE4.1.
+#define TANDEM_TARGET_SCALES __attribute__((target("sse4.1,f16c"), always_inline)) static inline
+// sc[0..7] = d * bytes 0-7 of v (as unsigned, minus `off`), or 16 bytes into sc[0..15] (n = 16).
+TANDEM_TARGET_SCALES void scale_bytes(__m128i v, int n, int off, float d, float* sc) {
+  const __m128 vd = _mm_set1_ps(d);
+  for (int i = 0; i < n / 4; ++i) {
+    __m128i q = _mm_sub_epi32(_mm_cvtepu8_epi32(v), _mm_set1_epi32(off));
+    _mm_storeu_ps(sc + 4 * i, _mm_mul_ps(_mm_cvtepi32_ps(q), vd));
+    v = _mm_srli_si128(v, 4);
+  }
+}
+
+TANDEM_TARGET_SCALES void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
   for (int64_t s = 0; s < nb / 8; ++s) {
-    if (qtype == kQ4_K) {
+    if (qtype == kQ4_K || qtype == kQ5_K) {
       const uint8_t* blk = row + 16 * s;                                    // the regrouped header
-      float d = fp16_to_fp32(load_u16(blk)), dmin = fp16_to_fp32(load_u16(blk + 2));
-      uint32_t u[3], v[4];
+      float d = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
+      uint32_t u[3];
       std::memcpy(u, blk + 4, 12);
-      v[0] = u[0] & 0x3f3f3f3f;                                             // scales 0-3
-      v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);       // scales 4-7
-      v[2] = u[1] & 0x3f3f3f3f;                                             // mins 0-3
-      v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // mins 4-7
-      uint8_t b[16];
-      std::memcpy(b, v, 16);
-      for (int j = 0; j < 8; ++j) sc[8 * s + j] = d * (float)b[j];
-      for (int j = 0; j < 8; ++j) sc[nb + 8 * s + j] = -(dmin * (float)b[8 + j]);   // Q4_1's m = -dmin m_j
+      __m128i v = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),                                          // scales 0-3
+                                 (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),    // scales 4-7
+                                 (int)(u[1] & 0x3f3f3f3f),                                          // mins 0-3
+                                 (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));  // 4-7
+      scale_bytes(v, 8, 0, d, sc + 8 * s);
+      scale_bytes(_mm_srli_si128(v, 8), 8, 0, -dmin, sc + nb + 8 * s);   // Q4_1's m = -dmin m_j, exactly
+    } else if (qtype == kQ2_K) {
+      const uint8_t* blk = row + 84 * s;
+      float d = _cvtsh_ss(load_u16(blk + 80)), dmin = _cvtsh_ss(load_u16(blk + 82));
+      __m128i v = _mm_loadu_si128((const __m128i*)blk), m4 = _mm_set1_epi8(15);
+      scale_bytes(_mm_and_si128(v, m4), 16, 0, d, sc + 16 * s);
+      scale_bytes(_mm_and_si128(_mm_srli_epi16(v, 4), m4), 16, 0, dmin, sc + 2 * nb + 16 * s);
+    } else if (qtype == kQ3_K) {                    // q3_k_scale, 4 scales an operation (as Q4_K above)
+      const uint8_t* blk = row + 110 * s;
+      float d = _cvtsh_ss(load_u16(blk + 108));
+      uint32_t a[3], v[4];
+      std::memcpy(a, blk + 96, 12);
+      for (int i = 0; i < 4; ++i)
+        v[i] = ((a[i & 1] >> 4 * (i >> 1)) & 0x0f0f0f0f) | (((a[2] >> 2 * i) & 0x03030303) << 4);
+      scale_bytes(_mm_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3]), 16, 32, d, sc + 16 * s);
     } else {
       const uint8_t* blk = row + 210 * s;
-      float d = fp16_to_fp32(load_u16(blk + 208));
-      for (int i = 0; i < 16; ++i) sc[16 * s + i] = d * (float)(int8_t)blk[192 + i];
+      float d = _cvtsh_ss(load_u16(blk + 208));
+      __m128i v = _mm_loadu_si128((const __m128i*)(blk + 192));
+      for (int i = 0; i < 4; ++i, v = _mm_srli_si128(v, 4))
+        _mm_storeu_ps(sc + 16 * s + 4 * i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(v)), _mm_set1_ps(d)));
     }
   }
 }
@@ -108,15 +170,28 @@ constexpr int NR = 1;
 // Weight i of 32-weight block b of a K-quant row (b / 8: super-block, b % 8: its sub-block).
 static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
   const int j = (int)(b % 8);
-  if (qtype == kQ4_K) {
+  if (qtype == kQ4_K || qtype == kQ5_K) {
     const uint8_t* blk = row + 16 * (b / 8);
     int scale, min;
     q4_k_scale_min(blk + 4, j, scale, min);
-    int q = row[2 * nb + 16 * b + i % 16] >> 4 * (i / 16) & 15;      // the qs after nb / 8 16-byte headers
+    const uint8_t* qs = row + (qtype == kQ5_K ? 6 : 2) * nb;         // after nb / 8 16-byte headers (and qh)
+    int q = qs[16 * b + i % 16] >> 4 * (i / 16) & 15;
+    if (qtype == kQ5_K) q |= (row[2 * nb + 4 * b + i / 8] >> i % 8 & 1) << 4;
     return fp16_to_fp32(load_u16(blk)) * (float)scale * (float)q - fp16_to_fp32(load_u16(blk + 2)) * (float)min;
   }
+  const int h = j / 4, t = j % 4, u = 2 * j + i / 16;
+  if (qtype == kQ2_K) {
+    const uint8_t* blk = row + 84 * (b / 8);
+    int q = blk[16 + 32 * h + i] >> 2 * t & 3;
+    return fp16_to_fp32(load_u16(blk + 80)) * (float)(blk[u] & 15) * (float)q -
+           fp16_to_fp32(load_u16(blk + 82)) * (float)(blk[u] >> 4);
+  }
+  if (qtype == kQ3_K) {
+    const uint8_t* blk = row + 110 * (b / 8);
+    int q = (blk[32 + 32 * h + i] >> 2 * t & 3) - (blk[i] >> j & 1 ? 0 : 4);
+    return fp16_to_fp32(load_u16(blk + 108)) * (float)q3_k_scale(blk + 96, u) * (float)q;
+  }
   const uint8_t* blk = row + 210 * (b / 8);
-  const int h = j / 4, t = j % 4;
   int lo = blk[64 * h + 32 * (t % 2) + i] >> 4 * (t / 2) & 15, hi = blk[128 + 32 * h + i] >> 2 * t & 3;
   return fp16_to_fp32(load_u16(blk + 208)) * (float)(int8_t)blk[192 + 8 * h + 2 * t + i / 16] *
          (float)((lo | hi << 4) - 32);
@@ -124,9 +199,21 @@ static float k_weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, 
 
 // Weight i of block b of a row (the specification of the format).
 static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, int i) {
-  if (qtype == kQ4_K || qtype == kQ6_K) return k_weight(qtype, row, nb, b, i);
+  if (is_k_quant(qtype)) return k_weight(qtype, row, nb, b, i);
+  if (qtype == kF16) return fp16_to_fp32(load_u16(row + 64 * b + 2 * i));
+  if (qtype == kBF16) {
+    uint32_t bits = (uint32_t)load_u16(row + 64 * b + 2 * i) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
   float d = fp16_to_fp32(load_u16(row + 2 * b));
   if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];
+  if (qtype == kQ5_0 || qtype == kQ5_1) {
+    const uint8_t* qh = row + (qtype == kQ5_1 ? 4 : 2) * nb;      // past d (and m); qs follow the nb masks
+    int q = (qh[4 * nb + 16 * b + i % 16] >> 4 * (i / 16) & 15) | (qh[4 * b + i / 8] >> i % 8 & 1) << 4;
+    return qtype == kQ5_1 ? d * (float)q + fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) : d * (float)(q - 16);
+  }
   bool q41 = qtype == kQ4_1;
   uint8_t byte = row[(q41 ? 4 : 2) * nb + 16 * b + i % 16];
   int q = i < 16 ? byte & 15 : byte >> 4;
@@ -151,9 +238,12 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 }
 }  // namespace scalar
 
+#include "quant_gemm_ext.inc"
+
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
 namespace avx2 {
 using V = Vec256;
+using VE = Vec256Ext;
 constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
 constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
 #include "quant_gemm_simd.inc"
@@ -163,6 +253,7 @@ constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight regi
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
 namespace avx512 {
 using V = Vec512;
+using VE = Vec512Ext;
 constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
 constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
 #include "quant_gemm_simd.inc"
@@ -200,7 +291,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   const int64_t tiles = (N + nr - 1) / nr;
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf((size_t)nr * K + 8 * (K / 32));     // weight rows, then 4 rows' scales
+    std::vector<float> buf((size_t)nr * K + 16 * (K / 32));    // weight rows, then 4 rows' scales
     fn(a, t0 * nr, std::min(t1 * nr, N), buf.data());
   });
   return y;
@@ -226,7 +317,7 @@ void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Ten
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(2 * (K / 32));
+    std::vector<float> sc(4 * (K / 32));
     for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K, sc.data());
   });
 }

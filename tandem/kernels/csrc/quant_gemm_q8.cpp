@@ -4,12 +4,13 @@
 //   Q4_0: y = sum_b d_b dx_b (sum_i q_i xq_i - 8 sum_i xq_i)
 //   Q4_1: y = sum_b d_b dx_b sum_i q_i xq_i + m_b dx_b sum_i xq_i
 //   Q8_0: y = sum_b d_b dx_b sum_i q_i xq_i
+//   Q5_0, Q5_1: as Q4_0 (offset 16) and Q4_1, q_i the 5-bit value (0..31, still an unsigned byte for vpdpbusd)
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
 // the result differs from the fp32-activation kernel by the rounding of x (tests and kernels.md report it).
-// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 activations are stored in the nibble order of the
+// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 / Q5 activations are stored in the nibble order of the
 // weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds the g blocks'
-// elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted, lines up with
-// two loads of x. Q8_0 activations stay in natural order.
+// elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted (Q5: the fifth
+// bits added from qh), lines up with two loads of x. Q8_0 activations stay in natural order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -20,11 +21,16 @@
 
 namespace tandem {
 
+#include "quant_gemm_ext.inc"
+
 bool cpu_has_vnni();
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
+
+constexpr bool has_min(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ5_1; }    // an m array beside d
+constexpr bool is_q5(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ5_1; }
 
 struct QRow {             // one quantized row of x
   const int8_t* q;        // [K], layout above
@@ -95,10 +101,17 @@ void rows(const Q8Args& a, int64_t n0, int64_t n1) {
           s += d * x.dx[b] * (float)dot;
           continue;
         }
-        const uint8_t* qs = row + (a.qtype == kQ4_1 ? 4 : 2) * nb + 16 * b;
-        for (int i = 0; i < 16; ++i) dot += (qs[i] & 15) * x.q[32 * b + i] + (qs[i] >> 4) * x.q[32 * b + 16 + i];
+        const uint8_t* qh = row + (has_min(a.qtype) ? 4 : 2) * nb;     // Q5: [qh u32 x nb][qs x nb]
+        const uint8_t* qs = qh + (is_q5(a.qtype) ? 4 * nb : 0) + 16 * b;
+        uint32_t h = 0;
+        if (is_q5(a.qtype)) std::memcpy(&h, qh + 4 * b, 4);
+        for (int i = 0; i < 16; ++i) {
+          const int lo = (qs[i] & 15) | (h >> i & 1) << 4, hi = (qs[i] >> 4) | (h >> (16 + i) & 1) << 4;
+          dot += lo * x.q[32 * b + i] + hi * x.q[32 * b + 16 + i];
+        }
         s += d * x.dx[b] * (float)dot;
-        s += a.qtype == kQ4_1 ? fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) * x.sx[b] : -8.f * d * x.sx[b];
+        s += has_min(a.qtype) ? fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) * x.sx[b]
+                              : (is_q5(a.qtype) ? -16.f : -8.f) * d * x.sx[b];
       }
       a.y[m * a.N + n] = s + (a.bias ? a.bias[n] : 0.f);
     }
@@ -141,9 +154,10 @@ T256 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
 
 at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                       const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "tandem.qlinear_q8: int8 activations support ",
-              "Q4_0=2, Q4_1=3 and Q8_0=8, got ggml type ", qtype);
-  const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ4_1 ? 20 : 18;
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0,
+              "tandem.qlinear_q8: int8 activations support Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7 and Q8_0=8, got ggml type ",
+              qtype);
+  const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ5_1 ? 24 : qtype == kQ5_0 ? 22 : qtype == kQ4_1 ? 20 : 18;
   TORCH_CHECK(K > 0 && K % 32 == 0, "tandem: K must be a positive multiple of 32, got ", K);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / 32 * bytes,
               "tandem.qlinear_q8: w must be a contiguous uint8 [N, ", K / 32 * bytes, "] tensor");
