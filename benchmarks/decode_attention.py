@@ -17,6 +17,8 @@ p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
 p.add_argument("--batch", type=int, default=1)
 p.add_argument("--iters", type=int, default=200)
 p.add_argument("--isa", type=int, default=-1)
+p.add_argument("--chunk-keys", type=int, default=None, help="the op's chunk_keys (0: never split); default: "
+               "not passed (builds before it have no such argument)")
 p.add_argument("--cpu-time", action="store_true", help="this thread's CPU time, not wall time (one thread only: "
                "robust to a loaded machine)")
 args = p.parse_args()
@@ -27,6 +29,7 @@ else:
     assert kernels.available(), kernels.unavailable_reason()
 
 H, KVH, D, LAYERS = 9, 3, 64, 30
+extra = [args.isa] + ([] if args.chunk_keys is None else [args.chunk_keys])
 clock = time.thread_time if args.cpu_time else time.perf_counter
 assert not args.cpu_time or args.threads == [1], "--cpu-time measures one thread"
 out = {}
@@ -39,12 +42,12 @@ for ctx in args.contexts:
     for t in args.threads:
         torch.set_num_threads(t)
         for _ in range(20):
-            torch.ops.tandem.decode_attention(q, cache, 7, kv_index, seq_lens, D ** -0.5, args.isa)
+            torch.ops.tandem.decode_attention(q, cache, 7, kv_index, seq_lens, D ** -0.5, *extra)
         best = float("inf")
         for _ in range(5):                                      # best of 5 runs of iters calls, layers cycled
             t0 = clock()
             for i in range(args.iters):
-                torch.ops.tandem.decode_attention(q, cache, i % LAYERS, kv_index, seq_lens, D ** -0.5, args.isa)
+                torch.ops.tandem.decode_attention(q, cache, i % LAYERS, kv_index, seq_lens, D ** -0.5, *extra)
             best = min(best, (clock() - t0) / args.iters)
         out[f"ctx{ctx}_t{t}"] = round(best * LAYERS * 1e3, 3)   # ms for 30 layers
 print(json.dumps(out))
