@@ -249,25 +249,7 @@ def test_real_model_parity_both_loops(kernels_opt, hf_reference, smollm, make_ll
             assert_parity(o.token_ids, ref_ids, scores)
 
 
-# ------------------------------------------------------------------------------------------- attention
-@pytest.mark.parametrize("isa", [0, 1, 2])
-@pytest.mark.parametrize("b, h, kvh, d, lens", [(1, 9, 3, 64, [1]), (3, 4, 2, 16, [5, 1, 300]),
-                                                (2, 2, 2, 24, [600, 513]), (4, 6, 1, 64, [7, 256, 257, 40])])
-def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
-    from tandem.kernels.attention import decode_attention_ref
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
-    slots, layers = 2048, 3
-    cache = torch.randn(slots + 1, layers, 2, kvh, d)
-    lk = max(lens)
-    kv_index = torch.stack([torch.randperm(slots)[:lk] for _ in range(b)])    # scattered slots
-    seq_lens = torch.tensor(lens)
-    kv_index[torch.arange(lk)[None, :] >= seq_lens[:, None]] = slots          # pad slot past the length
-    q = torch.randn(b, h, d)
-    for layer in (0, layers - 1):
-        got = torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, d ** -0.5, isa)
-        ref = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+# attention: tests/test_decode_attention.py
 
 
 # ------------------------------------------------------------------------------------------- fused layer ops

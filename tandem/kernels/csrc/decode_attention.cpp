@@ -5,14 +5,22 @@
 //   kv_index int64 [B, Lk]                  slot of each key position (only the first seq_lens[b] are read)
 //   seq_lens int64 [B]                      keys per row (>= 1)
 //   out      fp32 [B, H, D]                 softmax(q k^T * scale) v over the row's keys
-// Query heads are grouped by KV head (G = H / KVH share one K/V read). Thread split: at::parallel_for over
-// (row, KV head, chunk of CHUNK keys); each task keeps per head a running max, a sum of exponentials and an
-// unnormalized output over its chunk (flash-decoding), and a second pass merges a row's chunks with their
-// log-sum-exp weights. So a long sequence spreads over every thread, and no key is copied.
-// ISA: scores and the V accumulation use Vec512 / Vec256 dot/axpy bodies; the scalar body is the spec.
+//
+// One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
+// and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
+// Thread split: at::parallel_for over tasks (row, chunk of keys). A task keeps per query head a running max,
+// a sum of exponentials and an unnormalized output over its keys (flash-decoding). A row whose keys are one
+// chunk writes its normalized output at once (the unsplit path: every row when B alone gives each thread
+// several tasks, or with one thread); otherwise each chunk leaves its partial [H, D] and (max, sum) per
+// head, and the task that finishes a row's last chunk merges them with their log-sum-exp weights. So batch 1
+// at a long context spreads over every thread, and no key is copied.
+// ISA: scores, softmax (a polynomial exp, vec_math.inc) and the V accumulation use Vec512 / Vec256 helpers
+// (decode_attention_simd.inc); the scalar helpers, with std::exp, are the specification.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -21,16 +29,14 @@
 
 namespace tandem {
 
-constexpr int64_t CHUNK = 256;      // keys per task
-constexpr int64_t TILE = 32;        // keys scored before their values are accumulated
+constexpr int64_t TILE = 32;         // keys scored before their values are accumulated (a multiple of every W)
+constexpr int64_t MIN_CHUNK = 64;    // fewest keys a split chunk gets
+constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
 
 struct AttnArgs {
   const float* q; const float* cache; const int64_t* kv_index; const int64_t* seq_lens;
   int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // slot_stride = L * 2 * KVH * D
   float scale;
-  float* part_acc;      // [B, KVH, chunks, G, D]
-  float* part_ml;       // [B, KVH, chunks, G, 2]: running max, sum of exp
-  int64_t chunks;
 };
 
 namespace scalar {
@@ -44,6 +50,16 @@ static void axpy(float* y, float a, const float* x, int64_t n) {   // y += a * x
 }
 static void scale_(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+static float max_of(const float* s, int64_t n) {
+  float m = s[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
+  return m;
+}
+static float exp_sum(float* s, int64_t n, float mx) {             // s[j] = exp(s[j] - mx); their sum
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
+  return sum;
 }
 #include "decode_attention_body.inc"
 }  // namespace scalar
@@ -64,9 +80,29 @@ using V = Vec512;
 }  // namespace avx512
 #undef KERNEL
 
+// out[i] = sum_c exp(m_c - M) acc_c[i] / sum_c exp(m_c - M) l_c over a row's n chunks, M = max_c m_c, for
+// the H query heads. acc: [n, H, D] and ml: [n, H, 2] (the row's chunks); out: [H, D].
+static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64_t D, float* out) {
+  for (int64_t i = 0; i < H; ++i) {
+    float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, ml[(c * H + i) * 2]);
+    float* o = out + i * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t c = 0; c < n; ++c) {
+      const float w = std::exp(ml[(c * H + i) * 2] - mx);
+      total += w * ml[(c * H + i) * 2 + 1];
+      const float* p = acc + (c * H + i) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * p[d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] /= total;
+  }
+}
+
+// chunk_keys: keys per chunk; -1 picks (see the top of the file), 0 never splits, > 0 forces that size
+// (rounded up to whole tiles; for tests).
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& seq_lens_in, double scale,
-                            int64_t isa_req) {
+                            int64_t isa_req, int64_t chunk_keys) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "tandem.decode_attention: q must be fp32 [B, H, D]");
   TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(2) == 2,
               "tandem.decode_attention: cache must be a contiguous fp32 [S + 1, L, 2, KVH, D] tensor");
@@ -77,26 +113,64 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   TORCH_CHECK(cache.size(4) == D && H % KVH == 0, "tandem.decode_attention: head shapes do not match");
   TORCH_CHECK(kv_index.size(0) == B && seq_lens.size(0) == B, "tandem.decode_attention: batch sizes differ");
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
-  const int64_t G = H / KVH, chunks = std::max<int64_t>(1, (Lk + CHUNK - 1) / CHUNK);
-  at::Tensor out = at::empty({B, H, D}, q.options());
-  at::Tensor part_acc = at::empty({B, KVH, chunks, G, D}, q.options());
-  at::Tensor part_ml = at::empty({B, KVH, chunks, G, 2}, q.options());
-  AttnArgs a{q.data_ptr<float>(), cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(),
-             seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
-             (float)scale, part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), chunks};
+  const AttnArgs a{q.data_ptr<float>(), cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(),
+                   seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
+                   (float)scale};
   const int64_t* lens = a.seq_lens;
-  for (int64_t b = 0; b < B; ++b)
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= Lk, "tandem.decode_attention: seq_lens[", b, "] out of [1, ", Lk, "]");
-  Isa isa = resolve_isa(isa_req);
-  auto chunk_fn = isa == kAvx512 ? avx512::attend_chunk : isa == kAvx2 ? avx2::attend_chunk : scalar::attend_chunk;
-  auto merge_fn = isa == kAvx512 ? avx512::merge : isa == kAvx2 ? avx2::merge : scalar::merge;
-  at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores((size_t)G * TILE);
-    for (int64_t t = t0; t < t1; ++t) chunk_fn(a, t / (KVH * chunks), t / chunks % KVH, t % chunks, scores.data());
-  });
+    total += lens[b];
+  }
+  // Chunk size: about 8 tasks a thread over all rows' keys, at least MIN_CHUNK keys, then evened out over the
+  // longest row's chunks (so batch 1's chunks are nearly equal), in whole tiles.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunk = Lk;
+  if (chunk_keys > 0) {
+    chunk = chunk_keys;
+  } else if (chunk_keys < 0 && threads > 1 && B < 4 * threads) {
+    chunk = std::max(MIN_CHUNK, (total + 8 * threads - 1) / (8 * threads));
+    const int64_t longest = *std::max_element(lens, lens + B), n = (longest + chunk - 1) / chunk;
+    chunk = (longest + n - 1) / n;
+  }
+  chunk = (chunk + TILE - 1) / TILE * TILE;
+  // Row b's chunks are tasks [first[b], first[b + 1]).
+  std::vector<int64_t> first(B + 1, 0), row_of;
+  for (int64_t b = 0; b < B; ++b) {
+    first[b + 1] = first[b] + (lens[b] + chunk - 1) / chunk;
+    row_of.resize(first[b + 1], b);
+  }
+  const int64_t chunks = first[B];
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  at::Tensor part_acc, part_ml;                          // [chunks, H, D], [chunks, H, 2]
+  if (chunks > B) {
+    part_acc = at::empty({chunks, H, D}, q.options());
+    part_ml = at::empty({chunks, H, 2}, q.options());
+  }
+  std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
+  for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
+  const Isa isa = resolve_isa(isa_req);
+  auto attend = isa == kAvx512 ? avx512::attend : isa == kAvx2 ? avx2::attend : scalar::attend;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) merge_fn(a, t / KVH, t % KVH, o);
+  float* pacc = part_acc.defined() ? part_acc.data_ptr<float>() : nullptr;
+  float* pml = part_ml.defined() ? part_ml.data_ptr<float>() : nullptr;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> scratch((size_t)H * (D + TILE + 2));
+    float* ml_own = scratch.data() + H * (D + TILE);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = row_of[c], n = first[b + 1] - first[b];
+      const int64_t k0 = (c - first[b]) * chunk, k1 = std::min(k0 + chunk, lens[b]);
+      float* orow = o + b * H * D;
+      if (n == 1) {                                      // unsplit: normalize in place
+        attend(a, b, k0, k1, orow, ml_own, scratch.data());
+        for (int64_t i = 0; i < H; ++i)
+          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= ml_own[2 * i + 1];
+        continue;
+      }
+      attend(a, b, k0, k1, pacc + c * H * D, pml + c * H * 2, scratch.data());
+      if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1)      // the row's last chunk: merge
+        merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
+    }
   });
   return out;
 }

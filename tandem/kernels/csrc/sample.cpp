@@ -7,9 +7,9 @@
 // ~130 us with AVX-512 (the hash and two logs are most of it; no noise: 10-20 us), ~360 us with AVX2, where
 // torch took ~650 us (mt19937 uniform_ ~200 us, argmax ~100 us, then ~7 passes). The first index wins a
 // tie and a NaN counts as the largest value, as torch.argmax does. The torch reference (sampler.py) computes
-// the same hash exactly; its log is torch's, ours a Cephes polynomial (~1 ulp), so a draw can differ only
-// where two tokens' scores lie within ~1e-6 of each other. One pass writes the scores and finds the maximum,
-// a second returns its index.
+// the same hash exactly; its log is torch's, ours Cephes' polynomial (~1 ulp; Vec1 / Vec256 / Vec512::log in
+// vec.h, one body), so a draw can differ only where two tokens' scores lie within ~1e-6 of each other. One pass
+// writes the scores and finds the maximum, a second returns its index.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -33,32 +33,10 @@ inline uint32_t mix(uint32_t x) {
 
 inline uint32_t noise_bits(uint32_t k0, uint32_t k1, uint32_t j) { return mix(mix(j * kGolden + k0) ^ k1); }
 
-// Cephes' logf for a positive normal x (every input here is one): x = m 2^e, m in [sqrt(1/2), sqrt(2)).
-inline float log_poly(float m, float e) {
-  const float f = m - 1.f, z = f * f;
-  float y = 7.0376836292E-2f;
-  y = y * f - 1.1514610310E-1f; y = y * f + 1.1676998740E-1f; y = y * f - 1.2420140846E-1f;
-  y = y * f + 1.4249322787E-1f; y = y * f - 1.6668057665E-1f; y = y * f + 2.0000714765E-1f;
-  y = y * f - 2.4999993993E-1f; y = y * f + 3.3333331174E-1f;
-  y = y * f * z + -2.12194440E-4f * e - 0.5f * z;
-  return f + y + 0.693359375f * e;
-}
-
-inline float log_scalar(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  float e = (float)((int)(b >> 23) - 127);
-  b = (b & 0x007fffffu) | 0x3f800000u;
-  float m;
-  std::memcpy(&m, &b, 4);
-  if (m > 1.41421356f) { m *= 0.5f; e += 1.f; }
-  return log_poly(m, e);
-}
-
 inline float log_noise_scalar(uint32_t k0, uint32_t k1, uint32_t j) {
   const float v = (float)((noise_bits(k0, k1, j) >> 8) + 1) * (1.f / 16777216.f);
-  float E = -log_scalar(v);
-  return log_scalar(E < FLT_MIN ? FLT_MIN : E);
+  float E = -Vec1::log(v);
+  return Vec1::log(E < FLT_MIN ? FLT_MIN : E);
 }
 
 struct Row {
@@ -101,28 +79,6 @@ T512 inline __m512i mix16(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-T512 inline __m512 log16(__m512 x) {
-  __m512 e = _mm512_getexp_ps(x);
-  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
-  __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
-  m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
-  e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.f));
-  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.f)), z = _mm512_mul_ps(f, f);
-  __m512 y = _mm512_set1_ps(7.0376836292E-2f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993E-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174E-1f));
-  y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
-  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440E-4f), y);
-  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
-  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
-}
-
 T512 inline __m512 log_noise16(const Row& r, int64_t j) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)j), iota);
@@ -130,8 +86,8 @@ T512 inline __m512 log_noise16(const Row& r, int64_t j) {
   x = mix16(_mm512_xor_si512(mix16(x), _mm512_set1_epi32((int)r.k1)));
   __m512i bits = _mm512_add_epi32(_mm512_srli_epi32(x, 8), _mm512_set1_epi32(1));
   __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.f / 16777216.f));
-  __m512 E = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), log16(v)), _mm512_set1_ps(FLT_MIN));
-  return log16(E);
+  __m512 E = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), Vec512::log(v)), _mm512_set1_ps(FLT_MIN));
+  return Vec512::log(E);
 }
 
 T512 void scores_avx512(const Row& r, float* s) {
@@ -176,38 +132,14 @@ T256 inline __m256i mix8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-T256 inline __m256 log8(__m256 x) {
-  __m256i b = _mm256_castps_si256(x);
-  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(127)));
-  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x007fffff)),
-                                                 _mm256_set1_epi32(0x3f800000)));
-  __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
-  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
-  e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.f)));
-  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.f)), z = _mm256_mul_ps(f, f);
-  __m256 y = _mm256_set1_ps(7.0376836292E-2f);
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.1514610310E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.1676998740E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.2420140846E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.4249322787E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.6668057665E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0000714765E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-2.4999993993E-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(3.3333331174E-1f));
-  y = _mm256_mul_ps(_mm256_mul_ps(y, f), z);
-  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440E-4f), y);
-  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
-  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
-}
-
 T256 inline __m256 log_noise8(const Row& r, int64_t j) {
   __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   x = _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)kGolden)), _mm256_set1_epi32((int)r.k0));
   x = mix8(_mm256_xor_si256(mix8(x), _mm256_set1_epi32((int)r.k1)));
   __m256i bits = _mm256_add_epi32(_mm256_srli_epi32(x, 8), _mm256_set1_epi32(1));
   __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(1.f / 16777216.f));
-  __m256 E = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), log8(v)), _mm256_set1_ps(FLT_MIN));
-  return log8(E);
+  __m256 E = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), Vec256::log(v)), _mm256_set1_ps(FLT_MIN));
+  return Vec256::log(E);
 }
 
 T256 void scores_avx2(const Row& r, float* s) {

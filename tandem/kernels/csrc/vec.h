@@ -4,10 +4,13 @@
 // Vec256: 8 lanes). Every function carries its own target attribute, so this header compiles at the
 // baseline (x86-64) and nothing here runs unless best_isa() said the CPU has it. The SIMD kernel bodies
 // are written once over `V` and included inside `#pragma GCC target` regions (see quant_gemm.cpp).
+// Vec1 is the same interface over one plain float, for scalar bodies that share a polynomial with the SIMD
+// ones. exp and log (vec_math.inc) are written once and included into each of the three structs.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -68,6 +71,28 @@ struct Vec512 {
   TANDEM_AVX512 reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   TANDEM_AVX512 reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   TANDEM_AVX512 float hsum(reg v) { return _mm512_reduce_add_ps(v); }
+  TANDEM_AVX512 reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  TANDEM_AVX512 reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a * b
+  TANDEM_AVX512 reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
+  TANDEM_AVX512 reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  TANDEM_AVX512 float hmax(reg v) { return _mm512_reduce_max_ps(v); }
+  TANDEM_AVX512 reg round(reg v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  TANDEM_AVX512 reg ldexp(reg v, reg n) { return _mm512_scalef_ps(v, n); }       // v 2^n, n integral
+  TANDEM_AVX512 reg zero_below(reg x, reg lo, reg v) {                          // x < lo ? 0 : v
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), v);
+  }
+  // log of a positive normal x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), then log_poly.
+  TANDEM_AVX512 reg log(reg x) {
+    reg e = _mm512_getexp_ps(x);
+    reg m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    __mmask16 big = _mm512_cmp_ps_mask(m, set1(1.41421356f), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, big, m, set1(0.5f));
+    e = _mm512_mask_add_ps(e, big, e, set1(1.f));
+    return log_poly(m, e);
+  }
+#define TANDEM_VEC_FN TANDEM_AVX512
+#include "vec_math.inc"
+#undef TANDEM_VEC_FN
   TANDEM_AVX512 void halves(const uint8_t* src, float* dst, int64_t n) {   // n fp16 -> fp32
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + 2 * i))));
@@ -122,6 +147,35 @@ struct Vec256 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  TANDEM_AVX2 reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  TANDEM_AVX2 reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }     // c - a * b
+  TANDEM_AVX2 reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+  TANDEM_AVX2 reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  TANDEM_AVX2 float hmax(reg v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  TANDEM_AVX2 reg round(reg v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  TANDEM_AVX2 reg ldexp(reg v, reg n) {     // v 2^n for integral n in [-126, 127]: n + 127 is 2^n's exponent field
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(v, _mm256_castsi256_ps(e));
+  }
+  TANDEM_AVX2 reg zero_below(reg x, reg lo, reg v) { return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), v); }
+  TANDEM_AVX2 reg log(reg x) {              // as Vec512::log, the exponent and mantissa from the bits
+    __m256i b = _mm256_castps_si256(x);
+    reg e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 23), _mm256_set1_epi32(127)));
+    reg m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x007fffff)),
+                                                _mm256_set1_epi32(0x3f800000)));
+    reg big = _mm256_cmp_ps(m, set1(1.41421356f), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, mul(m, set1(0.5f)), big);
+    e = add(e, _mm256_and_ps(big, set1(1.f)));
+    return log_poly(m, e);
+  }
+#define TANDEM_VEC_FN TANDEM_AVX2
+#include "vec_math.inc"
+#undef TANDEM_VEC_FN
   TANDEM_AVX2 void halves(const uint8_t* src, float* dst, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * i))));
@@ -160,6 +214,37 @@ struct Vec256 {
     for (int i = 0; i < 4; ++i)
       out[i] = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), set1(i < 2 ? d0 : d1));
   }
+};
+
+// One lane, plain C++ at the baseline ISA (no FMA: fma rounds twice, so its results may differ from the SIMD
+// structs' in the last bits).
+struct Vec1 {
+  using reg = float;
+  static constexpr int W = 1;
+  static inline reg set1(float v) { return v; }
+  static inline reg add(reg a, reg b) { return a + b; }
+  static inline reg sub(reg a, reg b) { return a - b; }
+  static inline reg mul(reg a, reg b) { return a * b; }
+  static inline reg fma(reg a, reg b, reg c) { return a * b + c; }
+  static inline reg fnmadd(reg a, reg b, reg c) { return c - a * b; }
+  static inline reg min(reg a, reg b) { return b < a ? b : a; }
+  static inline reg max(reg a, reg b) { return a < b ? b : a; }
+  static inline reg round(reg v) { return std::nearbyint(v); }
+  static inline reg ldexp(reg v, reg n) { return std::ldexp(v, (int)n); }
+  static inline reg zero_below(reg x, reg lo, reg v) { return x >= lo ? v : 0.f; }
+  static inline reg log(reg x) {            // as Vec256::log
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    float e = (float)((int)(b >> 23) - 127);
+    b = (b & 0x007fffffu) | 0x3f800000u;
+    float m;
+    std::memcpy(&m, &b, 4);
+    if (m > 1.41421356f) { m *= 0.5f; e += 1.f; }
+    return log_poly(m, e);
+  }
+#define TANDEM_VEC_FN static inline
+#include "vec_math.inc"
+#undef TANDEM_VEC_FN
 };
 
 }  // namespace tandem

@@ -1,0 +1,74 @@
+"""The paged decode attention (csrc/decode_attention.cpp) against its torch reference (gather, then SDPA) on every
+ISA body this CPU runs: ragged rows in one batch, contexts 1 to 4096, GQA ratios 1, 3 and 4, head_dim 64 and 128
+(and an odd 24 for the SIMD tails), with the key range unsplit (chunk_keys=0), split into fixed chunks and
+split as the op picks (-1) at one and two threads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import kernels
+from tandem.kernels.attention import decode_attention_ref
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
+                                f"{kernels.unavailable_reason()}")
+
+CASES = [  # batch, query heads, KV heads, head_dim, keys per row
+    (1, 9, 3, 64, [1]),                        # SmolLM2-135M's heads, one key: 31 padded scores in the tile
+    (1, 9, 3, 64, [2048]),
+    (1, 8, 2, 128, [4096]),
+    (4, 12, 4, 128, [5, 1, 300, 33]),          # ragged: rows of one chunk beside rows of several
+    (5, 8, 2, 64, [31, 32, 33, 1000, 2]),      # GQA 4, tile edges
+    (2, 4, 4, 64, [600, 513]),                 # GQA 1
+    (3, 6, 2, 24, [7, 130, 64]),               # head_dim not a multiple of the SIMD width
+]
+
+
+def isas() -> list[int]:
+    return list(range(torch.ops.tandem.isa(2) + 1))
+
+
+def inputs(b, h, kvh, d, lens, seed):
+    """A cache of 2 layers whose rows' keys sit in scattered slots (shared between rows), padded past each length
+    with the pad slot, and queries scaled so that the softmax is peaked and its maximum moves between tiles."""
+    g = torch.Generator().manual_seed(seed)
+    lk = max(lens)
+    slots = lk + 16
+    cache = torch.randn(slots + 1, 2, 2, kvh, d, generator=g)
+    kv_index = torch.stack([torch.randperm(slots, generator=g)[:lk] for _ in range(b)])
+    seq_lens = torch.tensor(lens)
+    kv_index[torch.arange(lk)[None, :] >= seq_lens[:, None]] = slots
+    q = torch.randn(b, h, d, generator=g) * 3
+    return q, cache, kv_index, seq_lens
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("b, h, kvh, d, lens", CASES)
+def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    q, cache, kv_index, seq_lens = inputs(b, h, kvh, d, lens, seed=len(lens) * d + h)
+    threads = torch.get_num_threads()
+    try:
+        for layer in (0, 1):
+            ref = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5)
+            for chunk_keys, nthreads in ((0, 2), (32, 2), (100, 1), (-1, 1), (-1, 2)):
+                torch.set_num_threads(nthreads)
+                got = torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, d ** -0.5, isa,
+                                                        chunk_keys)
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"chunk_keys "
+                                           f"{chunk_keys}, {nthreads} threads: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_attention_wrapper_and_errors():
+    """The Python entry point runs the op as picked; bad shapes are refused with the op's name."""
+    from tandem.kernels.attention import decode_attention
+    q, cache, kv_index, seq_lens = inputs(2, 9, 3, 64, [40, 3], seed=1)
+    torch.testing.assert_close(decode_attention(q, cache, 1, kv_index, seq_lens, 0.125),
+                               decode_attention_ref(q, cache, 1, kv_index, seq_lens, 0.125), rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        torch.ops.tandem.decode_attention(q, cache, 1, kv_index, torch.tensor([41, 3]), 0.125)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        torch.ops.tandem.decode_attention(q[:, :8], cache, 1, kv_index, seq_lens, 0.125)
