@@ -44,6 +44,14 @@ _LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same lay
 _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives
 
 
+def device_env(threads: int) -> dict[str, str]:
+    """The environment of a device process (or tp rank): its thread count, and torch's CPU allocator giving
+    allocations of 2 MB and more transparent huge pages (THP_MEM_ALLOC_ENABLE; the user's setting wins).
+    Measured on the default model, 2 threads: TPOT -4 % at 128 tokens of context and -6 % at 2,000 (the
+    decode attention touches a new 4 KB page for every key's K and V; the weights are read every step)."""
+    return child_env({"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "OMP_NUM_THREADS": str(threads)})
+
+
 class DeviceProcessError(RuntimeError):
     """The device process failed or died; the engine cannot continue."""
 
@@ -137,7 +145,7 @@ class ProcessRunner:
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
-        env = child_env(dict(os.environ, OMP_NUM_THREADS=str(device_threads)))
+        env = device_env(device_threads)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(device_threads)],
             env=env, stdin=subprocess.PIPE, close_fds=True)

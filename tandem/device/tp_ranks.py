@@ -8,14 +8,14 @@ it dies with its parent (PR_SET_PDEATHSIG) and exits when rank 0 quits or a coll
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import signal
 import subprocess
 import sys
 
 from .executor import ExecutorSpec
-from ..lifeline import child_env, die_with_parent
+from ..lifeline import die_with_parent
+from .cpu_process import device_env
 from .tp import DistInfo, TPGroup
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_met
 
 
 def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
-    env = child_env(dict(os.environ, OMP_NUM_THREADS=str(info.threads)))
+    env = device_env(info.threads)
     proc = subprocess.Popen([sys.executable, "-m", "tandem.device.tp_ranks"], env=env, stdin=subprocess.PIPE,
                             close_fds=True)
     proc.stdin.write(pickle.dumps((spec, info)))
