@@ -11,6 +11,7 @@ u64 offset; then, at the next multiple of general.alignment (default 32), the da
 """
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 
@@ -91,6 +92,16 @@ class GGUFFile:
             data = self._map[lo:hi]
             data = data.reshape(rows, row_bytes) if len(dims) > 1 else data
             self.tensors.append(GGUFTensor(name, tuple(int(d) for d in reversed(dims)), qtype, data))
+
+    def drop_pages(self) -> None:
+        """Drop the map's resident pages from this process (they stay in the page cache). Call it only before
+        anything is written through a view: a private copy-on-write page would be lost. Views fault their pages
+        back from the file when read; without this, one kept view keeps every page the load touched counted in
+        the process's RSS."""
+        try:
+            self._map._mmap.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError, ValueError):
+            pass
 
     def field(self, key: str, default=None):
         v = self.fields.get(key, default)

@@ -219,9 +219,9 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     out: dict = {}
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
-            bar.update(t.nbytes)
             name = gguf_to_hf_name(t.name)
             if name is None:
+                bar.update(t.nbytes)
                 continue
             if name not in shapes:
                 raise ValueError(f"GGUF tensor {t.name!r} ({name}) does not fit the model config")
@@ -240,6 +240,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
                 out[name] = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
             else:
                 out[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+            bar.update(t.nbytes)
+    reader.drop_pages()                      # nothing was written yet; the views fault back what they read
     missing = sorted(set(shapes) - set(out))
     if missing:
         raise ValueError(f"GGUF file lacks tensors for: {', '.join(missing[:8])}"
