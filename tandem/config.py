@@ -35,7 +35,7 @@ class EngineConfig:
     poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
     trace_dir: str | None = None        # record a live run into this folder (ring of trace_ring_steps)
     trace_ring_steps: int = 4096        # steps the live trace keeps (the newest; older ones are dropped)
-    cache_dir: str | None = None        # where dequantized GGUF weights are cached
+    cache_dir: str | None = None        # where a GGUF's config and tokenizer are cached (no weights)
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
     kernels_act: str = "fp32"           # "int8": native decode linears on Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 quantize x to int8

@@ -139,13 +139,11 @@ def test_qlinear_int8_act_dispatch():
 
 def test_int8_act_config_reaches_the_model(tmp_path, make_llm, monkeypatch):
     """kernels_act="int8" builds every quantized linear with int8 activations; a bad value is refused."""
-    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
     from tandem.config import EngineConfig
-    from tandem.model import gguf_loader
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
-                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    skip_gguf_tokenizer_build(monkeypatch)
     path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q8_0",
                            with_tokenizer=False)
     llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
@@ -203,13 +201,11 @@ def test_quantized_state_equals_dense_weights():
 def test_k_quant_gguf_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch):
     """A tiny random Llama written as Q4_K_M (Q4_K, Q6_K head, layer 0 mixing Q4_K q/k with Q6_K v): the loader
     keeps both types as blocks, and kernels="native" decodes greedily as kernels="torch" (dequantized weights)."""
-    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
-    from tandem.model import gguf_loader
     from tandem.model.loader import load_weights, resolve_model
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",      # transformers' GGUF tokenizer build is slow
-                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    skip_gguf_tokenizer_build(monkeypatch)                        # transformers' GGUF tokenizer build is slow
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
     path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", hf_dir, quant="Q4_K_M", with_tokenizer=False)
     state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)

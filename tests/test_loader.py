@@ -13,7 +13,7 @@ from tandem.model import gguf_loader
 from tandem.model.config import ModelConfig
 from tandem.model.loader import (default_model_path, expected_weight_shapes, load_tokenizer, load_weights,
                                  resolve_model)
-from tiny_models import llama3_rope_freqs, make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+from tiny_models import llama3_rope_freqs, make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -65,9 +65,7 @@ def tiny_dirs(tmp_path_factory, cache_dir):
 @pytest.fixture
 def fast_gguf_tokenizer(monkeypatch, cache_dir):
     """Skip transformers' slow GGUF tokenizer build for synthetic GGUF files."""
-    def build(path, out_dir, reader, config):
-        smollm2_tokenizer(cache_dir).save_pretrained(out_dir)
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer", build)
+    skip_gguf_tokenizer_build(monkeypatch, cache_dir)
 
 
 def _hf_state_dict(d):
@@ -121,19 +119,20 @@ def test_gguf_tokenizer(gguf_source, hf_gguf_tokenizer):
 
 
 def test_gguf_cache_hit(gguf_source, cache_dir, monkeypatch):
-    weights = gguf_source.weight_files[0]
-    mtime = os.stat(weights).st_mtime_ns
+    entry = os.path.dirname(gguf_source.tokenizer_dir)
+    assert gguf_source.weight_files == (gguf_source.gguf_file,)      # the GGUF is the weights
+    mtime = os.stat(os.path.join(entry, "config.json")).st_mtime_ns
 
     def boom(*a, **k):
-        raise AssertionError("cache miss: GGUF converted again")
-    monkeypatch.setattr(gguf_loader, "convert_gguf", boom)
+        raise AssertionError("cache miss: GGUF metadata written again")
+    monkeypatch.setattr(gguf_loader, "cache_gguf_metadata", boom)
     src = resolve_model(default_model_path(), cache_dir=cache_dir)
     assert src == gguf_source
-    assert os.stat(weights).st_mtime_ns == mtime
+    assert os.stat(os.path.join(entry, "config.json")).st_mtime_ns == mtime
     # env var picks the same cache
     monkeypatch.setenv("TANDEM_CACHE_DIR", cache_dir)
     assert resolve_model(None) == gguf_source
-    cfg = json.load(open(os.path.join(os.path.dirname(weights), "config.json")))
+    cfg = json.load(open(os.path.join(entry, "config.json")))
     assert ModelConfig.from_dict(cfg) == gguf_source.config
 
 

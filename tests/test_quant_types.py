@@ -126,13 +126,11 @@ def test_q4_k_m_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch)
     """A tiny random Llama of width 192 written as llama.cpp writes Q4_K_M for it: matrices with K = 192 fall back
     to Q5_0 (Q8_0 for the Q6_K ones: the LM head, layer 0's attn_v), ffn_down (K = 512) stays Q4_K / Q6_K. Every
     matrix loads as blocks of its own type, and kernels="native" decodes greedily as kernels="torch"."""
-    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
-    from tandem.model import gguf_loader
     from tandem.model.loader import load_weights, resolve_model
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
-                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    skip_gguf_tokenizer_build(monkeypatch)
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=192, intermediate_size=512)
     path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", hf_dir, quant="Q4_K_M", with_tokenizer=False)
     state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)
@@ -158,13 +156,11 @@ def test_k_quant_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch
     """Every K-quant in one tiny Llama (Q2_K gate / up, Q3_K q / k / o and embedding, Q4_K / Q5_K attn_v and
     ffn_down, Q6_K head: the Q2_K and Q3_K_M mixes), kept as blocks; layer 0's fused qkv mixes Q3_K and Q5_K, and
     kernels="native" decodes greedily as kernels="torch"."""
-    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
-    from tandem.model import gguf_loader
     from tandem.model.loader import load_weights, resolve_model
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
-                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    skip_gguf_tokenizer_build(monkeypatch)
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
     path = write_tiny_gguf(tmp_path / "tiny-k-mix.gguf", hf_dir, quant="K_MIX", with_tokenizer=False)
     state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)
@@ -187,13 +183,11 @@ def test_k_quant_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch
 def test_half_gguf_kept_and_greedy_equal_torch(quant, qtype, tmp_path, make_llm, monkeypatch):
     """An F16 / BF16 file: every matrix stays halves (half the bytes of the fp32 it was dequantized to), and
     kernels="native" decodes greedily as kernels="torch"."""
-    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
-    from tandem.model import gguf_loader
     from tandem.model.loader import load_weights, resolve_model
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
-                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    skip_gguf_tokenizer_build(monkeypatch)
     path = write_tiny_gguf(tmp_path / f"tiny-{quant}.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant=quant,
                            with_tokenizer=False)
     state = load_weights(resolve_model(path, cache_dir=str(tmp_path / "cache")), quantized=True)
@@ -251,12 +245,10 @@ def test_column_shards_cut_on_whole_blocks(name):
 
 def test_int8_act_reaches_q5_0_linears(tmp_path, make_llm, monkeypatch):
     """kernels_act="int8" on a Q5_0 file: every linear is Q5_0 blocks with int8 activations, and it decodes."""
-    from tiny_models import make_tiny_model, smollm2_tokenizer, write_tiny_gguf
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
-    from tandem.model import gguf_loader
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
-                        lambda path, out_dir, reader, config: smollm2_tokenizer().save_pretrained(out_dir))
+    skip_gguf_tokenizer_build(monkeypatch)
     path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q5_0",
                            with_tokenizer=False)
     llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")

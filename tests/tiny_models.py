@@ -17,7 +17,7 @@ def smollm2_tokenizer(cache_dir: str | None = None):
     """The SmolLM2 tokenizer via resolve_model(None)+load_tokenizer (memoized per cache dir).
 
     cache_dir defaults to $TANDEM_CACHE_DIR / ~/.cache/tandem; the first call in a fresh
-    cache converts the GGUF (~10 s).
+    cache builds the tokenizer from the GGUF's metadata (~5 s).
     """
     from tandem.model.loader import default_cache_dir, load_tokenizer, resolve_model
 
@@ -25,6 +25,16 @@ def smollm2_tokenizer(cache_dir: str | None = None):
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = load_tokenizer(resolve_model(None, cache_dir=key))
     return _TOKENIZERS[key]
+
+
+def skip_gguf_tokenizer_build(monkeypatch, cache_dir: str | None = None) -> None:
+    """Give synthetic GGUF files (written with_tokenizer=False) SmolLM2's tokenizer instead of building one
+    from their metadata. The tokenizer is taken first: its own first build must not meet the patch."""
+    from tandem.model import gguf_loader
+
+    tok = smollm2_tokenizer(cache_dir)
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+                        lambda path, out_dir, reader, config: tok.save_pretrained(out_dir))
 
 
 def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = None, seed: int = 0,

@@ -73,19 +73,21 @@ def hf_config_dict(config) -> dict:
 
 def export_hf_folder(model: str | None, out_dir: str | None = None, cache_dir: str | None = None) -> str:
     """A Hugging Face folder of `model` (None: the default GGUF) that other engines load: config.json with
-    "architectures", the dequantized model.safetensors tandem's GGUF cache holds (linked, not copied) and the
-    tokenizer files. A Hugging Face folder is returned as it is. Default out_dir: beside the GGUF cache entry."""
+    "architectures", the dequantized model.safetensors (written here on the first export: tandem itself
+    reads the GGUF and keeps no fp32 copy) and the tokenizer files. A Hugging Face folder is returned as it
+    is. Default out_dir: beside the GGUF cache entry."""
+    from ..model.gguf_loader import write_fp32_safetensors
     from ..model.loader import resolve_model
     src = resolve_model(model, cache_dir)
     if src.gguf_file is None:
         return os.path.dirname(src.weight_files[0])
-    weights = src.weight_files[0]
-    out_dir = out_dir or os.path.dirname(weights) + "-hf"
+    out_dir = out_dir or os.path.dirname(src.tokenizer_dir) + "-hf"
     os.makedirs(out_dir, exist_ok=True)
-    link = os.path.join(out_dir, "model.safetensors")
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(os.path.abspath(weights), link)
+    weights = os.path.join(out_dir, "model.safetensors")
+    if os.path.islink(weights):                     # an export of cache format 1 linked the cached weights
+        os.remove(weights)
+    if not os.path.isfile(weights):
+        write_fp32_safetensors(src.gguf_file, src.config, weights)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(src.tokenizer_dir, name)):
             shutil.copyfile(os.path.join(src.tokenizer_dir, name), os.path.join(out_dir, name))

@@ -48,9 +48,9 @@ def default_cache_dir() -> str:
 class ModelSource:
     name: str  # display / served model name
     config: ModelConfig
-    weight_files: tuple[str, ...]  # safetensors files with HF-named weights
+    weight_files: tuple[str, ...]  # safetensors files with HF-named weights, or the GGUF file itself
     tokenizer_dir: str  # loadable offline by AutoTokenizer.from_pretrained
-    gguf_file: str | None = None  # the GGUF itself, read again when the weights stay quantized
+    gguf_file: str | None = None  # the GGUF, whose tensors are the weights (memory-mapped at every load)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -84,8 +84,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def resolve_model(model: str | None = None, cache_dir: str | None = None) -> ModelSource:
     """Locate a model: None (default GGUF), a .gguf file, or a HF directory.
 
-    GGUF files are converted once into ``<cache>/gguf-v<N>-<sha256>/`` (model.safetensors,
-    config.json, tokenizer/); later calls only hash-check (memoized by size+mtime) and read.
+    For a GGUF file the config and tokenizer are written once into ``<cache>/gguf-v<N>-<sha256>/``
+    (config.json, tokenizer/: a few MB); later calls only hash-check (memoized by size+mtime). The
+    weights are never copied: load_weights reads them from the GGUF.
     """
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if not os.path.exists(path):
@@ -101,7 +102,7 @@ def resolve_model(model: str | None = None, cache_dir: str | None = None) -> Mod
     with open(os.path.join(d, "config.json")) as f:
         config = ModelConfig.from_dict(json.load(f))
     name = os.path.basename(path)[: -len(".gguf")]
-    return ModelSource(name=name, config=config, weight_files=(os.path.join(d, "model.safetensors"),),
+    return ModelSource(name=name, config=config, weight_files=(os.path.abspath(path),),
                        tokenizer_dir=os.path.join(d, "tokenizer"), gguf_file=os.path.abspath(path))
 
 
@@ -143,14 +144,18 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", quantized: bool = False) -> dict[str, torch.Tensor]:
     """HF-named state dict; no lm_head.weight when embeddings are tied. Shapes are checked.
 
-    quantized: for a GGUF source, matrices whose block type the native kernels read stay as their GGUF
-    blocks (tandem.kernels.QuantWeight values); everything else is dequantized as usual.
+    A GGUF source is read from the file's memory map. quantized: matrices whose block type the native
+    kernels read stay as their GGUF blocks (tandem.kernels.QuantWeight values); everything else, and
+    everything when not quantized, is dequantized in memory.
     """
     from safetensors.torch import load_file
 
-    if quantized and source.gguf_file is not None:
-        from .gguf_loader import gguf_quantized_state_dict
-        return gguf_quantized_state_dict(source.gguf_file, source.config)
+    if source.gguf_file is not None:
+        from .gguf_loader import gguf_weights
+        sd = gguf_weights(source.gguf_file, source.config, quantized=quantized)
+        if quantized or (dtype == torch.float32 and str(device) == "cpu"):
+            return sd
+        return {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
 
     shapes = expected_weight_shapes(source.config)
     out: dict[str, torch.Tensor] = {}
