@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantWeight, dequantize_ref,
+from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, QuantWeight, dequantize_ref,
                                   qlinear, qlinear_ref)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
@@ -137,19 +137,21 @@ def test_qlinear_int8_act_dispatch():
         torch.ops.tandem.qlinear_q8(x, qk.data, Q4_K, 256)
 
 
-def test_int8_act_config_reaches_the_model(tmp_path, make_llm, monkeypatch):
-    """kernels_act="int8" builds every quantized linear with int8 activations; a bad value is refused."""
+@pytest.mark.parametrize("quant,qtype", [("Q8_0", Q8_0), ("Q5_0", Q5_0)])
+def test_int8_act_config_reaches_the_model(tmp_path, make_llm, monkeypatch, quant, qtype):
+    """kernels_act="int8" builds every quantized linear of the file's type with int8 activations, and it
+    decodes; a bad value is refused."""
     from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
     from tandem.config import EngineConfig
     skip_gguf_tokenizer_build(monkeypatch)
-    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q8_0",
+    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant=quant,
                            with_tokenizer=False)
     llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
     model = llm.engine.runner.executor.model
     linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
-    assert all(lin.int8_act and lin.parts[0].qtype == Q8_0 for lin in linears)
+    assert all(lin.int8_act and lin.parts[0].qtype == qtype for lin in linears)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
     with pytest.raises(ValueError, match="kernels_act"):

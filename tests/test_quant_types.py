@@ -122,13 +122,21 @@ def test_cat_and_rows():
     assert torch.equal(a.rows(ids), a.dequantize()[ids])
 
 
+def _greedy(make_llm, path, tmp_path, kernels: str) -> list[list[int]]:
+    """Greedy token ids of two prompts with kernels= "native" or "torch" (the reference)."""
+    from tandem import SamplingParams
+    llm = make_llm(path, kernels=kernels, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+    prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
+    res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in res]
+
+
 def test_q4_k_m_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch):
     """A tiny random Llama of width 192 written as llama.cpp writes Q4_K_M for it: matrices with K = 192 fall back
     to Q5_0 (Q8_0 for the Q6_K ones: the LM head, layer 0's attn_v), ffn_down (K = 512) stays Q4_K / Q6_K. Every
     matrix loads as blocks of its own type, and kernels="native" decodes greedily as kernels="torch"."""
     from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
-    from tandem import SamplingParams
     from tandem.model.loader import load_weights, resolve_model
     skip_gguf_tokenizer_build(monkeypatch)
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=192, intermediate_size=512)
@@ -143,13 +151,7 @@ def test_q4_k_m_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch)
     assert qtypes["lm_head.weight"] == qtypes["model.layers.0.self_attn.v_proj.weight"] == Q8_0
     assert qtypes["model.layers.0.mlp.down_proj.weight"] == Q6_K
     assert qtypes["model.layers.1.mlp.down_proj.weight"] == Q4_K
-    outs = []
-    for opt in ("native", "torch"):
-        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
-        prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
-        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        outs.append([o.token_ids for o in res])
-    assert outs[0] == outs[1]
+    assert _greedy(make_llm, path, tmp_path, "native") == _greedy(make_llm, path, tmp_path, "torch")
 
 
 def test_k_quant_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch):
@@ -158,7 +160,6 @@ def test_k_quant_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch
     kernels="native" decodes greedily as kernels="torch"."""
     from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
-    from tandem import SamplingParams
     from tandem.model.loader import load_weights, resolve_model
     skip_gguf_tokenizer_build(monkeypatch)
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
@@ -169,13 +170,7 @@ def test_k_quant_mix_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatch
     assert set(qtypes.values()) == {Q2_K, Q3_K, Q4_K, Q5_K, Q6_K}
     assert qtypes["model.layers.0.self_attn.v_proj.weight"] == qtypes["model.layers.1.mlp.down_proj.weight"] == Q5_K
     assert qtypes["model.layers.1.mlp.up_proj.weight"] == Q2_K and qtypes["model.embed_tokens.weight"] == Q3_K
-    outs = []
-    for opt in ("native", "torch"):
-        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
-        prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
-        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        outs.append([o.token_ids for o in res])
-    assert outs[0] == outs[1]
+    assert _greedy(make_llm, path, tmp_path, "native") == _greedy(make_llm, path, tmp_path, "torch")
 
 
 
@@ -241,19 +236,3 @@ def test_column_shards_cut_on_whole_blocks(name):
     part = _cols(q, 32, 288, cut, "o")
     assert torch.equal(part.dequantize() if isinstance(part, QuantWeight) else part, dense[:, 32:288])
     assert cut == ([] if qtype == Q5_0 else ["o"])
-
-
-def test_int8_act_reaches_q5_0_linears(tmp_path, make_llm, monkeypatch):
-    """kernels_act="int8" on a Q5_0 file: every linear is Q5_0 blocks with int8 activations, and it decodes."""
-    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
-
-    from tandem import SamplingParams
-    skip_gguf_tokenizer_build(monkeypatch)
-    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant="Q5_0",
-                           with_tokenizer=False)
-    llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
-    model = llm.engine.runner.executor.model
-    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
-    assert all(lin.int8_act and lin.parts[0].qtype == Q5_0 for lin in linears)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].token_ids) == 4
