@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import decode_attention_qkv_
-from ..kernels.quant import QuantWeight, qlinear
+from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, qlinear, small_m
 from .config import ModelConfig
 from .kv_cache import StepKV
 from .shard import TPLayout
@@ -95,8 +95,16 @@ class QLinear:
                  int8_act: bool = False) -> None:
         self.parts, self.bias = (weight if isinstance(weight, list) else [weight]), bias
         self.int8_act = int8_act
+        # The decode call decided once: the op overload and its arguments (qlinear's choice for few rows).
+        w = self.parts[0]
+        q8 = int8_act and w.qtype in INT8_ACT_QTYPES
+        self._few = (small_m() if len(self.parts) == 1 else -1,
+                     (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, op, data, qtype, k = self._few
+        if x.shape[0] <= rows:                          # one part, in-kernel rows: straight to the op
+            return op(x, data, qtype, k, self.bias)
         if len(self.parts) == 1:
             return qlinear(x, self.parts[0], self.bias, self.int8_act)
         y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)
@@ -260,7 +268,7 @@ class LlamaModel:
                 h = ops.rms_norm(x, layer["attn_norm"], eps)
             else:
                 h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
-            qkv = layer["qkv"](h)                                       # [T, (H + 2 KVH) D], contiguous
+            qkv = layer["qkv"](h).contiguous()      # [T, (H + 2 KVH) D]; a no-op (no dispatch) but after Linear's bias add
             ops.rope_(qkv, self.cos, self.sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
             if decode:
                 attn = self._decode_attention(i, qkv, meta)
