@@ -258,7 +258,9 @@ class LlamaModel:
     def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                         index: torch.Tensor) -> torch.Tensor:
         """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
-        RoPE in place on the fused qkv, SiLU x up; a decode step profile had ~76 torch calls a layer."""
+        RoPE in place on the fused qkv, SiLU x up, and a pure decode step's K/V write + attention in one op
+        (decode_attention_qkv_): a batch-1 decode step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer
+        (was ~1,765)."""
         c, ops = self.config, torch.ops.tandem
         eps = c.rms_norm_eps
         delta = None                                                    # the residual add still to do
