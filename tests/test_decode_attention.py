@@ -72,3 +72,48 @@ def test_decode_attention_wrapper_and_errors():
         torch.ops.tandem.decode_attention(q, cache, 1, kv_index, torch.tensor([41, 3]), 0.125)
     with pytest.raises(RuntimeError, match="head shapes"):
         torch.ops.tandem.decode_attention(q[:, :8], cache, 1, kv_index, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("b, h, kvh, d, lens", CASES)
+def test_decode_attention_qkv_equals_reference(isa, b, h, kvh, d, lens):
+    """The fused decode step (write each row's K/V at its slot, then attend) against its torch reference: the
+    same output and the same cache, with qkv rows strided (a view into a wider buffer) as the engine never
+    makes them but a caller may. Each row's new key is its last position, so it is read back at once."""
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    from tandem.kernels.attention import decode_attention_qkv_ref
+    _, cache, kv_index, seq_lens = inputs(b, h, kvh, d, lens, seed=len(lens) * d + h + 1)
+    g = torch.Generator().manual_seed(b * h)
+    width = (h + 2 * kvh) * d
+    qkv = (torch.randn(b, width + 5, generator=g) * 2)[:, 3:3 + width]      # rows width + 5 apart
+    slots = cache.shape[0]                       # each row's new token gets a slot of its own, past the pad slot
+    cache = torch.cat([cache, torch.randn(b, *cache.shape[1:], generator=g)])
+    loc = slots + torch.arange(b)
+    kv_index[torch.arange(b), seq_lens - 1] = loc
+    for layer in (0, 1):
+        ref_cache = cache.clone()
+        ref = decode_attention_qkv_ref(qkv, ref_cache, layer, loc, kv_index, seq_lens, d ** -0.5, h)
+        for chunk_keys in (0, 32, -1):
+            got_cache = cache.clone()
+            got = torch.ops.tandem.decode_attention_qkv_(qkv, got_cache, layer, loc, kv_index, seq_lens, d ** -0.5,
+                                                         h, isa, chunk_keys)
+            assert got.shape == (b, h * d)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"chunk_keys {chunk_keys}: {m}")
+            assert torch.equal(got_cache, ref_cache)
+
+
+def test_decode_attention_qkv_wrapper_and_errors():
+    from tandem.kernels.attention import decode_attention_qkv_, decode_attention_qkv_ref
+    _, cache, kv_index, seq_lens = inputs(2, 9, 3, 64, [40, 3], seed=2)
+    qkv = torch.randn(2, 15 * 64)
+    loc = kv_index[torch.arange(2), seq_lens - 1]
+    ref_cache = cache.clone()
+    torch.testing.assert_close(decode_attention_qkv_(qkv, cache, 1, loc, kv_index, seq_lens, 0.125, 9),
+                               decode_attention_qkv_ref(qkv, ref_cache, 1, loc, kv_index, seq_lens, 0.125, 9),
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        torch.ops.tandem.decode_attention_qkv_(qkv[:, :14 * 64], cache, 1, loc, kv_index, seq_lens, 0.125, 9)
+    with pytest.raises(RuntimeError, match="out_cache_loc"):
+        torch.ops.tandem.decode_attention_qkv_(qkv, cache, 1, torch.tensor([0, cache.shape[0]]), kv_index, seq_lens,
+                                               0.125, 9)

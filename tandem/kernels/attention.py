@@ -1,4 +1,4 @@
-"""Paged decode attention (csrc/decode_attention.cpp) and its torch reference (gather, then SDPA)."""
+"""Paged decode attention (csrc/decode_attention.cpp) and its torch references (gather, then SDPA)."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,23 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index:
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D], cache [S + 1, L, 2, KVH, D], kv_index [B, Lk], seq_lens [B] -> [B, H, D]; K/V read in place."""
     return torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, scale)
+
+
+def decode_attention_qkv_(qkv: torch.Tensor, cache: torch.Tensor, layer: int, out_cache_loc: torch.Tensor,
+                          kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int) -> torch.Tensor:
+    """A decode step's attention in one op: qkv [B, (H + 2 KVH) D] (after RoPE) -> [B, H D]. Row b's K and V
+    are first written to cache slot out_cache_loc[b] of `layer`, then its query attends its seq_lens[b] keys."""
+    return torch.ops.tandem.decode_attention_qkv_(qkv, cache, layer, out_cache_loc, kv_index, seq_lens, scale, heads)
+
+
+def decode_attention_qkv_ref(qkv: torch.Tensor, cache: torch.Tensor, layer: int, out_cache_loc: torch.Tensor,
+                             kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int) -> torch.Tensor:
+    kvh, d = cache.shape[3], cache.shape[4]
+    q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    cache[out_cache_loc, layer, 0] = k.reshape(-1, kvh, d)
+    cache[out_cache_loc, layer, 1] = v.reshape(-1, kvh, d)
+    out = decode_attention_ref(q.reshape(-1, heads, d), cache, layer, kv_index, seq_lens, scale)
+    return out.reshape(qkv.shape[0], -1)                               # [B, H D]
 
 
 def decode_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,

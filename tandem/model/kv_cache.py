@@ -53,6 +53,7 @@ class StepKV:
         self.kv_index = kv_index                 # [B, Lk] slot of each key position (pad_slot past the length)
         self.tok_row, self.positions = tok_row, positions    # [T] where each new token sits in [B, Lk]
         self.out_cache_loc = out_cache_loc       # [T]
+        self.seq_lens: torch.Tensor | None = None   # [B] keys per row of a decode step (positions + 1), made once
         self.has_prefix = has_prefix             # False: every key is new this step, nothing to gather
         b, lk = kv_index.shape
         per_layer = b * lk * cache.data[0, 0].numel()

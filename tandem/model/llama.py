@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import decode_attention
-from ..kernels.quant import QuantWeight, qlinear
+from ..kernels.attention import decode_attention_qkv_
+from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, qlinear, small_m
 from .config import ModelConfig
 from .kv_cache import StepKV
 from .shard import TPLayout
@@ -95,8 +95,16 @@ class QLinear:
                  int8_act: bool = False) -> None:
         self.parts, self.bias = (weight if isinstance(weight, list) else [weight]), bias
         self.int8_act = int8_act
+        # The decode call decided once: the op overload and its arguments (qlinear's choice for few rows).
+        w = self.parts[0]
+        q8 = int8_act and w.qtype in INT8_ACT_QTYPES
+        self._few = (small_m() if len(self.parts) == 1 else -1,
+                     (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, op, data, qtype, k = self._few
+        if x.shape[0] <= rows:                          # one part, in-kernel rows: straight to the op
+            return op(x, data, qtype, k, self.bias)
         if len(self.parts) == 1:
             return qlinear(x, self.parts[0], self.bias, self.int8_act)
         y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)
@@ -250,20 +258,27 @@ class LlamaModel:
     def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                         index: torch.Tensor) -> torch.Tensor:
         """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
-        RoPE in place on the fused qkv, SiLU x up; a decode step profile had ~76 torch calls a layer."""
+        RoPE in place on the fused qkv, SiLU x up, and a pure decode step's K/V write + attention in one op
+        (decode_attention_qkv_): a batch-1 decode step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer
+        (was ~1,765)."""
         c, ops = self.config, torch.ops.tandem
         eps = c.rms_norm_eps
         delta = None                                                    # the residual add still to do
+        decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
         for i, layer in enumerate(self.layers):
             if delta is None:
                 h = ops.rms_norm(x, layer["attn_norm"], eps)
             else:
                 h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
-            qkv = layer["qkv"](h).contiguous()                          # [T, (H + 2 KVH) D]; rope_ is in place
+            qkv = layer["qkv"](h).contiguous()      # [T, (H + 2 KVH) D]; a no-op (no dispatch) but after Linear's bias add
             ops.rope_(qkv, self.cos, self.sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            hd, kvh = c.head_dim, self.num_kv_heads
-            attn = self._attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd), meta)
+            if decode:
+                attn = self._decode_attention(i, qkv, meta)
+            else:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                hd, kvh = c.head_dim, self.num_kv_heads
+                attn = self._attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
+                                       meta)
             h = ops.add_rms_norm_(x, self._reduce(layer["o"](attn)), layer["mlp_norm"], eps)
             gate_up = layer["gate_up"](h)                               # [T, 2I]
             if x.shape[0] <= SMALL_M:
@@ -280,8 +295,8 @@ class LlamaModel:
         # q: [T, H, D]; k, v: [T, KVH, D]
         if meta.parts is not None:      # a mixed step: decode rows and prefill rows attend in their own layouts
             return torch.cat([self._attention(i, q[t], k[t], v[t], m) for t, m in meta.parts])
-        if self.native and meta.q_index is None:
-            return self._decode_attention(i, q, k, v, meta)
+        if self.native and meta.q_index is None:        # a mixed step's decode part
+            return self._decode_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
@@ -294,12 +309,12 @@ class LlamaModel:
         rows, cols = meta.token_rc
         return out[rows, cols].reshape(q.shape[0], -1)
 
-    def _decode_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          meta: AttentionMeta) -> torch.Tensor:
-        """Pure decode (one new token a row, T == B): write the step's K/V, then the native op reads every
-        key in place through kv_index (no gathered copy). A row's token sits at position seq_len - 1."""
+    def _decode_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
+        K/V at out_cache_loc, then reads every key in place through kv_index (no gathered copy). A row's token
+        sits at position seq_len - 1."""
         kv = meta.kv
-        kv.cache.data[kv.out_cache_loc, i, 0] = k
-        kv.cache.data[kv.out_cache_loc, i, 1] = v
-        out = decode_attention(q, kv.cache.data, i, kv.kv_index, kv.positions + 1, q.shape[-1] ** -0.5)
-        return out.reshape(q.shape[0], -1)                              # [B, H*D]
+        if kv.seq_lens is None:                         # once a step, not once a layer
+            kv.seq_lens = kv.positions + 1
+        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
+                                     self.config.head_dim ** -0.5, self.num_heads)     # [B, H*D]

@@ -6,6 +6,12 @@
 //   seq_lens int64 [B]                      keys per row (>= 1)
 //   out      fp32 [B, H, D]                 softmax(q k^T * scale) v over the row's keys
 //
+// decode_attention_qkv_ is the step's whole attention in one call (issue 17: per layer it replaced two
+// index_put writes, a split, three views, a contiguous copy of q and a reshape, ~25 dispatched torch ops):
+//   qkv      fp32 [B, (H + 2 KVH) D]        this step's fused projection after RoPE (rows may be strided)
+//   loc      int64 [B]                      slot of each row's new token: its K and V are written there first
+//   out      fp32 [B, H D]
+//
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
 // Thread split: at::parallel_for over tasks (row, chunk of keys). A task keeps per query head a running max,
@@ -37,6 +43,7 @@ struct AttnArgs {
   const float* q; const float* cache; const int64_t* kv_index; const int64_t* seq_lens;
   int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // slot_stride = L * 2 * KVH * D
   float scale;
+  int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
 };
 
 namespace scalar {
@@ -98,24 +105,18 @@ static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64
   }
 }
 
-// chunk_keys: keys per chunk; -1 picks (see the top of the file), 0 never splits, > 0 forces that size
-// (rounded up to whole tiles; for tests).
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
-                            const at::Tensor& kv_index_in, const at::Tensor& seq_lens_in, double scale,
-                            int64_t isa_req, int64_t chunk_keys) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "tandem.decode_attention: q must be fp32 [B, H, D]");
+static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(2) == 2,
               "tandem.decode_attention: cache must be a contiguous fp32 [S + 1, L, 2, KVH, D] tensor");
-  at::Tensor q = q_in.contiguous();
-  at::Tensor kv_index = kv_index_in.to(at::kLong).contiguous();
-  at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = cache.size(3), Lk = kv_index.size(1);
-  TORCH_CHECK(cache.size(4) == D && H % KVH == 0, "tandem.decode_attention: head shapes do not match");
-  TORCH_CHECK(kv_index.size(0) == B && seq_lens.size(0) == B, "tandem.decode_attention: batch sizes differ");
+  TORCH_CHECK(cache.size(4) == D, "tandem.decode_attention: head shapes do not match");
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
-  const AttnArgs a{q.data_ptr<float>(), cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(),
-                   seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
-                   (float)scale};
+}
+
+// Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart).
+// chunk_keys: keys per chunk; -1 picks (see the top of the file), 0 never splits, > 0 forces that size
+// (rounded up to whole tiles; for tests).
+static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t chunk_keys) {
+  const int64_t B = a.B, H = a.H, D = a.D, Lk = a.Lk;
   const int64_t* lens = a.seq_lens;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -141,19 +142,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
     row_of.resize(first[b + 1], b);
   }
   const int64_t chunks = first[B];
-  at::Tensor out = at::empty({B, H, D}, q.options());
-  at::Tensor part_acc, part_ml;                          // [chunks, H, D], [chunks, H, 2]
+  std::vector<float> part_acc, part_ml;                  // [chunks, H, D], [chunks, H, 2]
   if (chunks > B) {
-    part_acc = at::empty({chunks, H, D}, q.options());
-    part_ml = at::empty({chunks, H, 2}, q.options());
+    part_acc.resize((size_t)chunks * H * D);
+    part_ml.resize((size_t)chunks * H * 2);
   }
   std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
   for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
   const Isa isa = resolve_isa(isa_req);
   auto attend = isa == kAvx512 ? avx512::attend : isa == kAvx2 ? avx2::attend : scalar::attend;
-  float* o = out.data_ptr<float>();
-  float* pacc = part_acc.defined() ? part_acc.data_ptr<float>() : nullptr;
-  float* pml = part_ml.defined() ? part_ml.data_ptr<float>() : nullptr;
+  float* pacc = part_acc.data();
+  float* pml = part_ml.data();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> scratch((size_t)H * (D + TILE + 2));
     float* ml_own = scratch.data() + H * (D + TILE);
@@ -172,6 +171,56 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
         merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
     }
   });
+}
+
+static at::Tensor as_long(const at::Tensor& t) {        // no dispatch when it already is (the engine's case)
+  return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.to(at::kLong).contiguous();
+}
+
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
+                            const at::Tensor& kv_index_in, const at::Tensor& seq_lens_in, double scale,
+                            int64_t isa_req, int64_t chunk_keys) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "tandem.decode_attention: q must be fp32 [B, H, D]");
+  at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
+  at::Tensor kv_index = as_long(kv_index_in), seq_lens = as_long(seq_lens_in);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  check_cache(cache, layer, D);
+  const int64_t KVH = cache.size(3), Lk = kv_index.size(1);
+  TORCH_CHECK(H % KVH == 0, "tandem.decode_attention: head shapes do not match");
+  TORCH_CHECK(kv_index.size(0) == B && seq_lens.size(0) == B, "tandem.decode_attention: batch sizes differ");
+  const AttnArgs a{q.data_ptr<float>(), cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(),
+                   seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
+                   (float)scale, B > 1 ? q.stride(0) : H * D};
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys);
+  return out;
+}
+
+at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer,
+                                 const at::Tensor& loc_in, const at::Tensor& kv_index_in,
+                                 const at::Tensor& seq_lens_in, double scale, int64_t H, int64_t isa_req,
+                                 int64_t chunk_keys) {
+  TORCH_CHECK(cache.dim() == 5, "tandem.decode_attention_qkv_: cache must be [S + 1, L, 2, KVH, D]");
+  const int64_t KVH = cache.size(3), D = cache.size(4), B = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (H + 2 * KVH) * D && H % KVH == 0,
+              "tandem.decode_attention_qkv_: qkv must be fp32 [B, (H + 2 KVH) D] with contiguous rows");
+  check_cache(cache, layer, D);
+  at::Tensor loc = as_long(loc_in), kv_index = as_long(kv_index_in), seq_lens = as_long(seq_lens_in);
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == B && kv_index.size(0) == B && seq_lens.size(0) == B,
+              "tandem.decode_attention_qkv_: batch sizes differ");
+  const int64_t S = cache.size(0), slot_stride = cache.size(1) * 2 * KVH * D, rs = qkv.stride(0);
+  const float* src = qkv.data_ptr<float>();
+  float* dst = cache.data_ptr<float>() + layer * 2 * KVH * D;
+  const int64_t* l = loc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {            // the row's K then V: one contiguous run in qkv and in the slot
+    TORCH_CHECK(l[b] >= 0 && l[b] < S, "tandem.decode_attention_qkv_: out_cache_loc[", b, "] out of range");
+    std::copy_n(src + b * rs + H * D, 2 * KVH * D, dst + l[b] * slot_stride);
+  }
+  const AttnArgs a{src, cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                   B, H, KVH, D, kv_index.size(1), 2 * KVH * D, slot_stride, layer, (float)scale, rs};
+  at::Tensor out = at::empty({B, H * D}, qkv.options());
+  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys);
   return out;
 }
 

@@ -86,7 +86,8 @@ void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, 
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
               "tandem.rope_: cos/sin must be contiguous [positions, D]");
   TORCH_CHECK(heads * D <= qkv.size(1) && D % 2 == 0, "tandem.rope_: heads * D exceeds the row");
-  at::Tensor pos = positions.to(at::kLong).contiguous();
+  // Already int64 (the engine's case): no aten::to dispatch, 30 a decode step.
+  at::Tensor pos = positions.scalar_type() == at::kLong ? positions.contiguous() : positions.to(at::kLong).contiguous();
   const int64_t T = qkv.size(0), ld = qkv.stride(0), half = D / 2, P = cos.size(0);
   float* px = qkv.data_ptr<float>();
   const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();

@@ -13,6 +13,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa
 void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
                             const at::Tensor& seq_lens, double scale, int64_t isa, int64_t chunk_keys);
+at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
+                                 const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
+                                 int64_t isa, int64_t chunk_keys);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
@@ -33,6 +36,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
         "int isa=-1, int chunk_keys=-1) -> Tensor");
+  m.def("decode_attention_qkv_(Tensor qkv, Tensor(a!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
+        "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -48,6 +53,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);
+  m.impl("decode_attention_qkv_", &tandem::decode_attention_qkv_);
   m.impl("rms_norm", &tandem::rms_norm);
   m.impl("add_rms_norm_", &tandem::add_rms_norm_);
   m.impl("silu_mul", &tandem::silu_mul);
