@@ -149,7 +149,10 @@ def main(in_addr: str, out_addr: str, cpus: str | None = None) -> int:
         e.run(proc.idle)
     except BaseException as exc:
         traceback.print_exc()
-        tx.send(ipc.encode(ipc.Failed(f"{type(exc).__name__}: {exc}")))
+        try:                   # never block here: with the frontend gone, a PUSH socket has no peer to take it
+            tx.send(ipc.encode(ipc.Failed(f"{type(exc).__name__}: {exc}")), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         code = 1
     finally:
         if proc is not None:
