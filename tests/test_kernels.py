@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, QuantWeight, dequantize_ref,
-                                  qlinear, qlinear_ref)
+from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, QuantWeight,
+                                  dequantize_ref, qlinear, qlinear_ref)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -102,18 +102,19 @@ def test_qlinear_dispatch_equals_reference(m, qtype, k):
     assert_close_sum(qlinear(x.t().contiguous().t(), q), x, w, ref)          # a strided x
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("isa", [0, 1, 2])
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
                                      (17, 6, 224), (64, 13, 1536)])
 def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
-    """kernels_act="int8": x rounded to int8 blocks (the reference's rounding, bit for bit), integer block dot
-    products; equal to the float64 product of the dequantized operands up to fp32 summation order. K covers
-    whole 4-block groups and their 2- and 1-block tails."""
-    from tandem.kernels.quant import qlinear_q8_ref, quantize_act_ref
+    """kernels_act="int8" on every type it reads: x rounded to int8 blocks (the reference's rounding, bit for
+    bit), integer block dot products (Q5: the fifth bits joined to the nibbles first); equal to the float64
+    product of the dequantized operands up to fp32 summation order. K covers whole 4-block groups and their 2-
+    and 1-block tails. The Python entry point takes the same op up to small_m() rows."""
+    from tandem.kernels.quant import qlinear_q8_ref, quantize_act_ref, small_m
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
-    q = blocks(n, k, QTYPES[name], seed=m + n)
+    q = blocks(n, k, {**QTYPES, "Q5_0": Q5_0, "Q5_1": Q5_1}[name], seed=m + n)
     x, bias = torch.randn(m, k) * 3, torch.randn(n)
     xq, d = quantize_act_ref(x)
     xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
@@ -121,6 +122,8 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
         y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
         assert y.shape == (m, n)
         assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
+    if m <= small_m():
+        assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
 
 
 def test_qlinear_int8_act_dispatch():

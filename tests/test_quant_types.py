@@ -200,29 +200,6 @@ def test_half_gguf_kept_and_greedy_equal_torch(quant, qtype, tmp_path, make_llm,
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("name", ["Q5_0", "Q5_1"])
-@pytest.mark.parametrize("isa", [0, 1, 2])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
-                                     (17, 6, 224), (64, 13, 1536)])
-def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
-    """kernels_act="int8" on Q5 blocks: x rounded to int8 blocks as the reference rounds it, integer dot products
-    of the 5-bit q; equal to the float64 product of the dequantized operands up to fp32 summation order. K covers
-    the 4-block groups and the 2- and 1-block tails."""
-    from tandem.kernels.quant import qlinear_q8_ref, quantize_act_ref
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
-    q = weights(n, k, NEW[name], seed=m + n)
-    x, bias = torch.randn(m, k) * 3, torch.randn(n)
-    xq, d = quantize_act_ref(x)
-    xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
-    for b in (None, bias):
-        y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
-        assert y.shape == (m, n)
-        assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
-    if m <= small_m():                                          # the Python entry point takes the same op
-        assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
-
-
 @pytest.mark.parametrize("name", ["Q5_K", "Q2_K", "Q5_0"])
 def test_column_shards_cut_on_whole_blocks(name):
     """Tensor parallelism's column split keeps blocks where the cut falls on a block of the type (256 weights for
