@@ -281,7 +281,7 @@ class LlamaModel:
                                        meta)
             h = ops.add_rms_norm_(x, self._reduce(layer["o"](attn)), layer["mlp_norm"], eps)
             gate_up = layer["gate_up"](h)                               # [T, 2I]
-            if x.shape[0] <= SMALL_M:
+            if x.shape[0] <= small_m():   # the same threshold as the linears': rows up to it are treated alone
                 act = ops.silu_mul(gate_up)
             else:                       # many rows: torch's vectorized exp beats the scalar loop
                 gate, up = gate_up.chunk(2, dim=-1)
@@ -297,6 +297,8 @@ class LlamaModel:
             return torch.cat([self._attention(i, q[t], k[t], v[t], m) for t, m in meta.parts])
         if self.native and meta.q_index is None:        # a mixed step's decode part
             return self._decode_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
+        if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
+            return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
@@ -308,6 +310,20 @@ class LlamaModel:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
         rows, cols = meta.token_rc
         return out[rows, cols].reshape(q.shape[0], -1)
+
+    def _token_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Extend rows of up to small_m() new tokens, qkv [T, (H + 2 KVH) D]: every token is one query row of
+        the decode op over its own causal keys (its row's kv_index, positions + 1 keys; the op writes all T
+        tokens' K/V before any attends). Invariant kept here: a token's attention is then bit for bit the one
+        a decode step computes for it (the op's split depends on a row's length only), and at these sizes
+        the quantized linears treat every row alone, so a step's output per token is the same whether its
+        prompt was prefilled fresh, partly served by the prefix cache, chunked, or scored in a verify step."""
+        kv = meta.kv
+        if kv.tok_kv_index is None:                     # once a step, not once a layer
+            kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
+            kv.seq_lens = kv.positions + 1
+        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
+                                     self.config.head_dim ** -0.5, self.num_heads)     # [T, H*D]
 
     def _decode_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
