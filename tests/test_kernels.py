@@ -198,6 +198,35 @@ def test_real_model_parity_both_loops(kernels_opt, hf_reference, smollm, make_ll
 # attention: tests/test_decode_attention.py
 
 
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_fused_decode_layers_equal_op_by_op(quant, tmp_path, make_llm, monkeypatch):
+    """A decode step's layers as one decode_layer_ op each give, bit for bit, the op-by-op layers' tokens and
+    logprobs, in both activation modes; a layer whose fused linear mixes block types (Q4_K_M's layer 0: Q4_K
+    q / k beside a Q6_K v) keeps the op-by-op body beside fused ones."""
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
+
+    from tandem import SamplingParams
+    skip_gguf_tokenizer_build(monkeypatch)
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
+    path = write_tiny_gguf(tmp_path / f"t-{quant}.gguf", hf_dir, quant=quant, with_tokenizer=False)
+    for act in ("int8", "fp32"):
+        llm = make_llm(path, kernels_act=act, cache_dir=str(tmp_path / "cache"), device_backend="inline",
+                       prefix_cache=False)
+        layers = llm.engine.runner.executor.model.layers
+        fused = ["blocks" in layer for layer in layers]
+        assert fused == ([False] + [True] * (len(layers) - 1) if quant == "Q4_K_M" else [True] * len(layers))
+        prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+        runs = []
+        for _ in range(2):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([(o.token_ids, o.outputs[0].logprobs) for o in outs])
+            for layer in layers:
+                layer.pop("blocks", None)
+        assert runs[0] == runs[1]
+        llm.shutdown()
+
+
 # ------------------------------------------------------------------------------------------- fused layer ops
 @pytest.mark.parametrize("t", [1, 5, 37])
 def test_fused_layer_ops_equal_llama_reference(t):
