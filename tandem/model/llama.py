@@ -189,13 +189,15 @@ class LlamaModel:
                 gate_up=lin(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
                 down=lin(w(p + "mlp.down_proj.weight")),
             ))
-        # A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where every
-        # linear is one part of GGUF blocks and no tensor-parallel rank reduces between them.
+        # A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
+        # linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part) and no
+        # tensor-parallel rank reduces between them.
         self.int8_act = int8_act
         for layer in self.layers if native and tp is None else []:
             lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
-            if all(isinstance(lin, QLinear) and len(lin.parts) == 1 for lin in lins):
-                layer["blocks"] = ([lin.parts[0].data for lin in lins], [lin.parts[0].qtype for lin in lins])
+            if all(isinstance(lin, QLinear) for lin in lins) and all(len(lin.parts) == 1 for lin in lins[1:]):
+                parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
+                layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts])
         inv_freq = rope_inv_freq(c)
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
