@@ -17,6 +17,7 @@ from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
+from ..speculative.verify import stash_values
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .step import StepInput, prompt_logprob_targets
@@ -39,6 +40,7 @@ class ExecutorSpec:
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "fp32"     # "int8": the native decode linears quantize activations to int8 blocks
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
+    max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""
@@ -173,10 +175,14 @@ class ModelExecutor:
         if (step.num_logprobs >= 0).any():
             self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
                                           int(step.num_logprobs.max()))
-        # FutureMap write: the next step of these rows reads its input ids from here.
-        self.future_map.stash(rows, tokens)
+        # FutureMap write: the next step of these rows reads its input ids from here. A speculating request
+        # keeps the last token of its accepted run (verify.py), written once at its head row.
+        st_rows, st_tokens = rows, tokens
+        if (step.draft_lens > 0).any():
+            st_rows, st_tokens = stash_values(step.draft_lens, rows, tokens, input_ids)
+        self.future_map.stash(st_rows, st_tokens)
         if self.tp is not None:
-            self.tp.sampled(rows, tokens)
+            self.tp.sampled(st_rows, st_tokens)
         return tokens
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs | None:
