@@ -311,3 +311,23 @@ def test_real_model_quoting_same_tokens_both_loops():
             assert_no_leaks(llm)
     finally:
         llm.shutdown()
+
+
+def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
+    """k: the j-th draft only while p^j beats its row's cost at this batch size; 0 (with probes) when it never
+    does; never past max_tokens."""
+    from tandem.request import Req
+    s = spec_llm.engine.scheduler
+    configure(spec_llm, "serial", True)
+    req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
+    req.spec_acc, req.spec_trials = 0.8, 1.0
+    assert spec_mod.draft_len(s, req, 1) == 4
+    assert spec_mod.draft_len(s, req, 8) == 2                          # 0.8^3 < one row's cost at 8 requests
+    req.spec_acc = 0.3
+    assert spec_mod.draft_len(s, req, 1) == 1 and spec_mod.draft_len(s, req, 8) == 0
+    req.spec_acc, req.spec_skipped = 0.05, 0
+    ks = [spec_mod.draft_len(s, req, 1) for _ in range(2 * spec_mod.PROBE_EVERY)]
+    assert ks.count(1) == 2 and set(ks) == {0, 1}                     # probes only
+    req.spec_acc = 0.95
+    req.output_ids = [5] * 98
+    assert spec_mod.draft_len(s, req, 1) == 1                         # one output left after this step's own

@@ -14,7 +14,6 @@ above disable_by_batch_size) keep the one-step lag.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from ..request import Req
@@ -23,9 +22,11 @@ from ..speculative.ngram import propose_ngram
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-EMA_WEIGHT = 0.3          # weight of the newest step in a request's acceptance EMA
-PROBE_EVERY = 16          # a request below the acceptance floor drafts again once per this many steps
-FULL_K_EMA = 0.5          # at or above this EMA a request drafts the full k; below, k shrinks in proportion
+EMA_WEIGHT = 0.3          # weight of the newest verified run in a request's acceptance estimate
+PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token again once per this many steps
+# Cost of one more row in a decode step, as a fraction of a one-row step: measured on SmolLM2-135M Q4_1, 2 cores
+# (benchmarks/RESULTS.md, output tok/s vs concurrency: 66.6 at 1 row, 188.5 at 4 rows, so 4 rows cost 1.41x).
+ROW_COST = 0.13
 
 
 def may_draft(req: Req) -> bool:
@@ -36,25 +37,40 @@ def may_draft(req: Req) -> bool:
             and not p.frequency_penalty and p.repetition_penalty == 1)
 
 
-def draft_len(s: "Scheduler", req: Req) -> int:
-    """Adaptive k: the full num_speculative_tokens while the request's acceptance EMA is high, fewer as it
-    falls, none below min_acceptance (but for one probe every PROBE_EVERY steps); never past max_tokens."""
+def acceptance(req: Req) -> float:
+    """Estimated chance that a draft is accepted given the ones before it were: accepted drafts over draft
+    trials (accepted + the first rejected one), both as EMAs over the request's verified runs."""
+    return req.spec_acc / req.spec_trials
+
+
+def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
+    """Adaptive k: draft the j-th token only while p^j, the chance it is reached and accepted, exceeds what its
+    row costs in tokens of the plain step, ROW_COST * B / (1 + ROW_COST * (B - 1)) at B decode requests (one row's
+    time at the plain step's rate). So k shrinks as acceptance falls or the batch grows, and is 0 once drafts do
+    not pay (then one probe draft every PROBE_EVERY steps re-measures it). Never past max_tokens."""
     cfg = s.config.speculative_config
-    if req.spec_ema < cfg.min_acceptance:
+    limit = req.max_new_tokens() - len(req.output_ids) - 1
+    p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1))
+    k = 0
+    while k < cfg.num_speculative_tokens and p ** (k + 1) > cost:
+        k += 1
+    if k == 0:
         req.spec_skipped += 1
-        if req.spec_skipped % PROBE_EVERY:
-            return 0
-    k = cfg.num_speculative_tokens
-    if req.spec_ema < FULL_K_EMA:
-        k = max(1, math.ceil(k * req.spec_ema / FULL_K_EMA))
-    return max(0, min(k, req.max_new_tokens() - len(req.output_ids) - 1))
+        if req.spec_skipped % PROBE_EVERY == 0:
+            k = 1
+    else:
+        req.spec_skipped = 0
+    return max(0, min(k, limit))
 
 
 def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
     """The decode candidates (re-read if host truth had to be brought up to date) and their drafts."""
     cfg = s.config.speculative_config
-    if cfg is None or len(reqs) > cfg.disable_by_batch_size or not any(may_draft(r) for r in reqs):
+    if cfg is None or len(reqs) > cfg.disable_by_batch_size or s.max_draft_rows == 0:
         return reqs, {}
+    want = {r: k for r in reqs if may_draft(r) and (k := draft_len(s, r, len(reqs))) > 0}
+    if not want:
+        return reqs, {}              # nobody drafts: the overlap loop keeps its one-step lag
     if s.result_queue:
         s.process_pending()          # the invariant above: drafts are proposed from host truth
         from .pick import _decode_candidates
@@ -63,9 +79,7 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
     room = min(s.max_draft_rows, s.available() - len(reqs))     # KV slots and batch rows for draft tokens
     with s.recorder.span("propose"):
         for req in reqs:
-            if not may_draft(req):
-                continue
-            k = min(draft_len(s, req), room)
+            k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
             if k < 1:
                 continue
             d = propose_ngram(req.fill_ids(), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -73,12 +87,13 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
                 drafts[req] = d
                 room -= len(d)
             elif s.config.scheduler == "overlap":
-                _update_ema(req, 0.0)     # a miss cost the overlap (host truth was fetched for nothing)
+                _update(req, 0, 1)    # a miss cost the overlap (host truth was fetched for nothing)
     return reqs, drafts
 
 
-def _update_ema(req: Req, rate: float) -> None:
-    req.spec_ema = (1 - EMA_WEIGHT) * req.spec_ema + EMA_WEIGHT * rate
+def _update(req: Req, accepted: int, trials: int) -> None:
+    req.spec_acc = (1 - EMA_WEIGHT) * req.spec_acc + EMA_WEIGHT * accepted
+    req.spec_trials = (1 - EMA_WEIGHT) * req.spec_trials + EMA_WEIGHT * trials
 
 
 def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
@@ -92,4 +107,4 @@ def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
     s.spec_draft_tokens += k
     s.spec_accepted_tokens += accepted
     s.spec_accepted_hist[accepted] = s.spec_accepted_hist.get(accepted, 0) + 1
-    _update_ema(req, accepted / k)
+    _update(req, accepted, accepted + (accepted < k))

@@ -16,14 +16,14 @@ class SpeculativeConfig:
 
     ngram: prompt lookup (the longest suffix of prompt + output, prompt_lookup_max down to prompt_lookup_min
     tokens, matched earlier in the same text proposes the tokens that followed it). draft_model: not built yet;
-    asking for it is an error at start. The last two fields are tandem's adaptive switches (README)."""
+    asking for it is an error at start. disable_by_batch_size is vLLM's batch-size switch; below it the scheduler
+    still drafts only what pays (scheduler/speculative.py)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4      # drafts verified per step (k; the step scores k + 1 positions)
     prompt_lookup_max: int = 4           # ngram: longest suffix matched
     prompt_lookup_min: int = 1           # ngram: shortest suffix matched
     model: str | None = None             # draft_model: the draft's GGUF file or Hugging Face folder
-    disable_by_batch_size: int = 4       # decode batches with more requests than this run without speculation
-    min_acceptance: float = 0.1          # a request whose acceptance EMA falls below this stops drafting (probes)
+    disable_by_batch_size: int = 8       # decode batches with more requests than this run without speculation
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,8 +45,6 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
-        if not isinstance(self.min_acceptance, (int, float)) or not 0.0 <= self.min_acceptance < 1.0:
-            raise ValueError(f"speculative_config: min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
