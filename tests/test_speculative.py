@@ -331,3 +331,41 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     req.spec_acc = 0.95
     req.output_ids = [5] * 98
     assert spec_mod.draft_len(s, req, 1) == 1                         # one output left after this step's own
+
+
+def test_server_streams_speculative_runs_with_usage(tmp_path):
+    """`tandem serve --speculative-config`: a streamed chat on SmolLM2 that quotes its prompt arrives in runs of
+    several tokens, equal to speculation off offline, with usage counting every token, and /metrics counts
+    drafts and accepted tokens."""
+    import json
+
+    import httpx
+    import openai
+
+    from server_utils import ServerProcess
+    chat = [{"role": "user", "content": "Repeat this passage exactly:\n\n" + QUOTE}]
+    ref_llm = LLM(kv_cache_tokens=4096)
+    try:
+        ref = ref_llm.chat(chat, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    finally:
+        ref_llm.shutdown()
+    srv = ServerProcess(["--kv-cache-tokens", "4096", "--speculative-config", json.dumps(SPEC)],
+                        str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120,
+                               http_client=httpx.Client(trust_env=False))
+        chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=chat,
+                                                     max_tokens=40, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == ref.text
+        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        metrics = httpx.get(srv.url + "/metrics", trust_env=False).text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("tandem:spec_decode_num")}
+        assert values["tandem:spec_decode_num_accepted_tokens_total"] > 0
+        assert values["tandem:spec_decode_num_draft_tokens_total"] >= values[
+            "tandem:spec_decode_num_accepted_tokens_total"]
+        client.close()
+    finally:
+        assert srv.stop() == 0, srv.log()
