@@ -369,3 +369,21 @@ def test_server_streams_speculative_runs_with_usage(tmp_path):
         client.close()
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_tensor_parallel_ranks_keep_the_accepted_token(tiny_llama, monkeypatch):
+    """Under tp the other ranks stash what rank 0's acceptance kept (the FutureMap is poisoned)."""
+    llm = LLM(tiny_llama, kv_cache_tokens=2048, tp_size=2, device_threads=1, speculative_config=SPEC,
+              poison_future_map=True)
+    try:
+        prompts = [[5, 6, 7, 8], [9, 10, 11]]
+        params = [greedy(20, ignore_eos=True), SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)]
+        configure(llm, "overlap", False)
+        plain, _ = outputs(llm, prompts, params)
+        monkeypatch.setattr(spec_mod, "propose_ngram", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
+        for loop in LOOPS:
+            configure(llm, loop, True)
+            assert outputs(llm, prompts, params)[0] == plain
+        assert llm.stats()["spec_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
