@@ -200,11 +200,9 @@ def test_randomized_mix_both_loops(tiny_qwen2, make_llm, monkeypatch, seed):
     assert llm.stats()["spec_draft_tokens"] > 0
 
 
-def test_grammar_and_penalized_rows_never_draft(spec_llm, monkeypatch):
-    prompts = [[40, 41, 42], [50, 51, 52]]
-    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=30, structured_outputs={"choice": ["yes", "no"]}),
-              SamplingParams(temperature=0.8, seed=2, max_tokens=16, ignore_eos=True, presence_penalty=0.5,
-                             frequency_penalty=0.3, repetition_penalty=1.2)]
+def test_grammar_rows_never_draft(spec_llm, monkeypatch):
+    prompts = [[40, 41, 42]]
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=30, structured_outputs={"choice": ["yes", "no"]})]
     configure(spec_llm, "overlap", False)
     plain, _ = outputs(spec_llm, prompts, params)
     oracle = Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)})
@@ -215,6 +213,28 @@ def test_grammar_and_penalized_rows_never_draft(spec_llm, monkeypatch):
         assert outputs(spec_llm, prompts, params)[0] == plain
         assert spec_llm.stats()["spec_draft_tokens"] == before and oracle.calls == 0
     assert plain[0][2] in ("yes", "no")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_penalties_count_per_accepted_token(spec_llm, monkeypatch, loop):
+    """A penalized draft row is penalized as if the drafts before it were outputs, and only kept tokens count:
+    presence / frequency / repetition penalties give the plain path's tokens, beside unpenalized mates."""
+    prompts = [[50, 51, 52, 50, 51], [60, 61, 62], [70, 71]]
+    bias = {7: 6.0, 8: 5.5, 9: 5.0}           # a few tokens on top, so that the penalties decide the order
+    params = [SamplingParams(temperature=0.8, seed=2, max_tokens=24, ignore_eos=True, presence_penalty=0.5,
+                             frequency_penalty=0.3, repetition_penalty=1.2, logit_bias=bias),
+              greedy(24, ignore_eos=True, frequency_penalty=1.5, logit_bias=bias),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)]
+    configure(spec_llm, loop, False)
+    plain, _ = outputs(spec_llm, prompts, params)
+    unpenalized = outputs(spec_llm, prompts[1:2], [greedy(24, ignore_eos=True, logit_bias=bias)])[0]
+    assert unpenalized[0][0] == [7] * 24 and len(set(plain[1][0])) > 2 and len(set(plain[0][0])) > 2
+    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
+    configure(spec_llm, loop, True)
+    before = spec_llm.stats()
+    assert outputs(spec_llm, prompts, params)[0] == plain
+    after = spec_llm.stats()
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] > 10
 
 
 def test_n_samples_and_adaptive_off(spec_llm, monkeypatch):

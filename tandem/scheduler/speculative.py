@@ -9,7 +9,7 @@ no step is in flight (host truth is current), and no step is picked after it unt
 under the overlap loop a speculative step runs like a serial one: the host knows every request's accepted
 count before it computes the next step's positions, seeds and KV slots, no finished request ever rides in a
 speculative step, and the KV slots of rejected drafts are freed only after the step that wrote them was waited
-for (no in-flight step can touch them). Requests that do not draft (adaptive off, grammar, penalties, batch
+for (no in-flight step can touch them). Requests that do not draft (adaptive off, grammar rows, batch
 above disable_by_batch_size) keep the one-step lag.
 """
 from __future__ import annotations
@@ -30,11 +30,9 @@ ROW_COST = 0.13
 
 
 def may_draft(req: Req) -> bool:
-    """Grammar rows never draft (their masks depend on every token before); penalized rows neither (their
-    counts would have to include the drafts before each position)."""
-    p = req.params
-    return (req.grammar is None and p.structured_outputs is None and not p.presence_penalty
-            and not p.frequency_penalty and p.repetition_penalty == 1)
+    """Grammar rows never draft: their masks depend on every token before (a mask per draft position is not
+    built). Penalized rows do: a draft row counts the drafts before its position (device/penalties.py)."""
+    return req.grammar is None and req.params.structured_outputs is None
 
 
 def acceptance(req: Req) -> float:

@@ -29,11 +29,20 @@ def accepted_counts(draft_lens: np.ndarray, sampled: torch.Tensor, inputs: torch
     return heads, torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)        # leading matches
 
 
-def stash_values(draft_lens: np.ndarray, rows: torch.Tensor, sampled: torch.Tensor, inputs: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_rows(draft_lens: np.ndarray, heads: np.ndarray, acc: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows whose sampled token is kept (a plain row's; of a run, rows 0..a)."""
+    head_of = np.maximum.accumulate(np.where(draft_lens >= 0, np.arange(len(draft_lens)), 0))   # [B] run head
+    full = torch.zeros(len(draft_lens), dtype=torch.int64, device=acc.device)
+    full[torch.from_numpy(heads).to(acc.device)] = acc
+    offset = torch.from_numpy(np.arange(len(draft_lens)) - head_of).to(acc.device)
+    return offset <= full[torch.from_numpy(head_of).to(acc.device)]
+
+
+def stash_values(draft_lens: np.ndarray, rows: torch.Tensor, sampled: torch.Tensor, heads: np.ndarray,
+                 acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(request-table rows, last token) the FutureMap keeps after this step: a plain row's sampled token, a
-    speculating request's s_a at its head row; draft rows write nothing (they share the head's table row)."""
-    heads, acc = accepted_counts(draft_lens, sampled, inputs)
+    speculating request's s_a at its head row; draft rows write nothing (they share the head's table row).
+    heads, acc: accepted_counts of the step."""
     last = sampled.clone()
     h = torch.from_numpy(heads).to(sampled.device)
     last[h] = sampled[h + acc]
