@@ -27,6 +27,9 @@ PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token a
 # Cost of one more row in a decode step, as a fraction of a one-row step: measured on SmolLM2-135M Q4_1, 2 cores
 # (benchmarks/RESULTS.md, output tok/s vs concurrency: 66.6 at 1 row, 188.5 at 4 rows, so 4 rows cost 1.41x).
 ROW_COST = 0.13
+# Rows a verify step carries at most: up to here the native decode path keeps its few-row kernels (the quantized
+# linear computes rows in-kernel up to 96, SiLU x up is the native op up to 64 rows), as a plain decode step does.
+MAX_VERIFY_ROWS = 64
 
 
 def may_draft(req: Req) -> bool:
@@ -74,7 +77,7 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
         from .pick import _decode_candidates
         reqs = _decode_candidates(s)
     drafts: dict[Req, list[int]] = {}
-    room = min(s.max_draft_rows, s.available() - len(reqs))     # KV slots and batch rows for draft tokens
+    room = min(s.max_draft_rows, s.available() - len(reqs), MAX_VERIFY_ROWS - len(reqs))   # slots and rows
     with s.recorder.span("propose"):
         for req in reqs:
             k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
