@@ -407,3 +407,16 @@ def test_tensor_parallel_ranks_keep_the_accepted_token(tiny_llama, monkeypatch):
         assert llm.stats()["spec_accepted_tokens"] > 0
     finally:
         llm.shutdown()
+
+
+def test_bench_report_renders():
+    from tandem.bench.speculative import render
+    out = {"output_len": 8, "threads": 2, "speculative_config": SPEC, "rounds": 1, "throughput_requests": 4,
+           "skipped": {}, "tpot_ms": {"a_quote": {"tandem spec off": 20.0, "tandem spec overlap": 9.0,
+                                                  "tandem spec serial": 8.0, "llama.cpp plain": 14.0,
+                                                  "llama.cpp prompt lookup": 12.0}},
+           "spec_stats": {"a_quote": {"spec_draft_tokens": 8, "spec_accepted_tokens": 6, "spec_accepted_len_3": 2}},
+           "device_idle_overlap": {"a_quote": 0.03}, "throughput_tok_s": {"off": 100.0, "on": 99.0}}
+    md = render(out)
+    assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % |" in md
+    assert "0.990x" in md
