@@ -273,7 +273,8 @@ def test_ngram_proposer():
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "k": 3}, "unknown field"),
     ({"num_speculative_tokens": 3}, "'method' is required"),
-    ({"method": "draft_model", "model": "x.gguf"}, "draft_model"),
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "ngram", "model": "x.gguf"}, "'model' is for method 'draft_model'"),
     ("{not json", "not valid JSON"),
     ([1, 2], "JSON object"),
 ])
@@ -420,3 +421,42 @@ def test_bench_report_renders():
     md = render(out)
     assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % |" in md
     assert "0.990x" in md
+
+
+@pytest.fixture(scope="module")
+def other_tiny_llama(tmp_path_factory):
+    """Same architecture and tokenizer as tiny_llama, other random weights: a draft that is almost never right."""
+    from tiny_models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-other"), "llama", seed=1)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_draft_model_equal_to_target_accepts_everything(tiny_llama, other_tiny_llama, make_llm, loop):
+    """Coupled draws: a draft equal to the target samples what the target samples, greedy and seeded alike."""
+    prompts, params = _mixed_workload(seed=3)
+    rates = {}
+    for name, draft in (("same", tiny_llama), ("random", other_tiny_llama)):
+        llm = make_llm(tiny_llama, speculative_config={"method": "draft_model", "model": draft,
+                                                       "num_speculative_tokens": 3})
+        sc = llm.engine.config.speculative_config
+        configure(llm, loop, False)
+        plain, plain_outs = outputs(llm, prompts, params)
+        configure(llm, loop, True, sc)
+        spec, spec_outs = outputs(llm, prompts, params)
+        assert spec == plain
+        for a, b in zip(spec_outs, plain_outs):
+            if b.outputs[0].logprobs is not None:
+                assert_logprobs_close(a, b)
+        st = llm.stats()
+        rates[name] = st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])
+        drafter = llm.engine.scheduler.drafter
+        assert not drafter.state and drafter.kv.available() == drafter.kv.num_slots
+        assert drafter.rows.available() == drafter.rows.size
+    assert rates["same"] > 0.9 and rates["random"] < 0.2, rates
+
+
+def test_draft_model_vocabulary_mismatch_is_an_error(tiny_llama, tmp_path):
+    from tiny_models import make_tiny_model
+    other = make_tiny_model(tmp_path, "llama", vocab_size=2000)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_llama, kv_cache_tokens=1024, speculative_config={"method": "draft_model", "model": other})

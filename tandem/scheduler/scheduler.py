@@ -61,6 +61,7 @@ class Scheduler:
         # Speculative decoding (speculative.py): batch rows the device buffers hold for drafts (set by the
         # engine), drafts verified, drafts accepted, and verified runs by their accepted drafts.
         self.max_draft_rows = 0
+        self.drafter = None                 # the draft model (speculative_config method "draft_model")
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_accepted_hist: dict[int, int] = {}
@@ -174,6 +175,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
+        if self.drafter is not None:
+            self.drafter.release(req)
         if req.slots:
             if self.cache is not None:
                 self._cache_kv(req)

@@ -79,6 +79,14 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
     drafts: dict[Req, list[int]] = {}
     room = min(s.max_draft_rows, s.available() - len(reqs), MAX_VERIFY_ROWS - len(reqs))   # slots and rows
     with s.recorder.span("propose"):
+        if cfg.method == "draft_model" and s.drafter is not None:
+            asked = {}
+            for req in reqs:
+                k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
+                if k >= 1:
+                    asked[req] = k
+                    room -= k
+            return reqs, s.drafter.propose(asked)
         for req in reqs:
             k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
             if k < 1:

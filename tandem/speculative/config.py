@@ -15,8 +15,8 @@ class SpeculativeConfig:
     """What `LLM(..., speculative_config={...})` and `--speculative-config JSON` take.
 
     ngram: prompt lookup (the longest suffix of prompt + output, prompt_lookup_max down to prompt_lookup_min
-    tokens, matched earlier in the same text proposes the tokens that followed it). draft_model: not built yet;
-    asking for it is an error at start. disable_by_batch_size is vLLM's batch-size switch; below it the scheduler
+    tokens, matched earlier in the same text proposes the tokens that followed it). draft_model: `model`, a smaller
+    model with the target's tokenizer, samples the drafts (tandem/speculative/draft.py). disable_by_batch_size is vLLM's batch-size switch; below it the scheduler
     still drafts only what pays (scheduler/speculative.py)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4      # drafts verified per step (k; the step scores k + 1 positions)
@@ -39,9 +39,9 @@ class SpeculativeConfig:
                                  f"got {lo!r} and {hi!r}")
             if self.model is not None:
                 raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
-        else:
-            raise ValueError("speculative_config: method 'draft_model' is not supported by this build of tandem "
-                             "yet; use method 'ngram'")
+        elif not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's GGUF file or "
+                             "Hugging Face folder, with the target's tokenizer)")
         b = self.disable_by_batch_size
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
