@@ -61,6 +61,8 @@ class Req:
     spec_acc: float = 0.6
     spec_trials: float = 1.0
     spec_skipped: int = 0
+    spec_probe_gap: int = 16               # steps without drafts before a probe draft (doubles while probes fail)
+    spec_probing: bool = False             # its current draft is a probe
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

@@ -349,6 +349,9 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     req.spec_acc, req.spec_skipped = 0.05, 0
     ks = [spec_mod.draft_len(s, req, 1) for _ in range(2 * spec_mod.PROBE_EVERY)]
     assert ks.count(1) == 2 and set(ks) == {0, 1}                     # probes only
+    spec_mod.settle(s, req, 1, 0)                                     # a failed probe doubles the gap
+    ks = [spec_mod.draft_len(s, req, 1) for _ in range(2 * spec_mod.PROBE_EVERY)]
+    assert ks.count(1) == 1 and req.spec_probe_gap == 2 * spec_mod.PROBE_EVERY
     req.spec_acc = 0.95
     req.output_ids = [5] * 98
     assert spec_mod.draft_len(s, req, 1) == 1                         # one output left after this step's own

@@ -131,6 +131,19 @@ def bench_speculative(args: argparse.Namespace) -> dict:
             for peer, model in peers.items():
                 tpot[name].setdefault(peer, []).append(llama_tpot(model, ids, n))
         print(name, {k: round(1e3 * statistics.median(v), 2) for k, v in tpot[name].items()}, flush=True)
+    draft_stats: dict[str, dict] = {}
+    if args.draft_model:
+        path = default_model_path() if args.draft_model == "self" else args.draft_model
+        dspec = {"method": "draft_model", "model": path, "num_speculative_tokens": spec.get("num_speculative_tokens", 4)}
+        dllm = LLM(device_threads=args.threads, speculative_config=dspec)
+        try:
+            for name, ids in prompts.items():
+                tandem_tpot(dllm, ids, 4)
+                t, delta = tandem_tpot(dllm, ids, n)
+                tpot[name]["tandem draft model"] = [t]
+                draft_stats[name] = delta
+        finally:
+            dllm.shutdown()
     tp = {}
     if args.throughput_requests:
         vocab = llm.engine.model_config.vocab_size
@@ -142,7 +155,8 @@ def bench_speculative(args: argparse.Namespace) -> dict:
     return {"output_len": n, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
             "throughput_requests": args.throughput_requests, "skipped": skipped,
             "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in tpot.items()},
-            "spec_stats": spec_stats, "device_idle_overlap": idle,
+            "spec_stats": spec_stats, "device_idle_overlap": idle, "draft_model": args.draft_model,
+            "draft_stats": draft_stats,
             "throughput_tok_s": {k: statistics.median(v) for k, v in tp.items()}}
 
 
@@ -152,6 +166,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds per peer and workload (the table takes the median)")
     p.add_argument("--throughput-requests", type=int, default=64,
                    help="requests of the 32 -> 128 throughput check, speculation on vs off (0: skip)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="also time method draft_model with this draft ('self': the target as its own draft)")
     p.add_argument("--speculative-config", type=json.loads, default=SPEC,
                    help=f"the speculative_config tandem runs with, as JSON (default: {json.dumps(SPEC)})")
 
@@ -178,6 +194,16 @@ def render(out: dict) -> str:
                      f"{spec / d['tandem spec off']:.2f}x | {spec / best:.2f}x | "
                      f"{acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} | "
                      f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % |")
+    if out.get("draft_stats"):
+        lines += ["", f"Draft model `{out['draft_model']}` (method draft_model, overlap loop; the target as its own "
+                      "draft only shows coupled draws at work: it costs a second forward of the same size):", "",
+                  "| workload | TPOT ms | / tandem off | acceptance | mean accepted length |", "|---|---|---|---|---|"]
+        for w, st in out["draft_stats"].items():
+            d = out["tpot_ms"][w]
+            runs = sum(v for k, v in st.items() if k.startswith("spec_accepted_len_"))
+            drafted, acc = st.get("spec_draft_tokens", 0), st.get("spec_accepted_tokens", 0)
+            lines.append(f"| {w} | {d['tandem draft model']:.2f} | {d['tandem draft model'] / d['tandem spec off']:.2f}x"
+                         f" | {acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} |")
     tp = out["throughput_tok_s"]
     if tp:
         lines += ["", f"{out['throughput_requests']} requests x 32 -> 128 tokens (overlap loop): {tp['off']:.1f} tok/s "

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 EMA_WEIGHT = 0.3          # weight of the newest verified run in a request's acceptance estimate
-PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token again once per this many steps
+PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token again after this many steps,
+MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a probe in the overlap loop costs a sync)
 # Cost of one more row in a decode step, as a fraction of a one-row step: measured on SmolLM2-135M Q4_1, 2 cores
 # (benchmarks/RESULTS.md, output tok/s vs concurrency: 66.6 at 1 row, 188.5 at 4 rows, so 4 rows cost 1.41x).
 ROW_COST = 0.13
@@ -48,7 +49,8 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     """Adaptive k: draft the j-th token only while p^j, the chance it is reached and accepted, exceeds what its
     row costs in tokens of the plain step, ROW_COST * B / (1 + ROW_COST * (B - 1)) at B decode requests (one row's
     time at the plain step's rate). So k shrinks as acceptance falls or the batch grows, and is 0 once drafts do
-    not pay (then one probe draft every PROBE_EVERY steps re-measures it). Never past max_tokens."""
+    not pay (then a probe draft after PROBE_EVERY steps, the gap doubling while probes fail, re-measures it).
+    Never past max_tokens."""
     cfg = s.config.speculative_config
     limit = req.max_new_tokens() - len(req.output_ids) - 1
     p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1))
@@ -57,8 +59,8 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
         k += 1
     if k == 0:
         req.spec_skipped += 1
-        if req.spec_skipped % PROBE_EVERY == 0:
-            k = 1
+        if req.spec_skipped >= req.spec_probe_gap:
+            k, req.spec_skipped, req.spec_probing = 1, 0, True
     else:
         req.spec_skipped = 0
     return max(0, min(k, limit))
@@ -95,8 +97,12 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
             if d:
                 drafts[req] = d
                 room -= len(d)
-            elif s.config.scheduler == "overlap":
-                _update(req, 0, 1)    # a miss cost the overlap (host truth was fetched for nothing)
+            else:
+                if req.spec_probing:  # a probe that found nothing to propose failed too
+                    req.spec_probing = False
+                    req.spec_probe_gap = min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
+                if s.config.scheduler == "overlap":
+                    _update(req, 0, 1)    # a miss cost the overlap (host truth was fetched for nothing)
     return reqs, drafts
 
 
@@ -117,3 +123,6 @@ def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
     s.spec_accepted_tokens += accepted
     s.spec_accepted_hist[accepted] = s.spec_accepted_hist.get(accepted, 0) + 1
     _update(req, accepted, accepted + (accepted < k))
+    if req.spec_probing:               # a probe: back off while they fail, back to the first gap once one pays
+        req.spec_probing = False
+        req.spec_probe_gap = PROBE_EVERY if accepted else min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
