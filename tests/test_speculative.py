@@ -343,7 +343,7 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
     req.spec_acc, req.spec_trials = 0.8, 1.0
     assert spec_mod.draft_len(s, req, 1) == 4
-    assert spec_mod.draft_len(s, req, 8) == 2                          # 0.8^3 < one row's cost at 8 requests
+    assert spec_mod.draft_len(s, req, 8) == 1                          # 0.8^2 < one row's cost at 8 requests
     req.spec_acc = 0.3
     assert spec_mod.draft_len(s, req, 1) == 1 and spec_mod.draft_len(s, req, 8) == 0
     req.spec_acc, req.spec_skipped = 0.05, 0

@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 EMA_WEIGHT = 0.3          # weight of the newest verified run in a request's acceptance estimate
 PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token again after this many steps,
 MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a probe in the overlap loop costs a sync)
-# Cost of one more row in a decode step, as a fraction of a one-row step: measured on SmolLM2-135M Q4_1, 2 cores
-# (benchmarks/RESULTS.md, output tok/s vs concurrency: 66.6 at 1 row, 188.5 at 4 rows, so 4 rows cost 1.41x).
-ROW_COST = 0.13
+# Cost of one more row in a decode step, as a fraction of a one-row step: measured on SmolLM2-135M Q4_1, 2 cores,
+# serial loop, verify steps of one request whose drafts are all rejected: 4 drafts cost 1.82x a plain step, 8
+# drafts 2.52x (0.20 and 0.19 a row; host work included, on a shared machine). Decode rows of other requests cost
+# less (benchmarks/RESULTS.md, tok/s vs concurrency: 4 rows 1.41x one row): this errs on the side of not drafting.
+ROW_COST = 0.2
 # Rows a verify step carries at most: up to here the native decode path keeps its few-row kernels (the quantized
 # linear computes rows in-kernel up to 96, SiLU x up is the native op up to 64 rows), as a plain decode step does.
 MAX_VERIFY_ROWS = 64
