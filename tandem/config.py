@@ -44,6 +44,8 @@ class EngineConfig:
     nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)
     node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
+    # ---- speculative decoding (tandem/speculative, tandem/scheduler/speculative.py) ----
+    speculative_config: Any = None      # speculative decoding as JSON/dict in vLLM's names, e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("overlap", "serial"):
@@ -69,6 +71,8 @@ class EngineConfig:
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         self._check_tp()
+        from .speculative.config import SpeculativeConfig
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     def _check_tp(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:

@@ -62,7 +62,8 @@ def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
         max_running=config.max_running_requests, max_model_len=config.max_model_len,
         kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
         poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
-        tp_size=config.tp_size)
+        tp_size=config.tp_size,
+        max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
 
 
 class Engine:
@@ -86,7 +87,7 @@ class Engine:
             if config.kv_cache_tokens is not None:
                 cap = min(cap, config.kv_cache_tokens)
             threads = rank_threads(config, self.model_config)
-            step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests
+            step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests + spec.max_draft_rows
             # Prefix-cache hits send their cached slots once; no row's prefix is longer than the context.
             prefix_slots = cap * config.max_running_requests if config.prefix_cache else 0
             self.runner = ProcessRunner(spec, threads, step_tokens, max_prefix_slots=prefix_slots,
@@ -98,6 +99,7 @@ class Engine:
         try:
             self.tokenizer = load_tokenizer(self.source)     # while the device process loads the weights
             self.runner.wait_ready()
+            drafter = self._drafter(config)
         except BaseException:
             self.runner.shutdown()
             raise
@@ -112,6 +114,8 @@ class Engine:
         from .grammar import GrammarCompiler
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.runner, self._emit, self.recorder, poll, self.grammar)
+        self.scheduler.max_draft_rows = spec.max_draft_rows
+        self.scheduler.drafter = drafter
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -124,10 +128,27 @@ class Engine:
 
     @config.setter
     def config(self, config: EngineConfig) -> None:
-        """Swap run-time options (e.g. the loop) between runs; the scheduler reads the same config."""
+        """Swap run-time options (e.g. the loop) between runs; the scheduler reads the same config.
+        speculative_config may be switched off, or to one whose draft rows fit the buffers sized at start."""
+        sc = config.speculative_config
+        if hasattr(self, "scheduler") and sc is not None and sc.method == "draft_model" and \
+                (self.scheduler.drafter is None or sc.model != self.scheduler.drafter.path):
+            raise ValueError("speculative_config: a draft model is loaded at start; start the engine with it")
+        if hasattr(self, "scheduler") and sc is not None and sc.extra_rows > self.scheduler.max_draft_rows:
+            raise ValueError(f"speculative_config needs {sc.extra_rows} draft rows a step; this engine was started "
+                             f"with room for {self.scheduler.max_draft_rows} (start it with that config)")
         self._config = config
         if hasattr(self, "scheduler"):
             self.scheduler.config = config
+
+    def _drafter(self, config: EngineConfig):
+        """The draft model of speculative_config method "draft_model" (checked against the target here)."""
+        sc = config.speculative_config
+        if sc is None or sc.method != "draft_model":
+            return None
+        from .speculative.draft import DraftModel
+        return DraftModel(sc.model, self.model_config, self.tokenizer, config.max_running_requests,
+                          self.runner.num_slots, self.runner.max_context, config.kernels, config.cache_dir)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -56,6 +56,13 @@ class Req:
     sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
     grammar: object | None = None          # GrammarMatcher of a structured-output request, once compiled
     prompt_lp: list | None = None          # prompt logprobs gathered over the prefill chunks, until sent
+    # Speculative decoding (scheduler/speculative.py): EMAs of accepted drafts and of draft trials per verified
+    # run (their ratio estimates a draft's acceptance; the prior 0.6), and decode steps since it last drafted.
+    spec_acc: float = 0.6
+    spec_trials: float = 1.0
+    spec_skipped: int = 0
+    spec_probe_gap: int = 16               # steps without drafts before a probe draft (doubles while probes fail)
+    spec_probing: bool = False             # its current draft is a probe
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

@@ -6,6 +6,7 @@ writes every number it printed (and the machine: nproc, CPU model, torch version
   tandem bench peers --num-prompts 64 --input-len 32 --output-len 128 --json peers.json
   tandem bench roofline --batch-sizes 1,32,64
   tandem bench soak --requests 3000 --concurrency 32 --json soak.json
+  tandem bench speculative --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 """
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def _runner(bench: Callable[[argparse.Namespace], dict]) -> Callable[[argparse.N
         write_json(args.json, bench(args))
         return 0
     return run
+
+
+def _speculative(args):
+    from .speculative import bench_speculative, render
+    out = bench_speculative(args)
+    print(render(out))
+    return out
 
 
 def _offline(args):
@@ -89,7 +97,7 @@ def _vllm_args(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> None:
     from ..cli import add_engine_args
-    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak",
+    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak, speculative",
                                   description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -148,6 +156,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     p.set_defaults(func=_runner(_soak))
+
+    p = sub.add_parser("speculative", help="n-gram speculative decoding: single-stream TPOT vs tandem without it "
+                                           "and llama.cpp (plain, prompt lookup), acceptance, 64-request throughput",
+                       description="Quoting, code editing, multi-turn quoting and open-ended workloads, greedy, one "
+                                   "stream at a time (tandem/bench/speculative.py).")
+    from .speculative import add_args as speculative_args
+    speculative_args(p)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    p.set_defaults(func=_runner(_speculative))
 
     p = sub.add_parser("roofline", help="fp32 GEMM and memory-bandwidth bounds next to tandem's decode tokens/s",
                        description="Times the model's decode GEMMs and this machine's memory bandwidth, and "

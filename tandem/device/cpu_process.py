@@ -129,7 +129,7 @@ class ProcessRunner:
     def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0, max_prefix_slots: int = 0, nnodes: int = 1,
                  dist_init_addr: str | None = None) -> None:
-        b = spec.max_running
+        b = spec.max_running + spec.max_draft_rows      # batch rows a step may carry (draft rows included)
         # StepInput.pack: header, the row fields, then the VAR fields, each bounded: ids and slots (a token
         # each), poisoned and grammar rows (<= rows), prefix slots and the penalized rows' prefix ids (<= the
         # prefix slots), logit biases (<= MAX_BIASES a row).

@@ -17,6 +17,7 @@ from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
+from ..speculative.verify import accepted_counts, kept_rows, stash_values
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .step import StepInput, prompt_logprob_targets
@@ -39,6 +40,7 @@ class ExecutorSpec:
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
+    max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""
@@ -158,7 +160,7 @@ class ModelExecutor:
         if logits is None:
             return None
         if penalized:
-            self.penalties.apply(step, rows, logits)
+            self.penalties.apply(step, rows, logits, input_ids)
         if len(step.bias_rows):
             apply_logit_bias(step, logits)
         if len(step.grammar_rows):
@@ -166,17 +168,25 @@ class ModelExecutor:
                                 torch.from_numpy(masks()).to(self.device, non_blocking=True))
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
                                                         step.draw_seed, dev), native=self.model.native)
+        speculative = bool((step.draft_lens > 0).any())
+        if speculative:
+            heads, acc = accepted_counts(step.draft_lens, tokens, input_ids)      # verify.py's rule
         if penalized:
-            self.penalties.count_outputs(step, rows, tokens)
+            self.penalties.count_outputs(step, rows, tokens,
+                                         kept_rows(step.draft_lens, heads, acc) if speculative else None)
         # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
         self.last_logprobs = None
         if (step.num_logprobs >= 0).any():
             self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
                                           int(step.num_logprobs.max()))
-        # FutureMap write: the next step of these rows reads its input ids from here.
-        self.future_map.stash(rows, tokens)
+        # FutureMap write: the next step of these rows reads its input ids from here. A speculating request
+        # keeps the last token of its accepted run (verify.py), written once at its head row.
+        st_rows, st_tokens = rows, tokens
+        if speculative:
+            st_rows, st_tokens = stash_values(step.draft_lens, rows, tokens, heads, acc)
+        self.future_map.stash(st_rows, st_tokens)
         if self.tp is not None:
-            self.tp.sampled(rows, tokens)
+            self.tp.sampled(st_rows, st_tokens)
         return tokens
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs | None:

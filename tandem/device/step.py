@@ -10,7 +10,7 @@ import numpy as np
 # field], then each ROW_INTS field ([B] each), then each VAR_INTS field. floats (float64): each ROW_FLOATS
 # field ([B] each), then each VAR_FLOATS field.
 ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens", "num_logprobs",
-            "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids")
+            "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
             "bias_rows", "bias_ids")
@@ -66,11 +66,14 @@ class StepInput:
     bias_rows: np.ndarray = None      # [L]
     bias_ids: np.ndarray = None       # [L]
     bias_vals: np.ndarray = None      # [L] float
+    # Speculative decoding (tandem/speculative/verify.py): k at the head row of a request verifying k drafts
+    # (its k draft rows follow it, same table row, host input ids), -1 at a draft row, 0 at a plain row.
+    draft_lens: np.ndarray = None     # [B]
 
     def __post_init__(self) -> None:
         b = len(self.rows)
         defaults = {"prefix_lens": _ints(b), "num_logprobs": _ints(b, -1), "prompt_lens": _ints(b),
-                    "prompt_logprobs": _ints(b, -1), "next_ids": _ints(b, -1),
+                    "prompt_logprobs": _ints(b, -1), "next_ids": _ints(b, -1), "draft_lens": _ints(b),
                     "pen_reset": _ints(b), "pen_count": _ints(b), "presence_penalty": np.zeros(b),
                     "frequency_penalty": np.zeros(b), "repetition_penalty": np.ones(b), "bias_vals": np.zeros(0)}
         for name in ROW_INTS + ROW_FLOATS + VAR_INTS + VAR_FLOATS:

@@ -13,6 +13,11 @@ once every step launched before it has been processed. In the serial loop that i
 overlap loop batch k+1 is launched at once (its forward runs while the host works) and its masks follow
 right after batch k is processed (Scheduler.process_oldest); the device waits for them only before
 sampling. A runner that samples within its launch (the inline one) processes batch k first instead.
+
+The speculative branch (scheduler/speculative.py) changes *what host truth a pick needs*: a step that carries
+drafts is picked from host truth (pick processes the pending result first), and the step after it is picked
+only once it has been processed (pick_batch), because its accepted counts fix the next positions, seeds and KV
+slots. So in the overlap loop a drafting step runs serially; steps in which nobody drafts keep the lag.
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
         with rec.span("recv"):
             s.recv_requests()
         with rec.span("pick"):
-            batch = pick_batch(s)                     # host state lags one step
+            batch = pick_batch(s)                     # host state lags one step (not past a speculative step)
         if batch is not None and batch.needs_previous:
             s.process_pending()
         if batch is not None:

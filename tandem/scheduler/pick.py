@@ -18,6 +18,7 @@ from ..device.step import StepInput
 from ..request import Req, ReqStatus
 from ..sampler import draw_seeds
 from .batch import Batch
+from . import speculative
 from .grammar import grammar_rows
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ class Chunk:
 
 
 def pick_batch(s: "Scheduler") -> Batch | None:
+    if any(b.speculative for b, _ in s.result_queue):
+        # A step picked after a speculative one needs its accepted counts: they fix every later position,
+        # seed and KV slot of its rows (the invariant of scheduler/speculative.py).
+        s.process_pending()
     s.finish_idle_aborts()
     if s.grammars is not None:
         s.grammars.collect(s)
@@ -167,12 +172,16 @@ def pick_decode(s: "Scheduler") -> Batch | None:
         reqs = _retract(s, _decode_candidates(s))
         if not reqs:
             return None
-    return _make_batch(s, [], _alloc_decode(s, reqs))
+    reqs, drafts = speculative.propose(s, reqs)       # drafts only where their KV slots are there
+    if not reqs:
+        return None
+    return _make_batch(s, [], _alloc_decode(s, reqs, drafts), drafts)
 
 
-def _alloc_decode(s: "Scheduler", reqs: list[Req]) -> list[Req]:
+def _alloc_decode(s: "Scheduler", reqs: list[Req], drafts: dict[Req, list[int]] | None = None) -> list[Req]:
+    """One KV slot per decode row: a request's own token and each of its draft tokens."""
     for req in reqs:
-        req.slots.extend(s.alloc_slots(1))
+        req.slots.extend(s.alloc_slots(1 + len(drafts.get(req, ())) if drafts else 1))
         req.filled = req.allocated
     return reqs
 
@@ -251,24 +260,32 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
     return reqs
 
 
-def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch:
+def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
+                drafts: dict[Req, list[int]] | None = None) -> Batch:
     """Decode rows first, shortest first (one token each, input id from the FutureMap), then prefill chunks
-    (host ids).
+    (host ids). A request with drafts (speculative.py) has k + 1 decode rows: its own, then one per draft
+    (host id, the next position and seed position, the next of its KV slots; draft_lens marks them).
 
     A non-final chunk samples too (the device samples every row), but its token is discarded in
     process_results: it advances neither `num_launched` nor the seed position, and the value it stashes in
     the FutureMap is never read (the next chunk takes host ids; the last chunk overwrites it before any
     decode step gathers it).
     """
+    drafts = drafts or {}
     decode = sorted(decode, key=lambda r: r.allocated)    # shortest first: the device groups rows by length
+    rows_of = [(r, j) for r in decode for j in range(1 + len(drafts.get(r, ())))]   # (request, row in its run)
+    decode = [r for r, _ in rows_of]
     reqs = decode + [c.req for c in chunks]
-    positions = [r.num_launched for r in decode] + [len(c.req.output_ids) for c in chunks]  # seed positions
+    positions = [r.num_launched + j for r, j in rows_of] + [len(c.req.output_ids) for c in chunks]  # seed positions
+    width = {r: 1 + len(drafts.get(r, ())) for r in drafts}
     ext = [1] * len(decode) + [c.n for c in chunks]
-    seq = [r.allocated for r in decode] + [c.start + c.n for c in chunks]
-    ids = [0] * len(decode)
-    locs = [r.slots[-1] for r in decode]
+    seq = [r.allocated - width.get(r, 1) + 1 + j for r, j in rows_of] + [c.start + c.n for c in chunks]
+    ids = [0 if j == 0 else drafts[r][j - 1] for r, j in rows_of]
+    locs = [r.slots[r.allocated - width.get(r, 1) + j] for r, j in rows_of]
+    use_future = [int(j == 0) for _, j in rows_of]
+    draft_lens = [(width.get(r, 1) - 1) if j == 0 else -1 for r, j in rows_of]
     prefix_lens, prefix_slots = [0] * len(decode), []
-    for r in decode:
+    for r, j in rows_of:
         r.num_launched += 1
     for c in chunks:
         r = c.req
@@ -287,7 +304,7 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         step_id=s.next_step_id(),
         rows=np.array([r.row for r in reqs], np.int64),
         extend_lens=np.array(ext, np.int64), seq_lens=np.array(seq, np.int64),
-        use_future=np.array([1] * len(decode) + [0] * len(chunks), np.int64),
+        use_future=np.array(use_future + [0] * len(chunks), np.int64),
         input_ids=np.array(ids, np.int64), out_cache_loc=np.array(locs, np.int64),
         temperature=samp[:, 0].copy(), top_p=samp[:, 1].copy(),
         top_k=np.array([r.sampling_row[2] for r in reqs], np.int64), min_p=samp[:, 3].copy(),
@@ -299,10 +316,11 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> Batch
         prompt_logprobs=np.array([-1] * len(decode) + [_prompt_lp(c) for c in chunks], np.int64),
         next_ids=np.array([-1] * len(decode) + [-1 if c.last else c.req.fill_ids()[c.start + c.n] for c in chunks],
                           np.int64),
+        draft_lens=np.array(draft_lens + [0] * len(chunks), np.int64),
         **_penalty_fields(decode, chunks, positions),
     )
     for c in chunks:
         s.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it
     assert b == step.batch_size
-    return Batch(step.step_id, reqs, bool(chunks), step, [True] * len(decode) + [c.last for c in chunks],
+    return Batch(step.step_id, reqs, bool(chunks), step, [j == 0 for _, j in rows_of] + [c.last for c in chunks],
                  num_decode=len(decode))

@@ -8,13 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from .. import faults
 from ..device.runner import ResultHandle
 from ..device.step import prompt_logprob_targets
 from ..device.streams import now
 from ..request import Req, StepOutput
-from . import grammar
+from ..speculative.verify import accepted_counts
+from . import grammar, speculative
 from .batch import Batch
 
 if TYPE_CHECKING:
@@ -29,7 +31,12 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     want = [r.params.logprobs for r in batch.reqs if r.params.logprobs is not None]
     lp = handle.logprobs(max(want)) if want else None     # (chosen [B], top ids [B, k], top logprobs [B, k])
     collect_prompt_logprobs(batch, handle)
-    for i, (req, tok, keep) in enumerate(zip(batch.reqs, tokens.tolist(), batch.samples)):
+    draft_lens = batch.step.draft_lens
+    runs = _accepted_runs(batch, tokens) if batch.speculative else {}
+    toks = tokens.tolist()
+    for i, (req, tok, keep) in enumerate(zip(batch.reqs, toks, batch.samples)):
+        if draft_lens[i] < 0:
+            continue            # a draft row: its token belongs to its head row's run (below)
         if req.finished:
             # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
             # never appended, streamed or counted.
@@ -40,28 +47,49 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         if not keep:
             continue            # a non-final prefill chunk: its sampled token is discarded (see _make_batch)
+        run = [tok]
+        if draft_lens[i] > 0:
+            # A verified run (speculative.py): s_0..s_a are kept, the rejected drafts' KV slots freed.
+            accepted = runs[i]
+            speculative.settle(s, req, int(draft_lens[i]), accepted)
+            run = toks[i:i + accepted + 1]
+        kept: list[int] = []
+        reason = None
         try:
-            faults.check("process", req.prompt_ids)
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = t
-            reason = check_stop(req, tok)
-            if reason is None and req.grammar is not None and grammar.accept(req, tok):
-                reason = "stop"                # the grammar is complete (the JSON closed)
+            for tok in run:     # one token at a time: a stop inside the run truncates it where plain decode stops
+                faults.check("process", req.prompt_ids)
+                req.output_ids.append(tok)
+                kept.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = t
+                reason = check_stop(req, tok)
+                if reason is None and req.grammar is not None and grammar.accept(req, tok):
+                    reason = "stop"            # the grammar is complete (the JSON closed)
+                if reason is not None:
+                    break
         except Exception as e:                 # isolation: this request fails alone (Scheduler.fail)
             s.fail(req, e)
             continue
         if reason is not None:
             s.finish(req, reason)
+        elif draft_lens[i] > 0:
+            req.num_launched = len(req.output_ids)      # the launch counted every row of the run
         k = req.params.logprobs
-        token_lp = None if k is None else _entries(lp, i, i + 1, k)
+        token_lp = None if k is None else _entries(lp, i, i + len(kept), k)
         prompt_lp, req.prompt_lp = req.prompt_lp, None      # sent once, with the first token
-        outputs.append(StepOutput(req.rid, [tok], reason is not None, reason, req.text if reason else None,
+        outputs.append(StepOutput(req.rid, kept, reason is not None, reason, req.text if reason else None,
                                   len(req.prompt_ids), len(req.output_ids),
                                   num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
                                   prompt_logprobs=prompt_lp))
     s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s)
     s.emit(outputs)
+
+
+def _accepted_runs(batch: Batch, tokens: np.ndarray) -> dict[int, int]:
+    """Head row -> accepted drafts of each verified run (verify.py's rule, as the device applied it)."""
+    heads, acc = accepted_counts(batch.step.draft_lens, torch.from_numpy(tokens),
+                                 torch.from_numpy(batch.step.input_ids))
+    return dict(zip(heads.tolist(), acc.tolist()))
 
 
 def _entries(lp: tuple, lo: int, hi: int, k: int) -> list:

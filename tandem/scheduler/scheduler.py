@@ -58,6 +58,13 @@ class Scheduler:
         self._live: dict[str, Req] = {}
         self.retractions = 0
         self.failures = 0                   # requests ended by an error in their own path (fail)
+        # Speculative decoding (speculative.py): batch rows the device buffers hold for drafts (set by the
+        # engine), drafts verified, drafts accepted, and verified runs by their accepted drafts.
+        self.max_draft_rows = 0
+        self.drafter = None                 # the draft model (speculative_config method "draft_model")
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted_hist: dict[int, int] = {}
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def recv_requests(self) -> None:
@@ -168,6 +175,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
+        if self.drafter is not None:
+            self.drafter.release(req)
         if req.slots:
             if self.cache is not None:
                 self._cache_kv(req)
@@ -285,4 +294,8 @@ class Scheduler:
             "kv_usage": 1.0 - self.available() / self.kv.num_slots,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            # verified runs that accepted a drafts, one flat key per a (replicas' stats are summed key by key)
+            **{f"spec_accepted_len_{a}": n for a, n in sorted(self.spec_accepted_hist.items())},
         }

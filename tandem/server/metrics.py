@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..request import StepOutput
+from ..speculative.config import MAX_SPECULATIVE_TOKENS
 from .client import RequestStream
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -36,7 +37,12 @@ GAUGES = {
 ENGINE_COUNTERS = {
     "tandem:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "tandem:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held."),
+    "tandem:spec_decode_num_draft_tokens": ("spec_draft_tokens", "Draft tokens verified by speculative decoding."),
+    "tandem:spec_decode_num_accepted_tokens": ("spec_accepted_tokens",
+                                               "Draft tokens speculative decoding accepted."),
 }
+SPEC_ACCEPTED_LEN = ("tandem:spec_decode_accepted_length", "Accepted drafts per verified speculative run "
+                     "(its tokens are that plus one).")
 
 
 # (engine stats, open requests in the frontend, alive) of each replica, read at scrape time
@@ -73,12 +79,31 @@ class _EngineGauges:
                 for i, v in enumerate(per):
                     f.add_sample(f.samples[0].name, {"model_name": self.model_name, "replica": str(i)}, v)
             yield f
+        yield _accepted_length(self.model_name, reps)
         if many:
             g = GaugeMetricFamily("tandem:replica_up", "1 while the data-parallel replica lives, 0 once it died.",
                                   labels=["model_name", "replica"])
             for i, (_, _, alive) in enumerate(reps):
                 g.add_metric([self.model_name, str(i)], 1.0 if alive else 0.0)
             yield g
+
+
+def _accepted_length(model_name: str, reps: list[tuple[dict, int, bool]]) -> HistogramMetricFamily:
+    """The accepted-length histogram, from the engines' spec_accepted_len_{a} run counts (summed over replicas)."""
+    runs: dict[int, float] = {}
+    for stats, _, _ in reps:
+        for key, n in stats.items():
+            if key.startswith("spec_accepted_len_"):
+                a = int(key.rsplit("_", 1)[1])
+                runs[a] = runs.get(a, 0.0) + float(n)
+    buckets, total = [], 0.0
+    for le in range(MAX_SPECULATIVE_TOKENS + 1):
+        total += runs.get(le, 0.0)
+        buckets.append((str(le), total))
+    buckets.append(("+Inf", total))
+    h = HistogramMetricFamily(*SPEC_ACCEPTED_LEN, labels=["model_name"])
+    h.add_metric([model_name], buckets, sum_value=sum(a * n for a, n in runs.items()))
+    return h
 
 
 class ServerMetrics:

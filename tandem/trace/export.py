@@ -17,7 +17,8 @@ from .recorder import DeviceSpan, Recorder
 
 HostSpan = tuple[str, int, float, float]      # (name, step, start, end); step -1 for recv and pick
 HOST_NAMES = {"recv": "recv", "pick": "pick batch", "launch": "launch step", "process": "process results",
-              "wait": "wait copy_done", "mask": "grammar masks"}
+              "wait": "wait copy_done", "mask": "grammar masks",
+              "propose": "propose drafts"}
 PID = {"serial": 1, "overlap": 2}
 HOST_TID, DEVICE_TID, IDLE_TID = 1, 2, 3
 
@@ -51,6 +52,7 @@ class StepRow:
     wait_ms: float        # host time blocked on copy_done in that iteration
     device_ms: float      # forward k
     idle_ms: float        # device idle right before forward k: since forward k-1 ended (step 0: since launch)
+    draft_tokens: int = 0 # speculative decoding: drafts forward k verified
 
 
 def iterations(rec: Recording) -> list[tuple[int, list[HostSpan]]]:
@@ -88,7 +90,7 @@ def step_rows(rec: Recording) -> list[StepRow]:
         idle = d.start - (prev_end if prev_end is not None else d.launch)
         rows.append(StepRow(d.step, d.is_prefill, d.batch_size, d.num_tokens,
                             1e3 * ((spans[0][2] if spans else d.launch) - t0), 1e3 * busy, 1e3 * wait,
-                            1e3 * (d.end - d.start), 1e3 * max(idle, 0.0)))
+                            1e3 * (d.end - d.start), 1e3 * max(idle, 0.0), d.draft_tokens))
         prev_end = d.end
     return rows
 
@@ -130,12 +132,13 @@ def chrome_trace(recs: Iterable[Recording], meta: dict | None = None) -> dict:
                 events.append({"ph": "s", "name": "step", "cat": "flow", "id": pid * 10**7 + step, "pid": pid,
                                "tid": HOST_TID, "ts": _us(s, t0)})
         for d in rec.devices:
-            events.append({"ph": "X", "name": "forward", "cat": "device", "pid": pid, "tid": DEVICE_TID,
+            events.append({"ph": "X", "name": "verify" if d.draft_tokens else "forward", "cat": "device",
+                           "pid": pid, "tid": DEVICE_TID,
                            "ts": _us(d.start, t0), "dur": round((d.end - d.start) * 1e6, 3),
                            "args": {"step": d.step, "batch_size": d.batch_size, "num_tokens": d.num_tokens,
                                     "prefill": d.is_prefill, "launch_ts": _us(d.launch, t0),
                                     "queued_ms": round(1e3 * (d.start - d.launch), 3),
-                                    "tp_comm_ms": round(1e3 * d.comm, 3)}})
+                                    "tp_comm_ms": round(1e3 * d.comm, 3), "draft_tokens": d.draft_tokens}})
             events.append({"ph": "f", "bp": "e", "name": "step", "cat": "flow", "id": pid * 10**7 + d.step,
                            "pid": pid, "tid": DEVICE_TID, "ts": _us(d.start, t0)})
         for s, e in idle_gaps(rec):

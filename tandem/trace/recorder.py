@@ -12,7 +12,7 @@ from typing import Iterator
 
 from ..device.streams import now
 
-HOST_SPANS = ("recv", "pick", "launch", "process", "wait", "mask")
+HOST_SPANS = ("recv", "pick", "launch", "process", "wait", "mask", "propose")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class DeviceSpan:
     is_prefill: bool
     launch: float
     comm: float = 0.0        # seconds of the forward in tensor-parallel collectives (all-reduce, gather, broadcast)
+    draft_tokens: int = 0    # speculative decoding: drafts this forward verified (0: not a verify step)
 
 
 class Recorder:
@@ -66,7 +67,8 @@ class Recorder:
             return
         launch = self._launch.pop(batch.step_id, span[0])
         self.devices.append(DeviceSpan(batch.step_id, span[0], span[1], batch.size, batch.num_tokens,
-                                       batch.is_prefill, launch, comm_s))
+                                       batch.is_prefill, launch, comm_s,
+                                       int(batch.step.draft_lens[batch.step.draft_lens > 0].sum())))
         self.output_tokens += output_tokens
 
     def clear(self) -> None:

@@ -79,7 +79,7 @@ def summary_table(summary: dict) -> str:
 
 
 def step_table(rec: Recording, rows: list[StepRow]) -> str:
-    lines = [f"<tr><td>{r.step}</td><td>{'prefill' if r.is_prefill else 'decode'}</td><td>{r.batch_size}</td>"
+    lines = [f"<tr><td>{r.step}</td><td>{'prefill' if r.is_prefill else 'verify' if r.draft_tokens else 'decode'}</td><td>{r.batch_size}</td>"
              f"<td>{r.num_tokens}</td><td>{r.host_ms:.3f}</td><td>{r.wait_ms:.3f}</td><td>{r.device_ms:.3f}</td>"
              f"<td>{r.idle_ms:.3f}</td></tr>" for r in rows]
     return (f"<div class=steps><h3>{html.escape(rec.loop)} loop: {len(rows)} steps</h3><div class=scroll>"

@@ -17,7 +17,8 @@ from .export import Recording, idle_gaps  # noqa: E402
 
 MAX_WINDOW_STEPS = 12
 HOST_COLORS = {"recv": "#94a3b8", "pick": "#64748b", "launch": "#2563eb", "process": "#7c3aed",
-               "wait": "#ddd6fe", "mask": "#f59e0b"}
+               "wait": "#ddd6fe", "mask": "#f59e0b",
+               "propose": "#10b981"}
 PREFILL, DECODE, IDLE = "#166534", "#22c55e", "#ef4444"
 HOST_Y, DEVICE_Y, LANE_H = 1.0, 0.0, 0.8
 
@@ -49,7 +50,7 @@ def _bars(ax, spans: list[tuple[float, float]], y: float, color: str, **kw) -> N
 def _panel(ax, rec: Recording, start: float, length: float) -> None:
     ms = lambda t: 1e3 * (t - start)  # noqa: E731
     end = start + length
-    for name in ("process", "wait", "mask", "recv", "pick", "launch"):   # short spans last, on top
+    for name in ("process", "wait", "mask", "recv", "pick", "propose", "launch"):   # short spans last, on top
         spans = [(ms(s), ms(e)) for n, _, s, e in rec.host if n == name and e >= start and s <= end]
         # An edge in the span's own colour keeps sub-pixel host spans visible (about 1 px) next to long forwards.
         color = HOST_COLORS[name]

@@ -1,0 +1,215 @@
+"""Speculative decoding (n-gram prompt lookup), single stream, SmolLM2-135M Q4_1 on the CPU: TPOT of tandem with
+speculation on (overlap and serial loops) against tandem with it off, llama.cpp plain and llama.cpp with its
+prompt-lookup draft (llama_cpp.llama_speculative.LlamaPromptLookupDecoding), all in one run; acceptance rate and
+mean accepted length per workload; and 64 requests x 32 -> 128 tokens throughput with speculation on vs off.
+
+Workloads: (a) quoting and editing (repeat a passage, fix a typo in code), (b) a multi-turn chat that quotes an
+earlier turn, (c) open-ended text. Greedy, ignore_eos, the same prompt ids for every peer; TPOT is the time from
+the first to the last of `--output-len` tokens over their gaps (prefill excluded).
+
+    tandem bench speculative --json speculative.json      # or benchmarks/speculative.py (writes results/)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from tandem import LLM, SamplingParams
+
+PASSAGE = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin "
+           "nuzzled into his breast in an effort to escape the vile wind, slipped quickly through the glass doors "
+           "of Victory Mansions, though not quickly enough to prevent a swirl of gritty dust from entering along "
+           "with him. The hallway smelt of boiled cabbage and old rag mats.")
+CODE = ("def moving_average(values, window):\n    if window <= 0:\n        raise ValueError('window must be positive')\n"
+        "    out = []\n    total = 0.0\n    for i, v in enumerate(values):\n        total += v\n"
+        "        if i >= window:\n            total -= values[i - window]\n        if i >= window - 1:\n"
+        "            out.append(total / widnow)\n    return out\n")
+WORKLOADS = {
+    "a_quote": [{"role": "user", "content": "Repeat the following passage exactly, word for word:\n\n" + PASSAGE}],
+    "a_edit_code": [{"role": "user", "content": "Fix the typo in this Python function and print the whole "
+                                                "corrected function:\n\n" + CODE}],
+    "b_multi_turn": [{"role": "user", "content": "Here is a passage I like:\n\n" + PASSAGE},
+                     {"role": "assistant", "content": "Thank you for sharing it. It is the opening of Nineteen "
+                                                      "Eighty-Four by George Orwell."},
+                     {"role": "user", "content": "Quote the passage I gave you again, exactly."}],
+    "c_open_ended": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a "
+                                                 "message in a bottle."}],
+}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def tandem_tpot(llm: LLM, ids: list[int], n: int) -> tuple[float, dict]:
+    """Seconds per output token after the first (from the engine's own output times), and the spec stats delta."""
+    eng = llm.engine
+    times: list[float] = []
+    old = eng._sink
+
+    def sink(outputs):
+        t = time.perf_counter()
+        times.extend([t] * sum(len(o.new_token_ids) for o in outputs))
+        old(outputs)
+
+    before = llm.stats()
+    eng._sink = sink
+    try:
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    finally:
+        eng._sink = old
+    after = llm.stats()
+    assert len(times) == n, len(times)
+    delta = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_")}
+    return (times[-1] - times[0]) / (n - 1), delta
+
+
+def device_idle(llm: LLM) -> float:
+    """1 - busy / span over the decode forwards (prefill excluded) the recorder holds."""
+    dev = [d for d in llm.engine.recorder.devices if not d.is_prefill]
+    if len(dev) < 2:
+        return 0.0
+    span = dev[-1].end - dev[0].start
+    return 1.0 - sum(d.end - d.start for d in dev) / span if span > 0 else 0.0
+
+
+def llama_tpot(llm, ids: list[int], n: int) -> float:
+    llm.reset()
+    times = []
+    for k, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0), 1):
+        times.append(time.perf_counter())
+        if k == n:
+            break
+    return (times[-1] - times[0]) / (n - 1)
+
+
+def throughput(llm: LLM, spec: dict, on: bool, num: int, in_len: int, out_len: int, vocab: int) -> float:
+    import random
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(num)]
+    llm.engine.config = llm.engine.config.replace(scheduler="overlap", speculative_config=spec if on else None)
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+    return num * out_len / (time.perf_counter() - t)
+
+
+def bench_speculative(args: argparse.Namespace) -> dict:
+    """The whole run; args: threads, output_len, rounds, throughput_requests, speculative_config (dict)."""
+    spec = args.speculative_config
+    llm = LLM(device_threads=args.threads, speculative_config=spec)
+    tok = llm.tokenizer
+    prompts = {name: tok.encode(llm.apply_chat_template(m), add_special_tokens=False) for name, m in WORKLOADS.items()}
+    from ..model.loader import default_model_path
+    path = default_model_path()
+    peers: dict = {}
+    skipped: dict = {}
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        kw = dict(model_path=path, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+        peers["llama.cpp plain"] = Llama(**kw)
+        peers["llama.cpp prompt lookup"] = Llama(**kw, draft_model=LlamaPromptLookupDecoding(
+            max_ngram_size=spec.get("prompt_lookup_max", 4), num_pred_tokens=spec.get("num_speculative_tokens", 4)))
+    except ImportError as e:
+        skipped["llama.cpp"] = f"{type(e).__name__}: {e}"
+    n = args.output_len
+    tpot: dict[str, dict[str, list[float]]] = {}
+    spec_stats: dict[str, dict] = {}
+    idle: dict[str, float] = {}
+    tandem_runs = {"tandem spec off": ("overlap", False), "tandem spec overlap": ("overlap", True),
+                   "tandem spec serial": ("serial", True)}
+    for name, ids in prompts.items():
+        tandem_tpot(llm, ids, 4)                       # warm the prefix cache the same way for every tandem run
+        for _ in range(args.rounds):
+            for peer, (loop, on) in tandem_runs.items():
+                llm.engine.config = llm.engine.config.replace(scheduler=loop, speculative_config=spec if on else None)
+                llm.engine.recorder.clear()
+                t, delta = tandem_tpot(llm, ids, n)
+                tpot.setdefault(name, {}).setdefault(peer, []).append(t)
+                if peer == "tandem spec overlap":
+                    spec_stats[name] = delta
+                    idle[name] = device_idle(llm)
+            for peer, model in peers.items():
+                tpot[name].setdefault(peer, []).append(llama_tpot(model, ids, n))
+        print(name, {k: round(1e3 * statistics.median(v), 2) for k, v in tpot[name].items()}, flush=True)
+    draft_stats: dict[str, dict] = {}
+    if args.draft_model:
+        path = default_model_path() if args.draft_model == "self" else args.draft_model
+        dspec = {"method": "draft_model", "model": path, "num_speculative_tokens": spec.get("num_speculative_tokens", 4)}
+        dllm = LLM(device_threads=args.threads, speculative_config=dspec)
+        try:
+            for name, ids in prompts.items():
+                tandem_tpot(dllm, ids, 4)
+                t, delta = tandem_tpot(dllm, ids, n)
+                tpot[name]["tandem draft model"] = [t]
+                draft_stats[name] = delta
+        finally:
+            dllm.shutdown()
+    tp = {}
+    if args.throughput_requests:
+        vocab = llm.engine.model_config.vocab_size
+        throughput(llm, spec, False, 8, 32, 8, vocab)  # warm-up
+        for on in (False, True, False, True):
+            tp.setdefault("on" if on else "off", []).append(
+                throughput(llm, spec, on, args.throughput_requests, 32, 128, vocab))
+    llm.shutdown()
+    return {"output_len": n, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
+            "throughput_requests": args.throughput_requests, "skipped": skipped,
+            "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in tpot.items()},
+            "spec_stats": spec_stats, "device_idle_overlap": idle, "draft_model": args.draft_model,
+            "draft_stats": draft_stats,
+            "throughput_tok_s": {k: statistics.median(v) for k, v in tp.items()}}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=2, help="threads of tandem's device process and of llama.cpp")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per workload")
+    p.add_argument("--rounds", type=int, default=1, help="rounds per peer and workload (the table takes the median)")
+    p.add_argument("--throughput-requests", type=int, default=64,
+                   help="requests of the 32 -> 128 throughput check, speculation on vs off (0: skip)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="also time method draft_model with this draft ('self': the target as its own draft)")
+    p.add_argument("--speculative-config", type=json.loads, default=SPEC,
+                   help=f"the speculative_config tandem runs with, as JSON (default: {json.dumps(SPEC)})")
+
+
+def render(out: dict) -> str:
+    lines = [f"# Speculative decoding (n-gram), single stream, SmolLM2-135M Q4_1, {out['threads']} threads",
+             "", f"Greedy, {out['output_len']} output tokens (ignore_eos), median of {out['rounds']} round(s); "
+             f"speculative_config `{json.dumps(out['speculative_config'])}`. TPOT in ms (prefill excluded). "
+             "Ratios < 1 are faster. Acceptance = accepted / drafted tokens; mean accepted length = tokens a "
+             "verify step kept (accepted drafts + 1).", "",
+             "| workload | tandem off | tandem spec (overlap) | tandem spec (serial) | llama.cpp plain | "
+             "llama.cpp prompt lookup | spec / tandem off | spec / best llama.cpp | acceptance | mean accepted "
+             "length | device idle (overlap, spec) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w, d in out["tpot_ms"].items():
+        st = out["spec_stats"].get(w, {})
+        runs = sum(v for k, v in st.items() if k.startswith("spec_accepted_len_"))
+        drafted, acc = st.get("spec_draft_tokens", 0), st.get("spec_accepted_tokens", 0)
+        best = min([d[k] for k in ("llama.cpp plain", "llama.cpp prompt lookup") if k in d] or [float("nan")])
+        spec = min(d["tandem spec overlap"], d["tandem spec serial"])
+        cell = lambda k: f"{d[k]:.2f}" if k in d else "-"  # noqa: E731
+        lines.append(f"| {w} | {cell('tandem spec off')} | {cell('tandem spec overlap')} | "
+                     f"{cell('tandem spec serial')} | {cell('llama.cpp plain')} | {cell('llama.cpp prompt lookup')} | "
+                     f"{spec / d['tandem spec off']:.2f}x | {spec / best:.2f}x | "
+                     f"{acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} | "
+                     f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % |")
+    if out.get("draft_stats"):
+        lines += ["", f"Draft model `{out['draft_model']}` (method draft_model, overlap loop; the target as its own "
+                      "draft only shows coupled draws at work: it costs a second forward of the same size):", "",
+                  "| workload | TPOT ms | / tandem off | acceptance | mean accepted length |", "|---|---|---|---|---|"]
+        for w, st in out["draft_stats"].items():
+            d = out["tpot_ms"][w]
+            runs = sum(v for k, v in st.items() if k.startswith("spec_accepted_len_"))
+            drafted, acc = st.get("spec_draft_tokens", 0), st.get("spec_accepted_tokens", 0)
+            lines.append(f"| {w} | {d['tandem draft model']:.2f} | {d['tandem draft model'] / d['tandem spec off']:.2f}x"
+                         f" | {acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} |")
+    tp = out["throughput_tok_s"]
+    if tp:
+        lines += ["", f"{out['throughput_requests']} requests x 32 -> 128 tokens (overlap loop): {tp['off']:.1f} tok/s "
+                      f"speculation off, "
+                      f"{tp['on']:.1f} tok/s on: {tp['on'] / tp['off']:.3f}x (above disable_by_batch_size the "
+                      "batch runs without speculation)."]
+    if out.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in out["skipped"].items())]
+    return "\n".join(lines) + "\n"
