@@ -208,7 +208,8 @@ def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: 
             types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
         if window is None:
             raise ValueError("GGUF file is missing metadata key gemma3.attention.sliding_window")
-        out.update(sliding_window=int(window), layer_types=tuple(types), rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        local_theta = _f32(_field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
+        out.update(sliding_window=int(window), layer_types=tuple(types), rope_local_theta=local_theta,
                    norm_offset=1.0, sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
                    query_pre_attn_scalar=float(head_dim))
     elif window and arch in ("mistral", "llama"):
