@@ -43,8 +43,9 @@ def reference(key, model, ps) -> list[tuple[list[int], list[torch.Tensor]]]:
     return _REFS[key]
 
 
-CASES = [(arch, source, "native") for arch in TINY_ARCHS for source in ("hf", "gguf")] + [
-    ("gemma3", "hf", "torch"), ("mistral", "gguf", "torch"), ("qwen3", "hf", "torch")]
+# llama and qwen2 from safetensors: test_parity.py; from GGUF: test_loader.py (and one case here).
+CASES = [(arch, source, "native") for arch in ("qwen3", "mistral", "gemma3") for source in ("hf", "gguf")] + [
+    ("llama", "gguf", "native"), ("gemma3", "hf", "torch"), ("mistral", "gguf", "torch"), ("qwen3", "gguf", "torch")]
 
 
 @pytest.mark.parametrize("arch, source, kernels", CASES)
