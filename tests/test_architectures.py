@@ -91,6 +91,9 @@ def test_config_switches_from_hf_and_gguf(tmp_path_factory):
                 continue
             assert getattr(hf, f) == getattr(gg, f), (arch, f, getattr(hf, f), getattr(gg, f))
         assert hf.attn_scale == pytest.approx(gg.attn_scale)
+        from tandem.bench.vllm_peer import hf_config_dict           # the config other engines get (bench peers)
+        back = ModelConfig.from_hf_dict(hf_config_dict(gg))
+        assert {f: getattr(back, f) for f in fields} == {f: getattr(gg, f) for f in fields}, arch
     g = ModelConfig.from_hf_dict(json.load(open(os.path.join(tiny("gemma3", tmp_path_factory)["hf"], "config.json"))))
     assert g.is_sliding(0) and not g.is_sliding(1) and g.window(2) == 8 and g.window(1) == 0
     assert g.rope_local_theta == 100.0 and g.rope_theta == 10000.0 and g.norm_offset == 1.0
