@@ -57,9 +57,10 @@ def make_llm():
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The real default model, loaded once (overlap loop; tests switch loops per run)."""
+    """The real default model in the exact mode (kernels_act="fp32": the parity tests' mode), loaded once
+    (overlap loop; tests switch loops per run). The default int8 mode: smollm_int8."""
     from tandem import LLM
-    llm = LLM(poison_future_map=True)
+    llm = LLM(poison_future_map=True, kernels_act="fp32")
     yield llm
     llm.shutdown()
 

@@ -1,7 +1,8 @@
 """The paged decode attention (csrc/decode_attention.cpp) against its torch reference (gather, then SDPA) on every
 ISA body this CPU runs: ragged rows in one batch, contexts 1 to 4096, GQA ratios 1, 3 and 4, head_dim 64 and 128
-(and an odd 24 for the SIMD tails), with the key range unsplit (chunk_keys=0), split into fixed chunks and
-split as the op picks (-1) at one and two threads."""
+(and an odd 24 for the SIMD tails), with the key range unsplit (chunk_keys=0), split into forced chunks and
+split as the op picks (-1) at one and two threads; and a row's output bit for bit the same in any batch and at
+any thread count (batch invariance)."""
 from __future__ import annotations
 
 import pytest
@@ -58,6 +59,30 @@ def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
                                                         chunk_keys)
                 torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"chunk_keys "
                                            f"{chunk_keys}, {nthreads} threads: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", [1, 2])
+def test_a_row_is_the_same_in_any_batch_and_thread_count(isa):
+    """The split the op picks depends on a row's own length only: each row of a ragged batch equals, bit for bit,
+    the same row attended alone, beside other rows, and at one or two threads (the int8 linears would turn a
+    last-bit difference into a different token)."""
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    q, cache, kv_index, seq_lens = inputs(5, 9, 3, 64, [2000, 130, 64, 1, 700], seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = torch.ops.tandem.decode_attention(q, cache, 1, kv_index, seq_lens, 0.125, isa)
+        for nthreads in (1, 2):
+            torch.set_num_threads(nthreads)
+            for r in range(5):
+                alone = torch.ops.tandem.decode_attention(q[r:r + 1], cache, 1, kv_index[r:r + 1], seq_lens[r:r + 1],
+                                                          0.125, isa)
+                assert torch.equal(alone, full[r:r + 1]), (r, nthreads)
+            pair = torch.ops.tandem.decode_attention(q[1:3], cache, 1, kv_index[1:3], seq_lens[1:3], 0.125, isa)
+            assert torch.equal(pair, full[1:3])
     finally:
         torch.set_num_threads(threads)
 

@@ -70,7 +70,7 @@ def test_q4_k_m_loads_from_the_file(q4_k_m_file, tmp_path, make_llm):
     assert_same_weights(load_weights(src), ref)                                # the torch path, in memory
     outs = []
     for opt in ("native", "torch"):
-        llm = make_llm(q4_k_m_file, kernels=opt, cache_dir=str(cache), device_backend="inline")
+        llm = make_llm(q4_k_m_file, kernels=opt, kernels_act="fp32", cache_dir=str(cache), device_backend="inline")
         prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         outs.append([o.token_ids for o in res])

@@ -102,63 +102,7 @@ def test_qlinear_dispatch_equals_reference(m, qtype, k):
     assert_close_sum(qlinear(x.t().contiguous().t(), q), x, w, ref)          # a strided x
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("isa", [0, 1, 2])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
-                                     (17, 6, 224), (64, 13, 1536)])
-def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
-    """kernels_act="int8" on every type it reads: x rounded to int8 blocks (the reference's rounding, bit for
-    bit), integer block dot products (Q5: the fifth bits joined to the nibbles first); equal to the float64
-    product of the dequantized operands up to fp32 summation order. K covers whole 4-block groups and their 2-
-    and 1-block tails. The Python entry point takes the same op up to small_m() rows."""
-    from tandem.kernels.quant import qlinear_q8_ref, quantize_act_ref, small_m
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
-    q = blocks(n, k, {**QTYPES, "Q5_0": Q5_0, "Q5_1": Q5_1}[name], seed=m + n)
-    x, bias = torch.randn(m, k) * 3, torch.randn(n)
-    xq, d = quantize_act_ref(x)
-    xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
-    for b in (None, bias):
-        y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
-        assert y.shape == (m, n)
-        assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
-    if m <= small_m():
-        assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
-
-
-def test_qlinear_int8_act_dispatch():
-    """int8 activations only where the op reads the type and the rows run in-kernel; otherwise fp32, unchanged."""
-    from tandem.kernels.quant import small_m
-    q8, qk = blocks(9, 256, Q8_0), blocks(9, 256, Q4_K)
-    x = torch.randn(3, 256)
-    assert torch.equal(qlinear(x, q8, int8_act=True), torch.ops.tandem.qlinear_q8(x, q8.data, Q8_0, 256))
-    assert not torch.equal(qlinear(x, q8, int8_act=True), qlinear(x, q8))
-    assert torch.equal(qlinear(x, qk, int8_act=True), qlinear(x, qk))
-    big = torch.randn(small_m() + 1, 256)
-    assert torch.equal(qlinear(big, q8, int8_act=True), qlinear(big, q8))
-    with pytest.raises(RuntimeError, match="int8 activations support"):
-        torch.ops.tandem.qlinear_q8(x, qk.data, Q4_K, 256)
-
-
-@pytest.mark.parametrize("quant,qtype", [("Q8_0", Q8_0), ("Q5_0", Q5_0)])
-def test_int8_act_config_reaches_the_model(tmp_path, make_llm, monkeypatch, quant, qtype):
-    """kernels_act="int8" builds every quantized linear of the file's type with int8 activations, and it
-    decodes; a bad value is refused."""
-    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
-
-    from tandem import SamplingParams
-    from tandem.config import EngineConfig
-    skip_gguf_tokenizer_build(monkeypatch)
-    path = write_tiny_gguf(tmp_path / "t.gguf", make_tiny_model(tmp_path / "hf", "llama"), quant=quant,
-                           with_tokenizer=False)
-    llm = make_llm(path, kernels_act="int8", cache_dir=str(tmp_path / "cache"), device_backend="inline")
-    model = llm.engine.runner.executor.model
-    linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
-    assert all(lin.int8_act and lin.parts[0].qtype == qtype for lin in linears)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].token_ids) == 4
-    with pytest.raises(ValueError, match="kernels_act"):
-        EngineConfig(kernels_act="int4")
+# int8 activations (kernels_act="int8", the default): tests/test_int8_act.py
 
 
 def test_rows_cat_and_errors():
@@ -220,7 +164,8 @@ def test_k_quant_gguf_kept_and_greedy_equal_torch(tmp_path, make_llm, monkeypatc
     assert len(qtypes) == 2 + 7 * 2
     outs = []
     for opt in ("native", "torch"):
-        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+        llm = make_llm(path, kernels=opt, kernels_act="fp32",
+                       cache_dir=str(tmp_path / "cache"), device_backend="inline")
         prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         outs.append([o.token_ids for o in res])
@@ -239,7 +184,7 @@ def test_real_model_parity_both_loops(kernels_opt, hf_reference, smollm, make_ll
     from conftest import run_with
     from tandem import SamplingParams
     from test_parity import assert_parity, hf_greedy
-    llm = smollm if kernels_opt == "native" else make_llm(None, kernels="torch")
+    llm = smollm if kernels_opt == "native" else make_llm(None, kernels="torch")     # smollm: the exact mode
     assert llm.engine.config.kernels == kernels_opt
     tok = llm.tokenizer
     prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]]
@@ -251,6 +196,35 @@ def test_real_model_parity_both_loops(kernels_opt, hf_reference, smollm, make_ll
 
 
 # attention: tests/test_decode_attention.py
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_fused_decode_layers_equal_op_by_op(quant, tmp_path, make_llm, monkeypatch):
+    """A decode step's layers as one decode_layer_ op each give, bit for bit, the op-by-op layers' tokens and
+    logprobs, in both activation modes, also where the qkv projection mixes block types (Q4_K_M's layer 0:
+    Q4_K q / k beside a Q6_K v, three parts)."""
+    from tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
+
+    from tandem import SamplingParams
+    skip_gguf_tokenizer_build(monkeypatch)
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
+    path = write_tiny_gguf(tmp_path / f"t-{quant}.gguf", hf_dir, quant=quant, with_tokenizer=False)
+    for act in ("int8", "fp32"):
+        llm = make_llm(path, kernels_act=act, cache_dir=str(tmp_path / "cache"), device_backend="inline",
+                       prefix_cache=False)
+        layers = llm.engine.runner.executor.model.layers
+        assert all("blocks" in layer for layer in layers)
+        assert [len(layer["blocks"][0]) for layer in layers[:2]] == ([6, 4] if quant == "Q4_K_M" else [4, 4])
+        prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+        runs = []
+        for _ in range(2):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([(o.token_ids, o.outputs[0].logprobs) for o in outs])
+            for layer in layers:
+                layer.pop("blocks", None)
+        assert runs[0] == runs[1]
+        llm.shutdown()
 
 
 # ------------------------------------------------------------------------------------------- fused layer ops

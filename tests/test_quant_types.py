@@ -123,9 +123,10 @@ def test_cat_and_rows():
 
 
 def _greedy(make_llm, path, tmp_path, kernels: str) -> list[list[int]]:
-    """Greedy token ids of two prompts with kernels= "native" or "torch" (the reference)."""
+    """Greedy token ids of two prompts with kernels= "native" (the exact mode) or "torch" (the reference)."""
     from tandem import SamplingParams
-    llm = make_llm(path, kernels=kernels, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+    llm = make_llm(path, kernels=kernels, kernels_act="fp32",
+                   cache_dir=str(tmp_path / "cache"), device_backend="inline")
     prompts = [llm.tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):"]]
     res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     return [o.token_ids for o in res]
@@ -193,7 +194,8 @@ def test_half_gguf_kept_and_greedy_equal_torch(quant, qtype, tmp_path, make_llm,
             assert torch.equal(v.dequantize(), dense[name]), name
     outs = []
     for opt in ("native", "torch"):
-        llm = make_llm(path, kernels=opt, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+        llm = make_llm(path, kernels=opt, kernels_act="fp32",
+                       cache_dir=str(tmp_path / "cache"), device_backend="inline")
         res = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                            use_tqdm=False)
         outs.append([o.token_ids for o in res])

@@ -37,7 +37,7 @@ class ExecutorSpec:
     kv_memory_fraction: float
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
-    kernels_act: str = "fp32"     # "int8": the native decode linears quantize activations to int8 blocks
+    kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
 
     def fingerprint(self) -> dict:

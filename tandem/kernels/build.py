@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("isa.cpp", "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_attention.cpp", "norm.cpp", "sample.cpp",
-           "registration.cpp")
+           "decode_layer.cpp", "registration.cpp")
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-psabi",
          "-Wno-maybe-uninitialized")
 

@@ -33,7 +33,9 @@ K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
 BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32)}
-INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0})   # what tandem.qlinear_q8 reads (kernels_act="int8")
+# What tandem.qlinear_q8 reads (kernels_act="int8", the default): every integer block type. F16 / BF16 weights
+# keep fp32 activations (their values are not integers; llama.cpp rounds x to F16 / BF16 for them instead).
+INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMM runs (measured: 1.4x the fp32 GEMM at 65 rows, even at 128);
 # past it the layer is dequantized into a reused buffer and MKL's fp32 GEMM
@@ -271,9 +273,9 @@ def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 
 def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of x [M, K] as int8 blocks of 32 (llama.cpp's Q8_0 activations): xq int8 [M, K / 32, 32] and
-    dx [M, K / 32, 1]."""
-    xb = x.reshape(x.shape[0], -1, 32)
+    """Rows of x [M, K] as int8 halves of 16 (kernels_act="int8"; llama.cpp's Q8_0 activations use blocks of
+    32): xq int8 [M, K / 16, 16] and dx [M, K / 16, 1], dx = max |x| / 127 of the half."""
+    xb = x.reshape(x.shape[0], -1, 16)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return torch.round(xb * inv).to(torch.int8), d

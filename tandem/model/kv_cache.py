@@ -54,6 +54,7 @@ class StepKV:
         self.tok_row, self.positions = tok_row, positions    # [T] where each new token sits in [B, Lk]
         self.out_cache_loc = out_cache_loc       # [T]
         self.seq_lens: torch.Tensor | None = None   # [B] keys per row of a decode step (positions + 1), made once
+        self.tok_kv_index: torch.Tensor | None = None   # [T, Lk] kv_index of each new token's row, made once
         self.has_prefix = has_prefix             # False: every key is new this step, nothing to gather
         b, lk = kv_index.shape
         per_layer = b * lk * cache.data[0, 0].numel()

@@ -235,6 +235,18 @@ class LlamaModel:
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
             self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
+        # A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
+        # linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
+        # tensor-parallel rank reduces between them, and the layer is a plain Llama / Qwen2 one (a global
+        # layer, SiLU, no QK-norm or sandwich norms: the others keep the op-by-op body).
+        self.int8_act = int8_act
+        plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
+        for layer in self.layers if native and tp is None and plain else []:
+            lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
+            if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
+                    and all(len(lin.parts) == 1 for lin in lins[1:])):
+                parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
+                layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts])
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
 
@@ -328,7 +340,13 @@ class LlamaModel:
         eps = c.rms_norm_eps
         delta = None                                                    # the residual add still to do
         decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
+        fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
+        if fused and meta.kv.seq_lens is None:
+            meta.kv.seq_lens = meta.kv.positions + 1
         for i, layer in enumerate(self.layers):
+            if fused and "blocks" in layer:
+                delta = self._decode_layer(i, layer, x, delta, positions, meta)
+                continue
             if delta is None:
                 h = ops.rms_norm(x, layer["attn_norm"], eps)
             else:
@@ -353,7 +371,7 @@ class LlamaModel:
             gate_up = layer["gate_up"](h)                               # [T, 2I]
             if c.hidden_act == "gelu_tanh":
                 act = ops.gelu_tanh_mul(gate_up)
-            elif x.shape[0] <= SMALL_M:
+            elif x.shape[0] <= small_m():   # the same threshold as the linears': rows up to it are treated alone
                 act = ops.silu_mul(gate_up)
             else:                       # many rows: torch's vectorized exp beats the scalar loop
                 gate, up = gate_up.chunk(2, dim=-1)
@@ -364,6 +382,18 @@ class LlamaModel:
         x = x + delta
         return ops.rms_norm(x[index], self.final_norm, eps)             # [N, hidden]
 
+    def _decode_layer(self, i: int, layer: dict, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                      meta: AttentionMeta) -> torch.Tensor:
+        """Layer i of a pure decode step as one decode_layer_ op (csrc/decode_layer.cpp): the same kernels on the
+        same tensors as the op-by-op body, so bit for bit its result, with ~9 dispatched torch calls fewer. x is
+        updated in place; returns the layer's MLP output (the next layer's delta)."""
+        c, kv = self.config, meta.kv
+        w, qtypes = layer["blocks"]
+        return torch.ops.tandem.decode_layer_.default(
+            x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, layer["qkv"].bias,
+            self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
+            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale)
+
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
@@ -371,6 +401,8 @@ class LlamaModel:
             return torch.cat([self._attention(i, q[t], k[t], v[t], m) for t, m in meta.parts])
         if self.native and meta.q_index is None:        # a mixed step's decode part
             return self._decode_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
+        if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
+            return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
@@ -384,6 +416,20 @@ class LlamaModel:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
         rows, cols = meta.token_rc
         return out[rows, cols].reshape(q.shape[0], -1)
+
+    def _token_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Extend rows of up to small_m() new tokens, qkv [T, (H + 2 KVH) D]: every token is one query row of
+        the decode op over its own causal keys (its row's kv_index, positions + 1 keys; the op writes all T
+        tokens' K/V before any attends). Invariant kept here: a token's attention is then bit for bit the one
+        a decode step computes for it (the op's split depends on a row's length only), and at these sizes
+        the quantized linears treat every row alone, so a step's output per token is the same whether its
+        prompt was prefilled fresh, partly served by the prefix cache, chunked, or scored in a verify step."""
+        kv = meta.kv
+        if kv.tok_kv_index is None:                     # once a step, not once a layer
+            kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
+            kv.seq_lens = kv.positions + 1
+        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
+                                     self.scale, self.num_heads, self.layers[i]["window"])     # [T, H*D]
 
     def _decode_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's

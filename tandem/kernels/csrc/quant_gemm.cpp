@@ -84,77 +84,7 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
 static bool is_k_quant(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }
 static int64_t block_weights(int64_t qtype) { return is_k_quant(qtype) ? 256 : 32; }
 
-// Q4_K: the 6-bit scale and min of sub-block j < 8 from the super-block's 12 scale bytes.
-static inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// Q3_K: the signed 6-bit scale of 16-weight sub-block u < 16 from the super-block's 12 scale bytes.
-static inline int q3_k_scale(const uint8_t* s, int u) {
-  return ((s[u % 8] >> 4 * (u / 8) & 15) | (s[8 + u % 4] >> 2 * (u / 4) & 3) << 4) - 32;
-}
-
-// A K-quant row's sub-block scales as fp32: Q4_K / Q5_K sc[b] = d * sc_b, sc[nb + b] = -(dmin * m_b) for each 32-weight
-// block b; Q6_K sc[2 b + i] = d * scales (16-weight halves); Q3_K sc[2 b + i] = d * (scale - 32); Q2_K
-// sc[2 b + i] = d * (scale & 15), sc[2 nb + 2 b + i] = dmin * (scale >> 4). nb = K / 32; sc holds 4 nb floats.
-// Q4_K unpacks its 12 scale bytes with 32-bit masks, 4 values an operation (the per-value unpacking of
-// q4_k_scale_min cost about as many instructions as the decode kernel's work on the super-block), and the
-// scale bytes are widened to fp32 in SSE registers (measured: through a byte array they cost Q4_K 40 us of
-// 90 at N=576, K=1536, store forwarding failing from the 32-bit stores to the wider loads). Inlined into the
-// SIMD bodies, which have F16C and SSE4.1.
-#define TANDEM_TARGET_SCALES __attribute__((target("sse4.1,f16c"), always_inline)) static inline
-// sc[0..7] = d * bytes 0-7 of v (as unsigned, minus `off`), or 16 bytes into sc[0..15] (n = 16).
-TANDEM_TARGET_SCALES void scale_bytes(__m128i v, int n, int off, float d, float* sc) {
-  const __m128 vd = _mm_set1_ps(d);
-  for (int i = 0; i < n / 4; ++i) {
-    __m128i q = _mm_sub_epi32(_mm_cvtepu8_epi32(v), _mm_set1_epi32(off));
-    _mm_storeu_ps(sc + 4 * i, _mm_mul_ps(_mm_cvtepi32_ps(q), vd));
-    v = _mm_srli_si128(v, 4);
-  }
-}
-
-TANDEM_TARGET_SCALES void k_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
-  for (int64_t s = 0; s < nb / 8; ++s) {
-    if (qtype == kQ4_K || qtype == kQ5_K) {
-      const uint8_t* blk = row + 16 * s;                                    // the regrouped header
-      float d = _cvtsh_ss(load_u16(blk)), dmin = _cvtsh_ss(load_u16(blk + 2));
-      uint32_t u[3];
-      std::memcpy(u, blk + 4, 12);
-      __m128i v = _mm_setr_epi32((int)(u[0] & 0x3f3f3f3f),                                          // scales 0-3
-                                 (int)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)),    // scales 4-7
-                                 (int)(u[1] & 0x3f3f3f3f),                                          // mins 0-3
-                                 (int)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)));  // 4-7
-      scale_bytes(v, 8, 0, d, sc + 8 * s);
-      scale_bytes(_mm_srli_si128(v, 8), 8, 0, -dmin, sc + nb + 8 * s);   // Q4_1's m = -dmin m_j, exactly
-    } else if (qtype == kQ2_K) {
-      const uint8_t* blk = row + 84 * s;
-      float d = _cvtsh_ss(load_u16(blk + 80)), dmin = _cvtsh_ss(load_u16(blk + 82));
-      __m128i v = _mm_loadu_si128((const __m128i*)blk), m4 = _mm_set1_epi8(15);
-      scale_bytes(_mm_and_si128(v, m4), 16, 0, d, sc + 16 * s);
-      scale_bytes(_mm_and_si128(_mm_srli_epi16(v, 4), m4), 16, 0, dmin, sc + 2 * nb + 16 * s);
-    } else if (qtype == kQ3_K) {                    // q3_k_scale, 4 scales an operation (as Q4_K above)
-      const uint8_t* blk = row + 110 * s;
-      float d = _cvtsh_ss(load_u16(blk + 108));
-      uint32_t a[3], v[4];
-      std::memcpy(a, blk + 96, 12);
-      for (int i = 0; i < 4; ++i)
-        v[i] = ((a[i & 1] >> 4 * (i >> 1)) & 0x0f0f0f0f) | (((a[2] >> 2 * i) & 0x03030303) << 4);
-      scale_bytes(_mm_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3]), 16, 32, d, sc + 16 * s);
-    } else {
-      const uint8_t* blk = row + 210 * s;
-      float d = _cvtsh_ss(load_u16(blk + 208));
-      __m128i v = _mm_loadu_si128((const __m128i*)(blk + 192));
-      for (int i = 0; i < 4; ++i, v = _mm_srli_si128(v, 4))
-        _mm_storeu_ps(sc + 16 * s + 4 * i, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(v)), _mm_set1_ps(d)));
-    }
-  }
-}
+#include "k_scales.inc"
 
 struct GemmArgs {
   int64_t qtype, M, N, K, row_bytes;

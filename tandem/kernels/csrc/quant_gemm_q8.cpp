@@ -1,16 +1,25 @@
-// Opt-in int8-activation quantized linear (kernels_act="int8"), llama.cpp style: each row of x is quantized
-// once per call to int8 blocks of 32 (dx = max|x| / 127, xq = round(x / dx)), and every weight block meets it
-// in an integer dot product (AVX-512 VNNI vpdpbusd; AVX2 pmaddubsw + pmaddwd), scaled once per block:
-//   Q4_0: y = sum_b d_b dx_b (sum_i q_i xq_i - 8 sum_i xq_i)
-//   Q4_1: y = sum_b d_b dx_b sum_i q_i xq_i + m_b dx_b sum_i xq_i
-//   Q8_0: y = sum_b d_b dx_b sum_i q_i xq_i
+// int8-activation quantized linear (kernels_act="int8", the default decode path), after llama.cpp: each row of
+// x is quantized once per call to int8 halves of 16 (dx = max|x| / 127 per half, xq = round(x / dx)), and
+// every weight block meets it in integer dot products (AVX-512 VNNI vpdpbusd; AVX2 pmaddubsw + pmaddwd), one
+// per half, each scaled by its own dx. llama.cpp rounds x in blocks of 32 (Q8_0 / Q8_1); halves of 16 halve
+// the KL divergence of the next-token distributions from the exact mode (benchmarks/results/kl_divergence.md)
+// at the price of one more conversion and fma per half-block. With i over a half h of block b (sx: the
+// rounded x's sums, dx xq summed):
+//   Q4_0: y = sum_b d_b (sum_h dx_bh sum_i q_i xq_i - 8 sx_b)
+//   Q4_1: y = sum_b d_b sum_h dx_bh sum_i q_i xq_i + m_b sx_b
+//   Q8_0: y = sum_b d_b sum_h dx_bh sum_i q_i xq_i
 //   Q5_0, Q5_1: as Q4_0 (offset 16) and Q4_1, q_i the 5-bit value (0..31, still an unsigned byte for vpdpbusd)
+//   Q4_K, Q5_K: a sub-block is a Q4_1 / Q5_1 block with d = d sc_j and m = -dmin m_j (fp32, k_scales.inc)
+//   Q6_K, Q3_K, Q2_K: the unsigned q (0..63, 0..7, 0..3) of each 16-weight sub-block u = one half, scale s_u:
+//     y = sum_u s_u dx_u (sum_i q_i xq_i) - c_u sx_u, c_u = 32 s_u (Q6_K), 4 s_u (Q3_K), dmin m_u (Q2_K)
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
-// the result differs from the fp32-activation kernel by the rounding of x (tests and kernels.md report it).
-// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 / Q5 activations are stored in the nibble order of the
-// weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds the g blocks'
-// elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted (Q5: the fifth
-// bits added from qh), lines up with two loads of x. Q8_0 activations stay in natural order.
+// the result differs from the fp32-activation kernel by the rounding of x (tests/test_int8_act.py bounds it,
+// benchmarks/kl_divergence.py measures it against llama.cpp's own).
+// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 / Q5 (and Q4_K / Q5_K) activations are stored in the
+// nibble order of the weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds
+// the g blocks' elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted
+// (Q5: the fifth bits added from qh), lines up with two loads of x. Q8_0, Q2_K, Q3_K and Q6_K activations stay
+// in natural order: a K-quant's 32 weights of one (h, t) field are 32 consecutive elements.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -27,17 +36,40 @@ bool cpu_has_vnni();
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
+enum : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 
-constexpr bool has_min(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ5_1; }    // an m array beside d
-constexpr bool is_q5(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ5_1; }
+#include "k_scales.inc"
+
+// An m term beside d (Q4_K / Q5_K: -dmin m_j).
+constexpr bool has_min(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ4_K || qtype == kQ5_K; }
+constexpr bool is_q5(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K; }
+constexpr bool is_k(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }
+constexpr bool is_k16(int64_t qtype) { return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ6_K; }  // 16-weight scales
+constexpr bool natural_order(int64_t qtype) { return qtype == kQ8_0 || is_k16(qtype); }
+constexpr int64_t k16_bytes(int64_t qtype) { return qtype == kQ2_K ? 84 : qtype == kQ3_K ? 110 : 210; }
+
+// The unsigned q of element i < 32 of 32-weight block j < 8 of a Q2_K / Q3_K / Q6_K super-block (h = j / 4,
+// t = j % 4; element 128 h + 32 t + i of the super-block, quant_gemm.cpp's formats), and its offset:
+// the weight is s_u (q - offset) (Q2_K: d sc_u q - dmin m_u, offset 0 and the min apart).
+inline int k16_q(int64_t qtype, const uint8_t* blk, int j, int i) {
+  const int h = j / 4, t = j % 4;
+  if (qtype == kQ2_K) return blk[16 + 32 * h + i] >> 2 * t & 3;
+  if (qtype == kQ3_K) return (blk[32 + 32 * h + i] >> 2 * t & 3) | (blk[i] >> j & 1) << 2;
+  return (blk[64 * h + 32 * (t % 2) + i] >> 4 * (t / 2) & 15) | (blk[128 + 32 * h + i] >> 2 * t & 3) << 4;
+}
+constexpr float k16_offset(int64_t qtype) { return qtype == kQ6_K ? 32.f : qtype == kQ3_K ? 4.f : 0.f; }
 
 struct QRow {             // one quantized row of x
   const int8_t* q;        // [K], layout above
-  const float* dx;        // [nb]
-  const float* sx;        // [nb] dx * sum(xq) of each block
-  const float* dx4;       // [4 nb] dx of each block 4 times (the int32 lanes of a block's dot product)
+  const float* dx;        // [2 nb] dx of each 16-element half of a block (elements 0-15, then 16-31)
+  const float* sx;        // [nb] sum of the rounded x of each block (dx xq summed over both halves)
+  const float* sxh;       // [2 nb] the same of each half
+  const float* dx4;       // [8 nb] dx of each half 4 times (the int32 lanes of its dot product): for block b,
+                          //   [4 b, 4 b + 4) the first half's, [4 nb + 4 b, ...) the second's
 };
+constexpr int64_t kRowFloats = 13;   // floats of a QRow's arrays per block
 
 // Group sizes along a row of nb blocks: g (the ISA's) while they fit, then 2, then 1.
 template <typename F>
@@ -48,25 +80,26 @@ inline void for_groups(int64_t nb, int g, F&& f) {
     if (b + h <= nb) { f(b, h); b += h; }
 }
 
-// Quantizes x [K] into q / dx / sx / dx4; `group` 0: natural order (Q8_0), else the Q4 group order.
-void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, float* sx, float* dx4) {
+// Quantizes x [K] into q / dx / sx / sxh / dx4; `group` 0: natural order, else the Q4 group order.
+void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, float* sx, float* sxh, float* dx4) {
   const int64_t nb = K / 32;
   std::vector<int8_t> nat(group ? K : 0);
   int8_t* out = group ? nat.data() : q;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t u = 0; u < 2 * nb; ++u) {              // half u: elements [16 u, 16 u + 16)
     float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[16 * u + i]));
     const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
     int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      int v = (int)std::nearbyint(x[32 * b + i] * id);
-      out[32 * b + i] = (int8_t)v;
+    for (int i = 0; i < 16; ++i) {
+      int v = (int)std::nearbyint(x[16 * u + i] * id);
+      out[16 * u + i] = (int8_t)v;
       sum += v;
     }
-    dx[b] = d;
-    sx[b] = d * (float)sum;
-    for (int l = 0; l < 4; ++l) dx4[4 * b + l] = d;
+    dx[u] = d;
+    sxh[u] = d * (float)sum;
+    for (int l = 0; l < 4; ++l) dx4[(u % 2) * 4 * nb + 4 * (u / 2) + l] = d;
   }
+  for (int64_t b = 0; b < nb; ++b) sx[b] = sxh[2 * b] + sxh[2 * b + 1];
   if (!group) return;
   for_groups(nb, group, [&](int64_t b, int g) {
     for (int p = 0; p < 2; ++p)
@@ -84,34 +117,58 @@ struct Q8Args {
 };
 
 // Scalar specification (natural-order activations).
+// A K-quant row's sub-block scales as fp32 (k_scales' layout), once per row and call.
+__attribute__((target("sse4.1,f16c"))) void row_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
+  k_scales(qtype, row, nb, sc);
+}
+
+// Where a row's 5th bits (qh) and quants (qs) start: [d][m][qh][qs] (legacy), [headers][qh][qs] (Q4_K / Q5_K).
+constexpr int64_t qh_offset(int64_t qtype, int64_t nb) { return (is_k(qtype) ? 2 : has_min(qtype) ? 4 : 2) * nb; }
+
+// Scalar specification (natural-order activations). sc: the row's K-quant scales (4 nb floats), or unused.
 namespace scalar {
 constexpr int GROUP = 0;
 void rows(const Q8Args& a, int64_t n0, int64_t n1) {
   const int64_t nb = a.K / 32;
+  std::vector<float> sc(4 * nb);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * a.row_bytes;
+    if (is_k(a.qtype)) row_scales(a.qtype, row, nb, sc.data());
     for (int64_t m = 0; m < a.M; ++m) {
       const QRow& x = a.x[m];
       float s = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const float d = fp16_to_fp32(load_u16(row + 2 * b));
-        int dot = 0;
-        if (a.qtype == kQ8_0) {
-          for (int i = 0; i < 32; ++i) dot += (int8_t)row[2 * nb + 32 * b + i] * x.q[32 * b + i];
-          s += d * x.dx[b] * (float)dot;
+        if (is_k16(a.qtype)) {
+          const uint8_t* blk = row + k16_bytes(a.qtype) * (b / 8);
+          for (int half = 0; half < 2; ++half) {
+            const int64_t u = 2 * b + half;
+            int dot = 0;
+            for (int i = 16 * half; i < 16 * half + 16; ++i) dot += k16_q(a.qtype, blk, (int)(b % 8), i) * x.q[32 * b + i];
+            s += sc[u] * x.dx[u] * (float)dot - k16_offset(a.qtype) * sc[u] * x.sxh[u];
+            if (a.qtype == kQ2_K) s -= sc[2 * nb + u] * x.sxh[u];
+          }
           continue;
         }
-        const uint8_t* qh = row + (has_min(a.qtype) ? 4 : 2) * nb;     // Q5: [qh u32 x nb][qs x nb]
+        const float d = is_k(a.qtype) ? sc[b] : fp16_to_fp32(load_u16(row + 2 * b));
+        int dot[2] = {0, 0};                                            // the block's two halves
+        if (a.qtype == kQ8_0) {
+          for (int i = 0; i < 32; ++i) dot[i / 16] += (int8_t)row[2 * nb + 32 * b + i] * x.q[32 * b + i];
+          s += d * (x.dx[2 * b] * (float)dot[0] + x.dx[2 * b + 1] * (float)dot[1]);
+          continue;
+        }
+        const uint8_t* qh = row + qh_offset(a.qtype, nb);
         const uint8_t* qs = qh + (is_q5(a.qtype) ? 4 * nb : 0) + 16 * b;
         uint32_t h = 0;
         if (is_q5(a.qtype)) std::memcpy(&h, qh + 4 * b, 4);
         for (int i = 0; i < 16; ++i) {
           const int lo = (qs[i] & 15) | (h >> i & 1) << 4, hi = (qs[i] >> 4) | (h >> (16 + i) & 1) << 4;
-          dot += lo * x.q[32 * b + i] + hi * x.q[32 * b + 16 + i];
+          dot[0] += lo * x.q[32 * b + i];
+          dot[1] += hi * x.q[32 * b + 16 + i];
         }
-        s += d * x.dx[b] * (float)dot;
-        s += has_min(a.qtype) ? fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) * x.sx[b]
-                              : (is_q5(a.qtype) ? -16.f : -8.f) * d * x.sx[b];
+        s += d * (x.dx[2 * b] * (float)dot[0] + x.dx[2 * b + 1] * (float)dot[1]);
+        if (is_k(a.qtype)) s += sc[nb + b] * x.sx[b];
+        else s += has_min(a.qtype) ? fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) * x.sx[b]
+                                   : (is_q5(a.qtype) ? -16.f : -8.f) * d * x.sx[b];
       }
       a.y[m * a.N + n] = s + (a.bias ? a.bias[n] : 0.f);
     }
@@ -154,13 +211,26 @@ T256 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
 
 at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                       const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0,
-              "tandem.qlinear_q8: int8 activations support Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7 and Q8_0=8, got ggml type ",
-              qtype);
-  const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ5_1 ? 24 : qtype == kQ5_0 ? 22 : qtype == kQ4_1 ? 20 : 18;
-  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem: K must be a positive multiple of 32, got ", K);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / 32 * bytes,
-              "tandem.qlinear_q8: w must be a contiguous uint8 [N, ", K / 32 * bytes, "] tensor");
+  int64_t bytes = 0, qk = 32;        // bytes and weights along K of one block
+  switch (qtype) {
+    case kQ4_0: bytes = 18; break;
+    case kQ4_1: bytes = 20; break;
+    case kQ5_0: bytes = 22; break;
+    case kQ5_1: bytes = 24; break;
+    case kQ8_0: bytes = 34; break;
+    case kQ2_K: bytes = 84, qk = 256; break;
+    case kQ3_K: bytes = 110, qk = 256; break;
+    case kQ4_K: bytes = 144, qk = 256; break;
+    case kQ5_K: bytes = 176, qk = 256; break;
+    case kQ6_K: bytes = 210, qk = 256; break;
+    default:
+      TORCH_CHECK(false, "tandem.qlinear_q8: int8 activations support Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
+                  "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13 and Q6_K=14, got ggml type ", qtype);
+  }
+  TORCH_CHECK(K > 0 && K % qk == 0, "tandem: K must be a positive multiple of ", qk, " for ggml type ", qtype,
+              ", got ", K);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / qk * bytes,
+              "tandem.qlinear_q8: w must be a contiguous uint8 [N, ", K / qk * bytes, "] tensor");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
               "tandem.qlinear_q8: x must be fp32 [M, ", K, "]");
   at::Tensor x = x_in.contiguous();
@@ -173,15 +243,15 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   if (isa == kAvx512 && !cpu_has_vnni()) isa = kAvx2;       // AVX-512 without VNNI: the AVX2 body
   using Rows = void (*)(const Q8Args&, int64_t, int64_t);
   Rows fn = isa == kAvx512 ? avx512::rows : isa == kAvx2 ? avx2::rows : scalar::rows;
-  const int group = qtype == kQ8_0 ? 0 : isa == kAvx512 ? avx512::GROUP : isa == kAvx2 ? avx2::GROUP : 0;
+  const int group = natural_order(qtype) ? 0 : isa == kAvx512 ? avx512::GROUP : isa == kAvx2 ? avx2::GROUP : 0;
   std::vector<int8_t> xq((size_t)(M * K));
-  std::vector<float> xs((size_t)(M * nb * 6));
+  std::vector<float> xs((size_t)(M * nb * kRowFloats));
   std::vector<QRow> rows((size_t)M);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    float* s = xs.data() + m * nb * 6;
-    quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + nb, s + 2 * nb);
-    rows[m] = QRow{xq.data() + m * K, s, s + nb, s + 2 * nb};
+    float* s = xs.data() + m * nb * kRowFloats;
+    quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + 2 * nb, s + 3 * nb, s + 5 * nb);
+    rows[m] = QRow{xq.data() + m * K, s, s + 2 * nb, s + 3 * nb, s + 5 * nb};
   }
   Q8Args a{qtype, M, N, K, w.size(1), rows.data(), w.data_ptr<uint8_t>(),
            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};

@@ -29,6 +29,13 @@ at::Tensor race_argmax(const at::Tensor& x, const std::optional<at::Tensor>& t,
                        const std::optional<at::Tensor>& seeds, int64_t isa);
 at::Tensor race_noise(const at::Tensor& seeds, int64_t vocab, int64_t isa);
 
+at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& attn_norm,
+                         const at::Tensor& mlp_norm, double eps, at::TensorList w, at::IntArrayRef qtypes,
+                         const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
+                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale);
+
 static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
 }  // namespace tandem
 
@@ -49,6 +56,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int head_dim) -> ()");
   m.def("race_argmax(Tensor x, Tensor? t=None, Tensor? seeds=None, int isa=-1) -> Tensor");
   m.def("race_noise(Tensor seeds, int vocab, int isa=-1) -> Tensor");
+  m.def("decode_layer_(Tensor(a!) x, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] w, "
+        "int[] qtypes, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
+        "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
+        "Tensor seq_lens, float scale) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
 }
 
@@ -67,4 +78,5 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rope_", &tandem::rope_);
   m.impl("race_argmax", &tandem::race_argmax);
   m.impl("race_noise", &tandem::race_noise);
+  m.impl("decode_layer_", &tandem::decode_layer_);
 }
