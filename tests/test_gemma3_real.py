@@ -38,7 +38,7 @@ def gemma_path() -> str:
 def gemma(gemma_path):
     from tandem import LLM
     llm = LLM(gemma_path, kv_cache_tokens=8192, max_running_requests=16, poison_future_map=True,
-              max_prefill_tokens=256)
+              max_prefill_tokens=256, kernels_act="fp32")        # the exact mode, as every parity test
     yield llm
     llm.shutdown()
 
