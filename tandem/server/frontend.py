@@ -44,6 +44,10 @@ def find_bad_text(value: Any, path: str) -> str | None:
     return None
 
 
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model), so /v1/chat/completions cannot format "
+                    "messages; send a text prompt to /v1/completions")
+
+
 class Frontend:
     def __init__(self, tokenizer, max_context: int, vocab_size: int, max_messages: int = 2048) -> None:
         self.tokenizer = tokenizer
@@ -114,6 +118,8 @@ class Frontend:
         return ids
 
     def chat_prompt(self, req: ChatCompletionRequest, tool_plan: ToolPlan | None = None) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):     # a base model (Gemma 3 270M's GGUF has none)
+            raise APIError(400, NO_CHAT_TEMPLATE, "messages")
         messages = [m.as_template_dict() for m in req.messages]
         extra: dict = {}
         if tool_plan is not None:

@@ -4,6 +4,9 @@
 //   cache    fp32 [S + 1, L, 2, KVH, D]     every slot holds all layers' K (index 0) and V (index 1)
 //   kv_index int64 [B, Lk]                  slot of each key position (only the first seq_lens[b] are read)
 //   seq_lens int64 [B]                      keys per row (>= 1)
+//   window   int                            > 0: a sliding-window layer, the row's query sees only its last
+//                                           `window` keys, positions [max(0, seq_len - window), seq_len)
+//                                           (those earlier are never read: a local layer's cost is bounded by W)
 //   out      fp32 [B, H, D]                 softmax(q k^T * scale) v over the row's keys
 //
 // decode_attention_qkv_ is the step's whole attention in one call (issue 17: per layer it replaced two
@@ -120,17 +123,22 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
 // Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart).
 // chunk_keys: keys per chunk; -1 CHUNK (see the top of the file), 0 never splits, > 0 forces that size
 // (rounded up to whole tiles; for tests).
-static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t chunk_keys) {
+static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t chunk_keys, int64_t window) {
   const int64_t B = a.B, H = a.H, D = a.D, Lk = a.Lk;
   const int64_t* lens = a.seq_lens;
-  for (int64_t b = 0; b < B; ++b)
+  TORCH_CHECK(window >= 0, "tandem.decode_attention: window must be >= 0");
+  std::vector<int64_t> start(B, 0), keys(B);            // row b attends keys [start[b], lens[b])
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= Lk, "tandem.decode_attention: seq_lens[", b, "] out of [1, ", Lk, "]");
+    if (window > 0) start[b] = std::max<int64_t>(0, lens[b] - window);
+    keys[b] = lens[b] - start[b];
+  }
   int64_t chunk = chunk_keys > 0 ? chunk_keys : chunk_keys == 0 ? Lk : CHUNK;
   chunk = (chunk + TILE - 1) / TILE * TILE;
   // Row b's chunks are tasks [first[b], first[b + 1]).
   std::vector<int64_t> first(B + 1, 0), row_of;
   for (int64_t b = 0; b < B; ++b) {
-    first[b + 1] = first[b] + (lens[b] + chunk - 1) / chunk;
+    first[b + 1] = first[b] + (keys[b] + chunk - 1) / chunk;
     row_of.resize(first[b + 1], b);
   }
   const int64_t chunks = first[B];
@@ -150,7 +158,7 @@ static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t ch
     float* ml_own = scratch.data() + H * (D + TILE);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = row_of[c], n = first[b + 1] - first[b];
-      const int64_t k0 = (c - first[b]) * chunk, k1 = std::min(k0 + chunk, lens[b]);
+      const int64_t k0 = start[b] + (c - first[b]) * chunk, k1 = std::min(k0 + chunk, lens[b]);
       float* orow = o + b * H * D;
       if (n == 1) {                                      // unsplit: normalize in place
         attend(a, b, k0, k1, orow, ml_own, scratch.data());
@@ -171,7 +179,7 @@ static at::Tensor as_long(const at::Tensor& t) {        // no dispatch when it a
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& seq_lens_in, double scale,
-                            int64_t isa_req, int64_t chunk_keys) {
+                            int64_t isa_req, int64_t chunk_keys, int64_t window) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "tandem.decode_attention: q must be fp32 [B, H, D]");
   at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
   at::Tensor kv_index = as_long(kv_index_in), seq_lens = as_long(seq_lens_in);
@@ -184,14 +192,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
                    seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
                    (float)scale, B > 1 ? q.stride(0) : H * D};
   at::Tensor out = at::empty({B, H, D}, q.options());
-  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys);
+  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys, window);
   return out;
 }
 
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer,
                                  const at::Tensor& loc_in, const at::Tensor& kv_index_in,
                                  const at::Tensor& seq_lens_in, double scale, int64_t H, int64_t isa_req,
-                                 int64_t chunk_keys) {
+                                 int64_t chunk_keys, int64_t window) {
   TORCH_CHECK(cache.dim() == 5, "tandem.decode_attention_qkv_: cache must be [S + 1, L, 2, KVH, D]");
   const int64_t KVH = cache.size(3), D = cache.size(4), B = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
@@ -212,7 +220,7 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
   const AttnArgs a{src, cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                    B, H, KVH, D, kv_index.size(1), 2 * KVH * D, slot_stride, layer, (float)scale, rs};
   at::Tensor out = at::empty({B, H * D}, qkv.options());
-  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys);
+  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys, window);
   return out;
 }
 

@@ -27,7 +27,7 @@ at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, i
                       const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                                  const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
-                                 int64_t isa, int64_t chunk_keys);
+                                 int64_t isa, int64_t chunk_keys, int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
@@ -75,7 +75,7 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
   at::Tensor attn;
   {
     RECORD_FUNCTION("tandem::decode_attention_qkv_", std::vector<c10::IValue>());
-    attn = decode_attention_qkv_(qkv, cache, layer, loc, kv_index, seq_lens, scale, heads, -1, -1);
+    attn = decode_attention_qkv_(qkv, cache, layer, loc, kv_index, seq_lens, scale, heads, -1, -1, 0);  // global layers only
   }
   at::Tensor o = lin(attn, nq, std::nullopt);
   {

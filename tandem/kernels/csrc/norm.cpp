@@ -3,6 +3,9 @@
 //   add_rms_norm_(x [T, E], delta [T, E], w, eps) -> x += delta (in place, the residual stream), returns
 //       rms_norm(x)
 //   silu_mul(gu [T, 2I]) -> silu(gu[:, :I]) * gu[:, I:]                   ([T, I])
+//   gelu_tanh_mul(gu [T, 2I]) -> gelu_tanh(gu[:, :I]) * gu[:, I:]         ([T, I], GeGLU: gemma)
+//   head_rms_norm_(qkv [T, C], w [heads, D], eps): RMSNorm in place over each of the first `heads` heads of D of
+//       each row, head h by w[h] (QK-norm: q heads by q_norm, then k heads by k_norm)
 //   rope_(qkv [T, C], cos [P, D], sin [P, D], positions [T], heads, D): rotate-half RoPE in place on the
 //       first `heads` heads of D of each row (q then k of the fused qkv projection), at each token's position
 // fp32, rows contiguous. Thread split: at::parallel_for over rows. The loops are plain C++ (the compiler
@@ -78,6 +81,45 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
     }
   });
   return out;
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
+  at::Tensor gu = gu_in.contiguous();
+  check_rows(gu, "gu");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
+  TORCH_CHECK(gu.size(1) % 2 == 0, "tandem.gelu_tanh_mul: odd feature count");
+  at::Tensor out = at::empty({T, I}, gu.options());
+  const float* pg = gu.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;        // sqrt(2 / pi), as torch's approximate="tanh"
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = pg + t * ld, *u = g + I;
+      float* o = po + t * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = g[i];
+        o[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+void head_rms_norm_(const at::Tensor& qkv, const at::Tensor& w_in, double eps) {
+  check_rows(qkv, "qkv");
+  at::Tensor w = w_in.contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) * w.size(1) <= qkv.size(1),
+              "tandem.head_rms_norm_: w must be fp32 [heads, D] within the row");
+  const int64_t T = qkv.size(0), ld = qkv.stride(0), heads = w.size(0), D = w.size(1);
+  float* px = qkv.data_ptr<float>();
+  const float* pw = w.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = px + t * ld + h * D;
+        norm_row(x, pw + h * D, (float)eps, D, x);               // in place: norm_row reads x before writing
+      }
+  });
 }
 
 void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,

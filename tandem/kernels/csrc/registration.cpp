@@ -12,14 +12,17 @@ at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, i
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);
 void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
-                            const at::Tensor& seq_lens, double scale, int64_t isa, int64_t chunk_keys);
+                            const at::Tensor& seq_lens, double scale, int64_t isa, int64_t chunk_keys,
+                            int64_t window);
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                                  const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
-                                 int64_t isa, int64_t chunk_keys);
+                                 int64_t isa, int64_t chunk_keys, int64_t window);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor gelu_tanh_mul(const at::Tensor& gu);
+void head_rms_norm_(const at::Tensor& qkv, const at::Tensor& w, double eps);
 void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
            int64_t heads, int64_t D);
 at::Tensor race_argmax(const at::Tensor& x, const std::optional<at::Tensor>& t,
@@ -42,12 +45,14 @@ TORCH_LIBRARY(tandem, m) {
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
-        "int isa=-1, int chunk_keys=-1) -> Tensor");
+        "int isa=-1, int chunk_keys=-1, int window=0) -> Tensor");
   m.def("decode_attention_qkv_(Tensor qkv, Tensor(a!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
-        "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1) -> Tensor");
+        "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1, int window=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
+  m.def("head_rms_norm_(Tensor(a!) qkv, Tensor w, float eps) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int head_dim) -> ()");
   m.def("race_argmax(Tensor x, Tensor? t=None, Tensor? seeds=None, int isa=-1) -> Tensor");
   m.def("race_noise(Tensor seeds, int vocab, int isa=-1) -> Tensor");
@@ -68,6 +73,8 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rms_norm", &tandem::rms_norm);
   m.impl("add_rms_norm_", &tandem::add_rms_norm_);
   m.impl("silu_mul", &tandem::silu_mul);
+  m.impl("gelu_tanh_mul", &tandem::gelu_tanh_mul);
+  m.impl("head_rms_norm_", &tandem::head_rms_norm_);
   m.impl("rope_", &tandem::rope_);
   m.impl("race_argmax", &tandem::race_argmax);
   m.impl("race_noise", &tandem::race_noise);
