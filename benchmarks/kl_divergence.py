@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, kernels
 from tandem.bench import machine_info
 from tandem.bench.accuracy import divergence, llama_cpp_logprobs, real_text, teacher_forced_logprobs
 from tandem.kernels.quant import small_m
@@ -36,6 +36,7 @@ p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__f
                                              "kl_divergence.json"))
 cli = p.parse_args()
 path = cli.model or default_model_path()
+kernels.available()               # small_m() asks the loaded library which ISA runs
 chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, as a decode step does
 
 
@@ -47,7 +48,7 @@ def engine(act: str) -> LLM:
 exact = engine("fp32")
 tok = exact.tokenizer
 docs, total = [], 0
-for text in real_text(cli.tokens * 8):
+for text in real_text(10 ** 8):
     ids = tok.encode(text)[:cli.doc_tokens]
     if len(ids) < 64:
         continue

@@ -17,19 +17,17 @@
 //
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
-// Thread split: at::parallel_for over tasks (row, chunk of CHUNK keys). A task keeps per query head a running
+// Thread split: at::parallel_for over tasks (row, chunk of its keys). A task keeps per query head a running
 // max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A row whose keys are
 // one chunk writes its normalized output at once; otherwise each chunk leaves its partial [H, D] and (max,
 // sum) per head, and the task that finishes a row's last chunk merges them in chunk order with their
 // log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
-// Batch invariance: the chunks are a fixed size, so a row's summation order depends on its own length only,
-// never on the other rows of the batch or the thread count. The int8-activation linears round x to integers,
-// which turns any last-bit difference into a visible one; with this, a row's output is the same in any batch
-// (the overlap loop's riding rows, a speculative verify step, another loop) and under any device_threads.
-// (Measured: the partials cost ~2 % of a 64-row step at 1k context; the old policy sized chunks from B and
-// the thread count.)
-// ISA: scores, softmax (a polynomial exp, vec_math.inc) and the V accumulation use Vec512 / Vec256 helpers
-// (decode_attention_simd.inc); the scalar helpers, with std::exp, are the specification.
+// Batch invariance: a row's chunk size is a function of its own key count only (about 16 chunks, at least
+// MIN_CHUNK keys, whole tiles), so its summation order never depends on the other rows of the batch or the
+// thread count. The int8-activation linears round x to integers, which turns any last-bit difference into a
+// visible one; with this, a row's output is the same in any batch (the overlap loop's riding rows, a
+// speculative verify step, another loop) and under any device_threads. (The old policy sized chunks from B
+// and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a step in merges.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -44,7 +42,14 @@
 namespace tandem {
 
 constexpr int64_t TILE = 32;         // keys scored before their values are accumulated (a multiple of every W)
-constexpr int64_t CHUNK = 64;        // keys a task attends (the batch-invariant split, above)
+constexpr int64_t MIN_CHUNK = 64;    // fewest keys of a split chunk (the batch-invariant split, above)
+constexpr int64_t ROW_CHUNKS = 16;   // chunks a long row is split into
+
+// Keys per chunk of a row of n keys: ~n / ROW_CHUNKS, at least MIN_CHUNK, in whole tiles.
+static int64_t row_chunk(int64_t n) {
+  const int64_t c = std::max(MIN_CHUNK, (n + ROW_CHUNKS - 1) / ROW_CHUNKS);
+  return (c + TILE - 1) / TILE * TILE;
+}
 constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
 
 struct AttnArgs {
@@ -121,7 +126,7 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
 }
 
 // Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart).
-// chunk_keys: keys per chunk; -1 CHUNK (see the top of the file), 0 never splits, > 0 forces that size
+// chunk_keys: keys per chunk; -1 row_chunk (see the top of the file), 0 never splits, > 0 forces that size
 // (rounded up to whole tiles; for tests).
 static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t chunk_keys, int64_t window) {
   const int64_t B = a.B, H = a.H, D = a.D, Lk = a.Lk;
@@ -133,12 +138,12 @@ static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t ch
     if (window > 0) start[b] = std::max<int64_t>(0, lens[b] - window);
     keys[b] = lens[b] - start[b];
   }
-  int64_t chunk = chunk_keys > 0 ? chunk_keys : chunk_keys == 0 ? Lk : CHUNK;
-  chunk = (chunk + TILE - 1) / TILE * TILE;
-  // Row b's chunks are tasks [first[b], first[b + 1]).
-  std::vector<int64_t> first(B + 1, 0), row_of;
+  // Row b's chunks of chunk[b] keys are tasks [first[b], first[b + 1]).
+  std::vector<int64_t> first(B + 1, 0), row_of, chunk(B);
   for (int64_t b = 0; b < B; ++b) {
-    first[b + 1] = first[b] + (keys[b] + chunk - 1) / chunk;
+    const int64_t c = chunk_keys > 0 ? chunk_keys : chunk_keys == 0 ? Lk : row_chunk(keys[b]);
+    chunk[b] = (c + TILE - 1) / TILE * TILE;
+    first[b + 1] = first[b] + (keys[b] + chunk[b] - 1) / chunk[b];
     row_of.resize(first[b + 1], b);
   }
   const int64_t chunks = first[B];
@@ -158,7 +163,7 @@ static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t ch
     float* ml_own = scratch.data() + H * (D + TILE);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = row_of[c], n = first[b + 1] - first[b];
-      const int64_t k0 = start[b] + (c - first[b]) * chunk, k1 = std::min(k0 + chunk, lens[b]);
+      const int64_t k0 = start[b] + (c - first[b]) * chunk[b], k1 = std::min(k0 + chunk[b], lens[b]);
       float* orow = o + b * H * D;
       if (n == 1) {                                      // unsplit: normalize in place
         attend(a, b, k0, k1, orow, ml_own, scratch.data());
