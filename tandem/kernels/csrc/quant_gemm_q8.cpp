@@ -66,10 +66,10 @@ struct QRow {             // one quantized row of x
   const float* dx;        // [2 nb] dx of each 16-element half of a block (elements 0-15, then 16-31)
   const float* sx;        // [nb] sum of the rounded x of each block (dx xq summed over both halves)
   const float* sxh;       // [2 nb] the same of each half
-  const float* dx4;       // [8 nb] dx of each half 4 times (the int32 lanes of its dot product): for block b,
-                          //   [4 b, 4 b + 4) the first half's, [4 nb + 4 b, ...) the second's
 };
-constexpr int64_t kRowFloats = 13;   // floats of a QRow's arrays per block
+constexpr int64_t kRowFloats = 5;    // floats of a QRow's arrays per block
+// (The bodies spread a half's dx over the 4 int32 lanes of its dot product with a permute: a [8 nb] array of
+// them repeated cost the many-row case its cache bandwidth, 2.6 bytes of x read per weight and row.)
 
 // Group sizes along a row of nb blocks: g (the ISA's) while they fit, then 2, then 1.
 template <typename F>
@@ -80,8 +80,8 @@ inline void for_groups(int64_t nb, int g, F&& f) {
     if (b + h <= nb) { f(b, h); b += h; }
 }
 
-// Quantizes x [K] into q / dx / sx / sxh / dx4; `group` 0: natural order, else the Q4 group order.
-void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, float* sx, float* sxh, float* dx4) {
+// Quantizes x [K] into q / dx / sx / sxh; `group` 0: natural order, else the Q4 group order.
+void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, float* sx, float* sxh) {
   const int64_t nb = K / 32;
   std::vector<int8_t> nat(group ? K : 0);
   int8_t* out = group ? nat.data() : q;
@@ -97,7 +97,6 @@ void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, fl
     }
     dx[u] = d;
     sxh[u] = d * (float)sum;
-    for (int l = 0; l < 4; ++l) dx4[(u % 2) * 4 * nb + 4 * (u / 2) + l] = d;
   }
   for (int64_t b = 0; b < nb; ++b) sx[b] = sxh[2 * b] + sxh[2 * b + 1];
   if (!group) return;
@@ -250,8 +249,8 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     float* s = xs.data() + m * nb * kRowFloats;
-    quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + 2 * nb, s + 3 * nb, s + 5 * nb);
-    rows[m] = QRow{xq.data() + m * K, s, s + 2 * nb, s + 3 * nb, s + 5 * nb};
+    quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + 2 * nb, s + 3 * nb);
+    rows[m] = QRow{xq.data() + m * K, s, s + 2 * nb, s + 3 * nb};
   }
   Q8Args a{qtype, M, N, K, w.size(1), rows.data(), w.data_ptr<uint8_t>(),
            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
