@@ -1,0 +1,77 @@
+"""The decoder's linear layers: dense fp32 weights (Linear, with a bmm path for few CPU rows) and GGUF blocks
+(QLinear, tandem's native quantized kernels), and the fusing of q/k/v and gate/up rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, qlinear, small_m
+
+
+SMALL_M = 64        # rows up to which a CPU linear runs as a bmm over row blocks of the weight
+ROW_BLOCKS = 8
+
+
+class Linear:
+    """y = x @ w.T (+ b), with a CPU path for few rows.
+
+    MKL's fp32 GEMV/GEMM for a handful of rows runs on one thread on an AMD EPYC machine of this project:
+    measured 16 GB/s of weight traffic, 2.5-4x slower than a bmm over 8 row blocks of the weight, which MKL spreads over the cores
+    (46 GB/s, the copy bandwidth). At 64 rows the bmm still wins for the wide weights (gate_up, LM head:
+    -10 to -15 %); past that the plain GEMM is as fast or faster, so it takes over.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        out, inp = weight.shape
+        self.blocks = (weight.view(ROW_BLOCKS, out // ROW_BLOCKS, inp)
+                       if weight.device.type == "cpu" and out % ROW_BLOCKS == 0 else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if self.blocks is None or m > SMALL_M:
+            return F.linear(x, self.weight, self.bias)
+        xb = x.t().unsqueeze(0).expand(ROW_BLOCKS, -1, m)                   # [P, in, M]
+        y = torch.bmm(self.blocks, xb).view(self.weight.shape[0], m).t()    # [M, out]
+        return y + self.bias if self.bias is not None else y.contiguous()
+
+
+class QLinear:
+    """y = x @ dequant(w).T (+ b) on GGUF blocks, by tandem's native kernel (kernels="native").
+
+    A list of weights is a fused linear whose parts have different types (Q4_K_M files keep attn_v in Q6_K
+    beside Q4_K q/k): each part runs on its own blocks and the outputs are concatenated."""
+
+    def __init__(self, weight: "QuantWeight | list[QuantWeight]", bias: torch.Tensor | None = None,
+                 int8_act: bool = False) -> None:
+        self.parts, self.bias = (weight if isinstance(weight, list) else [weight]), bias
+        self.int8_act = int8_act
+        # The decode call decided once: the op overload and its arguments (qlinear's choice for few rows).
+        w = self.parts[0]
+        q8 = int8_act and w.qtype in INT8_ACT_QTYPES
+        self._few = (small_m() if len(self.parts) == 1 else -1,
+                     (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, op, data, qtype, k = self._few
+        if x.shape[0] <= rows:                          # one part, in-kernel rows: straight to the op
+            return op(x, data, qtype, k, self.bias)
+        if len(self.parts) == 1:
+            return qlinear(x, self.parts[0], self.bias, self.int8_act)
+        y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+Weight = "torch.Tensor | QuantWeight | list[QuantWeight]"
+
+
+def linear(weight: Weight, bias: torch.Tensor | None = None, int8_act: bool = False) -> "Linear | QLinear":
+    return Linear(weight, bias) if isinstance(weight, torch.Tensor) else QLinear(weight, bias, int8_act)
+
+
+def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> Weight:
+    """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks, blocks of mixed
+    types stay a list of blocks (QLinear runs each)."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantWeight.cat(parts) or list(parts)
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
