@@ -51,6 +51,23 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
         assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
 
 
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("isa", [1, 2])
+def test_a_row_is_the_same_at_any_row_count(name, isa):
+    """Batch invariance: row r of a 37-row call equals, bit for bit, row r alone and in a 3-row call (the bodies
+    pair weight rows and tile rows of x by the call's size; each output's operations stay the same)."""
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    qtype = TYPES[name]
+    k = whole(608, qtype)
+    q = blocks(7, k, qtype, seed=3) if qtype in (Q4_K, Q6_K) else weights(7, k, qtype, seed=3)
+    x, bias = torch.randn(37, k), torch.randn(7)
+    full = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, bias, isa)
+    for r in (0, 5, 36):
+        assert torch.equal(torch.ops.tandem.qlinear_q8(x[r:r + 1], q.data, q.qtype, k, bias, isa), full[r:r + 1])
+    assert torch.equal(torch.ops.tandem.qlinear_q8(x[4:7], q.data, q.qtype, k, bias, isa), full[4:7])
+
+
 def test_qlinear_int8_act_dispatch():
     """int8 activations where the op reads the type and the rows run in-kernel; F16 / BF16 weights and
     prefill-sized inputs keep fp32 activations, unchanged."""
