@@ -17,22 +17,10 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace tandem {
-
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                   const std::optional<at::Tensor>& bias, int64_t isa);
-at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                      const std::optional<at::Tensor>& bias, int64_t isa);
-at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
-                                 const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
-                                 int64_t isa, int64_t chunk_keys, int64_t window);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
-at::Tensor silu_mul(const at::Tensor& gu);
-void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-           int64_t heads, int64_t D);
 
 static bool int8_type(int64_t qtype) { return qtype == 2 || qtype == 3 || (qtype >= 6 && qtype <= 8) ||
                                               (qtype >= 10 && qtype <= 14); }  // qlinear_q8's types

@@ -1,0 +1,40 @@
+// The C++ entry points of every op (each .cpp defines its own), for registration.cpp, which gives them
+// their schemas, and for ops made of other ops (decode_layer.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace tandem {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                   const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                      const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);
+void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
+                            const at::Tensor& seq_lens, double scale, int64_t isa, int64_t chunk_keys,
+                            int64_t window);
+at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
+                                 const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
+                                 int64_t isa, int64_t chunk_keys, int64_t window);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor gelu_tanh_mul(const at::Tensor& gu);
+void head_rms_norm_(const at::Tensor& qkv, const at::Tensor& w, double eps);
+void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+           int64_t heads, int64_t D);
+at::Tensor race_argmax(const at::Tensor& x, const std::optional<at::Tensor>& t,
+                       const std::optional<at::Tensor>& seeds, int64_t isa);
+at::Tensor race_noise(const at::Tensor& seeds, int64_t vocab, int64_t isa);
+
+at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& attn_norm,
+                         const at::Tensor& mlp_norm, double eps, at::TensorList w, at::IntArrayRef qtypes,
+                         const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
+                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale);
+}  // namespace tandem
