@@ -53,7 +53,7 @@ class StepKV:
         self.kv_index = kv_index                 # [B, Lk] slot of each key position (pad_slot past the length)
         self.tok_row, self.positions = tok_row, positions    # [T] where each new token sits in [B, Lk]
         self.out_cache_loc = out_cache_loc       # [T]
-        self.seq_lens: torch.Tensor | None = None   # [B] keys per row of a decode step (positions + 1), made once
+        self._seq_lens: torch.Tensor | None = None  # [T] keys each new token attends (positions + 1), made once
         self.tok_kv_index: torch.Tensor | None = None   # [T, Lk] kv_index of each new token's row, made once
         self.has_prefix = has_prefix             # False: every key is new this step, nothing to gather
         b, lk = kv_index.shape
@@ -61,6 +61,13 @@ class StepKV:
         self.group = max(1, min(cache.num_layers, GATHER_BUDGET_BYTES // (per_layer * cache.data.element_size())))
         self._first = -1
         self._view: torch.Tensor | None = None   # [B, Lk, group, 2, KVH, D]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[T] keys each new token attends: its position + 1 (a decode row's sequence length), once a step."""
+        if self._seq_lens is None:
+            self._seq_lens = self.positions + 1
+        return self._seq_lens
 
     def _gather(self, layer: int) -> None:
         data = self.cache.data

@@ -273,8 +273,6 @@ class LlamaModel:
         delta = None                                                    # the residual add still to do
         decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
         fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
-        if fused and meta.kv.seq_lens is None:
-            meta.kv.seq_lens = meta.kv.positions + 1
         for i, layer in enumerate(self.layers):
             if fused and "blocks" in layer:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)
@@ -359,7 +357,6 @@ class LlamaModel:
         kv = meta.kv
         if kv.tok_kv_index is None:                     # once a step, not once a layer
             kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
-            kv.seq_lens = kv.positions + 1
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
                                      self.scale, self.num_heads, self.layers[i]["window"])     # [T, H*D]
 
@@ -368,7 +365,5 @@ class LlamaModel:
         K/V at out_cache_loc, then reads every key in place through kv_index (no gathered copy). A row's token
         sits at position seq_len - 1."""
         kv = meta.kv
-        if kv.seq_lens is None:                         # once a step, not once a layer
-            kv.seq_lens = kv.positions + 1
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
                                      self.scale, self.num_heads, self.layers[i]["window"])     # [B, H*D]
