@@ -38,7 +38,7 @@ class EngineConfig:
     cache_dir: str | None = None        # where a GGUF's config and tokenizer are cached (no weights)
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
-    kernels_act: str = "int8"           # "int8": quantized decode linears round x to int8 (16-element halves); "fp32": exact mode
+    kernels_act: str = "int8"           # "int8": quantized linears round x to int8 (16-element halves; decode kernels, int8 GEMM on prefill); "fp32": exact mode
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
     tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
     nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)

@@ -12,7 +12,7 @@ from test_quant_types import weights, whole
 
 from tandem import kernels
 from tandem.kernels.quant import (F16, INT8_ACT_QTYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-                                  Q8_0, dequantize_ref, qlinear, qlinear_q8_ref, quantize_act_ref, small_m)
+                                  Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref, quantize_act_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -69,8 +69,8 @@ def test_a_row_is_the_same_at_any_row_count(name, isa):
 
 
 def test_qlinear_int8_act_dispatch():
-    """int8 activations where the op reads the type and the rows run in-kernel; F16 / BF16 weights and
-    prefill-sized inputs keep fp32 activations, unchanged."""
+    """int8 activations where the op reads the type: up to small_m() rows by qlinear_q8, past it by the int8
+    GEMM where this CPU has its body (else fp32 activations, as before); F16 / BF16 weights keep fp32."""
     q8, qk, half = blocks(9, 256, Q8_0), blocks(9, 256, Q4_K), weights(9, 256, F16)
     x = torch.randn(3, 256)
     for q in (q8, qk):
@@ -78,7 +78,8 @@ def test_qlinear_int8_act_dispatch():
         assert not torch.equal(qlinear(x, q, int8_act=True), qlinear(x, q))
     assert torch.equal(qlinear(x, half, int8_act=True), qlinear(x, half))
     big = torch.randn(small_m() + 1, 256)
-    assert torch.equal(qlinear(big, q8, int8_act=True), qlinear(big, q8))
+    gemm = torch.ops.tandem.qgemm_q8(big, q8.data, Q8_0, 256) if big.shape[0] > gemm_rows(Q8_0) else qlinear(big, q8)
+    assert torch.equal(qlinear(big, q8, int8_act=True), gemm)
     with pytest.raises(RuntimeError, match="int8 activations support"):
         torch.ops.tandem.qlinear_q8(x, half.data, F16, 256)
     with pytest.raises(RuntimeError, match="multiple of 256"):

@@ -37,9 +37,11 @@ BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 
 # keep fp32 activations (their values are not integers; llama.cpp rounds x to F16 / BF16 for them instead).
 INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
-# Rows of x up to which the in-kernel GEMM runs (measured: 1.4x the fp32 GEMM at 65 rows, even at 128);
-# past it the layer is dequantized into a reused buffer and MKL's fp32 GEMM
-# takes over (its blocking wins on many rows; the dequantization is then a small part of the work).
+# Rows of x up to which the in-kernel GEMV bodies run (qlinear, qlinear_q8; measured: 1.4x the fp32 GEMM at 65
+# rows, even at 128); past it the int8 GEMM qgemm_q8 (kernels_act="int8", AVX-512 VNNI) or MKL's fp32 GEMM on
+# weights dequantized into a reused buffer takes over. The int8 bodies keep an output's operations the same at
+# every row count on each side of it (batch invariance), not across it: it is the one row count where a
+# row's last bits can change.
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
@@ -125,18 +127,39 @@ def small_m() -> int:
 
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, int8_act: bool = False
             ) -> torch.Tensor:
-    """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]. int8_act: rows of x quantized to int8 blocks first
-    (in-kernel rows and INT8_ACT_QTYPES only; prefill and other types keep fp32 activations)."""
+    """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]. int8_act (INT8_ACT_QTYPES): rows of x rounded to int8
+    halves of 16 first; up to small_m() rows by qlinear_q8, past gemm_rows() by the int8 GEMM qgemm_q8.
+    Otherwise (fp32 activations, or between the two on AVX2) past small_m() rows the weights are dequantized
+    into a reused buffer for MKL's fp32 GEMM."""
     global _scratch
-    if x.shape[0] <= small_m():
-        if int8_act and w.qtype in INT8_ACT_QTYPES:
+    q8 = int8_act and w.qtype in INT8_ACT_QTYPES
+    m = x.shape[0]
+    if m <= small_m():
+        if q8:
             return torch.ops.tandem.qlinear_q8(x, w.data, w.qtype, w.k, bias)
         return torch.ops.tandem.qlinear(x, w.data, w.qtype, w.k, bias)
+    if q8 and m > gemm_rows(w.qtype):
+        return torch.ops.tandem.qgemm_q8(x, w.data, w.qtype, w.k, bias)
     if _scratch.numel() < w.numel():
         _scratch = torch.empty(w.numel())
     dense = _scratch[:w.numel()].view(w.shape)
     torch.ops.tandem.dequantize_out(w.data, w.qtype, w.k, dense)
     return F.linear(x, dense, bias)
+
+
+# Rows past which qgemm_q8 takes over on its AVX2 body (no VNNI). Measured on one thread, against MKL's fp32
+# GEMM capped at AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2) plus the dequantization: 1.11-1.26x at 128 rows and
+# 1.17-1.25x at 512 for SmolLM2's shapes, level or behind at 32-64; the VNNI body wins from small_m() on.
+GEMM_ROWS_AVX2 = 128
+_gemm_rows: dict[int, int] = {}
+
+
+def gemm_rows(qtype: int) -> int:
+    """Rows of x past which qlinear runs the int8 GEMM for this type on this CPU (a huge number: never)."""
+    if qtype not in _gemm_rows:
+        body = torch.ops.tandem.qgemm_q8_body(qtype)
+        _gemm_rows[qtype] = small_m() if body == 2 else GEMM_ROWS_AVX2 if body == 1 else 1 << 62
+    return _gemm_rows[qtype]
 
 
 # ---------------------------------------------------------------------------------------- torch reference

@@ -11,6 +11,13 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
                    const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                       const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor qgemm_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                    const std::optional<at::Tensor>& bias, int64_t isa);
+// The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
+int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
+// A row of x rounded to int8 halves of 16 in natural order (qlinear_q8's rounding, shared by qgemm_q8):
+// q [K], dx / sxh [2 K / 32] per half, sx [K / 32] per block.
+void quantize_act_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, float* sxh);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);
 void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,

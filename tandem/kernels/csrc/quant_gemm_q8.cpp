@@ -80,12 +80,61 @@ inline void for_groups(int64_t nb, int g, F&& f) {
     if (b + h <= nb) { f(b, h); b += h; }
 }
 
+// The halves of quantize_row with SIMD: the same max, the same scalar d and 1 / d, the same fp32 products
+// rounded to nearest even (vcvtps2dq under the default rounding mode = nearbyint), so the same bytes and sums
+// (measured: the scalar loop was 2.4 ms of a 6 ms int8 GEMM at 512 x 1536, ~3 ns an element).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_halves_avx512(
+    const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
+  for (int64_t u = 0; u < nh; ++u) {
+    const __m512 v = _mm512_loadu_ps(x + 16 * u), a = _mm512_abs_ps(v);
+    __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const __m512i iv = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i*)(q + 16 * u), _mm512_cvtsepi32_epi8(iv));
+    __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(iv), _mm512_extracti64x4_epi64(iv, 1));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    dx[u] = d;
+    sxh[u] = d * (float)_mm_cvtsi128_si32(s4);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void quantize_halves_avx2(const float* x, int64_t nh, int8_t* q, float* dx,
+                                                             float* sxh) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t u = 0; u < nh; ++u) {
+    const __m256 v0 = _mm256_loadu_ps(x + 16 * u), v1 = _mm256_loadu_ps(x + 16 * u + 8);
+    const __m256 m8 = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
+    const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8);      // 16 int16 in order
+    _mm_storeu_si128((__m128i*)(q + 16 * u), _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1)));
+    const __m256i s8 = _mm256_add_epi32(i0, i1);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    dx[u] = d;
+    sxh[u] = d * (float)_mm_cvtsi128_si32(s4);
+  }
+}
+
 // Quantizes x [K] into q / dx / sx / sxh; `group` 0: natural order, else the Q4 group order.
 void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, float* sx, float* sxh) {
   const int64_t nb = K / 32;
   std::vector<int8_t> nat(group ? K : 0);
   int8_t* out = group ? nat.data() : q;
-  for (int64_t u = 0; u < 2 * nb; ++u) {              // half u: elements [16 u, 16 u + 16)
+  const Isa isa = best_isa();
+  if (isa == kAvx512) quantize_halves_avx512(x, 2 * nb, out, dx, sxh);
+  else if (isa == kAvx2) quantize_halves_avx2(x, 2 * nb, out, dx, sxh);
+  for (int64_t u = 0; isa == kScalar && u < 2 * nb; ++u) {   // half u: elements [16 u, 16 u + 16)
     float amax = 0.f;
     for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[16 * u + i]));
     const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
@@ -208,6 +257,10 @@ T256 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
 
 }  // namespace
 
+void quantize_act_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, float* sxh) {
+  quantize_row(x, K, 0, q, dx, sx, sxh);
+}
+
 at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                       const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   int64_t bytes = 0, qk = 32;        // bytes and weights along K of one block
@@ -247,11 +300,13 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   std::vector<float> xs((size_t)(M * nb * kRowFloats));
   std::vector<QRow> rows((size_t)M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* s = xs.data() + m * nb * kRowFloats;
-    quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + 2 * nb, s + 3 * nb);
-    rows[m] = QRow{xq.data() + m * K, s, s + 2 * nb, s + 3 * nb};
-  }
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {       // rows are independent: any split, same bytes
+    for (int64_t m = m0; m < m1; ++m) {
+      float* s = xs.data() + m * nb * kRowFloats;
+      quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + 2 * nb, s + 3 * nb);
+      rows[m] = QRow{xq.data() + m * K, s, s + 2 * nb, s + 3 * nb};
+    }
+  });
   Q8Args a{qtype, M, N, K, w.size(1), rows.data(), w.data_ptr<uint8_t>(),
            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t t0, int64_t t1) { fn(a, t0 * 4, std::min(t1 * 4, N)); });

@@ -12,6 +12,8 @@ static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
 TORCH_LIBRARY(tandem, m) {
   m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qlinear_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("qgemm_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
@@ -36,6 +38,7 @@ TORCH_LIBRARY(tandem, m) {
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("qlinear", &tandem::qlinear);
   m.impl("qlinear_q8", &tandem::qlinear_q8);
+  m.impl("qgemm_q8", &tandem::qgemm_q8);
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);

@@ -1,0 +1,441 @@
+// int8 GEMM over GGUF blocks for many rows of x (kernels_act="int8" past small_m() rows: prefill chunks and
+// large decode batches), in place of dequantize-to-fp32 + MKL's fp32 GEMM, which ran at the fp32 rate and made
+// every row re-decode the same weights (issue 22's profile).
+//
+// The rows of x are rounded to int8 halves of 16 exactly as qlinear_q8 rounds them (quantize_act_row: the same
+// xq, dx and sums), then laid out for the micro-kernel in tiles of 16 tokens: the 16 int32 lanes of a register
+// are 16 tokens, and one vpdpbusd adds 4 products of 4 consecutive k for all of them against one weight row's
+// 4 signed quants broadcast from memory (the x bytes ride unsigned, as xq + 128). A tile of 12 weight rows is
+// unpacked once per pass of up to 256 tokens into natural-order signed bytes with a scale (and a min) per
+// 16-weight half, so each weight is decoded once for all the tokens of the pass, and no weight layout changes
+// at load time (the same QuantWeight rows serve qlinear, qlinear_q8, the embedding and tensor parallelism).
+//
+// With q the unpacked signed quant of a weight (weight = dw_u q + mh_u over half u; mh = 0 without a min), an
+// output is, for every half u in order, then the bias:
+//   isum_u = sum_i (xq_i + 128) q_i - 128 sum_i q_i      (exact in int32: the true sum of xq_i q_i)
+//   f = fma(float(isum_u), dx_u * dw_u, f);  f = fma(sxh_u, mh_u, f)   (the second for Q4_1 / Q5_1 / Q4_K /
+//   Q5_K / Q2_K; sxh_u = dx_u sum_i xq_i)
+// The same operations in the same order run in the scalar, AVX2 and AVX-512 bodies, whatever M is and whichever
+// tile a token lands in, so the op's rows are bit for bit the same across bodies, batch sizes and threads. They
+// differ from qlinear_q8's (which sums 4-product partials per lane) in fp32 rounding only: the integer sums are
+// the same exact values, so the gap to the float64 specification is of the same size (tests/test_qgemm.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace tandem {
+
+bool cpu_has_vnni();
+
+namespace {
+
+enum : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+#include "k_scales.inc"
+#include "quant_gemm_ext.inc"
+
+constexpr int kTok = 16;              // tokens of a tile: the int32 lanes of one AVX-512 register
+constexpr int kRows = 12;             // weight rows of a tile: 12 int32 and 12 fp32 accumulators of the kernel
+constexpr int64_t kPass = 256;        // tokens per pass over the weights (each weight tile unpacked once a pass)
+constexpr int64_t kKHalves = 24;      // halves of K per block: a tile's 12 x 384 quants (4.5 KB) stay in L1
+                                      // while the pass's token tiles stream by
+
+constexpr bool has_min(int64_t qt) { return qt == kQ4_1 || qt == kQ5_1 || qt == kQ4_K || qt == kQ5_K || qt == kQ2_K; }
+
+// A K-quant row's scales (k_scales' layout), called from the unpacking below (which has no F16C target).
+__attribute__((target("sse4.1,f16c"))) void row_k_scales(int64_t qt, const uint8_t* row, int64_t nb, float* sc) {
+  k_scales(qt, row, nb, sc);
+}
+
+// One QuantWeight row -> q [K] signed quants in natural order, dw / mh [2 nb] per half (mh only with a min).
+// The formats are quant_gemm.cpp's (regrouped rows, quant.py's docstring); sc: scratch of 4 nb floats.
+void unpack_row(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, float* dw, float* mh, float* sc) {
+  // (q null: the scales only, the quants having come from unpack_quants_avx2.)
+  if (qt == kQ2_K || qt == kQ3_K || qt == kQ6_K) {
+    row_k_scales(qt, row, nb, sc);
+    const int64_t bytes = qt == kQ2_K ? 84 : qt == kQ3_K ? 110 : 210;
+    const int off = qt == kQ6_K ? 32 : qt == kQ3_K ? 4 : 0;
+    for (int64_t b = 0; q && b < nb; ++b) {
+      const uint8_t* blk = row + bytes * (b / 8);
+      const int j = (int)(b % 8), h = j / 4, t = j % 4;
+      int8_t* o = q + 32 * b;
+      if (qt == kQ2_K) {
+        for (int i = 0; i < 32; ++i) o[i] = (int8_t)(blk[16 + 32 * h + i] >> 2 * t & 3);
+      } else if (qt == kQ3_K) {
+        for (int i = 0; i < 32; ++i) o[i] = (int8_t)(((blk[32 + 32 * h + i] >> 2 * t & 3) | (blk[i] >> j & 1) << 2) - off);
+      } else {
+        for (int i = 0; i < 32; ++i)
+          o[i] = (int8_t)(((blk[64 * h + 32 * (t % 2) + i] >> 4 * (t / 2) & 15) | (blk[128 + 32 * h + i] >> 2 * t & 3) << 4) - off);
+      }
+    }
+    for (int64_t u = 0; u < 2 * nb; ++u) {
+      dw[u] = sc[u];
+      if (qt == kQ2_K) mh[u] = -sc[2 * nb + u];
+    }
+    return;
+  }
+  const bool k = qt == kQ4_K || qt == kQ5_K, q5 = qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K;
+  if (k) row_k_scales(qt, row, nb, sc);
+  if (qt == kQ8_0) {
+    if (q) std::memcpy(q, row + 2 * nb, 32 * nb);
+    for (int64_t b = 0; b < nb; ++b) dw[2 * b] = dw[2 * b + 1] = fp16_to_fp32(load_u16(row + 2 * b));
+    return;
+  }
+  // [d][m][qh][qs] (legacy) or [headers][qh][qs] (Q4_K / Q5_K): where the 5th bits and the nibbles start.
+  const uint8_t* qh = row + (k ? 2 : has_min(qt) ? 4 : 2) * nb;
+  const uint8_t* qs = qh + (q5 ? 4 * nb : 0);
+  const int off = has_min(qt) ? 0 : q5 ? 16 : 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint32_t hb = 0;
+    if (q5) std::memcpy(&hb, qh + 4 * b, 4);
+    const uint8_t* s = qs + 16 * b;
+    int8_t* o = q + 32 * b;
+    for (int i = 0; q && i < 16; ++i) {
+      o[i] = (int8_t)(((s[i] & 15) | (hb >> i & 1) << 4) - off);
+      o[16 + i] = (int8_t)(((s[i] >> 4) | (hb >> (16 + i) & 1) << 4) - off);
+    }
+    const float d = k ? sc[b] : fp16_to_fp32(load_u16(row + 2 * b));
+    dw[2 * b] = dw[2 * b + 1] = d;
+    if (has_min(qt)) mh[2 * b] = mh[2 * b + 1] = k ? sc[nb + b] : fp16_to_fp32(load_u16(row + 2 * nb + 2 * b));
+  }
+}
+
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+// unpack_row's quants with AVX2, 32 a block (the scales and mins still from unpack_row's scalar code paths,
+// which are 1/16 of the work): Q4 / Q5 nibbles spread to bytes (Q5: the fifth bits from qh as a byte mask),
+// Q8_0 as is, Q6_K by q6_k_bytes; Q2_K / Q3_K stay scalar. hs [2 nb]: each half's sum of q.
+T256 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, int32_t* hs) {
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const bool k = qt == kQ4_K || qt == kQ5_K, q5 = qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K;
+  const uint8_t* qh = row + (k ? 2 : has_min(qt) ? 4 : 2) * nb;
+  const uint8_t* qs = qh + (q5 ? 4 * nb : 0);
+  const __m256i off = _mm256_set1_epi8((char)(has_min(qt) ? 0 : q5 ? 16 : 8));
+  const __m256i bias = _mm256_set1_epi8((char)0x80);
+  if (qt == kQ2_K || qt == kQ3_K) return false;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i v;
+    if (qt == kQ8_0) {
+      v = _mm256_loadu_si256((const __m256i*)(row + 2 * nb + 32 * b));
+    } else if (qt == kQ6_K) {
+      const uint8_t* blk = row + 210 * (b / 8);
+      const int j = (int)(b % 8), h = j / 4, t = j % 4;
+      v = q6_k_bytes(blk + 64 * h + 32 * (t % 2), 4 * (t / 2), blk + 128 + 32 * h, 2 * t);
+    } else {
+      const __m128i raw = _mm_loadu_si128((const __m128i*)(qs + 16 * b));
+      v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+      if (q5) {
+        uint32_t hb;
+        std::memcpy(&hb, qh + 4 * b, 4);
+        v = _mm256_or_si256(v, _mm256_and_si256(Vec256Ext::bits_set(hb), _mm256_set1_epi8(16)));
+      }
+      v = _mm256_sub_epi8(v, off);
+    }
+    _mm256_storeu_si256((__m256i*)(q + 32 * b), v);
+    // Sums of 8 bytes of q + 128 (unsigned) per 64-bit lane; a half is two lanes, less 16 * 128.
+    const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, bias), _mm256_setzero_si256());
+    hs[2 * b] = (int32_t)(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1)) - 2048;
+    hs[2 * b + 1] = (int32_t)(_mm256_extract_epi64(sad, 2) + _mm256_extract_epi64(sad, 3)) - 2048;
+  }
+  return true;
+}
+
+struct WTile {            // kRows unpacked weight rows, interleaved (rows past N: zero quants and scales)
+  std::vector<int8_t> q;      // [K / 4][kRows][4]: the 4 quants of each row at k = 4 g .. 4 g + 3
+  std::vector<float> dw, mh;  // [2 nb][kRows] per half
+  std::vector<int32_t> ncorr; // [2 nb][kRows] -128 * the half's sum of q (x rides as xq + 128)
+  std::vector<int8_t> row;    // scratch: one row in natural order
+  std::vector<float> rdw, rmh, sc;
+  std::vector<int32_t> hs;
+  bool avx2;
+  WTile(int64_t K, bool avx2)
+      : q(kRows * K), dw(kRows * K / 16), mh(kRows * K / 16), ncorr(kRows * K / 16), row(K), rdw(K / 16),
+        rmh(K / 16), sc(K / 8), hs(K / 16), avx2(avx2) {}
+
+  void unpack(int64_t qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, nh = 2 * nb;
+    for (int r = 0; r < kRows; ++r) {
+      if (n0 + r >= N) {
+        std::fill(row.begin(), row.end(), 0);
+        std::fill(rdw.begin(), rdw.end(), 0.f);
+        std::fill(rmh.begin(), rmh.end(), 0.f);
+        std::fill(hs.begin(), hs.end(), 0);
+      } else {
+        const uint8_t* src = w + (n0 + r) * row_bytes;
+        const bool fast = avx2 && unpack_quants_avx2(qt, src, nb, row.data(), hs.data());
+        unpack_row(qt, src, nb, fast ? nullptr : row.data(), rdw.data(), rmh.data(), sc.data());
+        for (int64_t u = 0; !fast && u < nh; ++u) {
+          int sum = 0;
+          for (int i = 0; i < 16; ++i) sum += row[16 * u + i];
+          hs[u] = sum;
+        }
+      }
+      for (int64_t g = 0; g < K / 4; ++g) std::memcpy(q.data() + (g * kRows + r) * 4, row.data() + 4 * g, 4);
+      for (int64_t u = 0; u < nh; ++u) {
+        ncorr[u * kRows + r] = -128 * hs[u];
+        dw[u * kRows + r] = rdw[u];
+        mh[u * kRows + r] = rmh[u];
+      }
+    }
+  }
+};
+
+struct XTiles {           // rows of x rounded (quantize_act_row) and laid out in tiles of kTok tokens
+  std::vector<uint8_t> xu;    // [tiles][K / 4][kTok][4]: xq + 128 (padding tokens: 128, i.e. xq = 0)
+  std::vector<float> dx, sxh; // [tiles][2 nb][kTok] (padding: 0)
+};
+
+XTiles tile_x(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32, nh = 2 * nb, tiles = (M + kTok - 1) / kTok;
+  XTiles t;
+  t.xu.assign(tiles * K * kTok, 128);
+  t.dx.assign(tiles * nh * kTok, 0.f);
+  t.sxh.assign(tiles * nh * kTok, 0.f);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<int8_t> q(K);
+    std::vector<float> dx(nh), sx(nb), sxh(nh);
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_act_row(x + m * K, K, q.data(), dx.data(), sx.data(), sxh.data());
+      const int64_t tile = m / kTok, lane = m % kTok;
+      uint8_t* xu = t.xu.data() + tile * K * kTok;
+      for (int64_t g = 0; g < K / 4; ++g) {                 // 4 bytes at a time, xq + 128 = xq ^ 0x80
+        uint32_t v;
+        std::memcpy(&v, q.data() + 4 * g, 4);
+        v ^= 0x80808080u;
+        std::memcpy(xu + (g * kTok + lane) * 4, &v, 4);
+      }
+      for (int64_t u = 0; u < nh; ++u) {
+        t.dx[(tile * nh + u) * kTok + lane] = dx[u];
+        t.sxh[(tile * nh + u) * kTok + lane] = sxh[u];
+      }
+    }
+  });
+  return t;
+}
+
+// The specification: out[r][j] for the kRows weight rows of w and the kTok tokens of one x tile.
+template <bool MIN>
+void tile_scalar(int64_t K, int64_t u0, int64_t u1, const WTile& w, const uint8_t* xu, const float* dx,
+                     const float* sxh, float* out) {
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kTok; ++j) {
+      float f = out[r * kTok + j];
+      for (int64_t u = u0; u < u1; ++u) {
+        int32_t acc = w.ncorr[u * kRows + r];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t k = 16 * u + i;
+          acc += (int32_t)xu[((k / 4) * kTok + j) * 4 + k % 4] * w.q[((k / 4) * kRows + r) * 4 + k % 4];
+        }
+        f = std::fma((float)acc, dx[u * kTok + j] * w.dw[u * kRows + r], f);
+        if (MIN) f = std::fma(sxh[u * kTok + j], w.mh[u * kRows + r], f);
+      }
+      out[r * kTok + j] = f;
+    }
+}
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+// The same operations, 16 tokens a register: per half, 4 vpdpbusd a weight row (x 4 bytes x 16 tokens in a
+// register, the row's 4 quants broadcast), then one conversion and fma a row.
+template <bool MIN>
+T512 void tile_avx512(int64_t K, int64_t u0, int64_t u1, const WTile& w, const uint8_t* xu, const float* dx,
+                     const float* sxh, float* out) {
+  const int8_t* q = w.q.data();
+  const float *dw = w.dw.data(), *mh = w.mh.data();
+  const int32_t* ncorr = w.ncorr.data();
+  __m512 f[kRows];
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) f[r] = _mm512_loadu_ps(out + r * kTok);
+  for (int64_t u = u0; u < u1; ++u) {
+    __m512i acc[kRows];
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_set1_epi32(ncorr[u * kRows + r]);
+    const uint8_t* xp = xu + u * 4 * 4 * kTok;
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m512i xv = _mm512_loadu_si512(xp + s * 4 * kTok);
+#pragma GCC unroll 12
+      for (int r = 0; r < kRows; ++r) {
+        int32_t wq;
+        std::memcpy(&wq, q + ((4 * u + s) * kRows + r) * 4, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], xv, _mm512_set1_epi32(wq));
+      }
+    }
+    const __m512 dxv = _mm512_loadu_ps(dx + u * kTok);
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r)
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dxv, _mm512_set1_ps(dw[u * kRows + r])), f[r]);
+    if constexpr (MIN) {
+      const __m512 sv = _mm512_loadu_ps(sxh + u * kTok);
+#pragma GCC unroll 12
+      for (int r = 0; r < kRows; ++r) f[r] = _mm512_fmadd_ps(sv, _mm512_set1_ps(mh[u * kRows + r]), f[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out + r * kTok, f[r]);
+}
+
+// AVX2 (no VNNI): 8 tokens a register, two registers a tile, two weight rows at a time; a 4-product int32 sum
+// by pmaddubsw (x unsigned, the quants signed) then pmaddwd. Two k steps' pmaddubsw pairs are added as int16
+// before pmaddwd: |4 x 255 x 32| fits int16 for every type but Q8_0 (|q| <= 32), which instead takes |q|
+// against x's sign flipped by q's (xq signed: the exact sum of xq q with no correction term), one k step a
+// pmaddwd. Same integer sums and fp32 operations as the other bodies: equal to them bit for bit.
+// Row r's 4 quants at k = 4 g .. 4 g + 3 of a tile, in every 32-bit lane.
+T256 inline __m256i quad256(const int8_t* q, int64_t g, int r) {
+  int32_t v;
+  std::memcpy(&v, q + (g * kRows + r) * 4, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <bool MIN, bool Q8>
+T256 void tile_avx2(int64_t K, int64_t u0, int64_t u1, const WTile& w, const uint8_t* xu, const float* dx,
+                   const float* sxh, float* out) {
+  const int8_t* q = w.q.data();
+  const float *dw = w.dw.data(), *mh = w.mh.data();
+  const int32_t* ncorr = w.ncorr.data();
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  for (int r0 = 0; r0 < kRows; r0 += 2) {
+    __m256 f[2][2];
+    for (int r = 0; r < 2; ++r)
+      for (int t = 0; t < 2; ++t) f[r][t] = _mm256_loadu_ps(out + (r0 + r) * kTok + 8 * t);
+    for (int64_t u = u0; u < u1; ++u) {
+      __m256i acc[2][2];
+      for (int r = 0; r < 2; ++r)
+        acc[r][0] = acc[r][1] = Q8 ? _mm256_setzero_si256() : _mm256_set1_epi32(ncorr[u * kRows + r0 + r]);
+      for (int s = 0; s < 4; s += 2) {
+        const uint8_t* xp = xu + (4 * u + s) * 4 * kTok;
+        __m256i xa[2], xb[2];
+        for (int t = 0; t < 2; ++t) {
+          xa[t] = _mm256_loadu_si256((const __m256i*)(xp + 32 * t));
+          xb[t] = _mm256_loadu_si256((const __m256i*)(xp + 4 * kTok + 32 * t));
+        }
+        for (int r = 0; r < 2; ++r) {
+          const __m256i wa = quad256(q, 4 * u + s, r0 + r), wb = quad256(q, 4 * u + s + 1, r0 + r);
+          if constexpr (Q8) {
+            const __m256i aa = _mm256_abs_epi8(wa), ab = _mm256_abs_epi8(wb);
+            for (int t = 0; t < 2; ++t) {
+              const __m256i pa = _mm256_maddubs_epi16(aa, _mm256_sign_epi8(_mm256_xor_si256(xa[t], flip), wa));
+              const __m256i pb = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(_mm256_xor_si256(xb[t], flip), wb));
+              acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_add_epi32(_mm256_madd_epi16(pa, ones),
+                                                                       _mm256_madd_epi16(pb, ones)));
+            }
+          } else {
+            for (int t = 0; t < 2; ++t) {
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(xa[t], wa), _mm256_maddubs_epi16(xb[t], wb));
+              acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(p, ones));
+            }
+          }
+        }
+      }
+      for (int t = 0; t < 2; ++t) {
+        const __m256 dxv = _mm256_loadu_ps(dx + u * kTok + 8 * t);
+        for (int r = 0; r < 2; ++r)
+          f[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t]),
+                                    _mm256_mul_ps(dxv, _mm256_set1_ps(dw[u * kRows + r0 + r])), f[r][t]);
+        if constexpr (MIN) {
+          const __m256 sv = _mm256_loadu_ps(sxh + u * kTok + 8 * t);
+          for (int r = 0; r < 2; ++r) f[r][t] = _mm256_fmadd_ps(sv, _mm256_set1_ps(mh[u * kRows + r0 + r]), f[r][t]);
+        }
+      }
+    }
+    for (int r = 0; r < 2; ++r)
+      for (int t = 0; t < 2; ++t) _mm256_storeu_ps(out + (r0 + r) * kTok + 8 * t, f[r][t]);
+  }
+}
+
+// out [kRows][kTok] += the halves [u0, u1) of the tile's products (each output's fp32 chain continued in
+// order, so splitting K into blocks changes no result).
+using TileFn = void (*)(int64_t, int64_t, int64_t, const WTile&, const uint8_t*, const float*, const float*, float*);
+
+}  // namespace
+
+int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: break;
+    default: return 0;
+  }
+  const Isa isa = resolve_isa(isa_req);
+  return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
+}
+
+at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  int64_t bytes = 0, qk = 32;
+  switch (qtype) {
+    case kQ4_0: bytes = 18; break;
+    case kQ4_1: bytes = 20; break;
+    case kQ5_0: bytes = 22; break;
+    case kQ5_1: bytes = 24; break;
+    case kQ8_0: bytes = 34; break;
+    case kQ2_K: bytes = 84, qk = 256; break;
+    case kQ3_K: bytes = 110, qk = 256; break;
+    case kQ4_K: bytes = 144, qk = 256; break;
+    case kQ5_K: bytes = 176, qk = 256; break;
+    case kQ6_K: bytes = 210, qk = 256; break;
+    default:
+      TORCH_CHECK(false, "tandem.qgemm_q8: supports Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, ",
+                  "Q4_K=12, Q5_K=13 and Q6_K=14, got ggml type ", qtype);
+  }
+  TORCH_CHECK(K > 0 && K % qk == 0, "tandem.qgemm_q8: K must be a positive multiple of ", qk, " for ggml type ",
+              qtype, ", got ", K);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / qk * bytes,
+              "tandem.qgemm_q8: w must be a contiguous uint8 [N, ", K / qk * bytes, "] tensor");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
+              "tandem.qgemm_q8: x must be fp32 [M, ", K, "]");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "tandem.qgemm_q8: bias must be fp32 [N]");
+  }
+  const int64_t M = x.size(0), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Isa isa = resolve_isa(isa_req);
+  const bool mn = has_min(qtype), q8 = qtype == kQ8_0;
+  const int64_t body = qgemm_q8_body(qtype, isa_req);
+  TileFn fn = mn ? tile_scalar<true> : tile_scalar<false>;
+  if (body == 2) fn = mn ? tile_avx512<true> : tile_avx512<false>;
+  else if (body == 1) fn = mn ? tile_avx2<true, false> : q8 ? tile_avx2<false, true> : tile_avx2<false, false>;
+  XTiles xt = tile_x(x.data_ptr<float>(), M, K);
+  const int64_t nh = K / 16, row_bytes = w.size(1), wtiles = (N + kRows - 1) / kRows;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for (int64_t p0 = 0; p0 < M; p0 += kPass) {            // a pass: up to kPass tokens against every weight tile
+    const int64_t p1 = std::min(M, p0 + kPass);
+    at::parallel_for(0, wtiles, 1, [&](int64_t t0, int64_t t1) {
+      WTile wt(K, isa >= kAvx2);
+      const int64_t ntok = (p1 - p0 + kTok - 1) / kTok;
+      std::vector<float> acc(ntok * kRows * kTok);                // the pass's token tiles' [kRows][kTok] sums
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kRows, nr = std::min<int64_t>(kRows, N - n0);
+        wt.unpack(qtype, wp, row_bytes, n0, N, K);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t u0 = 0; u0 < nh; u0 += kKHalves)            // a K block's weights stay in L1 over the tiles
+          for (int64_t i = 0; i < ntok; ++i) {
+            const int64_t tile = p0 / kTok + i;
+            fn(K, u0, std::min(nh, u0 + kKHalves), wt, xt.xu.data() + tile * K * kTok,
+               xt.dx.data() + tile * nh * kTok, xt.sxh.data() + tile * nh * kTok, acc.data() + i * kRows * kTok);
+          }
+        for (int64_t i = 0; i < ntok; ++i) {
+          const float* out = acc.data() + i * kRows * kTok;
+          const int64_t m0 = p0 + i * kTok, mt = std::min<int64_t>(kTok, p1 - m0);
+          for (int64_t j = 0; j < mt; ++j)
+            for (int64_t r = 0; r < nr; ++r) yp[(m0 + j) * N + n0 + r] = out[r * kTok + j] + (bp ? bp[n0 + r] : 0.f);
+        }
+      }
+    });
+  }
+  return y;
+}
+
+}  // namespace tandem
