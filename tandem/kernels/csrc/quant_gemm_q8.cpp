@@ -296,18 +296,25 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   using Rows = void (*)(const Q8Args&, int64_t, int64_t);
   Rows fn = isa == kAvx512 ? avx512::rows : isa == kAvx2 ? avx2::rows : scalar::rows;
   const int group = natural_order(qtype) ? 0 : isa == kAvx512 ? avx512::GROUP : isa == kAvx2 ? avx2::GROUP : 0;
-  std::vector<int8_t> xq((size_t)(M * K));
-  std::vector<float> xs((size_t)(M * nb * kRowFloats));
-  std::vector<QRow> rows((size_t)M);
+  // Reused per thread, grow-only (as qgemm_q8's tiles: a fresh buffer of MBs is mapped and unmapped each call).
+  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<float> xs;
+  static thread_local std::vector<QRow> rows;
+  if ((int64_t)xq.size() < M * K) xq.resize(M * K);
+  if ((int64_t)xs.size() < M * nb * kRowFloats) xs.resize(M * nb * kRowFloats);
+  if ((int64_t)rows.size() < M) rows.resize(M);
   const float* xp = x.data_ptr<float>();
+  int8_t* xqp = xq.data();            // (the workers below must not name the thread_locals: theirs are others)
+  float* xsp = xs.data();
+  QRow* rp = rows.data();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {       // rows are independent: any split, same bytes
     for (int64_t m = m0; m < m1; ++m) {
-      float* s = xs.data() + m * nb * kRowFloats;
-      quantize_row(xp + m * K, K, group, xq.data() + m * K, s, s + 2 * nb, s + 3 * nb);
-      rows[m] = QRow{xq.data() + m * K, s, s + 2 * nb, s + 3 * nb};
+      float* s = xsp + m * nb * kRowFloats;
+      quantize_row(xp + m * K, K, group, xqp + m * K, s, s + 2 * nb, s + 3 * nb);
+      rp[m] = QRow{xqp + m * K, s, s + 2 * nb, s + 3 * nb};
     }
   });
-  Q8Args a{qtype, M, N, K, w.size(1), rows.data(), w.data_ptr<uint8_t>(),
+  Q8Args a{qtype, M, N, K, w.size(1), rp, w.data_ptr<uint8_t>(),
            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t t0, int64_t t1) { fn(a, t0 * 4, std::min(t1 * 4, N)); });
   return y;
