@@ -1,0 +1,66 @@
+"""The int8 GEMM (tandem.qgemm_q8) against the decode kernel (qlinear_q8) and MKL's fp32 GEMM on dequantized
+weights (the path it replaced past small_m() rows), on SmolLM2's linear shapes at 32-512 rows; best of 5.
+
+    flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--qtype 3] [--isa -1] [--threads 1]
+
+--isa 1 runs the AVX2 bodies; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment to compare with
+MKL's AVX2 code (what an AVX2-only machine runs). One thread is the robust reading on a shared 2-core machine
+(an OpenMP barrier stalls whenever another process takes a core).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_kernels import blocks  # noqa: E402
+from test_quant_types import weights  # noqa: E402
+
+from tandem import kernels  # noqa: E402
+from tandem.kernels.quant import K_QUANTS  # noqa: E402
+
+SHAPES = [(3072, 576), (576, 1536), (960, 576)]      # gate_up, down, qkv (N, K)
+
+
+def best_ms(f, reps: int = 5) -> float:
+    f()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--qtype", type=int, default=3, help="ggml type id (3 = Q4_1, SmolLM2's; 12 = Q4_K, 14 = Q6_K)")
+    ap.add_argument("--isa", type=int, default=-1, help="-1 the best body here, 1 AVX2, 2 AVX-512")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--rows", default="32,64,128,512", help="row counts M, comma-separated")
+    args = ap.parse_args()
+    assert kernels.available(), kernels.unavailable_reason()
+    torch.set_num_threads(args.threads)
+    qt, isa = args.qtype, args.isa
+    print(f"qtype {qt}, isa {kernels.isa(isa)}, qgemm body {torch.ops.tandem.qgemm_q8_body(qt, isa)}, "
+          f"{args.threads} thread(s), MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', '-')}")
+    print("| N x K | M | qlinear_q8 ms | qgemm_q8 ms | MKL fp32 + dequantize ms | qgemm / MKL |")
+    print("|---|---|---|---|---|---|")
+    for n, k in SHAPES:
+        q = blocks(n, k, qt, seed=1) if qt in K_QUANTS else weights(n, k, qt, seed=1)
+        dense = q.dequantize()
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k)
+            gemv = best_ms(lambda: torch.ops.tandem.qlinear_q8(x, q.data, qt, k, None, isa))
+            gemm = best_ms(lambda: torch.ops.tandem.qgemm_q8(x, q.data, qt, k, None, isa))
+            mkl = best_ms(lambda: F.linear(x, dense)) + best_ms(lambda: torch.ops.tandem.dequantize_out(q.data, qt, k, dense))
+            print(f"| {n} x {k} | {m} | {gemv:.2f} | {gemm:.2f} | {mkl:.2f} | {mkl / gemm:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
