@@ -156,12 +156,13 @@ class ProcessRunner:
         if spec.tp_size > 1:
             from .tp_ranks import rank_infos, spawn_rank
             init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/tp-store"
-            self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init)
+            self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init, spec.tp_comm)
             self.ranks = [spawn_rank(spec, info) for info in others]
         self._done: dict[int, tuple[float, float, float]] = {}
         self._closed = False
         self._listener, self._shm_path, self._spec, self._timeout = listener, shm_path, spec, start_timeout
         self.num_slots = self.max_context = 0
+        self.tp_transport: str | None = None     # "shm", "gloo" or "nccl": how the tp ranks reduce (after start)
 
     def wait_ready(self) -> None:
         """Finish the start: hand over the spec and wait until the weights and KV cache are in place.
@@ -187,7 +188,7 @@ class ProcessRunner:
                 os.unlink(shm_path)   # both sides hold the mapping; nothing is left behind on a crash
             except FileNotFoundError:
                 pass
-        self.num_slots, self.max_context = info[1], info[2]
+        self.num_slots, self.max_context, self.tp_transport = info[1], info[2], info[3]
 
     def _accept(self, listener: Listener, timeout: float):
         """Accept the device process's connection, failing fast if it dies before connecting."""
@@ -315,7 +316,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             tp = TPGroup(dist, rank_device(spec.device, dist))
         executor = ModelExecutor(spec, tp=tp)
         profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
-        conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context))))
+        conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context,
+                                                tp.transport if tp is not None else None))))
         early: set[int] = set()              # steps whose mask message came before they were run
         later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
 

@@ -12,10 +12,15 @@ rank 0's does when a step reads it.
 An idle rank 0 sends a no-op every KEEPALIVE_S, so the other ranks' collective timeout (TIMEOUT_S) only
 fires for a peer that is stuck or unreachable; a peer that dies closes its connections and the next
 collective fails at once (DeviceProcessError on the scheduler's side, never a hang).
+
+Ranks on one host run the all-reduces and the logits gather through shared memory (device/shm_comm.py,
+~30x cheaper than gloo over loopback); the step broadcast stays on gloo, whose receive blocks an idle rank
+without spinning. tp_comm "gloo" keeps every collective on gloo.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,7 +29,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .shm_comm import ShmComm
 from .step import StepInput
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0         # rendezvous of all ranks, and any single collective
 KEEPALIVE_S = 60.0        # an idle rank 0 broadcasts a no-op this often
@@ -41,6 +49,7 @@ class DistInfo:
     init_method: str          # file://... (one machine) or tcp://HOST:PORT (node 0's rendezvous)
     threads: int              # torch threads of this rank
     loopback: bool            # every rank on this machine: gloo talks over "lo"
+    comm: str = "auto"        # "auto": shared memory for the forward's collectives when all ranks share a host
 
 
 class TPGroup:
@@ -51,18 +60,29 @@ class TPGroup:
         dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.size,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         self.rank, self.size, self.device = info.rank, info.size, device
+        self.shm = ShmComm.join(info.rank, info.size, info.comm == "auto") if backend == "gloo" else None
+        self.transport = "shm" if self.shm is not None else backend    # of the forward's collectives
+        if info.rank == 0:
+            log.info("tp %d: the forward's collectives over %s", info.size, self.transport)
         self.comm_s = 0.0         # seconds in collectives since reset (rank 0 reports it per step)
         self._prev: tuple[np.ndarray, np.ndarray] | None = None   # rank 0: the last step's rows and ids
 
     # ---- collectives of the forward -------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> None:
         t = time.perf_counter()
-        dist.all_reduce(x)
+        if self.shm is not None:
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x)
         self.comm_s += time.perf_counter() - t
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
         """[B, Vp] shards -> [B, size * Vp] on rank 0 (None elsewhere)."""
         t = time.perf_counter()
+        if self.shm is not None and self.shm.fits_rows(x):
+            full = self.shm.gather_rows(x)
+            self.comm_s += time.perf_counter() - t
+            return full
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, parts, dst=0)
         self.comm_s += time.perf_counter() - t
@@ -135,5 +155,8 @@ class TPGroup:
         return step, prev[0], prev[1]
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -21,11 +21,13 @@ from .tp import DistInfo, TPGroup
 log = logging.getLogger(__name__)
 
 
-def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_method: str) -> list[DistInfo]:
+def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_method: str,
+               comm: str = "auto") -> list[DistInfo]:
     """The DistInfo of each rank on this node (ranks node_rank * per_node ... ; rank 0 on node 0)."""
     per_node = tp_size // nnodes
     loopback = nnodes == 1 or init_method.startswith(("tcp://127.", "tcp://localhost:"))
-    return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback) for i in range(per_node)]
+    return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback, comm)
+            for i in range(per_node)]
 
 
 def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
@@ -72,7 +74,7 @@ def run_node(config) -> int:
     check_tp_size(source.config, config.tp_size, source.name)
     spec = executor_spec(config, source)
     infos = rank_infos(config.tp_size, config.nnodes, config.node_rank, rank_threads(config, source.config),
-                       f"tcp://{config.dist_init_addr}")
+                       f"tcp://{config.dist_init_addr}", config.tp_comm)
     procs = [spawn_rank(spec, info) for info in infos]
     log.info("node %d: tp ranks %s started, joining %s", config.node_rank, [i.rank for i in infos],
              config.dist_init_addr)
