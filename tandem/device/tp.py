@@ -23,12 +23,12 @@ import datetime
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .ranks import DistInfo
 from .shm_comm import ShmComm
 from .step import StepInput
 
@@ -38,18 +38,6 @@ TIMEOUT_S = 600.0         # rendezvous of all ranks, and any single collective
 KEEPALIVE_S = 60.0        # an idle rank 0 broadcasts a no-op this often
 _QUIT, _STEP, _NOOP = 0, 1, 2
 _HEADER = 6               # kind, step id, int words, float words, previous step's rows, spare
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where one rank sits in the group; plain data (it crosses process and machine boundaries)."""
-    rank: int
-    size: int
-    local_rank: int           # index among this machine's ranks (its CUDA device)
-    init_method: str          # file://... (one machine) or tcp://HOST:PORT (node 0's rendezvous)
-    threads: int              # torch threads of this rank
-    loopback: bool            # every rank on this machine: gloo talks over "lo"
-    comm: str = "auto"        # "auto": shared memory for the forward's collectives when all ranks share a host
 
 
 class TPGroup:
