@@ -149,11 +149,15 @@ class ShmComm:
             n = min(rows, b - a)
             s = self._begin()
             parts = self._parts(s, x.dtype)[:, :n * v].view(self.size, n, v)
-            parts[self.rank].copy_(x[a:a + n])
-            self._post(s)
-            if out is not None:
+            if out is None:
+                parts[self.rank].copy_(x[a:a + n])
+                self._post(s)
+            else:                                       # rank 0's own part goes straight to the output
+                self._post(s)
+                dst = out[a:a + n].view(n, self.size, v)
+                dst[:, 0].copy_(x[a:a + n])
                 self._wait(s, range(1, self.size))
-                out[a:a + n].view(n, self.size, v).copy_(parts.transpose(0, 1))
+                dst[:, 1:].copy_(parts[1:].transpose(0, 1))
         return out
 
     def fits_rows(self, x: torch.Tensor) -> bool:
