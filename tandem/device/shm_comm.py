@@ -39,7 +39,7 @@ _LINE = 8                   # int64 words per rank's flag (one cache line: ranks
 class WaitPolicy:
     """How a rank waits for its peers' flags. Ranks may share cores (2 ranks and the scheduler on 2 cores
     here), so spinning is bounded: a spinning waiter would hold the core its peer needs to post."""
-    spins: int = 300            # flag reads before the first yield (~20 us in this Python loop)
+    spins: int = 300            # flag reads before the first yield (8 us on a free core, ~20 us under load)
     yield_s: float = 0.002      # then sched_yield between reads until this long has passed
     sleep_s: float = 50e-6      # then sleep this long between reads (a peer far behind, or gone)
     check_s: float = 0.05       # while sleeping, check this often that the peers are alive
