@@ -14,7 +14,7 @@ fires for a peer that is stuck or unreachable; a peer that dies closes its conne
 collective fails at once (DeviceProcessError on the scheduler's side, never a hang).
 
 Ranks on one host run the all-reduces and the logits gather through shared memory (device/shm_comm.py,
-~30x cheaper than gloo over loopback); the step broadcast stays on gloo, whose receive blocks an idle rank
+15-30x cheaper a call than gloo over loopback); the step broadcast stays on gloo, whose receive blocks an idle rank
 without spinning. tp_comm "gloo" keeps every collective on gloo.
 """
 from __future__ import annotations
