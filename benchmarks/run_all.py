@@ -107,7 +107,7 @@ def llamacpp_serve_sweep(args, engine: list[str], res: str, commands: list[str])
     except ImportError as e:
         print(f"(llama.cpp server skipped: {e})", flush=True)
         return
-    from tandem.engine import default_device_threads
+    from tandem.device.ranks import default_device_threads
     from tandem.model.loader import default_model_path
     threads = int(engine[engine.index("--device-threads") + 1]) if "--device-threads" in engine else \
         default_device_threads()
@@ -149,7 +149,7 @@ def machine(engine: list[str]) -> dict:
         llama = getattr(llama_cpp, "__version__", "installed")
     except ImportError:
         llama = "not installed"
-    from tandem.engine import default_device_threads
+    from tandem.device.ranks import default_device_threads
     threads = int(engine[engine.index("--device-threads") + 1]) if "--device-threads" in engine else None
     return {"nproc": os.cpu_count(), "CPU model": cpu_model(), "torch": torch.__version__,
             "threads (tandem device, transformers, llama.cpp)": threads or default_device_threads(),

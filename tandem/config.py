@@ -44,6 +44,7 @@ class EngineConfig:
     nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)
     node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
+    tp_comm: str = "auto"               # tp collectives: "auto" (shared memory when all ranks share a host, else gloo), "gloo"
     # ---- speculative decoding (tandem/speculative, tandem/scheduler/speculative.py) ----
     speculative_config: Any = None      # speculative decoding as JSON/dict in vLLM's names, e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -86,6 +87,8 @@ class EngineConfig:
             if not host or not port.isdigit():
                 raise ValueError(f"nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address), "
                                  f"got {self.dist_init_addr!r}")
+        if self.tp_comm not in ("auto", "gloo"):
+            raise ValueError(f"tp_comm must be 'auto' or 'gloo', got {self.tp_comm!r}")
         if self.tp_size > 1 and self.device_backend == "inline":
             raise ValueError("tp_size > 1 runs its ranks in device processes: device_backend must be 'process' "
                              "or 'auto', not 'inline'")

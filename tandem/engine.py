@@ -13,7 +13,7 @@ from typing import Callable
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStrings
-from .device.executor import ExecutorSpec
+from .device.ranks import executor_spec, rank_threads
 from .request import Req, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler.loops import LOOPS
@@ -21,49 +21,6 @@ from .scheduler.scheduler import Scheduler
 from .trace.recorder import Recorder
 
 MAX_IDLE_SPINS = 10_000
-
-
-SMALL_MODEL_PARAMS = 20_000_000
-
-
-def num_params(c) -> int:
-    """Weights of a decoder with this config (embeddings counted once when tied)."""
-    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return c.num_layers * (attn + mlp) + embed
-
-
-def default_device_threads(params: int | None = None) -> int:
-    """Torch threads of the CPU device process.
-
-    Measured on 2 cores (benchmarks/overlap.py, README): SmolLM2-135M decodes 1.8x faster with both cores in
-    the forward (the scheduler needs ~1 ms per ~190 ms step), while a small model whose host work is about
-    half its forward runs as fast with one core left to the scheduler, and overlaps fully (1.4 % device idle
-    against 29 % with two threads). So: every core for models above SMALL_MODEL_PARAMS, one core less below.
-    """
-    import os
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if params is not None and params < SMALL_MODEL_PARAMS and cores > 1:
-        return cores - 1
-    return max(1, cores)
-
-
-def rank_threads(config: EngineConfig, model_config) -> int:
-    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks."""
-    if config.device_threads:
-        return config.device_threads
-    return max(1, default_device_threads(num_params(model_config)) // (config.tp_size // config.nnodes))
-
-
-def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
-    return ExecutorSpec(
-        source=source, device=config.resolved_device(), dtype=config.resolved_dtype(),
-        max_running=config.max_running_requests, max_model_len=config.max_model_len,
-        kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
-        poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
-        tp_size=config.tp_size,
-        max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
 
 
 class Engine:

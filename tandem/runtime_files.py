@@ -29,7 +29,8 @@ def make_dir(kind: str, base: str) -> str:
     return tempfile.mkdtemp(prefix=f"tandem-{kind}-{os.getpid()}-", dir=base)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether pid is a live process (a zombie is not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -59,7 +60,7 @@ def _owned(pred) -> list[str]:
 
 def remove_owned_by(pid: int) -> None:
     """Remove the folders of a process that is gone (its survivor calls this)."""
-    if pid == os.getpid() or _alive(pid):
+    if pid == os.getpid() or alive(pid):
         return
     for path in _owned(lambda p: p == pid):
         shutil.rmtree(path, ignore_errors=True)
@@ -67,5 +68,5 @@ def remove_owned_by(pid: int) -> None:
 
 def sweep_stale() -> None:
     """Remove every tandem folder whose owner process is dead (left by a SIGKILL)."""
-    for path in _owned(lambda p: p != os.getpid() and not _alive(p)):
+    for path in _owned(lambda p: p != os.getpid() and not alive(p)):
         shutil.rmtree(path, ignore_errors=True)

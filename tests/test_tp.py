@@ -1,7 +1,8 @@
 """Tensor parallelism (issue 13): TP 2 / TP 3 give TP 1's greedy tokens (a divergence only at a near-tie of
 TP 1's logits: the all-reduce sums in another order), on one machine and on two "nodes" on 127.0.0.1; shapes
 that do not split are refused; a rank that dies fails requests (503) instead of hanging; SIGTERM leaves no
-process or shared-memory folder behind."""
+process or shared-memory folder behind. The forward's collectives run over shared memory (picked on one host)
+and over gloo (tp_comm="gloo"): the same tokens."""
 from __future__ import annotations
 
 import os
@@ -48,12 +49,16 @@ def assert_same(outs, refs) -> None:
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
-def test_tp2_equals_tp1_both_loops(arch, request):
+@pytest.mark.parametrize("tp_comm", ["auto", "gloo"])
+def test_tp2_equals_tp1_both_loops(arch, tp_comm, request):
+    """Both transports of the forward's collectives: shared memory (picked on one host) and gloo. Three
+    450-token prompts make a prefill step longer than the step broadcast's inline words (tp._INLINE)."""
     path = request.getfixturevalue(arch)
-    prompts = prompts_for(49152, n=6)
+    prompts = prompts_for(49152, n=6) + [[3 + (7 * i + j) % 40000 for j in range(450)] for i in range(3)]
     refs = reference(path, prompts)
-    llm = LLM(path, tp_size=2, **ENGINE)
+    llm = LLM(path, tp_size=2, tp_comm=tp_comm, **ENGINE)
     try:
+        assert llm.engine.runner.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
         for loop in ("serial", "overlap"):
             assert_same(run_with(llm, loop, prompts, GREEDY), refs)
         comm = [d.comm for d in llm.engine.recorder.devices]
@@ -62,11 +67,14 @@ def test_tp2_equals_tp1_both_loops(arch, request):
         llm.shutdown()
 
 
-def test_tp3_on_smollm2_equals_tp1(smollm):
+@pytest.mark.parametrize("tp_comm", ["auto", "gloo"])
+def test_tp3_on_smollm2_equals_tp1(tp_comm, smollm):
     prompt = [smollm.tokenizer.encode("The capital of France is")]
     refs = run_with(smollm, "overlap", prompt, SamplingParams(temperature=0, max_tokens=5, logprobs=2))
-    llm = LLM(tp_size=3, device_threads=1, poison_future_map=True, kernels_act="fp32")   # the fixture's mode
+    llm = LLM(tp_size=3, device_threads=1, poison_future_map=True, kernels_act="fp32",   # the fixture's mode
+              tp_comm=tp_comm)
     try:
+        assert llm.engine.runner.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
         for loop in ("serial", "overlap"):
             assert_same(run_with(llm, loop, prompt, SamplingParams(temperature=0, max_tokens=5)), refs)
     finally:
@@ -98,6 +106,7 @@ def test_two_nodes_on_localhost_equal_one(tiny_llama):
     try:
         llm = LLM(tiny_llama, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **ENGINE)
         try:
+            assert llm.engine.runner.tp_transport == "shm"     # two launches, one host: shared memory
             assert_same(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
             assert_no_leaks(llm)
         finally:

@@ -5,6 +5,7 @@ No wall-clock thresholds: only structure and the ordering invariants of the reco
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import struct
 
 import pytest
 
-from tandem.trace.export import Recording, idle_gaps, iterations, step_rows
+from tandem.trace.export import Recording, idle_gaps, iterations, speedup_check, step_rows
 from tandem.trace.recorder import DeviceSpan
 
 NODES = ("Pick batch", "Launch step", "Result queue", "Process results", "Device forward", "FutureMap")
@@ -94,7 +95,26 @@ def test_summary_numbers(traced):
         assert 0.0 <= m["device_idle_fraction"] <= 1.0
         assert m["output_tokens"] == REQUESTS * MAX_TOKENS and m["tokens_per_s"] > 0
     assert s["overlap_speedup"] > 0 and s["overlap_speedup_bound"] >= 1.0
+    assert s["overlap_speedup_check"] in ("ok", speedup_check(s["overlap_speedup"], s["overlap_speedup_bound"]))
     assert s["workload"]["requests"] == REQUESTS
+
+
+def test_every_loop_records_warm_and_prefills_cold(traced):
+    """Each loop's recording starts after the warm-up and from an empty prefix cache: its first forward is
+    the whole workload's prefill, in both loops (the loop recorded first used to carry both alone)."""
+    loops = by_pid(load(traced, "trace.json")["traceEvents"])
+    for name, evs in loops.items():
+        first = min((e for e in evs if e["name"] == "forward"), key=lambda e: e["args"]["step"])
+        assert first["args"]["prefill"] and first["args"]["num_tokens"] == REQUESTS * 8, (name, first["args"])
+
+
+def test_a_speedup_above_its_bound_is_flagged():
+    from tandem.trace.export import summarize
+    serial, overlap = fake_recording("serial"), fake_recording("overlap")
+    assert summarize([serial, overlap])["overlap_speedup_check"] == "ok"
+    slow = dataclasses.replace(serial, summary={**serial.summary, "tokens_per_s": serial.summary["tokens_per_s"] / 3})
+    check = summarize([slow, overlap])["overlap_speedup_check"]
+    assert check.startswith("the speedup") and "exceeds its bound 1.33" in check
 
 
 def png_size(path: str) -> tuple[int, int]:

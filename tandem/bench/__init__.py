@@ -29,7 +29,7 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
 
 def engine_threads(config) -> int:
     """The torch threads tandem's device runs with under `config` (the peers get the same count)."""
-    from ..engine import default_device_threads
+    from ..device.ranks import default_device_threads
     return config.device_threads or default_device_threads()
 
 

@@ -31,25 +31,18 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 
 from .. import runtime_files
-from ..lifeline import child_env, die_with_parent
+from ..lifeline import die_with_parent
 from ..trace.device_profile import DeviceProfile
 from ..grammar.compiler import mask_words
 from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
+from .ranks import device_env, rank_device, rank_infos, spawn_rank
 from .step import StepInput
 from .streams import now
 
 _LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
 _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives
-
-
-def device_env(threads: int) -> dict[str, str]:
-    """The environment of a device process (or tp rank): its thread count, and torch's CPU allocator giving
-    allocations of 2 MB and more transparent huge pages (THP_MEM_ALLOC_ENABLE; the user's setting wins).
-    Measured on the default model, 2 threads: TPOT -4 % at 128 tokens of context and -6 % at 2,000 (the
-    decode attention touches a new 4 KB page for every key's K and V; the weights are read every step)."""
-    return child_env({"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
 class DeviceProcessError(RuntimeError):
@@ -154,14 +147,14 @@ class ProcessRunner:
         self.dist = None                    # rank 0's DistInfo under tp; the other ranks of this node:
         self.ranks: list[subprocess.Popen] = []
         if spec.tp_size > 1:
-            from .tp_ranks import rank_infos, spawn_rank
             init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/tp-store"
-            self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init)
+            self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init, spec.tp_comm)
             self.ranks = [spawn_rank(spec, info) for info in others]
         self._done: dict[int, tuple[float, float, float]] = {}
         self._closed = False
         self._listener, self._shm_path, self._spec, self._timeout = listener, shm_path, spec, start_timeout
         self.num_slots = self.max_context = 0
+        self.tp_transport: str | None = None     # "shm", "gloo" or "nccl": how the tp ranks reduce (after start)
 
     def wait_ready(self) -> None:
         """Finish the start: hand over the spec and wait until the weights and KV cache are in place.
@@ -187,7 +180,7 @@ class ProcessRunner:
                 os.unlink(shm_path)   # both sides hold the mapping; nothing is left behind on a crash
             except FileNotFoundError:
                 pass
-        self.num_slots, self.max_context = info[1], info[2]
+        self.num_slots, self.max_context, self.tp_transport = info[1], info[2], info[3]
 
     def _accept(self, listener: Listener, timeout: float):
         """Accept the device process's connection, failing fast if it dies before connecting."""
@@ -311,11 +304,11 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         from .executor import ModelExecutor
         if dist is not None:               # tp rank 0: join the group, then broadcast every step to it
             from .tp import KEEPALIVE_S, TPGroup
-            from .tp_ranks import rank_device
             tp = TPGroup(dist, rank_device(spec.device, dist))
         executor = ModelExecutor(spec, tp=tp)
         profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
-        conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context))))
+        conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context,
+                                                tp.transport if tp is not None else None))))
         early: set[int] = set()              # steps whose mask message came before they were run
         later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
 

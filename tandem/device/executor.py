@@ -40,6 +40,7 @@ class ExecutorSpec:
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
+    tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
 
     def fingerprint(self) -> dict:

@@ -1,4 +1,4 @@
-"""Starting the tensor-parallel ranks other than rank 0, and what they run.
+"""What the tensor-parallel ranks other than rank 0 run, and the start of node R > 0 (device/ranks.py spawns them).
 
 On node 0 the ProcessRunner starts rank 0 (the device process) and this node's other ranks; on node R > 0,
 `tandem serve --node-rank R` starts that node's ranks (run_node) and waits for them: no scheduler, no HTTP
@@ -10,36 +10,13 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
-import subprocess
 import sys
 
-from .executor import ExecutorSpec
 from ..lifeline import die_with_parent
-from .cpu_process import device_env
-from .tp import DistInfo, TPGroup
+from .ranks import executor_spec, rank_device, rank_infos, rank_threads, spawn_rank
+from .tp import TPGroup
 
 log = logging.getLogger(__name__)
-
-
-def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_method: str) -> list[DistInfo]:
-    """The DistInfo of each rank on this node (ranks node_rank * per_node ... ; rank 0 on node 0)."""
-    per_node = tp_size // nnodes
-    loopback = nnodes == 1 or init_method.startswith(("tcp://127.", "tcp://localhost:"))
-    return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback) for i in range(per_node)]
-
-
-def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
-    env = device_env(info.threads)
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.tp_ranks"], env=env, stdin=subprocess.PIPE,
-                            close_fds=True)
-    proc.stdin.write(pickle.dumps((spec, info)))
-    proc.stdin.close()
-    return proc
-
-
-def rank_device(device: str, info: DistInfo):
-    import torch
-    return torch.device("cuda", info.local_rank) if device.startswith("cuda") else torch.device(device)
 
 
 def rank_main() -> int:
@@ -65,14 +42,13 @@ def rank_main() -> int:
 def run_node(config) -> int:
     """Node R > 0: start this node's ranks and wait for them. SIGTERM / SIGINT stop them; the exit code is
     0 when every rank ended because rank 0 quit, 1 otherwise."""
-    from ..engine import executor_spec, rank_threads
     from ..model.loader import resolve_model
     from ..model.shard import check_tp_size
     source = resolve_model(config.model, config.cache_dir)
     check_tp_size(source.config, config.tp_size, source.name)
     spec = executor_spec(config, source)
     infos = rank_infos(config.tp_size, config.nnodes, config.node_rank, rank_threads(config, source.config),
-                       f"tcp://{config.dist_init_addr}")
+                       f"tcp://{config.dist_init_addr}", config.tp_comm)
     procs = [spawn_rank(spec, info) for info in infos]
     log.info("node %d: tp ranks %s started, joining %s", config.node_rank, [i.rank for i in infos],
              config.dist_init_addr)

@@ -255,6 +255,12 @@ class Scheduler:
             self.kv.free(self.cache.evict(short))
         return self.kv.alloc(n)
 
+    def reset_prefix_cache(self) -> None:
+        """Free every unlocked cached prefix (vLLM's reset_prefix_cache): a benchmark that repeats one workload
+        measures each round's prefill cold, not the previous round's cache hits."""
+        if self.cache is not None:
+            self.kv.free(self.cache.evict(self.cache.evictable_size))
+
     def available(self) -> int:
         """KV slots a step may get: free, plus cached but unlocked (evictable on demand)."""
         return self.kv.available() + (self.cache.evictable_size if self.cache is not None else 0)

@@ -6,7 +6,7 @@ HTTP layer: submit() asks the Router for a replica, and everything else (outputs
 fans out to or gathers from the replicas.
 
 Cores are split: with D replicas on C usable cores, replica i is pinned to cores [i*C/D, (i+1)*C/D), and its
-device threads default to that share (engine.default_device_threads reads the affinity).
+device threads default to that share (device/ranks.default_device_threads reads the affinity).
 
 A replica that dies fails its own open requests with 503 at once (never a hang); the router never sends to
 a dead replica (a send that finds its engine gone marks it dead and the request goes to another) nor to

@@ -55,6 +55,8 @@ def run_trace(args: argparse.Namespace) -> int:
               f"({s['steps']} steps)")
     print(f"overlap/serial tokens/s {summary['overlap_speedup']:.2f} "
           f"(bound (host+device)/max(host,device) {summary['overlap_speedup_bound']:.2f})")
+    if summary["overlap_speedup_check"] != "ok":
+        print(f"warning: {summary['overlap_speedup_check']}")
     if overhead is not None:
         print(f"recording overhead {100 * overhead['overhead_fraction']:+.1f} % "
               f"({overhead['median_on']:.1f} vs {overhead['median_off']:.1f} tok/s; scheduler CPU "

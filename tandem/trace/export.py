@@ -164,7 +164,20 @@ def summarize(recs: list[Recording], tokens_per_s_rounds: dict[str, list[float]]
         out["overlap_speedup"] = tps("overlap") / tps("serial") if tps("serial") > 0 else 0.0
         # Ideal overlap: the step shrinks from host + device to the longer of the two.
         out["overlap_speedup_bound"] = (h + d) / max(h, d) if max(h, d) > 0 else 1.0
+        out["overlap_speedup_check"] = speedup_check(out["overlap_speedup"], out["overlap_speedup_bound"])
     return out
+
+
+BOUND_SLACK = 0.05       # rounds on a shared machine drift by a few percent: beyond that, a figure is suspect
+
+
+def speedup_check(speedup: float, bound: float) -> str:
+    """"ok", or why a speedup above its own bound cannot be a real one: the loops were not measured alike
+    (a warm-up or a cache inside one loop's recording, or load on the machine during one of them)."""
+    if speedup <= bound * (1 + BOUND_SLACK):
+        return "ok"
+    return (f"the speedup {speedup:.2f} exceeds its bound {bound:.2f}: the loops were not measured alike "
+            f"(warm-up, cache or foreign load inside one recording); rerun with more --rounds")
 
 
 def write_json(path: str, obj: dict) -> None:

@@ -68,6 +68,8 @@ def summary_table(summary: dict) -> str:
         extra = (f"<p class=big>overlap / serial tokens/s: <b>{summary['overlap_speedup']:.2f}</b> "
                  f"&nbsp; bound (host + device) / max(host, device) from the serial run: "
                  f"<b>{summary['overlap_speedup_bound']:.2f}</b></p>")
+        if summary.get("overlap_speedup_check", "ok") != "ok":
+            extra += f"<p class=warn>{html.escape(summary['overlap_speedup_check'])}</p>"
     if "recording_overhead" in summary:
         o = summary["recording_overhead"]
         extra += (f"<p>recording overhead ({o['loop']} loop, {o['rounds']} rounds): "

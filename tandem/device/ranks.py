@@ -1,0 +1,104 @@
+"""How device ranks are sized and started: their threads, the spec they build from, their environment, and
+the process of a tp rank other than 0. Below both the engine (which starts rank 0 through the ProcessRunner)
+and the device processes (cpu_process.py starts the other ranks of node 0, tp_ranks.py those of node R > 0),
+so the device layer never imports the engine.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..lifeline import child_env
+from .executor import ExecutorSpec
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where one rank sits in the group; plain data (it crosses process and machine boundaries)."""
+    rank: int
+    size: int
+    local_rank: int           # index among this machine's ranks (its CUDA device)
+    init_method: str          # file://... (one machine) or tcp://HOST:PORT (node 0's rendezvous)
+    threads: int              # torch threads of this rank
+    loopback: bool            # every rank on this machine: gloo talks over "lo"
+    comm: str = "auto"        # "auto": shared memory for the forward's collectives when all ranks share a host
+
+
+SMALL_MODEL_PARAMS = 20_000_000
+
+
+def num_params(c) -> int:
+    """Weights of a decoder with this config (embeddings counted once when tied)."""
+    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_layers * (attn + mlp) + embed
+
+
+def default_device_threads(params: int | None = None) -> int:
+    """Torch threads of the CPU device process.
+
+    Measured on 2 cores (benchmarks/overlap.py, README): SmolLM2-135M decodes 1.8x faster with both cores in
+    the forward (the scheduler needs ~1 ms per ~190 ms step), while a small model whose host work is about
+    half its forward runs as fast with one core left to the scheduler, and overlaps fully (1.4 % device idle
+    against 29 % with two threads). So: every core for models above SMALL_MODEL_PARAMS, one core less below.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if params is not None and params < SMALL_MODEL_PARAMS and cores > 1:
+        return cores - 1
+    return max(1, cores)
+
+
+def rank_threads(config: EngineConfig, model_config) -> int:
+    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks."""
+    if config.device_threads:
+        return config.device_threads
+    return max(1, default_device_threads(num_params(model_config)) // (config.tp_size // config.nnodes))
+
+
+def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
+    """What every rank builds itself from (the engine's options that reach the device side)."""
+    return ExecutorSpec(
+        source=source, device=config.resolved_device(), dtype=config.resolved_dtype(),
+        max_running=config.max_running_requests, max_model_len=config.max_model_len,
+        kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
+        poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
+        tp_size=config.tp_size, tp_comm=config.tp_comm,
+        max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
+
+
+def device_env(threads: int) -> dict[str, str]:
+    """The environment of a device process (or tp rank): its thread count, and torch's CPU allocator giving
+    allocations of 2 MB and more transparent huge pages (THP_MEM_ALLOC_ENABLE; the user's setting wins).
+    Measured on the default model, 2 threads: TPOT -4 % at 128 tokens of context and -6 % at 2,000 (the
+    decode attention touches a new 4 KB page for every key's K and V; the weights are read every step)."""
+    return child_env({"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "OMP_NUM_THREADS": str(threads)})
+
+
+def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_method: str,
+               comm: str = "auto") -> list[DistInfo]:
+    """The DistInfo of each rank on this node (ranks node_rank * per_node ... ; rank 0 on node 0)."""
+    per_node = tp_size // nnodes
+    loopback = nnodes == 1 or init_method.startswith(("tcp://127.", "tcp://localhost:"))
+    return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback, comm)
+            for i in range(per_node)]
+
+
+def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
+    """`python -m tandem.device.tp_ranks` with (spec, info) pickled on its stdin."""
+    env = device_env(info.threads)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.tp_ranks"], env=env, stdin=subprocess.PIPE,
+                            close_fds=True)
+    proc.stdin.write(pickle.dumps((spec, info)))
+    proc.stdin.close()
+    return proc
+
+
+def rank_device(device: str, info: DistInfo):
+    """The torch device of a rank: its local CUDA device, or the CPU."""
+    import torch
+    return torch.device("cuda", info.local_rank) if device.startswith("cuda") else torch.device(device)
