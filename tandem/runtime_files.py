@@ -7,6 +7,7 @@ every start removes folders whose owner is no longer alive (sweep_stale).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import shutil
@@ -27,6 +28,18 @@ def make_dir(kind: str, base: str) -> str:
     """A new private folder owned by this process (after sweeping stale ones)."""
     sweep_stale()
     return tempfile.mkdtemp(prefix=f"tandem-{kind}-{os.getpid()}-", dir=base)
+
+
+def map_file(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    """A shared mapping of a file for processes to exchange data through: created (exclusive, owner-only,
+    nbytes long) or opened; the descriptor is closed at once (the mapping keeps the file)."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def alive(pid: int) -> bool:

@@ -80,7 +80,7 @@ def test_qlinear_takes_the_gemm_past_gemm_rows():
 def test_qgemm_refuses_bad_inputs():
     q = _weight(4, 256, Q8_0, seed=0)
     x = torch.randn(20, 256)
-    with pytest.raises(RuntimeError, match="supports Q4_0"):
+    with pytest.raises(RuntimeError, match="int8 activations support Q4_0"):
         torch.ops.tandem.qgemm_q8(x, weights(4, 256, F16).data, F16, 256)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         torch.ops.tandem.qgemm_q8(torch.randn(20, 96), blocks(2, 256, Q6_K).data, Q6_K, 96)
@@ -88,8 +88,9 @@ def test_qgemm_refuses_bad_inputs():
         torch.ops.tandem.qgemm_q8(torch.randn(20, 128), q.data, Q8_0, 256)
     with pytest.raises(RuntimeError, match="w must be a contiguous uint8"):
         torch.ops.tandem.qgemm_q8(x, q.data[:, :-2], Q8_0, 256)
-    with pytest.raises(RuntimeError, match="bias must be fp32"):
-        torch.ops.tandem.qgemm_q8(x, q.data, Q8_0, 256, torch.randn(5))
+    for op in (torch.ops.tandem.qgemm_q8, torch.ops.tandem.qlinear_q8):     # one check serves both ops
+        with pytest.raises(RuntimeError, match="bias must be fp32"):
+            op(x, q.data, Q8_0, 256, torch.randn(5))
     assert torch.ops.tandem.qgemm_q8(x[:0], q.data, Q8_0, 256).shape == (0, 4)
 
 

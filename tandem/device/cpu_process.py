@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import mmap
 import os
 import pickle
 import shutil
@@ -61,13 +60,7 @@ class _SharedBuffers:
         self.sizes = (int_words, float_words, out_words, mask_rows, mask_width)
         mask_words = (mask_rows * mask_width + 1) // 2
         nbytes = 8 * 2 * (int_words + float_words + 2 * out_words + mask_words)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            self._map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        self._map = runtime_files.map_file(path, nbytes, create)
         o = 0
         self.ints, self.floats, self.outs, self.lp_outs = [], [], [], []
         for lst, words, dt in ((self.ints, int_words, np.int64), (self.floats, float_words, np.float64),

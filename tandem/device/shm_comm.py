@@ -18,7 +18,6 @@ and loads in program order (TSO), so plain stores and loads suffice there; join(
 """
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 import shutil
@@ -74,13 +73,7 @@ class ShmComm:
         self.rank, self.size, self.policy = rank, size, policy
         self.stats = WaitStats()
         nbytes = 8 * _LINE * size + 2 * size * SLOT_BYTES
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            self._map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        self._map = runtime_files.map_file(path, nbytes, create)
         self._flags = memoryview(self._map).cast("q")          # read flags[r * _LINE]: ~50 ns from Python
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self._slots = raw[8 * _LINE * size:].view(2, size, SLOT_BYTES)

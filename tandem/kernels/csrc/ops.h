@@ -15,6 +15,10 @@ at::Tensor qgemm_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int
                     const std::optional<at::Tensor>& bias, int64_t isa);
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
+// The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs
+// naming `op`.
+void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                     const std::optional<at::Tensor>& bias);
 // A row of x rounded to int8 halves of 16 in natural order (qlinear_q8's rounding, shared by qgemm_q8):
 // q [K], dx / sxh [2 K / 32] per half, sx [K / 32] per block.
 void quantize_act_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, float* sxh);

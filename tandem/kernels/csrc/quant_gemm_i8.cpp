@@ -253,34 +253,10 @@ int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
 
 at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                     const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  int64_t bytes = 0, qk = 32;
-  switch (qtype) {
-    case kQ4_0: bytes = 18; break;
-    case kQ4_1: bytes = 20; break;
-    case kQ5_0: bytes = 22; break;
-    case kQ5_1: bytes = 24; break;
-    case kQ8_0: bytes = 34; break;
-    case kQ2_K: bytes = 84, qk = 256; break;
-    case kQ3_K: bytes = 110, qk = 256; break;
-    case kQ4_K: bytes = 144, qk = 256; break;
-    case kQ5_K: bytes = 176, qk = 256; break;
-    case kQ6_K: bytes = 210, qk = 256; break;
-    default:
-      TORCH_CHECK(false, "tandem.qgemm_q8: supports Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, ",
-                  "Q4_K=12, Q5_K=13 and Q6_K=14, got ggml type ", qtype);
-  }
-  TORCH_CHECK(K > 0 && K % qk == 0, "tandem.qgemm_q8: K must be a positive multiple of ", qk, " for ggml type ",
-              qtype, ", got ", K);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / qk * bytes,
-              "tandem.qgemm_q8: w must be a contiguous uint8 [N, ", K / qk * bytes, "] tensor");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qgemm_q8: x must be fp32 [M, ", K, "]");
+  check_int8_args("tandem.qgemm_q8", x_in, w, qtype, K, bias_in);
   at::Tensor x = x_in.contiguous();
   at::Tensor bias;
-  if (bias_in.has_value()) {
-    bias = bias_in->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "tandem.qgemm_q8: bias must be fp32 [N]");
-  }
+  if (bias_in.has_value()) bias = bias_in->contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;

@@ -261,8 +261,8 @@ void quantize_act_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx
   quantize_row(x, K, 0, q, dx, sx, sxh);
 }
 
-at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                      const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                     const std::optional<at::Tensor>& bias) {
   int64_t bytes = 0, qk = 32;        // bytes and weights along K of one block
   switch (qtype) {
     case kQ4_0: bytes = 18; break;
@@ -276,15 +276,21 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
     case kQ5_K: bytes = 176, qk = 256; break;
     case kQ6_K: bytes = 210, qk = 256; break;
     default:
-      TORCH_CHECK(false, "tandem.qlinear_q8: int8 activations support Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
+      TORCH_CHECK(false, op, ": int8 activations support Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
                   "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13 and Q6_K=14, got ggml type ", qtype);
   }
-  TORCH_CHECK(K > 0 && K % qk == 0, "tandem: K must be a positive multiple of ", qk, " for ggml type ", qtype,
+  TORCH_CHECK(K > 0 && K % qk == 0, op, ": K must be a positive multiple of ", qk, " for ggml type ", qtype,
               ", got ", K);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / qk * bytes,
-              "tandem.qlinear_q8: w must be a contiguous uint8 [N, ", K / qk * bytes, "] tensor");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qlinear_q8: x must be fp32 [M, ", K, "]");
+              op, ": w must be a contiguous uint8 [N, ", K / qk * bytes, "] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, op, ": x must be fp32 [M, ", K, "]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == w.size(0)), op,
+              ": bias must be fp32 [N]");
+}
+
+at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                      const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  check_int8_args("tandem.qlinear_q8", x_in, w, qtype, K, bias_in);
   at::Tensor x = x_in.contiguous();
   at::Tensor bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
