@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -92,7 +93,7 @@ def main() -> None:
     server = VllmServer(args.vllm_python, export_hf_folder(None), threads, kv_gib=args.vllm_kv_gib,
                         dtype=args.vllm_dtype, max_num_seqs=llm.engine.config.max_running_requests,
                         log_path=args.vllm_log)
-    out: dict = {"machine": machine_info(threads), "vllm_command": server.command()[1:],
+    out: dict = {"machine": machine_info(threads), "vllm_command": [os.path.basename(a) if os.path.isabs(a) else a for a in server.command()[1:]],
                  "vllm_env": {k: server.env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")},
                  "tandem_config": llm.engine.config.__dict__.copy(), "workloads": {}}
     try:
