@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_profile import _family, cpu_flags  # noqa: E402
+from decode_profile import _family, cpu_flags, save  # noqa: E402
 
 WORKLOADS = {  # name: (rows, prompt tokens of each row, shared prefix tokens, output tokens)
     "decode 64 x 32 -> 128": (64, 32, 0, 128),
@@ -105,12 +105,7 @@ def main() -> None:
     res = [measure(w, args.threads, args.kernels_act) for w in args.workloads]
     meta = {"tag": args.tag, "threads": args.threads, "kernels_act": args.kernels_act, "cpu": cpu_flags(),
             "date": time.strftime("%Y-%m-%d")}
-    base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"batch_profile_{args.tag}")
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "results": res}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(render(res, meta))
-    print(render(res, meta))
+    save(f"batch_profile_{args.tag}", res, meta, render(res, meta))
 
 
 if __name__ == "__main__":

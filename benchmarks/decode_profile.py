@@ -130,12 +130,17 @@ def main() -> None:
     res = [measure(c, args.out, args.threads, args.model) for c in args.contexts]
     meta = {"tag": args.tag, "model": os.path.basename(args.model) if args.model else None, "threads": args.threads, "out": args.out, "cpu": cpu_flags(),
             "date": time.strftime("%Y-%m-%d")}
-    base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"decode_profile_{args.tag}")
+    save(f"decode_profile_{args.tag}", res, meta, render(res, meta))
+
+
+def save(name: str, res: list[dict], meta: dict, text: str) -> None:
+    """benchmarks/results/NAME.json (meta and results) and NAME.md (the rendered table), and print the table."""
+    base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1)
     with open(base + ".md", "w") as f:
-        f.write(render(res, meta))
-    print(render(res, meta))
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":
