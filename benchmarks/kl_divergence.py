@@ -22,6 +22,7 @@ import torch
 from tandem import LLM, SamplingParams, kernels
 from tandem.bench import machine_info
 from tandem.bench.accuracy import divergence, llama_cpp_logprobs, real_text, teacher_forced_logprobs
+from tandem.device.executor import AUTO_KV_DTYPE
 from tandem.kernels.quant import small_m
 from tandem.model.loader import default_model_path
 
@@ -32,6 +33,8 @@ p.add_argument("--doc-tokens", type=int, default=1024, help="tokens per document
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--greedy", type=int, default=8, help="prompts of the greedy agreement")
 p.add_argument("--greedy-tokens", type=int, default=64)
+p.add_argument("--kv-dtypes", default="bfloat16,float16,float32",
+               help="KV cache dtypes of the int8 runs (comma-separated; the first line is the default's, auto)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                              "kl_divergence.json"))
 cli = p.parse_args()
@@ -40,8 +43,8 @@ kernels.available()               # small_m() asks the loaded library which ISA 
 chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, as a decode step does
 
 
-def engine(act: str) -> LLM:
-    return LLM(path, kernels_act=act, device_backend="inline", device_threads=cli.threads,
+def engine(act: str, kv: str = "auto") -> LLM:
+    return LLM(path, kernels_act=act, kv_cache_dtype=kv, device_backend="inline", device_threads=cli.threads,
                max_prefill_tokens=chunk, kv_cache_tokens=cli.doc_tokens + 256, prefix_cache=False)
 
 
@@ -80,11 +83,14 @@ def summary(tests: list[torch.Tensor]) -> dict:
 
 
 results: dict = {}
-llm = engine("int8")
-results["tandem int8 (default)"] = {**summary([teacher_forced_logprobs(llm, d) for d in docs]),
-                                    "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy,
-                                                                                           use_tqdm=False)])}
-llm.shutdown()
+for kv in cli.kv_dtypes.split(","):
+    llm = engine("int8", kv)
+    got = str(llm.engine.runner.executor.kv_cache.data.dtype).removeprefix("torch.")
+    assert got == kv, f"asked for a {kv} KV cache, got {got}"
+    name = f"tandem int8, {kv} KV" + (" (default)" if getattr(torch, kv) == AUTO_KV_DTYPE else "")
+    results[name] = {**summary([teacher_forced_logprobs(llm, d) for d in docs]),
+                     "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
+    llm.shutdown()
 try:
     from llama_cpp import Llama
     llama = Llama(path, logits_all=True, n_ctx=cli.doc_tokens + cli.greedy_tokens + 64, n_threads=cli.threads,

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..kernels.quant import INT8_ACT_QTYPES
 from ..model.kv_cache import PagedKVCache
 from ..model.llama import AttentionMeta, LlamaModel
 from ..model.loader import ModelSource, load_weights
@@ -24,6 +25,7 @@ from .step import StepInput, prompt_logprob_targets
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_KV_DTYPE = torch.bfloat16   # kv_cache_dtype "auto" where the linears round (ModelExecutor.kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class ExecutorSpec:
     max_model_len: int | None
     kv_cache_tokens: int | None
     kv_memory_fraction: float
+    kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16
+    shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
@@ -83,10 +87,13 @@ class ModelExecutor:
             tp.check_same("engine options", spec.fingerprint())
         if state is None:
             state = load_weights(spec.source, quantized=native)
+        # Before sharding, so that every tp rank decides alike: do the linears round x to int8 (kv_dtype)?
+        rounds = native and any(getattr(t, "qtype", None) in INT8_ACT_QTYPES for t in state.values())
         layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)
         if tp is not None:
             state = shard_state(state, c, layout)
-        bytes_per_slot = 2 * c.num_layers * layout.kv_heads * c.head_dim * dtype.itemsize
+        kv_dtype = self.kv_dtype(rounds, dtype)
+        bytes_per_slot = 2 * c.num_layers * layout.kv_heads * c.head_dim * kv_dtype.itemsize
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
@@ -101,7 +108,7 @@ class ModelExecutor:
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp)
         del state
-        self.kv_cache = PagedKVCache(num_slots, c.num_layers, layout.kv_heads, c.head_dim, dtype, self.device)
+        self.kv_cache = PagedKVCache(num_slots, c.num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
                                         device=self.device)
@@ -109,6 +116,17 @@ class ModelExecutor:
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
         self.last_prompt_logprobs = None  # and of its prompt positions (prompt_logprob_targets)
         self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
+
+    def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type. "auto": bfloat16 on CPU where the linears already round (native kernels,
+        int8 activations, quantized weights: rounds): half the bytes a decode step reads, and the accuracy gate
+        of benchmarks/kl_divergence.py holds (README). Else the model dtype: the exact mode (kernels_act="fp32")
+        and unquantized weights keep fp32 keys and values (parity with transformers)."""
+        if self.spec.kv_cache_dtype != "auto":
+            return _DTYPES[self.spec.kv_cache_dtype]
+        if rounds and self.spec.kernels_act == "int8" and self.device.type == "cpu":
+            return AUTO_KV_DTYPE
+        return dtype
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -122,6 +140,8 @@ class ModelExecutor:
         called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
         the device only the wait for what is left of it."""
         dev = self.device
+        if self.model.native:     # a process-wide switch of the op: set per step, engines may share a process
+            torch.ops.tandem.shared_prefix_attention(int(self.spec.shared_prefix_attention))
         rows = self._tensor(step.rows)
         ext = self._tensor(step.extend_lens)
         seq = self._tensor(step.seq_lens)

@@ -5,6 +5,11 @@ so a step gathers its rows' keys for a group of layers in one index_select of la
 small-row gather per layer and per K/V (measured here: ~14x less time for SmolLM2 at batch 64). The extra slot
 `pad_slot` stays zero: key positions past a row's length gather from it, so masked keys never bring in
 garbage (NaN * 0 is NaN).
+
+Element type: `kv_cache_dtype` (fp32, bf16 or fp16; bf16 by default with the native int8 kernels). Every K and
+V is rounded to it when written, by torch's conversion here and by the same round-to-nearest-even in the
+native op, and every reader widens it to the compute dtype: a key is the same bits whichever path wrote it
+and whichever step reads it (so a prefix-cache hit reads what a fresh prefill would have).
 """
 from __future__ import annotations
 
@@ -84,12 +89,16 @@ class StepKV:
         """Write the step's new k, v ([T, KVH, D]) to the cache and the view; return keys, values of the layer."""
         if self._view is None or layer >= self._first + self.group:
             self._gather(layer)
+        dtype = k.dtype
         data = self.cache.data
+        if k.dtype != data.dtype:             # a bf16/fp16 cache: round once, write the same bits to both
+            k, v = k.to(data.dtype), v.to(data.dtype)
         data[self.out_cache_loc, layer, 0] = k
         data[self.out_cache_loc, layer, 1] = v
         g = layer - self._first
         self._view[self.tok_row, self.positions, g, 0] = k
         self._view[self.tok_row, self.positions, g, 1] = v
-        keys = self._view[:, :, g, 0].transpose(1, 2)       # [B, KVH, Lk, D], strided: SDPA reads it as is
-        values = self._view[:, :, g, 1].transpose(1, 2)
-        return keys, values
+        keys, values = self._view[:, :, g, 0], self._view[:, :, g, 1]        # [B, Lk, KVH, D]
+        if keys.dtype != dtype:               # attention computes in the step's dtype
+            keys, values = keys.to(dtype), values.to(dtype)
+        return keys.transpose(1, 2), values.transpose(1, 2)   # [B, KVH, Lk, D], strided: SDPA reads it as is

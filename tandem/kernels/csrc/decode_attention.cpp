@@ -1,7 +1,9 @@
 // Paged decode attention: one query token per row, reading K/V in place from the paged cache.
 //
 //   q        fp32 [B, H, D]                 this step's queries (after RoPE)
-//   cache    fp32 [S + 1, L, 2, KVH, D]     every slot holds all layers' K (index 0) and V (index 1)
+//   cache    [S + 1, L, 2, KVH, D]          every slot holds all layers' K (index 0) and V (index 1); fp32, bf16
+//                                           or fp16 (kv_cache_dtype): K/V rows are widened to fp32 as they are
+//                                           read, and every sum is fp32 whatever the cache holds
 //   kv_index int64 [B, Lk]                  slot of each key position (only the first seq_lens[b] are read)
 //   seq_lens int64 [B]                      keys per row (>= 1)
 //   window   int                            > 0: a sliding-window layer, the row's query sees only its last
@@ -13,6 +15,9 @@
 // index_put writes, a split, three views, a contiguous copy of q and a reshape, ~25 dispatched torch ops):
 //   qkv      fp32 [B, (H + 2 KVH) D]        this step's fused projection after RoPE (rows may be strided)
 //   loc      int64 [B]                      slot of each row's new token: its K and V are written there first
+//                                           (rounded to the cache's dtype as torch rounds them: c10's
+//                                           round-to-nearest-even, so a slot holds the same bits whichever path
+//                                           wrote it, and the row's own key is read back rounded, as every other)
 //   out      fp32 [B, H D]
 //
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
@@ -53,20 +58,22 @@ static int64_t row_chunk(int64_t n) {
 constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
 
 struct AttnArgs {
-  const float* q; const float* cache; const int64_t* kv_index; const int64_t* seq_lens;
+  const float* q; const void* cache; const int64_t* kv_index; const int64_t* seq_lens;   // cache: float/bf16/fp16
   int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // slot_stride = L * 2 * KVH * D
   float scale;
   int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
 };
 
 namespace scalar {
-static float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+static float dot(const float* a, const T* b, int64_t n) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
-static void axpy(float* y, float a, const float* x, int64_t n) {   // y += a * x
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+template <typename T>
+static void axpy(float* y, float a, const T* x, int64_t n) {   // y += a * x
+  for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
 }
 static void scale_(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
@@ -119,16 +126,36 @@ static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64
 }
 
 static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
-  TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(2) == 2,
-              "tandem.decode_attention: cache must be a contiguous fp32 [S + 1, L, 2, KVH, D] tensor");
+  const auto t = cache.scalar_type();
+  TORCH_CHECK(cache.dim() == 5 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && cache.is_contiguous() &&
+                  cache.size(2) == 2,
+              "tandem.decode_attention: cache must be a contiguous fp32/bf16/fp16 [S + 1, L, 2, KVH, D] tensor");
   TORCH_CHECK(cache.size(4) == D, "tandem.decode_attention: head shapes do not match");
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
 }
 
-// Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart).
+using AttendFn = void (*)(const AttnArgs&, int64_t, int64_t, int64_t, float*, float*, float*);
+using SharedFn = void (*)(const AttnArgs&, const int64_t*, int64_t, int64_t, int64_t, float* const*, float* const*,
+                          float*);
+struct Bodies { AttendFn one; SharedFn shared; };
+template <typename T>
+static Bodies bodies_for(Isa isa) {
+  if (isa == kAvx512) return {avx512::attend<T>, avx512::attend_shared<T>};
+  if (isa == kAvx2) return {avx2::attend<T>, avx2::attend_shared<T>};
+  return {scalar::attend<T>, scalar::attend_shared<T>};
+}
+static Bodies pick_bodies(Isa isa, at::ScalarType kv) {
+  return kv == at::kBFloat16 ? bodies_for<c10::BFloat16>(isa) : kv == at::kHalf ? bodies_for<c10::Half>(isa)
+                                                                                 : bodies_for<float>(isa);
+}
+
+#include "decode_attention_shared.inc"
+
+// Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart); kv: the cache's dtype.
 // chunk_keys: keys per chunk; -1 row_chunk (see the top of the file), 0 never splits, > 0 forces that size
 // (rounded up to whole tiles; for tests).
-static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t chunk_keys, int64_t window) {
+static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t isa_req, int64_t chunk_keys,
+                        int64_t window) {
   const int64_t B = a.B, H = a.H, D = a.D, Lk = a.Lk;
   const int64_t* lens = a.seq_lens;
   TORCH_CHECK(window >= 0, "tandem.decode_attention: window must be >= 0");
@@ -138,15 +165,17 @@ static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t ch
     if (window > 0) start[b] = std::max<int64_t>(0, lens[b] - window);
     keys[b] = lens[b] - start[b];
   }
-  // Row b's chunks of chunk[b] keys are tasks [first[b], first[b + 1]).
-  std::vector<int64_t> first(B + 1, 0), row_of, chunk(B);
+  // Row b's chunks of chunk[b] keys are [first[b], first[b + 1]) in the partial buffers.
+  std::vector<int64_t> first(B + 1, 0), chunk(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t c = chunk_keys > 0 ? chunk_keys : chunk_keys == 0 ? Lk : row_chunk(keys[b]);
     chunk[b] = (c + TILE - 1) / TILE * TILE;
     first[b + 1] = first[b] + (keys[b] + chunk[b] - 1) / chunk[b];
-    row_of.resize(first[b + 1], b);
   }
   const int64_t chunks = first[B];
+  Plan plan;
+  if (shared_prefix_on() && B > 1 && chunks > B) plan_shared(a, start, chunk, first, plan);
+  plan_rest(a, start, chunk, first, plan);
   std::vector<float> part_acc, part_ml;                  // [chunks, H, D], [chunks, H, 2]
   if (chunks > B) {
     part_acc.resize((size_t)chunks * H * D);
@@ -154,28 +183,58 @@ static void attend_rows(const AttnArgs& a, float* o, int64_t isa_req, int64_t ch
   }
   std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
   for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
-  const Isa isa = resolve_isa(isa_req);
-  auto attend = isa == kAvx512 ? avx512::attend : isa == kAvx2 ? avx2::attend : scalar::attend;
+  const Bodies body = pick_bodies(resolve_isa(isa_req), kv);
   float* pacc = part_acc.data();
   float* pml = part_ml.data();
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> scratch((size_t)H * (D + TILE + 2));
-    float* ml_own = scratch.data() + H * (D + TILE);
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t b = row_of[c], n = first[b + 1] - first[b];
-      const int64_t k0 = start[b] + (c - first[b]) * chunk[b], k1 = std::min(k0 + chunk[b], lens[b]);
-      float* orow = o + b * H * D;
-      if (n == 1) {                                      // unsplit: normalize in place
-        attend(a, b, k0, k1, orow, ml_own, scratch.data());
-        for (int64_t i = 0; i < H; ++i)
-          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= ml_own[2 * i + 1];
-        continue;
+  auto done = [&](int64_t b) {                          // one more chunk of row b is in; its last merges
+    const int64_t n = first[b + 1] - first[b];
+    if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, o + b * H * D);
+  };
+  auto run = [&](const Task& t, std::vector<float>& scratch, std::vector<float*>& ptrs) {
+    const int64_t* rows = plan.members.data() + t.m0;
+    if (t.R > 1) {                                       // a shared-prefix chunk of several rows
+      ptrs.resize(2 * t.R);
+      for (int64_t r = 0; r < t.R; ++r) {
+        ptrs[r] = pacc + (first[rows[r]] + t.j) * H * D;
+        ptrs[t.R + r] = pml + (first[rows[r]] + t.j) * H * 2;
       }
-      attend(a, b, k0, k1, pacc + c * H * D, pml + c * H * 2, scratch.data());
-      if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1)      // the row's last chunk: merge
-        merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
+      scratch.resize((size_t)(t.R * H * D + H * TILE));
+      body.shared(a, rows, t.R, t.k0, t.k1, ptrs.data(), ptrs.data() + t.R, scratch.data());
+      for (int64_t r = 0; r < t.R; ++r) done(rows[r]);
+      return;
     }
+    const int64_t b = rows[0];
+    scratch.resize((size_t)H * (D + TILE + 2));
+    if (first[b + 1] - first[b] == 1) {                  // unsplit: normalize in place
+      float* orow = o + b * H * D;
+      float* ml_own = scratch.data() + H * (D + TILE);
+      body.one(a, b, t.k0, t.k1, orow, ml_own, scratch.data());
+      for (int64_t i = 0; i < H; ++i)
+        for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= ml_own[2 * i + 1];
+      return;
+    }
+    body.one(a, b, t.k0, t.k1, pacc + (first[b] + t.j) * H * D, pml + (first[b] + t.j) * H * 2, scratch.data());
+    done(b);
+  };
+  const std::vector<int64_t> cuts = plan.cuts(at::get_num_threads());
+  at::parallel_for(0, (int64_t)cuts.size() - 1, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> scratch;
+    std::vector<float*> ptrs;
+    for (int64_t t = cuts[p0]; t < cuts[p1]; ++t) run(plan.tasks[t], scratch, ptrs);
   });
+}
+
+// Row b's K then V (n floats from src + b * rs + off, one contiguous run in qkv and in the slot) into slot
+// loc[b], converted as torch converts (c10's constructors: round to nearest even).
+template <typename T>
+static void write_kv(const float* src, int64_t rs, int64_t off, T* dst, const int64_t* loc, int64_t B, int64_t n,
+                     int64_t slot_stride) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* s = src + b * rs + off;
+    T* d = dst + loc[b] * slot_stride;
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(s[i]);
+  }
 }
 
 static at::Tensor as_long(const at::Tensor& t) {        // no dispatch when it already is (the engine's case)
@@ -193,11 +252,11 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   const int64_t KVH = cache.size(3), Lk = kv_index.size(1);
   TORCH_CHECK(H % KVH == 0, "tandem.decode_attention: head shapes do not match");
   TORCH_CHECK(kv_index.size(0) == B && seq_lens.size(0) == B, "tandem.decode_attention: batch sizes differ");
-  const AttnArgs a{q.data_ptr<float>(), cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(),
+  const AttnArgs a{q.data_ptr<float>(), cache.data_ptr(), kv_index.data_ptr<int64_t>(),
                    seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
                    (float)scale, B > 1 ? q.stride(0) : H * D};
   at::Tensor out = at::empty({B, H, D}, q.options());
-  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys, window);
+  attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window);
   return out;
 }
 
@@ -216,16 +275,19 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
               "tandem.decode_attention_qkv_: batch sizes differ");
   const int64_t S = cache.size(0), slot_stride = cache.size(1) * 2 * KVH * D, rs = qkv.stride(0);
   const float* src = qkv.data_ptr<float>();
-  float* dst = cache.data_ptr<float>() + layer * 2 * KVH * D;
   const int64_t* l = loc.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {            // the row's K then V: one contiguous run in qkv and in the slot
+  for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(l[b] >= 0 && l[b] < S, "tandem.decode_attention_qkv_: out_cache_loc[", b, "] out of range");
-    std::copy_n(src + b * rs + H * D, 2 * KVH * D, dst + l[b] * slot_stride);
+  const int64_t off = layer * 2 * KVH * D;
+  switch (cache.scalar_type()) {
+    case at::kBFloat16: write_kv(src, rs, H * D, cache.data_ptr<c10::BFloat16>() + off, l, B, 2 * KVH * D, slot_stride); break;
+    case at::kHalf: write_kv(src, rs, H * D, cache.data_ptr<c10::Half>() + off, l, B, 2 * KVH * D, slot_stride); break;
+    default: write_kv(src, rs, H * D, cache.data_ptr<float>() + off, l, B, 2 * KVH * D, slot_stride);
   }
-  const AttnArgs a{src, cache.data_ptr<float>(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+  const AttnArgs a{src, cache.data_ptr(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                    B, H, KVH, D, kv_index.size(1), 2 * KVH * D, slot_stride, layer, (float)scale, rs};
   at::Tensor out = at::empty({B, H * D}, qkv.options());
-  attend_rows(a, out.data_ptr<float>(), isa_req, chunk_keys, window);
+  attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window);
   return out;
 }
 

@@ -33,6 +33,7 @@ TORCH_LIBRARY(tandem, m) {
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
+  m.def("shared_prefix_attention(int on=-1) -> int", &tandem::shared_prefix_attention);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -67,6 +67,11 @@ struct Vec512 {
   TANDEM_AVX512 reg set1(float v) { return _mm512_set1_ps(v); }
   TANDEM_AVX512 reg load(const float* p) { return _mm512_loadu_ps(p); }
   TANDEM_AVX512 void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  // 16 bf16 / fp16 values -> fp32 (exact: a bf16 is the top half of an fp32; fp16 by the F16C conversion).
+  TANDEM_AVX512 reg load_bf16(const void* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  TANDEM_AVX512 reg load_f16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   TANDEM_AVX512 reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   TANDEM_AVX512 reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   TANDEM_AVX512 reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
@@ -138,6 +143,10 @@ struct Vec256 {
   TANDEM_AVX2 reg set1(float v) { return _mm256_set1_ps(v); }
   TANDEM_AVX2 reg load(const float* p) { return _mm256_loadu_ps(p); }
   TANDEM_AVX2 void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  TANDEM_AVX2 reg load_bf16(const void* p) {                 // 8 bf16 / fp16 values -> fp32 (exact)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  TANDEM_AVX2 reg load_f16(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   TANDEM_AVX2 reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   TANDEM_AVX2 reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   TANDEM_AVX2 reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
