@@ -27,12 +27,13 @@ WORKLOADS = {  # name: (rows, prompt tokens of each row, shared prefix tokens, o
 }
 
 
-def _child(rows: int, prompt: int, prefix: int, out: int, threads: int, kernels_act: str, path: str) -> dict:
+def _child(rows: int, prompt: int, prefix: int, out: int, threads: int, kernels_act: str, path: str,
+           engine: dict) -> dict:
     env = dict(os.environ, TANDEM_DEVICE_PROFILE=path)
     code = f"""
 import json, random, time
 from tandem import LLM, SamplingParams
-llm = LLM(device_threads={threads}, kernels_act={kernels_act!r})
+llm = LLM(device_threads={threads}, kernels_act={kernels_act!r}, **{engine!r})
 vocab = llm.engine.model_config.vocab_size
 rng = random.Random(0)
 prefix = [rng.randrange(100, vocab) for _ in range({prefix})]
@@ -54,11 +55,11 @@ llm.shutdown()
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def measure(name: str, threads: int, kernels_act: str) -> dict:
+def measure(name: str, threads: int, kernels_act: str, engine: dict) -> dict:
     rows, prompt, prefix, out = WORKLOADS[name]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "profile.json")
-        plain = _child(rows, prompt, prefix, out, threads, kernels_act, path)
+        plain = _child(rows, prompt, prefix, out, threads, kernels_act, path, engine)
         with open(path) as f:
             prof = json.load(f)
     fam: dict[str, float] = {}
@@ -73,7 +74,8 @@ def measure(name: str, threads: int, kernels_act: str) -> dict:
 
 def render(res: list[dict], meta: dict) -> str:
     lines = [f"# Batched decode step profile ({meta['tag']})", "",
-             f"Default model (SmolLM2-135M Q4_1 GGUF), kernels_act={meta['kernels_act']}, {meta['threads']} device "
+             f"Default model (SmolLM2-135M Q4_1 GGUF), kernels_act={meta['kernels_act']}, engine options "
+             f"{meta.get('engine') or 'default'}, {meta['threads']} device "
              f"threads, greedy; CPU: {meta['cpu']}. `benchmarks/batch_profile.py`. Times are per decode step under "
              "torch.profiler (which slows every op a little); the untraced throughput is the whole run's.", "",
              "| | " + " | ".join(r["workload"] for r in res) + " |", "|---|" + "---|" * len(res),
@@ -99,11 +101,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="device threads")
     ap.add_argument("--tag", default="now", help="name of the result files (e.g. start, end)")
     ap.add_argument("--kernels-act", default="int8", help="int8 (the default) or fp32 (the exact mode)")
+    ap.add_argument("--engine", type=json.loads, default={},
+                    help='other engine options as JSON, e.g. \'{"kv_cache_dtype": "float32"}\'')
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
                     help="which workloads to profile (default: both)")
     args = ap.parse_args()
-    res = [measure(w, args.threads, args.kernels_act) for w in args.workloads]
-    meta = {"tag": args.tag, "threads": args.threads, "kernels_act": args.kernels_act, "cpu": cpu_flags(),
+    res = [measure(w, args.threads, args.kernels_act, args.engine) for w in args.workloads]
+    meta = {"tag": args.tag, "threads": args.threads, "kernels_act": args.kernels_act, "engine": args.engine,
+            "cpu": cpu_flags(),
             "date": time.strftime("%Y-%m-%d")}
     save(f"batch_profile_{args.tag}", res, meta, render(res, meta))
 
