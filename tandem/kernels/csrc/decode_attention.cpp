@@ -101,6 +101,18 @@ template <typename T>
 static void value_tile(float* acc, const float* p, const T* const* v, int64_t n, int64_t D) {
   for (int64_t j = 0; j < n; ++j) axpy(acc, p[j], v[j], D);
 }
+template <typename T>
+static void score_tile2(const float* q0, const float* q1, const T* const* k, int64_t n, int64_t D, float* s0,
+                        float* s1) {
+  score_tile(q0, k, n, D, s0);
+  score_tile(q1, k, n, D, s1);
+}
+template <typename T>
+static void value_tile2(float* acc0, float* acc1, const float* p0, const float* p1, const T* const* v, int64_t n,
+                        int64_t D) {
+  value_tile(acc0, p0, v, n, D);
+  value_tile(acc1, p1, v, n, D);
+}
 #include "decode_attention_body.inc"
 }  // namespace scalar
 
