@@ -81,6 +81,18 @@ def test_sharing_changes_no_bit(name, isa, dtype):
     assert torch.equal(forced, run(q, cache, kv_index, lens, isa, False, chunk_keys=96))
 
 
+@pytest.mark.parametrize("h, kvh, d", [(4, 1, 256), (8, 2, 128), (6, 2, 24)])
+def test_other_head_shapes(h, kvh, d):
+    """Gemma 3's heads (4 query heads on one KV head of 256), GQA 4 at 128, and a head_dim off the SIMD width."""
+    cache, kv_index, lens = shared_batch(BATCHES["three groups and loners"], kvh=kvh, d=d, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(4))
+    for isa in isas():
+        on = run(q, cache, kv_index, lens, isa, True)
+        assert torch.equal(on, run(q, cache, kv_index, lens, isa, False))
+        torch.testing.assert_close(on, decode_attention_ref(q, cache, 1, kv_index, lens, 0.125), rtol=1e-4,
+                                   atol=1e-5)
+
+
 def test_verify_rows_and_windows_share_or_not_as_they_should():
     """A verify step's rows of one request (each a prefix of the next) share; rows of a sliding-window layer
     share only while their windows start at key 0; the fused op (write, then attend) agrees with sharing off."""
