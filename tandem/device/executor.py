@@ -269,4 +269,5 @@ class ModelExecutor:
         pad = (q_col[None, :] >= ext[:, None])[:, :, None]
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
-        return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index)
+        return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
+                             fresh=None if has_prefix else ext_np.tolist())

@@ -36,6 +36,7 @@ class AttentionMeta:
     last_index: torch.Tensor      # [B] flat index of each row's last token (the one that samples)
     parts: list[tuple[slice, "AttentionMeta"]] | None = None   # mixed step: (its tokens, its layout) per group
     window_masks: dict | None = None  # sliding window W -> its mask, made once a step by window_mask()
+    fresh: list[int] | None = None    # each row's length when no row has cached keys (plain causal attention)
 
     def window_mask(self, window: int) -> torch.Tensor:
         """`mask` narrowed to keys k > q - window of each query position q (a sliding-window layer), made once a
@@ -339,13 +340,32 @@ class LlamaModel:
         else:
             queries = q[meta.q_index].transpose(1, 2)                   # [B, H, Lq, D]
         window = self.layers[i]["window"]
-        mask = meta.window_mask(window) if window else meta.mask
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        if meta.fresh is not None and not window:
+            out = self._causal_rows(queries, keys, values, meta.fresh)
+        else:
+            mask = meta.window_mask(window) if window else meta.mask
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=True)
         out = out.transpose(1, 2)                                       # [B, Lq, H, D]
         if meta.token_rc is None:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
         rows, cols = meta.token_rc
         return out[rows, cols].reshape(q.shape[0], -1)
+
+    def _causal_rows(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     lens: list[int]) -> torch.Tensor:
+        """Rows with no cached keys ([B, H, Lq, D] queries, Lq = Lk): each row's tokens attend their causal past
+        only, which SDPA's is_causal computes without a mask and skips the blocks above the diagonal (1.4-1.6x
+        less time than the explicit mask at 1,000 tokens here). Rows of unequal length go one at a time; their
+        padded query slots are left unset (the caller reads only real tokens)."""
+        sdpa = F.scaled_dot_product_attention
+        if all(n == queries.shape[2] for n in lens):
+            return sdpa(queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+        out = torch.empty_like(queries)
+        for b, n in enumerate(lens):
+            out[b:b + 1, :, :n] = sdpa(queries[b:b + 1, :, :n], keys[b:b + 1, :, :n], values[b:b + 1, :, :n],
+                                       is_causal=True, scale=self.scale, enable_gqa=True)
+        return out
 
     def _token_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Extend rows of up to small_m() new tokens, qkv [T, (H + 2 KVH) D]: every token is one query row of
