@@ -62,6 +62,8 @@ class StepKV:
         self.tok_kv_index: torch.Tensor | None = None   # [T, Lk] kv_index of each new token's row, made once
         self.has_prefix = has_prefix             # False: every key is new this step, nothing to gather
         b, lk = kv_index.shape
+        # Every row new and Lk long: the step's tokens, row after row, are the keys in order (no view needed).
+        self.dense = not has_prefix and tok_row.shape[0] == b * lk
         per_layer = b * lk * cache.data[0, 0].numel()
         self.group = max(1, min(cache.num_layers, GATHER_BUDGET_BYTES // (per_layer * cache.data.element_size())))
         self._first = -1
@@ -87,14 +89,20 @@ class StepKV:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's new k, v ([T, KVH, D]) to the cache and the view; return keys, values of the layer."""
-        if self._view is None or layer >= self._first + self.group:
-            self._gather(layer)
         dtype = k.dtype
         data = self.cache.data
         if k.dtype != data.dtype:             # a bf16/fp16 cache: round once, write the same bits to both
             k, v = k.to(data.dtype), v.to(data.dtype)
         data[self.out_cache_loc, layer, 0] = k
         data[self.out_cache_loc, layer, 1] = v
+        if self.dense:                        # the keys are k itself (rounded as the cache holds it)
+            b, lk = self.kv_index.shape
+            keys, values = k.view(b, lk, *k.shape[1:]), v.view(b, lk, *v.shape[1:])
+            if keys.dtype != dtype:
+                keys, values = keys.to(dtype), values.to(dtype)
+            return keys.transpose(1, 2), values.transpose(1, 2)
+        if self._view is None or layer >= self._first + self.group:
+            self._gather(layer)
         g = layer - self._first
         self._view[self.tok_row, self.positions, g, 0] = k
         self._view[self.tok_row, self.positions, g, 1] = v
