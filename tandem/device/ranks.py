@@ -54,10 +54,12 @@ def default_device_threads(params: int | None = None) -> int:
 
 
 def rank_threads(config: EngineConfig, model_config) -> int:
-    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks."""
+    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks
+    (or its pipeline stages)."""
     if config.device_threads:
         return config.device_threads
-    return max(1, default_device_threads(num_params(model_config)) // (config.tp_size // config.nnodes))
+    ranks = config.tp_size // config.nnodes * config.pp_size
+    return max(1, default_device_threads(num_params(model_config)) // ranks)
 
 
 def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
@@ -68,7 +70,7 @@ def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
         kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
         kv_cache_dtype=config.kv_cache_dtype, shared_prefix_attention=config.shared_prefix_attention,
         poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
-        tp_size=config.tp_size, tp_comm=config.tp_comm,
+        tp_size=config.tp_size, tp_comm=config.tp_comm, pp_size=config.pp_size,
         max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
 
 
