@@ -92,8 +92,6 @@ class EngineConfig:
         if self.tp_size > 1:
             raise ValueError(f"pp_size {self.pp_size} with tp_size {self.tp_size}: pipeline stages of several "
                              f"tensor-parallel ranks are not supported yet (use one of the two)")
-        if self.nnodes > 1:
-            raise ValueError("pp_size > 1 runs its stages on one machine: nnodes must be 1")
         if self.speculative_config is not None:
             raise ValueError("pp_size > 1 with speculative_config is not supported: a verify step fixes the next "
                              "step's positions, so its micro-batch could not be followed by another in flight")

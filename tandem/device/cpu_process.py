@@ -27,6 +27,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client, Listener, wait
 
@@ -180,6 +181,9 @@ class ProcessRunner:
                 self.conns.append(self._accept(listener, self._timeout))
                 self.conns[-1].send((self._spec, self.buffers.sizes, stage if stage else self.dist))
             self.conn = self.conns[-1]          # the last stage (the only one without pp) sends results
+            if self.pp_size > 1:                # self.proc, self.ranks in stage order, as self.conns
+                by_pid = {p.pid: p for p in [self.proc, *self.ranks]}
+                self.proc, *self.ranks = [by_pid[_peer_pid(c)] for c in self.conns]
             for conn in self.conns:
                 info = self._recv(conn, [conn])
                 if info[0] != "ready":
@@ -248,7 +252,7 @@ class ProcessRunner:
             try:
                 ready = wait(watch, 1.0)
                 for other in (c for c in ready if c is not conn):
-                    self._decode(other.recv_bytes())
+                    self._decode(other.recv_bytes(), self.conns.index(other))
                 if conn in ready:
                     msg = conn.recv_bytes()
                     break
@@ -256,15 +260,19 @@ class ProcessRunner:
                 raise self._died() from e
             if self._dead() is not None:
                 raise self._died()
-        return self._decode(msg)
+        return self._decode(msg, self.conns.index(conn))
 
-    @staticmethod
-    def _decode(msg: bytes):
+    def _decode(self, msg: bytes, sender: int):
         if msg[:1] == b"D":
             _, step_id, start, end, comm = _DONE.unpack(msg)
             return ("done", step_id, start, end, comm)
         kind, payload = pickle.loads(msg)
         if kind == "error":
+            if self.pp_size > 1:            # a stage fails when its neighbour dies: name the one that died
+                time.sleep(0.2)
+                if (dead := self._dead(exclude=sender)) is not None:
+                    raise DeviceProcessError(f"{dead[0]} died (exit code {dead[1]}); pipeline stage {sender} "
+                                             f"then failed: {payload[0].strip().splitlines()[-1]}")
             raise DeviceProcessError(f"device process failed:\n{payload[0]}")
         return (kind, *payload)
 
@@ -274,17 +282,22 @@ class ProcessRunner:
             self._done[sid] = (start, end, comm)
         return self._done.pop(step_id)
 
-    def _dead(self) -> tuple[str, int] | None:
+    def _dead(self, exclude: int = -1) -> tuple[str, int] | None:
         """(which, exit code) of the first of this node's device processes that has exited."""
         for i, p in enumerate([self.proc, *self.ranks]):
-            if p.poll() is not None:
+            if i != exclude and p.poll() is not None:
                 if self.pp_size > 1:
                     return (f"pipeline stage {i}", p.returncode)
                 return ("device process" if i == 0 else f"tp rank {self.dist.rank + i}", p.returncode)
         return None
 
     def _died(self) -> DeviceProcessError:
+        """The error to raise; a lost connection waits a moment for its process's exit to name it."""
         dead = self._dead()
+        for _ in range(20 if dead is None else 0):
+            time.sleep(0.05)
+            if (dead := self._dead()) is not None:
+                break
         return DeviceProcessError(f"{dead[0]} died (exit code {dead[1]})" if dead is not None
                                   else "lost the connection to the device process")
 
@@ -311,6 +324,12 @@ class ProcessRunner:
             self.shutdown()
         except Exception:
             pass
+
+
+def _peer_pid(conn) -> int:
+    """The process id at the other end of a unix-socket connection (SO_PEERCRED: pid, uid, gid)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 
 
 def _write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
