@@ -6,8 +6,10 @@ stage is an error, not a hang. The FutureMap is poisoned (-1) in these engines: 
 relayed to the first stage raises.
 
 Why bit for bit: a stage boundary passes the hidden states and the native layers' residual as they are, and
-every row's arithmetic is per row (the int8 activation rounding is batch-invariant per row), so splitting the
-layers over stages and the batch into micro-batches changes no bit of a row's logits.
+with GGUF blocks in the int8 mode every row's arithmetic is per row (batch-invariant), so splitting the layers
+over stages and the batch into micro-batches changes no bit of a row's logits: the Q8_0 model's tokens,
+logprobs and prompt logprobs are equal. fp32 weights run the fp32 GEMM, whose sums depend on the batch's
+row count; there the tokens are compared (equal on these prompts), not the logprobs.
 """
 from __future__ import annotations
 
@@ -88,6 +90,30 @@ def test_pp2_and_pp3_equal_pp1(arch, three_layers):
             assert max(depths) == pp                    # the PP loop really kept pp micro-batches in flight
         finally:
             llm.shutdown()
+
+
+def test_sampling_options_equal_pp1(three_layers):
+    """What the last stage serves beside plain sampling: logprobs and prompt logprobs, penalties (their state
+    reads input ids from the last stage's own FutureMap), logit bias, and structured output (its token masks
+    go to the last stage after the launch)."""
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, logit_bias={17: 50.0}, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=40, structured_outputs={"choice": ["alpha", "beta gamma"]})]
+    ps = prompts(4)
+    got = {}
+    for pp in (1, 2):
+        llm = LLM(three_layers["llama-q8_0"], pp_size=pp, **ENGINE)
+        try:
+            llm.engine.config = llm.engine.config.replace(scheduler="overlap")
+            outs = llm.generate(ps, params, use_tqdm=False)
+            assert_no_leaks(llm)
+            got[pp] = [(o.token_ids, o.outputs[0].logprobs, o.prompt_logprobs, o.finish_reason) for o in outs]
+        finally:
+            llm.shutdown()
+    assert got[2] == got[1]
+    assert got[2][3][3] == "stop"                       # the grammar completed
 
 
 def test_smollm2_two_stages_equal_one():
