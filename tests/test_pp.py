@@ -13,13 +13,21 @@ row count; there the tokens are compared (equal on these prompts), not the logpr
 """
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
+import httpx
 import pytest
 
 from conftest import assert_no_leaks
+from server_utils import ServerProcess, assert_error, children, process_tree, sse_events, wait_gone
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.device.pp import stage_layers
 from test_overlap import run_script
+from test_server_lifecycle import runtime_dirs
+from test_tp import LONG, _cmdline
 
 ENGINE = dict(kv_cache_tokens=4096, max_running_requests=16, device_threads=1, poison_future_map=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -190,3 +198,54 @@ def test_killed_stage_is_an_error_not_a_hang(stage, tiny_llama, make_llm):
     for req in list(s.running):
         s.finish(req, "abort")
     s.result_queue.clear()
+
+
+def pp_server(path: str, tmp_path) -> ServerProcess:
+    return ServerProcess(["--model", path, "--pp", "2", "--kv-cache-tokens", "8192", "--device-threads", "1"],
+                         str(tmp_path / "server.log"))
+
+
+def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama, tmp_path):
+    """`tandem serve --pp 2`: frontend, engine and two stage processes; a streamed completion carries PP 1's
+    offline tokens; SIGTERM exits 0 and leaves no process or shared-memory folder."""
+    ref = LLM(tiny_llama, kv_cache_tokens=8192, device_threads=1)
+    try:
+        want = ref.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].text
+    finally:
+        ref.shutdown()
+    srv = pp_server(tiny_llama, tmp_path)
+    pids = process_tree(srv.proc.pid)
+    assert len(pids) == 4, pids                         # frontend, engine, stage 0 and stage 1
+    with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as h:
+        with h.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12,
+                                                       "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    assert wait_gone(pids) == []
+    assert runtime_dirs(*pids) == []
+
+
+def test_pp_stage_death_is_503_and_exit_1(tiny_llama, tmp_path):
+    srv = pp_server(tiny_llama, tmp_path)
+    try:
+        pids = process_tree(srv.proc.pid)
+        stages = [p for p in children(srv.engine_pid()) if b"tandem.device.cpu_process" in _cmdline(p)]
+        assert len(stages) == 2
+        out: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: out.append(
+            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60, trust_env=False)), daemon=True)
+        waiting.start()
+        srv.wait_metric("tandem:num_requests_running", lambda v: v == 1)
+        os.kill(stages[0], signal.SIGKILL)
+        waiting.join(60)
+        assert out, "the request hung after a pipeline stage died"
+        assert_error(out[0], 503)
+        assert srv.wait_exit() == 1, srv.log()
+        assert wait_gone(pids) == []
+        assert runtime_dirs(*pids) == []
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()
