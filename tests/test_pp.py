@@ -108,7 +108,8 @@ def test_sampling_options_equal_pp1(three_layers):
               SamplingParams(temperature=0.7, seed=5, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
                              frequency_penalty=0.2, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, logit_bias={17: 50.0}, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=9, max_tokens=40, structured_outputs={"choice": ["alpha", "beta gamma"]})]
+              SamplingParams(temperature=1.0, seed=9, max_tokens=40,
+                             structured_outputs={"choice": ["alpha", "beta gamma"]})]
     ps = prompts(4)
     got = {}
     for pp in (1, 2):

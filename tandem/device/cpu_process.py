@@ -53,8 +53,8 @@ class DeviceProcessError(RuntimeError):
 
 
 class _SharedBuffers:
-    """`slots` slots (2; pp_size with pipeline stages) each of step input (int64 + float64), sampled ids, logprobs, and grammar token masks (int32
-    rows of mask_width words), in one file in /dev/shm.
+    """`slots` slots (2; pp_size under the PP loop) each of step input (int64 + float64), sampled ids, logprobs,
+    and grammar token masks (int32 rows of mask_width words), in one file in /dev/shm.
 
     Out slot of a step of B rows: ints [B sampled ids | B x MAX_LOGPROBS top ids], floats [B chosen logprobs |
     B x MAX_LOGPROBS top logprobs] (the logprob parts written only when a row asked for them)."""
@@ -175,7 +175,7 @@ class ProcessRunner:
             return
         listener, shm_path = self._listener, self._shm_path
         try:
-            # Stages are numbered in the order they connect (any order will do: each reads its own number).
+            # Stages are numbered in the order they connect (each reads its number from its DistInfo).
             self.conns = []
             for stage in self._stages:
                 self.conns.append(self._accept(listener, self._timeout))
@@ -250,7 +250,7 @@ class ProcessRunner:
         watch = self.conns if watch is None else watch
         while True:
             try:
-                ready = wait(watch, 1.0)
+                ready = wait(watch, 1.0) if len(watch) > 1 else [conn] if conn.poll(1.0) else []
                 for other in (c for c in ready if c is not conn):
                     self._decode(other.recv_bytes(), self.conns.index(other))
                 if conn in ready:
