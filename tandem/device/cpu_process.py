@@ -40,7 +40,7 @@ from ..grammar.compiler import mask_words
 from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
-from .ranks import device_env, rank_device, rank_infos, spawn_rank
+from .ranks import rank_device, rank_infos, spawn_device, spawn_rank
 from .step import StepInput
 from .streams import now
 
@@ -143,15 +143,9 @@ class ProcessRunner:
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
-        env = device_env(device_threads)
-        # pp: one device process per stage (self.proc the first, self.ranks the others; self.conns in stage order).
-        procs = []
-        for _ in range(spec.pp_size):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(device_threads)],
-                env=env, stdin=subprocess.PIPE, close_fds=True))
-            procs[-1].stdin.write(authkey)
-            procs[-1].stdin.close()
+        # pp: one device process per stage (self.proc the first, self.ranks the others, in stage order once
+        # they connect, as self.conns).
+        procs = [spawn_device(sock, shm_path, device_threads, authkey) for _ in range(spec.pp_size)]
         self.proc = procs[0]
         self.dist = None                    # rank 0's DistInfo under tp; the other ranks of this node:
         self.ranks: list[subprocess.Popen] = procs[1:]

@@ -1,7 +1,8 @@
-"""How device ranks are sized and started: their threads, the spec they build from, their environment, and
-the process of a tp rank other than 0. Below both the engine (which starts rank 0 through the ProcessRunner)
-and the device processes (cpu_process.py starts the other ranks of node 0, tp_ranks.py those of node R > 0),
-so the device layer never imports the engine.
+"""How device ranks are sized and started: their threads, the spec they build from, their environment, the
+device processes the scheduler launches into (alone, tp rank 0, or every pipeline stage: spawn_device) and
+the process of a tp rank other than 0 (spawn_rank). Below both the engine (which starts rank 0 through the
+ProcessRunner) and the device processes (cpu_process.py starts the other ranks of node 0, tp_ranks.py those
+of node R > 0), so the device layer never imports the engine.
 """
 from __future__ import annotations
 
@@ -89,6 +90,16 @@ def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_met
     loopback = nnodes == 1 or init_method.startswith(("tcp://127.", "tcp://localhost:"))
     return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback, comm)
             for i in range(per_node)]
+
+
+def spawn_device(sock: str, shm_path: str, threads: int, authkey: bytes) -> subprocess.Popen:
+    """`python -m tandem.device.cpu_process`: a device process the scheduler launches into (alone, tp rank 0,
+    or a pipeline stage), which connects back to the runner's socket with `authkey` (given on its stdin)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(threads)],
+                            env=device_env(threads), stdin=subprocess.PIPE, close_fds=True)
+    proc.stdin.write(authkey)
+    proc.stdin.close()
+    return proc
 
 
 def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
