@@ -42,12 +42,15 @@ def prompts(n: int = 7) -> list[list[int]]:
 
 
 def watch_depth(llm) -> list[int]:
-    """Record how many micro-batches are in flight each time the loop processes the oldest."""
+    """Record how many micro-batches are in flight each time the loop processes the oldest, and check the PP
+    loop's first invariant there: a request rides in at most one in-flight micro-batch."""
     s, depths = llm.engine.scheduler, []
     oldest = s.process_oldest
 
     def process_oldest() -> None:
         depths.append(len(s.result_queue))
+        ids = [id(r) for b, _ in s.result_queue for r in set(b.reqs)]
+        assert len(ids) == len(set(ids)), "a request in two in-flight micro-batches"
         oldest()
     s.process_oldest = process_oldest
     return depths
@@ -78,6 +81,27 @@ def test_stages_split_layers_contiguously_and_evenly():
         got = [list(stage_layers(n, p, s)) for s in range(p)]
         assert sum(got, []) == list(range(n))
         assert max(map(len, got)) - min(map(len, got)) <= 1 and min(map(len, got)) >= 1
+
+
+def test_a_stage_holds_only_its_layers(three_layers):
+    """Built in this process with a stand-in for its PPGroup: each stage's weights, KV cache and the ends it
+    owns (the embedding on the first stage, the final norm, LM head and sampler on the last)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tandem.device.executor import ModelExecutor
+    from tandem.device.ranks import executor_spec
+    from tandem.model.loader import resolve_model
+    config = EngineConfig(model=three_layers["llama"], kv_cache_tokens=64, max_running_requests=2, device="cpu")
+    spec = executor_spec(config, resolve_model(config.model))
+    for stage in (0, 1):
+        pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=stage_layers(3, 2, stage),
+                             device=torch.device("cpu"))
+        ex = ModelExecutor(spec, pp=pp)
+        assert len(ex.model.layers) == ex.kv_cache.num_layers == ex.kv_cache.data.shape[1] == 2 - stage
+        assert (ex.model.embed is not None) == (stage == 0)      # untied embeddings: the head is its own
+        assert (ex.model.lm_head is not None) == (ex.model.final_norm is not None) == ex.samples == (stage == 1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-q8_0"])
