@@ -175,6 +175,9 @@ class Engine:
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
             return True
 
+        # Pipeline stages: "overlap" is the PP loop (the overlap loop at depth pp_size; loops.py), whose pick
+        # keeps a request out of a second in-flight micro-batch: the overlap loop's one-step lag would gather
+        # tokens the last stage has not relayed yet.
         loop = "pp" if self.config.pp_size > 1 and self.config.scheduler == "overlap" else self.config.scheduler
         LOOPS[loop](self.scheduler, idle or until_done)
 
