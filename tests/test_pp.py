@@ -124,6 +124,18 @@ def test_pp2_and_pp3_equal_pp1(arch, three_layers):
             llm.shutdown()
 
 
+def test_torch_kernels_pp2_equals_pp1(three_layers):
+    """kernels="torch": the op-by-op layers (no deferred residual: only the hidden states travel)."""
+    got = {}
+    for pp in (1, 2):
+        llm = LLM(three_layers["qwen2"], pp_size=pp, kernels="torch", **ENGINE)
+        try:
+            got[pp] = outputs(llm, "overlap", prompts(4), GREEDY)
+        finally:
+            llm.shutdown()
+    assert got[2] == got[1]
+
+
 def test_sampling_options_equal_pp1(three_layers):
     """What the last stage serves beside plain sampling: logprobs and prompt logprobs, penalties (their state
     reads input ids from the last stage's own FutureMap), logit bias, and structured output (its token masks
