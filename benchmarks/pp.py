@@ -70,7 +70,7 @@ def main() -> None:
         fig[f"ratio_b{b}"] = fig[f"pp2x1_b{b}"]["tok_s"] / fig[f"pp1x2_b{b}"]["tok_s"]
         # per token: t_pp2 = 1 / tok_s(pp2x1); ideal = t_pp1x1 / 2
         fig[f"bubble_b{b}"] = 1 - fig[f"pp2x1_b{b}"]["tok_s"] / (2 * fig[f"pp1x1_b{b}"]["tok_s"])
-    result = {"model": "SmolLM2-135M-Instruct (default GGUF), int8 activations", "cpu_flags": cpu_flags(),
+    result = {"model": "SmolLM2-135M-Instruct Q4_1 (the default GGUF), int8 activations", "cpu_flags": cpu_flags(),
               "cores": len(os.sched_getaffinity(0)), "rounds": args.rounds, "out": args.out, "figures": fig,
               "load_avg": {"start": load_start, "end": open("/proc/loadavg").read().split()[:3]}}
     print(json.dumps(result, indent=1))

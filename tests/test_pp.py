@@ -162,7 +162,7 @@ def test_sampling_options_equal_pp1(three_layers):
 
 
 def test_smollm2_two_stages_equal_one():
-    """The real model (30 layers: 15 a stage) in the default mode: Q8_0 blocks, int8 activations, bf16 KV."""
+    """The real model (30 layers: 15 a stage) in the default mode: Q4_1 blocks, int8 activations, bf16 KV."""
     ps = [[1, 504, 3458, 282, 4649, 314], [1, 1978, 253, 1346, 563, 2079, 28, 357, 3249], [1] + [2000 + i for i in
                                                                                               range(40)]]
     params = (SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=3, max_tokens=8))
