@@ -12,7 +12,7 @@ from .config import EngineConfig
 # Modules that add a subcommand through add_parser(subparsers); missing ones are skipped.
 SUBCOMMANDS = ("tandem.server.cli", "tandem.trace.cli", "tandem.bench.cli")
 # Short flags beside the field's own (--trace-dir, --tp-size).
-ALIASES = {"trace_dir": ("--trace",), "tp_size": ("--tp",)}
+ALIASES = {"trace_dir": ("--trace",), "tp_size": ("--tp",), "pp_size": ("--pp",)}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

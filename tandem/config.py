@@ -47,6 +47,8 @@ class EngineConfig:
     node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
     tp_comm: str = "auto"               # tp collectives: "auto" (shared memory when all ranks share a host, else gloo), "gloo"
+    # ---- pipeline parallelism (tandem/device/pp.py, the PP loop in tandem/scheduler/loops.py) ----
+    pp_size: int = 1                    # pipeline stages (--pp): the layers split into contiguous stages, one device process each
     # ---- speculative decoding (tandem/speculative, tandem/scheduler/speculative.py) ----
     speculative_config: Any = None      # speculative decoding as JSON/dict in vLLM's names, e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -78,6 +80,26 @@ class EngineConfig:
         self._check_tp()
         from .speculative.config import SpeculativeConfig
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._check_pp()
+
+    def _check_pp(self) -> None:
+        """What pipeline stages cannot serve yet is refused here, before anything starts (the layer count is
+        checked once the model is known: device/pp.py check_pp_size)."""
+        if self.pp_size < 1:
+            raise ValueError(f"pp_size must be >= 1, got {self.pp_size}")
+        if self.pp_size == 1:
+            return
+        if self.tp_size > 1:
+            raise ValueError(f"pp_size {self.pp_size} with tp_size {self.tp_size}: pipeline stages of several "
+                             f"tensor-parallel ranks are not supported yet (use one of the two)")
+        if self.speculative_config is not None:
+            raise ValueError("pp_size > 1 with speculative_config is not supported: a verify step fixes the next "
+                             "step's positions, so its micro-batch could not be followed by another in flight")
+        if self.device_backend == "inline":
+            raise ValueError("pp_size > 1 runs its stages in device processes: device_backend must be 'process' "
+                             "or 'auto', not 'inline'")
+        if self.resolved_device() == "cuda":
+            raise ValueError("pp_size > 1 runs on the CPU device processes only for now (device='cpu')")
 
     def _check_tp(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:
@@ -127,7 +149,7 @@ class EngineConfig:
     def resolved_backend(self) -> str:
         if self.device_backend != "auto":
             return self.device_backend
-        if self.tp_size > 1:
+        if self.tp_size > 1 or self.pp_size > 1:
             return "process"
         return "inline" if self.resolved_device() == "cuda" else "process"
 

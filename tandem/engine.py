@@ -28,6 +28,7 @@ class Engine:
                  poll: Callable[[], None] | None = None) -> None:
         from .model.loader import load_tokenizer, resolve_model
         from .model.shard import check_tp_size
+        from .device.pp import check_pp_size
         if config.node_rank > 0:
             raise ValueError(f"node_rank {config.node_rank} runs only device ranks, no engine: start it with "
                              f"`tandem serve --node-rank {config.node_rank} ...`")
@@ -36,6 +37,7 @@ class Engine:
         self.model_config = self.source.config
         self.model_name = self.source.name
         check_tp_size(self.model_config, config.tp_size, self.model_name)
+        check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name)
         spec = executor_spec(config, self.source)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
@@ -173,7 +175,11 @@ class Engine:
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
             return True
 
-        LOOPS[self.config.scheduler](self.scheduler, idle or until_done)
+        # Pipeline stages: "overlap" is the PP loop (the overlap loop at depth pp_size; loops.py), whose pick
+        # keeps a request out of a second in-flight micro-batch: the overlap loop's one-step lag would gather
+        # tokens the last stage has not relayed yet.
+        loop = "pp" if self.config.pp_size > 1 and self.config.scheduler == "overlap" else self.config.scheduler
+        LOOPS[loop](self.scheduler, idle or until_done)
 
     def stats(self) -> dict:
         return self.scheduler.stats()

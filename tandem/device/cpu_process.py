@@ -12,6 +12,9 @@ surfaces in the scheduler as DeviceProcessError, never a hang.
 
 With tp_size > 1 this process is tp rank 0 (device/tp.py): the runner also starts this node's other ranks
 (device/tp_ranks.py) and watches every one of them; a rank that dies fails the step (DeviceProcessError).
+With pp_size > 1 the runner starts one such process per pipeline stage (device/pp.py): every stage reads the
+step from the shared buffers (one slot per micro-batch in flight), only the last one writes the sampled ids
+and sends "done", and the runner relays those ids to the first stage with the next launch.
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import traceback
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Listener, wait
 
 import numpy as np
 
@@ -36,7 +40,7 @@ from ..grammar.compiler import mask_words
 from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
-from .ranks import device_env, rank_device, rank_infos, spawn_rank
+from .ranks import rank_device, rank_infos, spawn_device, spawn_rank
 from .step import StepInput
 from .streams import now
 
@@ -49,27 +53,28 @@ class DeviceProcessError(RuntimeError):
 
 
 class _SharedBuffers:
-    """Two slots each of step input (int64 + float64), sampled ids, logprobs, and grammar token masks (int32
-    rows of mask_width words), in one file in /dev/shm.
+    """`slots` slots (2; pp_size under the PP loop) each of step input (int64 + float64), sampled ids, logprobs,
+    and grammar token masks (int32 rows of mask_width words), in one file in /dev/shm.
 
     Out slot of a step of B rows: ints [B sampled ids | B x MAX_LOGPROBS top ids], floats [B chosen logprobs |
     B x MAX_LOGPROBS top logprobs] (the logprob parts written only when a row asked for them)."""
 
     def __init__(self, path: str, int_words: int, float_words: int, out_words: int, mask_rows: int,
-                 mask_width: int, create: bool) -> None:
-        self.sizes = (int_words, float_words, out_words, mask_rows, mask_width)
+                 mask_width: int, create: bool, slots: int = 2) -> None:
+        self.sizes = (int_words, float_words, out_words, mask_rows, mask_width, slots)
+        self.slots = slots
         mask_words = (mask_rows * mask_width + 1) // 2
-        nbytes = 8 * 2 * (int_words + float_words + 2 * out_words + mask_words)
+        nbytes = 8 * slots * (int_words + float_words + 2 * out_words + mask_words)
         self._map = runtime_files.map_file(path, nbytes, create)
         o = 0
         self.ints, self.floats, self.outs, self.lp_outs = [], [], [], []
         for lst, words, dt in ((self.ints, int_words, np.int64), (self.floats, float_words, np.float64),
                                (self.outs, out_words, np.int64), (self.lp_outs, out_words, np.float64)):
-            for _ in range(2):
+            for _ in range(slots):
                 lst.append(np.frombuffer(self._map, dtype=dt, count=words, offset=o))
                 o += 8 * words
         self.masks = []
-        for _ in range(2):
+        for _ in range(slots):
             self.masks.append(np.frombuffer(self._map, dtype=np.int32, count=mask_rows * mask_width, offset=o)
                               .reshape(mask_rows, mask_width))
             o += 8 * mask_words
@@ -80,6 +85,7 @@ class ProcessHandle:
         self.step_id = step.step_id
         self._runner, self._buf, self._b = runner, buf, step.batch_size
         self._result: np.ndarray | None = None
+        self._rows = step.rows if runner.pp_size > 1 else None    # the FutureMap relay's rows
         self._span = (0.0, 0.0)
         self.comm_s = 0.0          # the step's time in tp collectives (after wait())
 
@@ -93,6 +99,8 @@ class ProcessHandle:
             *span, self.comm_s = self._runner._wait_done(self.step_id)  # copy_done.wait()
             self._span = tuple(span)
             self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
+            if self._rows is not None:     # the next launch relays them to the first stage (device/pp.py)
+                self._runner.relay.update(zip(self._rows.tolist(), self._result.tolist()))
         return self._result
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,25 +128,30 @@ class ProcessRunner:
         # each), poisoned and grammar rows (<= rows), prefix slots and the penalized rows' prefix ids (<= the
         # prefix slots), logit biases (<= MAX_BIASES a row).
         bias = MAX_BIASES * b
+        self.pp_size = spec.pp_size
+        relay = 2 * (spec.max_running + 1) if spec.pp_size > 1 else 0       # a row and its id, per table row
         int_words = step_mod.HEADER + (len(step_mod.ROW_INTS) + 2) * b + 2 * max_tokens_per_step + \
-            2 * max_prefix_slots + 2 * bias
+            2 * max_prefix_slots + 2 * bias + relay
         float_words = len(step_mod.ROW_FLOATS) * b + bias
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
         out_words = (b + max_tokens_per_step) * (1 + MAX_LOGPROBS)     # sampled rows' part, prompt positions' part
+        # One buffer slot per step in flight: 2 (the overlap loop's k and k-1), pp_size under the PP loop.
         self.buffers = _SharedBuffers(shm_path, int_words, float_words, out_words, b,
-                                      mask_words(spec.source.config.vocab_size), create=True)
+                                      mask_words(spec.source.config.vocab_size), create=True,
+                                      slots=max(2, spec.pp_size))
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
-        env = device_env(device_threads)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(device_threads)],
-            env=env, stdin=subprocess.PIPE, close_fds=True)
-        self.proc.stdin.write(authkey)
-        self.proc.stdin.close()
+        # pp: one device process per stage (self.proc the first, self.ranks the others, in stage order once
+        # they connect, as self.conns).
+        procs = [spawn_device(sock, shm_path, device_threads, authkey) for _ in range(spec.pp_size)]
+        self.proc = procs[0]
         self.dist = None                    # rank 0's DistInfo under tp; the other ranks of this node:
-        self.ranks: list[subprocess.Popen] = []
+        self.ranks: list[subprocess.Popen] = procs[1:]
+        self.relay: dict[int, int] = {}     # pp: request-table row -> id sampled there, not yet relayed
+        self._stages = rank_infos(spec.pp_size, 1, 0, device_threads, f"file://{self._tmp}/pp-store") \
+            if spec.pp_size > 1 else [None]
         if spec.tp_size > 1:
             init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/tp-store"
             self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init, spec.tp_comm)
@@ -156,11 +169,19 @@ class ProcessRunner:
             return
         listener, shm_path = self._listener, self._shm_path
         try:
-            self.conn = self._accept(listener, self._timeout)
-            self.conn.send((self._spec, self.buffers.sizes, self.dist))
-            info = self._recv()
-            if info[0] != "ready":
-                raise DeviceProcessError(f"device process sent {info[0]!r} at start")
+            # Stages are numbered in the order they connect (each reads its number from its DistInfo).
+            self.conns = []
+            for stage in self._stages:
+                self.conns.append(self._accept(listener, self._timeout))
+                self.conns[-1].send((self._spec, self.buffers.sizes, stage if stage else self.dist))
+            self.conn = self.conns[-1]          # the last stage (the only one without pp) sends results
+            if self.pp_size > 1:                # self.proc, self.ranks in stage order, as self.conns
+                by_pid = {p.pid: p for p in [self.proc, *self.ranks]}
+                self.proc, *self.ranks = [by_pid[_peer_pid(c)] for c in self.conns]
+            for conn in self.conns:
+                info = self._recv(conn, [conn])
+                if info[0] != "ready":
+                    raise DeviceProcessError(f"device process sent {info[0]!r} at start")
         except BaseException:
             self.shutdown()
             raise
@@ -192,38 +213,60 @@ class ProcessRunner:
     defers_masks = True       # a step's grammar masks may follow its launch (the device waits before sampling)
 
     def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ProcessHandle:
-        buf = step.step_id % 2
+        # Slot k % slots is rewritten only once step k - slots has been processed: at most `slots` in flight.
+        buf = step.step_id % self.buffers.slots
         if masks is not None:
             self._write_masks(buf, masks)
         step.mask_ready = masks is not None or not len(step.grammar_rows)
+        if self.relay:
+            step.stash_rows = np.fromiter(self.relay.keys(), np.int64, len(self.relay))
+            step.stash_ids = np.fromiter(self.relay.values(), np.int64, len(self.relay))
+            self.relay = {}
         step.pack(self.buffers.ints[buf], self.buffers.floats[buf])
-        self._send(_LAUNCH.pack(b"L", step.step_id, buf))
+        for conn in self.conns:             # every pipeline stage reads the step from the buffers
+            self._send(_LAUNCH.pack(b"L", step.step_id, buf), conn)
         return ProcessHandle(self, step, buf)
 
     def _write_masks(self, buf: int, masks: np.ndarray) -> None:
         self.buffers.masks[buf][:len(masks)] = masks
 
-    def _send(self, msg: bytes) -> None:
+    def _send(self, msg: bytes, conn=None) -> None:
+        """To `conn`, by default the sampling device process (the last stage: grammar masks go there)."""
         try:
-            self.conn.send_bytes(msg)
+            (conn or self.conn).send_bytes(msg)
         except (OSError, EOFError) as e:
             raise self._died() from e
 
-    def _recv(self):
+    def _recv(self, conn=None, watch: list | None = None):
+        """The next message of `conn` (default: the sampling process: the last stage). The other stages of
+        `watch` (default: all) send only to fail: their error is raised here."""
+        conn = conn or self.conn
+        watch = self.conns if watch is None else watch
         while True:
             try:
-                if self.conn.poll(1.0):
-                    msg = self.conn.recv_bytes()
+                ready = wait(watch, 1.0) if len(watch) > 1 else [conn] if conn.poll(1.0) else []
+                for other in (c for c in ready if c is not conn):
+                    self._decode(other.recv_bytes(), self.conns.index(other))
+                if conn in ready:
+                    msg = conn.recv_bytes()
                     break
             except (OSError, EOFError) as e:
                 raise self._died() from e
             if self._dead() is not None:
                 raise self._died()
+        return self._decode(msg, self.conns.index(conn))
+
+    def _decode(self, msg: bytes, sender: int):
         if msg[:1] == b"D":
             _, step_id, start, end, comm = _DONE.unpack(msg)
             return ("done", step_id, start, end, comm)
         kind, payload = pickle.loads(msg)
         if kind == "error":
+            if self.pp_size > 1:            # a stage fails when its neighbour dies: name the one that died
+                time.sleep(0.2)
+                if (dead := self._dead(exclude=sender)) is not None:
+                    raise DeviceProcessError(f"{dead[0]} died (exit code {dead[1]}); pipeline stage {sender} "
+                                             f"then failed: {payload[0].strip().splitlines()[-1]}")
             raise DeviceProcessError(f"device process failed:\n{payload[0]}")
         return (kind, *payload)
 
@@ -233,15 +276,22 @@ class ProcessRunner:
             self._done[sid] = (start, end, comm)
         return self._done.pop(step_id)
 
-    def _dead(self) -> tuple[str, int] | None:
+    def _dead(self, exclude: int = -1) -> tuple[str, int] | None:
         """(which, exit code) of the first of this node's device processes that has exited."""
         for i, p in enumerate([self.proc, *self.ranks]):
-            if p.poll() is not None:
+            if i != exclude and p.poll() is not None:
+                if self.pp_size > 1:
+                    return (f"pipeline stage {i}", p.returncode)
                 return ("device process" if i == 0 else f"tp rank {self.dist.rank + i}", p.returncode)
         return None
 
     def _died(self) -> DeviceProcessError:
+        """The error to raise; a lost connection waits a moment for its process's exit to name it."""
         dead = self._dead()
+        for _ in range(20 if dead is None else 0):
+            time.sleep(0.05)
+            if (dead := self._dead()) is not None:
+                break
         return DeviceProcessError(f"{dead[0]} died (exit code {dead[1]})" if dead is not None
                                   else "lost the connection to the device process")
 
@@ -249,12 +299,12 @@ class ProcessRunner:
         if self._closed:
             return
         self._closed = True
-        try:
-            if hasattr(self, "conn"):
-                self.conn.send_bytes(b"Q")
-                self.conn.close()
-        except (OSError, EOFError):
-            pass
+        for conn in getattr(self, "conns", []):
+            try:
+                conn.send_bytes(b"Q")
+                conn.close()
+            except (OSError, EOFError):
+                pass
         for p in [self.proc, *self.ranks]:   # rank 0 tells the others to quit; a stuck one is killed
             try:
                 p.wait(timeout=10)
@@ -268,6 +318,12 @@ class ProcessRunner:
             self.shutdown()
         except Exception:
             pass
+
+
+def _peer_pid(conn) -> int:
+    """The process id at the other end of a unix-socket connection (SO_PEERCRED: pid, uid, gid)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 
 
 def _write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
@@ -290,15 +346,18 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
-    tp = profile = None
+    tp = pp = profile = None
     try:
         spec, sizes, dist = conn.recv()
-        buffers = _SharedBuffers(shm_path, *sizes, create=False)
+        buffers = _SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
         from .executor import ModelExecutor
-        if dist is not None:               # tp rank 0: join the group, then broadcast every step to it
+        if dist is not None and spec.pp_size > 1:      # a pipeline stage: its layers, p2p to its neighbours
+            from .pp import PPGroup
+            pp = PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
+        elif dist is not None:             # tp rank 0: join the group, then broadcast every step to it
             from .tp import KEEPALIVE_S, TPGroup
             tp = TPGroup(dist, rank_device(spec.device, dist))
-        executor = ModelExecutor(spec, tp=tp)
+        executor = ModelExecutor(spec, tp=tp, pp=pp)
         profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
         conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context,
                                                 tp.transport if tp is not None else None))))
@@ -343,6 +402,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             b = step.batch_size
             with profile.step(b, step.num_tokens) if profile is not None else contextlib.nullcontext():
                 tokens = executor.run_step(step, masks_of(step, buf))
+                if tokens is None:          # a pipeline stage but the last: its hidden states went on
+                    continue
                 buffers.outs[buf][:b] = tokens.cpu().numpy()
             for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
                 if lp is not None:
@@ -359,6 +420,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             profile.write()
         if tp is not None:
             tp.close()
+        if pp is not None:
+            pp.close()
 
 
 if __name__ == "__main__":

@@ -46,11 +46,18 @@ class ExecutorSpec:
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
+    pp_size: int = 1              # pipeline stages (device/pp.py); each executor holds one stage's layers
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device")}
         return {**d, "model": self.source.config.to_dict()}
+
+
+def _stage_layer(name: str) -> int | None:
+    """The layer index of a weight named model.layers.<i>. ..., None for the others (embedding, norm, head)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -71,14 +78,17 @@ def _decode_split(seq_lens: np.ndarray) -> list[int]:
 
 class ModelExecutor:
     """tp: this executor is one rank of a tensor-parallel group (device/tp.py): it holds its shard of the
-    weights and KV heads, and only rank 0 samples (run_step returns None on the others)."""
+    weights and KV heads, and only rank 0 samples (run_step returns None on the others).
+    pp: this executor is one pipeline stage (device/pp.py): its layers' weights and KV cache; only the last
+    stage samples (run_step returns None on the others)."""
 
-    def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None, tp=None) -> None:
+    def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None, tp=None,
+                 pp=None) -> None:
         self.spec = spec
         self.config = spec.source.config
-        self.device = torch.device(spec.device) if tp is None else tp.device
-        self.tp = tp
-        self.samples = tp is None or tp.rank == 0
+        self.device = torch.device(spec.device) if tp is None and pp is None else (tp or pp).device
+        self.tp, self.pp = tp, pp
+        self.samples = (tp is None or tp.rank == 0) and (pp is None or pp.last)
         dtype = _DTYPES[spec.dtype]
         c = self.config
         from ..kernels import use_native
@@ -92,23 +102,26 @@ class ModelExecutor:
         layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)
         if tp is not None:
             state = shard_state(state, c, layout)
+        num_layers = c.num_layers if pp is None else len(pp.layers)
+        if pp is not None:                  # a stage keeps its own layers' weights only
+            state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
         kv_dtype = self.kv_dtype(rounds, dtype)
-        bytes_per_slot = 2 * c.num_layers * layout.kv_heads * c.head_dim * kv_dtype.itemsize
+        bytes_per_slot = 2 * num_layers * layout.kv_heads * c.head_dim * kv_dtype.itemsize
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
             weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
             free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
             num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
-            if tp is not None:              # slot ids come from one scheduler: every rank holds them all
-                num_slots = tp.min_int(num_slots)
+            if tp is not None or pp is not None:   # slot ids come from one scheduler: every rank holds them all
+                num_slots = (tp or pp).min_int(num_slots)
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
-                                int8_act=spec.kernels_act == "int8", tp=tp)
+                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp)
         del state
-        self.kv_cache = PagedKVCache(num_slots, c.num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
+        self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
                                         device=self.device)
@@ -145,7 +158,12 @@ class ModelExecutor:
         rows = self._tensor(step.rows)
         ext = self._tensor(step.extend_lens)
         seq = self._tensor(step.seq_lens)
-        if len(step.poison_rows):
+        reads_ids = self.pp is None or self.pp.first or self.pp.last     # middle stages take hidden states
+        if len(step.stash_rows) and (self.pp is None or self.pp.first):
+            # The FutureMap relay (device/pp.py): ids the last stage sampled, through the host, before the
+            # poison and the gather of this step (the order a single device stashes, poisons and gathers in).
+            self.future_map.stash(self._tensor(step.stash_rows), self._tensor(step.stash_ids))
+        if len(step.poison_rows) and reads_ids:
             self.future_map.poison(self._tensor(step.poison_rows))
         b, t = step.batch_size, step.num_tokens
         tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
@@ -162,7 +180,7 @@ class ModelExecutor:
             self.req_to_token[p_row, p_pos] = self._tensor(step.prefix_slots, torch.int32)
         self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
         input_ids = self._tensor(step.input_ids)
-        if step.use_future.any():
+        if step.use_future.any() and reads_ids:
             # FutureMap read: decode input ids are the tokens the previous step sampled, gathered on the device.
             fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
@@ -173,6 +191,8 @@ class ModelExecutor:
         if penalized:
             self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
         hidden = self.model.final_hidden(input_ids, positions, meta, index)        # [B (+ prompt positions), H]
+        if hidden is None:
+            return None                             # a pipeline stage but the last: sent on to the next
         self.last_prompt_logprobs = None
         if plp is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(plp[1]),

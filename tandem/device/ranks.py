@@ -1,7 +1,8 @@
-"""How device ranks are sized and started: their threads, the spec they build from, their environment, and
-the process of a tp rank other than 0. Below both the engine (which starts rank 0 through the ProcessRunner)
-and the device processes (cpu_process.py starts the other ranks of node 0, tp_ranks.py those of node R > 0),
-so the device layer never imports the engine.
+"""How device ranks are sized and started: their threads, the spec they build from, their environment, the
+device processes the scheduler launches into (alone, tp rank 0, or every pipeline stage: spawn_device) and
+the process of a tp rank other than 0 (spawn_rank). Below both the engine (which starts rank 0 through the
+ProcessRunner) and the device processes (cpu_process.py starts the other ranks of node 0, tp_ranks.py those
+of node R > 0), so the device layer never imports the engine.
 """
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ def default_device_threads(params: int | None = None) -> int:
 
 
 def rank_threads(config: EngineConfig, model_config) -> int:
-    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks."""
+    """Torch threads of each device rank: device_threads, or this node's default split over its tp ranks
+    (or its pipeline stages)."""
     if config.device_threads:
         return config.device_threads
-    return max(1, default_device_threads(num_params(model_config)) // (config.tp_size // config.nnodes))
+    ranks = config.tp_size // config.nnodes * config.pp_size
+    return max(1, default_device_threads(num_params(model_config)) // ranks)
 
 
 def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
@@ -68,7 +71,7 @@ def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
         kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
         kv_cache_dtype=config.kv_cache_dtype, shared_prefix_attention=config.shared_prefix_attention,
         poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
-        tp_size=config.tp_size, tp_comm=config.tp_comm,
+        tp_size=config.tp_size, tp_comm=config.tp_comm, pp_size=config.pp_size,
         max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
 
 
@@ -87,6 +90,16 @@ def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_met
     loopback = nnodes == 1 or init_method.startswith(("tcp://127.", "tcp://localhost:"))
     return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback, comm)
             for i in range(per_node)]
+
+
+def spawn_device(sock: str, shm_path: str, threads: int, authkey: bytes) -> subprocess.Popen:
+    """`python -m tandem.device.cpu_process`: a device process the scheduler launches into (alone, tp rank 0,
+    or a pipeline stage), which connects back to the runner's socket with `authkey` (given on its stdin)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(threads)],
+                            env=device_env(threads), stdin=subprocess.PIPE, close_fds=True)
+    proc.stdin.write(authkey)
+    proc.stdin.close()
+    return proc
 
 
 def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:

@@ -13,7 +13,7 @@ ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed
             "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
-            "bias_rows", "bias_ids")
+            "bias_rows", "bias_ids", "stash_rows", "stash_ids")
 VAR_FLOATS = ("bias_vals",)
 HEADER = 2 + len(VAR_INTS) + len(VAR_FLOATS)
 
@@ -69,6 +69,10 @@ class StepInput:
     # Speculative decoding (tandem/speculative/verify.py): k at the head row of a request verifying k drafts
     # (its k draft rows follow it, same table row, host input ids), -1 at a draft row, 0 at a plain row.
     draft_lens: np.ndarray = None     # [B]
+    # Pipeline parallelism (device/pp.py): the FutureMap relay. Rows and the ids the last stage sampled for
+    # them in steps the host has waited for since the last launch; the first stage stashes them first.
+    stash_rows: np.ndarray = None     # [R]
+    stash_ids: np.ndarray = None      # [R]
 
     def __post_init__(self) -> None:
         b = len(self.rows)

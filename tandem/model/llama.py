@@ -106,16 +106,20 @@ class LlamaModel:
     tp: a tensor-parallel rank (device/tp.py): `state` is this rank's shard (model/shard.py); o and down
     partial sums and the vocab-parallel embedding are all-reduced, the LM head's vocab shards gathered on
     rank 0 (other ranks' forward returns None).
+    pp: a pipeline stage (device/pp.py): only its layers (pp.layers), the embedding on the first stage, the
+    final norm and LM head on the last; final_hidden receives and sends (hidden, residual) at the stage's ends
+    and returns None on every stage but the last.
     """
 
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False, int8_act: bool = False, tp=None) -> None:
+                 native: bool = False, int8_act: bool = False, tp=None, pp=None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.native = native
-        self.tp = tp
+        self.tp, self.pp = tp, pp
+        first, last = pp is None or pp.first, pp is None or pp.last
         c = config
         lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
         self.layout = lay
@@ -127,7 +131,8 @@ class LlamaModel:
                 return t if native else t.dequantize().to(device=self.device, dtype=dtype)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")                    # [V, hidden] (or its blocks)
+        self.embed = (w("model.embed_tokens.weight")                   # [V, hidden] (or its blocks)
+                      if first or (last and c.tie_word_embeddings) else None)
         def lin(weight: Weight, bias: torch.Tensor | None = None) -> "Linear | QLinear":
             return linear(weight, bias, int8_act)
 
@@ -135,13 +140,13 @@ class LlamaModel:
             t = w(name)
             return t + c.norm_offset if c.norm_offset else t
 
-        self.lm_head = lin(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
-        self.final_norm = norm("model.norm.weight")
+        self.lm_head = lin(self.embed if c.tie_word_embeddings else w("lm_head.weight")) if last else None
+        self.final_norm = norm("model.norm.weight") if last else None
         # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
         self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
         self.scale = c.attn_scale
         self.layers = []
-        for i in range(c.num_layers):
+        for i in range(c.num_layers) if pp is None else pp.layers:     # self.layers[j]: KV cache layer j
             p = f"model.layers.{i}."
             qkv = cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -230,11 +235,31 @@ class LlamaModel:
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
                      index: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; index: [N] flat token indices. The final-normed hidden states there:
-        [N, hidden], for logits() (which callers may apply to a few rows at a time)."""
+        [N, hidden], for logits() (which callers may apply to a few rows at a time); None on a pipeline stage
+        but the last (it sent its hidden states on)."""
         c = self.config
-        x = self._embed(input_ids)                                      # [T, hidden]
+        if self.pp is None or self.pp.first:
+            x, delta = self._embed(input_ids), None                     # [T, hidden]
+        elif self.native:
+            x, delta = self.pp.recv_hidden((2, input_ids.shape[0], c.hidden_size), self.dtype).unbind(0)
+        else:
+            x, delta = self.pp.recv_hidden((input_ids.shape[0], c.hidden_size), self.dtype), None
         if self.native:
-            return self._forward_native(x, positions, meta, index)
+            x, delta = self._forward_native(x, delta, positions, meta)
+        else:
+            x = self._forward_torch(x, positions, meta)
+        if self.pp is not None and not self.pp.last:
+            # To the next stage: the hidden states, and the native layers' residual still to be added.
+            self.pp.send_hidden(x if delta is None else torch.stack([x, delta]))
+            return None
+        x = x if delta is None else x + delta
+        if self.native:
+            return torch.ops.tandem.rms_norm(x[index], self.final_norm, c.rms_norm_eps)   # [N, hidden]
+        return rms_norm(x[index], self.final_norm, c.rms_norm_eps)
+
+    def _forward_torch(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """The layers op by op in torch (kernels="torch"): x [T, hidden] in, the residual stream out."""
+        c = self.config
         tables = {}                                                     # cos/sin at the positions, per table
         for i, layer in enumerate(self.layers):
             cos_t, sin_t = self._rope(layer)
@@ -261,17 +286,17 @@ class LlamaModel:
             if c.sandwich_norm:
                 h = rms_norm(h, layer["post_mlp_norm"], c.rms_norm_eps)
             x = x + h
-        return rms_norm(x[index], self.final_norm, c.rms_norm_eps)          # [N, hidden]
+        return x
 
-    def _forward_native(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                        index: torch.Tensor) -> torch.Tensor:
+    def _forward_native(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                        meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
         RoPE in place on the fused qkv, SiLU x up, and a pure decode step's K/V write + attention in one op
         (decode_attention_qkv_): a batch-1 decode step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer
-        (was ~1,765)."""
+        (was ~1,765). Returns (x, delta): the residual add of the last layer is still to do (delta None
+        only before a first layer)."""
         c, ops = self.config, torch.ops.tandem
         eps = c.rms_norm_eps
-        delta = None                                                    # the residual add still to do
         decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
         fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
         for i, layer in enumerate(self.layers):
@@ -310,8 +335,7 @@ class LlamaModel:
             delta = self._reduce(layer["down"](act))
             if c.sandwich_norm:
                 delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
-        x = x + delta
-        return ops.rms_norm(x[index], self.final_norm, eps)             # [N, hidden]
+        return x, delta
 
     def _decode_layer(self, i: int, layer: dict, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
                       meta: AttentionMeta) -> torch.Tensor:

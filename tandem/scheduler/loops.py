@@ -18,6 +18,18 @@ The speculative branch (scheduler/speculative.py) changes *what host truth a pic
 drafts is picked from host truth (pick processes the pending result first), and the step after it is picked
 only once it has been processed (pick_batch), because its accepted counts fix the next positions, seeds and KV
 slots. So in the overlap loop a drafting step runs serially; steps in which nobody drafts keep the lag.
+
+The PP loop (pp_size P > 1, device/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
+per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
+in-flight micro-batch, and it takes at most 1/P of the decoding requests (pick.py). So a request waits for
+its micro-batch k to be processed before it rides again, which gives the invariants:
+  - a request is in at most one in-flight micro-batch (host state of a request never lags: no token dropped);
+  - the tokens sampled for micro-batch k reach the first stage's FutureMap before any micro-batch that needs
+    them launches: the last stage samples, the host waits for k, and the runner relays k's ids with the next
+    launch (cpu_process.ProcessRunner.launch_step), stashed before that step's gather;
+  - memory is freed only when no in-flight micro-batch can still read it (Scheduler.finish states why).
+The serial loop also serves pp_size > 1 (each step processed before the next launch); with pp_size 1 the
+serial and overlap loops run as they always did.
 """
 from __future__ import annotations
 
@@ -70,4 +82,29 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
                 return
 
 
-LOOPS = {"serial": event_loop_serial, "overlap": event_loop_overlap}
+def event_loop_pp(s: Scheduler, idle: Callable[[], bool]) -> None:
+    rec, queue, depth = s.recorder, s.result_queue, s.config.pp_size
+    while True:
+        mark = rec.appended
+        with rec.span("recv"):
+            s.recv_requests()
+        batch = None
+        if len(queue) < depth:
+            with rec.span("pick"):
+                batch = pick_batch(s)                 # only requests in no in-flight micro-batch
+        if batch is not None and batch.needs_previous:
+            s.process_pending()
+        if batch is not None:
+            with rec.span("launch", batch.step_id):
+                queue.append((batch, s.launch_step(batch)))
+        # Up to `depth` micro-batches in flight: process the oldest once the pipeline is full, or when nothing
+        # more could be picked (its requests wait for it; no result waits for new traffic).
+        if len(queue) >= depth or (batch is None and queue):
+            s.process_oldest()
+        elif batch is None:
+            rec.drop_since(mark)
+            if not idle():
+                return
+
+
+LOOPS = {"serial": event_loop_serial, "overlap": event_loop_overlap, "pp": event_loop_pp}

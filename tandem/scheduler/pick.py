@@ -5,6 +5,10 @@ runs out of KV slots.
 Host state may lag the device by one step (overlap loop): lengths here are `allocated`, which counts the
 in-flight step's KV slot, `filled`, which counts launched prefill chunks, and `num_launched`, which counts
 the in-flight token.
+
+Pipeline parallelism (pp_size > 1, the PP loop): a micro-batch is picked only from requests in no in-flight
+micro-batch (Scheduler.in_flight; a started prefill's next chunk waits too), and takes at most 1/pp_size of
+the decoding requests, so that pp_size micro-batches of about equal size keep every stage busy.
 """
 from __future__ import annotations
 
@@ -80,7 +84,8 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         s.end(s.waiting.popleft(), "length")
     chunks: list[Chunk] = []
     tokens = 0
-    started = [r for r in s.running if r.prefilling and not r.aborted]
+    busy = s.in_flight() if s.config.pp_size > 1 else set()
+    started = [r for r in s.running if r.prefilling and not r.aborted and id(r) not in busy]
     # Arrivals go first for one step, once per chunk of a started prefill: a short request behind a long prompt
     # waits for the chunk in flight, not also for the next chunk in the step that would carry it.
     aside = bool(s.waiting) and bool(started) and not any(r.stood_aside for r in started)
@@ -189,8 +194,13 @@ def _alloc_decode(s: "Scheduler", reqs: list[Req], drafts: dict[Req, list[int]] 
 def _decode_candidates(s: "Scheduler") -> list[Req]:
     # A request whose launched tokens already reach its limit finishes when batch k-1 is processed; one
     # still prefilling joins decode after its last chunk.
-    return [r for r in s.running
+    reqs = [r for r in s.running
             if not r.aborted and not r.prefilling and r.num_launched < r.max_new_tokens()]
+    if s.config.pp_size == 1:
+        return reqs
+    busy = s.in_flight()                  # pipeline: at most one in-flight micro-batch per request
+    share = -(-len(reqs) // s.config.pp_size)
+    return [r for r in reqs if id(r) not in busy][:share]
 
 
 def _prompt_lp(c: Chunk) -> int:

@@ -98,9 +98,13 @@ class Scheduler:
             self.waiting.remove(req)
             self.end(req, "abort")
 
+    def in_flight(self) -> set[int]:
+        """ids of the requests in a launched, unprocessed step (PP: at most one micro-batch each, pick.py)."""
+        return {id(r) for b, _ in self.result_queue for r in b.reqs}
+
     def finish_idle_aborts(self) -> None:
         """Finish aborted running requests that no launched, unprocessed step holds."""
-        in_flight = {id(r) for b, _ in self.result_queue for r in b.reqs}
+        in_flight = self.in_flight()
         for req in [r for r in self.running if r.aborted and id(r) not in in_flight]:
             self.end(req, "abort")
 
@@ -139,6 +143,11 @@ class Scheduler:
         launch queues behind batch k on the device (one forward stream; one device process that runs steps
         in order), so a freed slot or row, or a cached slot that is evicted, is rewritten only by steps that
         run after batch k's writes and reads.
+
+        Pipeline stages (the PP loop): several micro-batches are in flight, but a request rides in at most
+        one, so once micro-batch k is processed none in flight still reads or writes its request's slots or
+        row; and every stage runs micro-batches in launch order, so a slot handed to a later launch (freed,
+        or evicted from the cache) is rewritten on each stage after every in-flight micro-batch there.
         """
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason

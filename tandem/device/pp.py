@@ -1,0 +1,92 @@
+"""Pipeline parallelism: the model's layers cut into pp_size contiguous stages, one device process each,
+joined by torch.distributed (gloo on CPU, NCCL on CUDA: the same calls).
+
+What each stage holds: its own layers' weights and KV cache (every KV slot, for its layers only). The
+**first** stage also holds the embedding, the **last** the final norm, the LM head and the sampler (with
+tied embeddings the last stage keeps the embedding matrix as its LM head).
+
+A step travels like this: the scheduler writes the step into the shared step buffers and sends the launch to
+every stage; each stage reads the step itself (no step broadcast), builds its attention layout, and
+  first stage:  embed -> its layers -> send (hidden, residual) to stage 1
+  stage s:      recv (hidden, residual) from s-1 -> its layers -> send to s+1
+  last stage:   recv -> its layers -> final norm, LM head, sample -> sampled ids into the shared out buffer,
+                then the "done" message to the scheduler (copy_done).
+The residual travels because the native layers defer the residual add into the next norm (llama.py's
+`delta`): sending both keeps every row's arithmetic the same as with one stage.
+
+FutureMap relay: the last stage samples and stashes into its own FutureMap (its penalties read input ids);
+the first stage's FutureMap learns the sampled ids through the host: the runner keeps the ids of every
+result it has waited for and sends them with the next launch (StepInput.stash_rows / stash_ids), stashed
+before that step's poison and gather. The PP loop (scheduler/loops.py) launches a micro-batch only with
+requests whose previous micro-batch was processed, so what it gathers has been relayed. Middle stages read
+no ids.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from .ranks import DistInfo
+
+TIMEOUT_S = 600.0          # rendezvous of all stages, and any single send or recv
+
+
+def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
+    """Layers of `stage`: contiguous, as even as possible, the first stages one longer where they do not
+    split evenly (30 layers over 4 stages: 8, 8, 7, 7)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def check_pp_size(num_layers: int, pp_size: int, name: str = "the model") -> None:
+    """A clear ValueError before anything starts when the layers do not give every stage one."""
+    if pp_size > num_layers:
+        raise ValueError(f"pp_size {pp_size} does not fit {name}: it has {num_layers} layers, and every "
+                         f"pipeline stage needs at least one (pp sizes that fit it: 1..{num_layers})")
+
+
+class PPGroup:
+    """One stage's place in the pipeline and its point-to-point sends of hidden states."""
+
+    def __init__(self, info: DistInfo, device: torch.device, num_layers: int) -> None:
+        if info.loopback:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.size,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        self.rank, self.size, self.device = info.rank, info.size, device
+        self.layers = stage_layers(num_layers, info.size, info.rank)
+        self.first, self.last = info.rank == 0, info.rank == info.size - 1
+        self._sends: list = []            # (work, tensor) of the sends in flight: the tensor lives until sent
+
+    def send_hidden(self, x: torch.Tensor) -> None:
+        """To the next stage, without waiting for it to receive (it may still run the previous step); the
+        previous send is completed first, so at most one is in flight and tensors are freed in order."""
+        for work, _ in self._sends:
+            work.wait()
+        x = x.contiguous()
+        self._sends = [(dist.isend(x, self.rank + 1), x)]
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(x, self.rank - 1)
+        return x
+
+    def min_int(self, v: int) -> int:
+        t = torch.tensor([v], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def close(self) -> None:
+        try:
+            for work, _ in self._sends:
+                work.wait()
+        except RuntimeError:
+            pass
+        self._sends = []
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,288 @@
+"""Pipeline parallelism (issue 20): PP 2 and PP 3 give PP 1's tokens bit for bit, greedy and seeded, under the
+PP loop and the serial loop, on tiny Llama and Qwen2 (fp32 weights, and Q8_0 GGUF blocks in the default int8
+activation mode) and on the real SmolLM2 (30 layers, 2 stages); retraction and aborts with micro-batches in
+flight leave no leaked slot or row; what stages cannot serve is refused before anything starts; a killed
+stage is an error, not a hang. The FutureMap is poisoned (-1) in these engines: a gather of an entry never
+relayed to the first stage raises.
+
+Why bit for bit: a stage boundary passes the hidden states and the native layers' residual as they are, and
+with GGUF blocks in the int8 mode every row's arithmetic is per row (batch-invariant), so splitting the layers
+over stages and the batch into micro-batches changes no bit of a row's logits: the Q8_0 model's tokens,
+logprobs and prompt logprobs are equal. fp32 weights run the fp32 GEMM, whose sums depend on the batch's
+row count; there the tokens are compared (equal on these prompts), not the logprobs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from conftest import assert_no_leaks
+from server_utils import ServerProcess, assert_error, children, process_tree, sse_events, wait_gone
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.device.pp import stage_layers
+from test_overlap import run_script
+from test_server_lifecycle import runtime_dirs
+from test_tp import LONG, _cmdline
+
+ENGINE = dict(kv_cache_tokens=4096, max_running_requests=16, device_threads=1, poison_future_map=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+
+
+def prompts(n: int = 7) -> list[list[int]]:
+    """Prompts of different lengths (decode rows of different lengths share a micro-batch), one past a
+    300-token prefill."""
+    return [[3 + (7 * i + 5 * j) % 40000 for j in range(4 + 9 * i)] for i in range(n - 1)] + \
+        [[5 + j % 3000 for j in range(300)]]
+
+
+def watch_depth(llm) -> list[int]:
+    """Record how many micro-batches are in flight each time the loop processes the oldest, and check the PP
+    loop's first invariant there: a request rides in at most one in-flight micro-batch."""
+    s, depths = llm.engine.scheduler, []
+    oldest = s.process_oldest
+
+    def process_oldest() -> None:
+        depths.append(len(s.result_queue))
+        ids = [id(r) for b, _ in s.result_queue for r in set(b.reqs)]
+        assert len(ids) == len(set(ids)), "a request in two in-flight micro-batches"
+        oldest()
+    s.process_oldest = process_oldest
+    return depths
+
+
+def outputs(llm, loop: str, ps, params) -> list[list[int]]:
+    llm.engine.config = llm.engine.config.replace(scheduler=loop)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert_no_leaks(llm)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """3-layer tiny models (PP 3 needs a layer a stage): fp32 Llama, fp32 Qwen2, and the Llama as Q8_0 GGUF
+    blocks, which the default kernels_act="int8" runs through the int8 activation path."""
+    from tiny_models import make_tiny_model, write_tiny_gguf
+    llama = make_tiny_model(tmp_path_factory.mktemp("pp-llama"), "llama", num_hidden_layers=3)
+    qwen2 = make_tiny_model(tmp_path_factory.mktemp("pp-qwen2"), "qwen2", num_hidden_layers=3)
+    q8 = write_tiny_gguf(tmp_path_factory.mktemp("pp-q8") / "tiny-q8_0.gguf", llama, quant="Q8_0")
+    return {"llama": llama, "qwen2": qwen2, "llama-q8_0": q8}
+
+
+def test_stages_split_layers_contiguously_and_evenly():
+    assert [list(stage_layers(30, 4, s)) for s in range(4)] == \
+        [list(range(0, 8)), list(range(8, 16)), list(range(16, 23)), list(range(23, 30))]
+    for n, p in ((3, 3), (3, 2), (30, 2), (7, 5)):
+        got = [list(stage_layers(n, p, s)) for s in range(p)]
+        assert sum(got, []) == list(range(n))
+        assert max(map(len, got)) - min(map(len, got)) <= 1 and min(map(len, got)) >= 1
+
+
+def test_a_stage_holds_only_its_layers(three_layers):
+    """Built in this process with a stand-in for its PPGroup: each stage's weights, KV cache and the ends it
+    owns (the embedding on the first stage, the final norm, LM head and sampler on the last)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tandem.device.executor import ModelExecutor
+    from tandem.device.ranks import executor_spec
+    from tandem.model.loader import resolve_model
+    config = EngineConfig(model=three_layers["llama"], kv_cache_tokens=64, max_running_requests=2, device="cpu")
+    spec = executor_spec(config, resolve_model(config.model))
+    for stage in (0, 1):
+        pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=stage_layers(3, 2, stage),
+                             device=torch.device("cpu"))
+        ex = ModelExecutor(spec, pp=pp)
+        assert len(ex.model.layers) == ex.kv_cache.num_layers == ex.kv_cache.data.shape[1] == 2 - stage
+        assert (ex.model.embed is not None) == (stage == 0)      # untied embeddings: the head is its own
+        assert (ex.model.lm_head is not None) == (ex.model.final_norm is not None) == ex.samples == (stage == 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-q8_0"])
+def test_pp2_and_pp3_equal_pp1(arch, three_layers):
+    path, ps = three_layers[arch], prompts()
+    ref = LLM(path, **ENGINE)
+    try:
+        refs = {name: outputs(ref, "overlap", ps, p) for name, p in (("greedy", GREEDY), ("seeded", SEEDED))}
+    finally:
+        ref.shutdown()
+    for pp in (2, 3):
+        llm = LLM(path, pp_size=pp, **ENGINE)
+        try:
+            depths = watch_depth(llm)
+            for loop in ("overlap", "serial"):          # "overlap" runs the PP loop when pp_size > 1
+                for name, p in (("greedy", GREEDY), ("seeded", SEEDED)):
+                    assert outputs(llm, loop, ps, p) == refs[name], (pp, loop, name)
+            assert max(depths) == pp                    # the PP loop really kept pp micro-batches in flight
+        finally:
+            llm.shutdown()
+
+
+def test_torch_kernels_pp2_equals_pp1(three_layers):
+    """kernels="torch": the op-by-op layers (no deferred residual: only the hidden states travel)."""
+    got = {}
+    for pp in (1, 2):
+        llm = LLM(three_layers["qwen2"], pp_size=pp, kernels="torch", **ENGINE)
+        try:
+            got[pp] = outputs(llm, "overlap", prompts(4), GREEDY)
+        finally:
+            llm.shutdown()
+    assert got[2] == got[1]
+
+
+def test_sampling_options_equal_pp1(three_layers):
+    """What the last stage serves beside plain sampling: logprobs and prompt logprobs, penalties (their state
+    reads input ids from the last stage's own FutureMap), logit bias, and structured output (its token masks
+    go to the last stage after the launch)."""
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, logit_bias={17: 50.0}, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=40,
+                             structured_outputs={"choice": ["alpha", "beta gamma"]})]
+    ps = prompts(4)
+    got = {}
+    for pp in (1, 2):
+        llm = LLM(three_layers["llama-q8_0"], pp_size=pp, **ENGINE)
+        try:
+            llm.engine.config = llm.engine.config.replace(scheduler="overlap")
+            outs = llm.generate(ps, params, use_tqdm=False)
+            assert_no_leaks(llm)
+            got[pp] = [(o.token_ids, o.outputs[0].logprobs, o.prompt_logprobs, o.finish_reason) for o in outs]
+        finally:
+            llm.shutdown()
+    assert got[2] == got[1]
+    assert got[2][3][3] == "stop"                       # the grammar completed
+
+
+def test_smollm2_two_stages_equal_one():
+    """The real model (30 layers: 15 a stage) in the default mode: Q4_1 blocks, int8 activations, bf16 KV."""
+    ps = [[1, 504, 3458, 282, 4649, 314], [1, 1978, 253, 1346, 563, 2079, 28, 357, 3249], [1] + [2000 + i for i in
+                                                                                              range(40)]]
+    params = (SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=3, max_tokens=8))
+    got = {}
+    for pp in (1, 2):
+        llm = LLM(pp_size=pp, device_threads=1, kv_cache_tokens=2048, max_running_requests=8, poison_future_map=True)
+        try:
+            got[pp] = [outputs(llm, "overlap", ps, p) for p in params]
+        finally:
+            llm.shutdown()
+    assert got[2] == got[1]
+
+
+def test_retraction_with_micro_batches_in_flight(tiny_llama, make_llm):
+    """A KV cache too small for all requests: PP 2 retracts (host truth first: every micro-batch in flight
+    is processed) and resumes them, with the outputs of a cache that holds them all, and no leak."""
+    ps = [[7 + i] * (20 + 3 * i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = [o.token_ids for o in make_llm(tiny_llama, kv_cache_tokens=8192).generate(ps, params, use_tqdm=False)]
+    small = make_llm(tiny_llama, pp_size=2, kv_cache_tokens=300, device_threads=1)
+    depths = watch_depth(small)
+    for loop in ("overlap", "serial"):
+        assert outputs(small, loop, ps, params) == big
+        assert small.engine.scheduler.retractions > 0
+    assert max(depths) == 2
+
+
+def test_aborts_with_micro_batches_in_flight(tiny_llama, make_llm):
+    """Aborts arrive while both micro-batches are in flight: the aborted requests end at once or when their
+    micro-batch is processed, the others keep their tokens, nothing leaks (run_script checks)."""
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    initial = [(name, [5 + i] * (8 + 3 * i), greedy) for i, name in enumerate("abcdef")]
+    one = make_llm(tiny_llama)
+    full = run_script(one, "overlap", initial, {})
+    llm = make_llm(tiny_llama, pp_size=2, device_threads=1)
+    depths = watch_depth(llm)
+    out = run_script(llm, "overlap", initial, {4: [("abort", "b")], 7: [("abort", "c"), ("abort", "f")]})
+    assert max(depths) == 2
+    for label in "ade":
+        assert out[label] == full[label]
+    for label in "bcf":
+        toks, reason = out[label]
+        assert reason == "abort" and toks == full[label][0][:len(toks)] and len(toks) < 30
+
+
+def test_what_stages_cannot_serve_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match=r"pp_size 3 does not fit .*it has 2 layers.*1\.\.2"):
+        LLM(tiny_llama, pp_size=3, device_threads=1)
+    with pytest.raises(ValueError, match="pp_size 2 with tp_size 2.*not supported"):
+        EngineConfig(pp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="pp_size > 1 with speculative_config is not supported"):
+        EngineConfig(pp_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="device_backend must be 'process' or 'auto'"):
+        EngineConfig(pp_size=2, device_backend="inline")
+    with pytest.raises(ValueError, match="pp_size must be >= 1"):
+        EngineConfig(pp_size=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_killed_stage_is_an_error_not_a_hang(stage, tiny_llama, make_llm):
+    """Stage 0 (its neighbour's recv fails: the error names the stage that died) or the sampling stage."""
+    from tandem.device.cpu_process import DeviceProcessError
+    llm = make_llm(tiny_llama, pp_size=2, device_threads=1)
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    runner = llm.engine.runner
+    (runner.proc if stage == 0 else runner.ranks[0]).kill()
+    with pytest.raises(DeviceProcessError, match=f"pipeline stage {stage} died"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    s = llm.engine.scheduler                            # the engine is unusable now: clean books for the check
+    for req in list(s.running):
+        s.finish(req, "abort")
+    s.result_queue.clear()
+
+
+def pp_server(path: str, tmp_path) -> ServerProcess:
+    return ServerProcess(["--model", path, "--pp", "2", "--kv-cache-tokens", "8192", "--device-threads", "1"],
+                         str(tmp_path / "server.log"))
+
+
+def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama, tmp_path):
+    """`tandem serve --pp 2`: frontend, engine and two stage processes; a streamed completion carries PP 1's
+    offline tokens; SIGTERM exits 0 and leaves no process or shared-memory folder."""
+    ref = LLM(tiny_llama, kv_cache_tokens=8192, device_threads=1)
+    try:
+        want = ref.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].text
+    finally:
+        ref.shutdown()
+    srv = pp_server(tiny_llama, tmp_path)
+    pids = process_tree(srv.proc.pid)
+    assert len(pids) == 4, pids                         # frontend, engine, stage 0 and stage 1
+    with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as h:
+        with h.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12,
+                                                       "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    assert wait_gone(pids) == []
+    assert runtime_dirs(*pids) == []
+
+
+def test_pp_stage_death_is_503_and_exit_1(tiny_llama, tmp_path):
+    srv = pp_server(tiny_llama, tmp_path)
+    try:
+        pids = process_tree(srv.proc.pid)
+        stages = [p for p in children(srv.engine_pid()) if b"tandem.device.cpu_process" in _cmdline(p)]
+        assert len(stages) == 2
+        out: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: out.append(
+            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60, trust_env=False)), daemon=True)
+        waiting.start()
+        srv.wait_metric("tandem:num_requests_running", lambda v: v == 1)
+        os.kill(stages[0], signal.SIGKILL)
+        waiting.join(60)
+        assert out, "the request hung after a pipeline stage died"
+        assert_error(out[0], 503)
+        assert srv.wait_exit() == 1, srv.log()
+        assert wait_gone(pids) == []
+        assert runtime_dirs(*pids) == []
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()
