@@ -65,6 +65,10 @@ class Scheduler:
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_accepted_hist: dict[int, int] = {}
+        # The overlap loop's assumption (speculative.py): drafting picks made while the request's previous step
+        # was in flight, and requests whose in-flight rows were dropped because it failed.
+        self.spec_ahead_drafts = 0
+        self.spec_ahead_dropped = 0
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def recv_requests(self) -> None:
@@ -172,6 +176,7 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         req.kv_committed = 0
         req.num_launched = len(req.output_ids)
+        req.spec_guess, req.spec_stale = [], False      # nothing in flight; its re-prefill writes the FutureMap
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
@@ -272,6 +277,8 @@ class Scheduler:
             owned += self.cache.all_slots()
         for req in self._live.values():
             owned += req.slots[req.cached_len:]
+        for batch, _ in self.result_queue:
+            owned += batch.release             # dropped speculative rows' slots, freed once that step is waited for
         assert sorted(owned) == list(range(self.kv.num_slots)), "KV slot ownership is not a partition"
 
     def take_freed_rows(self) -> np.ndarray:

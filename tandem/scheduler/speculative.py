@@ -4,13 +4,24 @@ run becomes host truth (process results).
 A speculating request's k drafts ride as k extra decode rows right after its own (StepInput.draft_lens); the
 device samples every row as the plain path samples that output position, and verify.py's rule keeps s_0..s_a.
 
-Loop invariant (enforced in pick_batch and propose): a step that carries drafts is picked and launched only when
-no step is in flight (host truth is current), and no step is picked after it until it has been processed. So
-under the overlap loop a speculative step runs like a serial one: the host knows every request's accepted
-count before it computes the next step's positions, seeds and KV slots, no finished request ever rides in a
-speculative step, and the KV slots of rejected drafts are freed only after the step that wrote them was waited
-for (no in-flight step can touch them). Requests that do not draft (adaptive off, grammar rows, batch
-above disable_by_batch_size) keep the one-step lag.
+The one-step lag (overlap loop): step k+1 is picked before step k is processed. A request r whose step k
+verifies drafts d_1..d_k is picked in k+1 on an assumption: its run in k is accepted whole and its bonus token
+is the n-gram's continuation c (the token that followed the matched text after d_k), s_0..s_k = d_1..d_k, c.
+Req.spec_guess holds the assumed tokens (-1 where none is assumed: a plain row's token, or a bonus when the
+match ends at d_k). So k+1 gives r the positions, seed positions and KV slots of the assumed lengths; its head
+row reads the FutureMap (s_a: c when the assumption holds); its drafts are proposed from fill_ids() + spec_guess
+where no entry is -1 (else host truth is fetched first: propose). Processing step k tells whether it held
+(follow): if so r's rows in k+1 stand as they are; if not they are dropped (Batch.dropped: never appended, like
+a finished request riding in a step), r is back at host truth and picked from it again at once, its next head
+row taking its last token from the host (the FutureMap row holds the dropped row's token: Req.spec_stale).
+
+KV invariant (enforced in follow): the slots of rejected drafts and of dropped rows are freed only when no
+in-flight step can still touch them: after the last in-flight step of r was waited for (Batch.release, freed in
+process_results), or at once when the step just processed was r's last one launched.
+
+Picked only from host truth (pick_batch processes the pending step first, so such a step runs serially): a
+request with an in-flight drafting step that is penalized (the device's penalty counts of a dropped row cannot be
+undone) or speculates with a draft model (its cache follows host truth). Grammar rows never draft.
 """
 from __future__ import annotations
 
@@ -41,6 +52,26 @@ def may_draft(req: Req) -> bool:
     return req.grammar is None and req.params.structured_outputs is None
 
 
+def assumable(s: "Scheduler", req: Req) -> bool:
+    """May be picked while its drafting step is in flight, on the assumption of the docstring above."""
+    p, cfg = req.params, s.config.speculative_config
+    return cfg is not None and cfg.method == "ngram" and not (
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+
+
+def must_sync(s: "Scheduler") -> bool:
+    """An in-flight step drafts for a request that may not be picked on an assumption (pick_batch then
+    processes the pending steps first)."""
+    return any(k > 0 and r not in b.dropped and not r.finished and not assumable(s, r)
+               for b, _ in s.result_queue if b.speculative for r, k in zip(b.reqs, b.step.draft_lens))
+
+
+def left(req: Req) -> int:
+    """Drafts a step may still carry for req: its rows sample output positions up to max_tokens - 1 (the
+    positions of its in-flight tokens, assumed or not, come first)."""
+    return req.max_new_tokens() - len(req.output_ids) - len(req.spec_guess) - 1
+
+
 def acceptance(req: Req) -> float:
     """Estimated chance that a draft is accepted given the ones before it were: accepted drafts over draft
     trials (accepted + the first rejected one), both as EMAs over the request's verified runs."""
@@ -54,7 +85,7 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     not pay (then a probe draft after PROBE_EVERY steps, the gap doubling while probes fail, re-measures it).
     Never past max_tokens."""
     cfg = s.config.speculative_config
-    limit = req.max_new_tokens() - len(req.output_ids) - 1
+    limit = left(req)
     p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1))
     k = 0
     while k < cfg.num_speculative_tokens and p ** (k + 1) > cost:
@@ -68,44 +99,52 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     return max(0, min(k, limit))
 
 
-def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
-    """The decode candidates (re-read if host truth had to be brought up to date) and their drafts."""
+def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[int]], dict[Req, int]]:
+    """The decode candidates (re-read if host truth had to be brought up to date), their drafts, and the
+    n-gram's continuation after each request's last draft (the bonus token a later pick assumes)."""
     cfg = s.config.speculative_config
     if cfg is None or len(reqs) > cfg.disable_by_batch_size or s.max_draft_rows == 0:
-        return reqs, {}
+        return reqs, {}, {}
     want = {r: k for r in reqs if may_draft(r) and (k := draft_len(s, r, len(reqs))) > 0}
     if not want:
-        return reqs, {}              # nobody drafts: the overlap loop keeps its one-step lag
-    if s.result_queue:
-        s.process_pending()          # the invariant above: drafts are proposed from host truth
+        return reqs, {}, {}          # nobody drafts: the overlap loop keeps its one-step lag
+    if any(r.spec_guess and (-1 in r.spec_guess or cfg.method != "ngram") for r in want):
+        # A drafting request whose in-flight tokens are not assumed (a plain row's, a bonus the n-gram had no
+        # continuation for; the draft model follows host truth): its drafts are proposed from host truth.
+        s.process_pending()
         from .pick import _decode_candidates
         reqs = _decode_candidates(s)
     drafts: dict[Req, list[int]] = {}
+    bonus: dict[Req, int] = {}
     room = min(s.max_draft_rows, s.available() - len(reqs), MAX_VERIFY_ROWS - len(reqs))   # slots and rows
     with s.recorder.span("propose"):
         if cfg.method == "draft_model" and s.drafter is not None:
             asked = {}
             for req in reqs:
-                k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
+                k = min(want.get(req, 0), room, left(req))
                 if k >= 1:
                     asked[req] = k
                     room -= k
-            return reqs, s.drafter.propose(asked)
+            return reqs, s.drafter.propose(asked), {}
         for req in reqs:
-            k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
+            k = min(want.get(req, 0), room, left(req))
             if k < 1:
                 continue
-            d = propose_ngram(req.fill_ids(), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            d = propose_ngram(req.fill_ids() + req.spec_guess, k + 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if d:
-                drafts[req] = d
-                room -= len(d)
+                drafts[req] = d[:k]
+                if len(d) > k:
+                    bonus[req] = d[k]
+                room -= len(drafts[req])
+                if req.spec_guess:
+                    s.spec_ahead_drafts += 1          # drafted while its previous step is in flight
             else:
                 if req.spec_probing:  # a probe that found nothing to propose failed too
                     req.spec_probing = False
                     req.spec_probe_gap = min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
                 if s.config.scheduler == "overlap":
-                    _update(req, 0, 1)    # a miss cost the overlap (host truth was fetched for nothing)
-    return reqs, drafts
+                    _update(req, 0, 1)    # a miss in the overlap loop: its next drafts wait for host truth
+    return reqs, drafts, bonus
 
 
 def _update(req: Req, accepted: int, trials: int) -> None:
@@ -114,13 +153,7 @@ def _update(req: Req, accepted: int, trials: int) -> None:
 
 
 def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
-    """A verified run of `k` drafts, `accepted` of them kept: free the KV slots of the rejected ones (the step
-    that wrote them has been waited for, and no other step is in flight: the invariant above), and count."""
-    rejected = k - accepted
-    if rejected:
-        s.kv.free(req.slots[-rejected:])
-        del req.slots[-rejected:]
-    req.filled = req.kv_committed = req.allocated
+    """Count a verified run of `k` drafts, `accepted` of them kept (its KV slots: follow)."""
     s.spec_draft_tokens += k
     s.spec_accepted_tokens += accepted
     s.spec_accepted_hist[accepted] = s.spec_accepted_hist.get(accepted, 0) + 1
@@ -128,3 +161,26 @@ def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
     if req.spec_probing:               # a probe: back off while they fail, back to the first gap once one pays
         req.spec_probing = False
         req.spec_probe_gap = PROBE_EVERY if accepted else min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
+
+
+def follow(s: "Scheduler", req: Req, k: int, run: list[int]) -> None:
+    """A processed row's run s_0..s_a (k drafts; a plain row: k = 0, one token) against what the later in-flight
+    steps of req assumed (spec_guess). Held: they stand. Failed: their rows of req are dropped, and req is back
+    at host truth. The KV slots past the run (rejected drafts, dropped rows) go: the invariant above."""
+    a = len(run) - 1
+    guess, req.spec_guess = req.spec_guess[:k + 1], req.spec_guess[k + 1:]
+    n = k - a                                # slots past the run: the rejected drafts', then any dropped row's
+    if req.spec_guess and not (a == k and all(g < 0 or g == t for g, t in zip(guess, run))):
+        later = [b for b, _ in s.result_queue if req in b.reqs and req not in b.dropped]
+        for b in later:
+            b.dropped.add(req)
+        n += len(req.spec_guess)             # one slot per in-flight token
+        later[-1].release.extend(req.slots[-n:])     # freed once the last step that may touch them was waited for
+        req.spec_guess, req.spec_stale = [], True
+        s.spec_ahead_dropped += 1
+    elif n:
+        s.kv.free(req.slots[-n:])            # no later step of req in flight: the step that wrote them was waited for
+    if n:
+        del req.slots[-n:]
+        req.num_launched -= n
+    req.filled = req.kv_committed = req.allocated
