@@ -158,3 +158,22 @@ def test_real_model_quoting_picks_ahead():
         assert total["ahead"] > total["runs"] // 2 > 0 and total["dropped"] > 0
     finally:
         llm.shutdown()
+
+
+def test_data_parallel_replicas_speculate_and_change_nothing(tiny_llama):
+    """dp_size 2: each replica process speculates (the real n-gram proposer, on prompts that repeat themselves);
+    greedy and seeded outputs equal one engine without speculation."""
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [12, 13] * 9, [14, 15, 16, 17, 18] * 4]
+    params = [greedy(24, ignore_eos=True), SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)] * 2
+    ref = LLM(tiny_llama, scheduler="overlap")
+    try:
+        want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    finally:
+        ref.shutdown()
+    llm = LLM(tiny_llama, dp_size=2, scheduler="overlap", poison_future_map=True, speculative_config=SPEC)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        st = llm.stats()
+        assert st["spec_draft_tokens"] > 0 and st["num_running"] == 0
+    finally:
+        llm.shutdown()

@@ -175,7 +175,10 @@ def follow(s: "Scheduler", req: Req, k: int, run: list[int]) -> None:
         for b in later:
             b.dropped.add(req)
         n += len(req.spec_guess)             # one slot per in-flight token
-        later[-1].release.extend(req.slots[-n:])     # freed once the last step that may touch them was waited for
+        if later:
+            later[-1].release.extend(req.slots[-n:])     # freed once the last step that may touch them was waited for
+        else:
+            s.kv.free(req.slots[-n:])
         req.spec_guess, req.spec_stale = [], True
         s.spec_ahead_dropped += 1
     elif n:
