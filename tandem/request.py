@@ -68,6 +68,7 @@ class Req:
     # n-gram's continuation after the last draft), -1 where nothing is assumed. fill_ids() + spec_guess is the
     # text a step picked now continues, if every in-flight run is accepted whole.
     spec_guess: list[int] = field(default_factory=list)
+    spec_hold: float = 1.0                 # EMA of its drafting runs that held what a pick ahead assumes
     spec_stale: bool = False               # its FutureMap row holds a dropped step's token: the next head row
                                            # takes its last token from the host
     arrival_time: float = field(default_factory=time.perf_counter)

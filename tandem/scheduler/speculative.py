@@ -21,7 +21,8 @@ process_results), or at once when the step just processed was r's last one launc
 
 Picked only from host truth (pick_batch processes the pending step first, so such a step runs serially): a
 request with an in-flight drafting step that is penalized (the device's penalty counts of a dropped row cannot be
-undone) or speculates with a draft model (its cache follows host truth). Grammar rows never draft.
+undone), speculates with a draft model (its cache follows host truth), or whose runs seldom hold (a failed pick
+ahead costs more than the wait: AHEAD_MIN_HOLD). Grammar rows never draft.
 """
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ ROW_COST = 0.2
 # Rows a verify step carries at most: up to here the native decode path keeps its few-row kernels (the quantized
 # linear computes rows in-kernel up to 96, SiLU x up is the native op up to 64 rows), as a plain decode step does.
 MAX_VERIFY_ROWS = 64
+# Picking a request ahead pays only if its in-flight run is likely to hold: a held pick saves the device the host's
+# processing of the step (h), a failed one wastes the request's rows of the next step (for one request, the step:
+# T). So a request is picked ahead while its estimated hold rate (an EMA over its drafting runs, from 1) is at
+# least 1 - h / T; h / T measured: the serial loop's device idle with speculation, SmolLM2-135M Q4_1, 2 cores,
+# 5.9-6.6 % (benchmarks/results/speculative_overlap.md). Erring on the side of waiting: with more requests a failed
+# pick wastes only the request's rows, a wait the whole batch's h.
+AHEAD_MIN_HOLD = 0.94
 
 
 def may_draft(req: Req) -> bool:
@@ -53,9 +61,10 @@ def may_draft(req: Req) -> bool:
 
 
 def assumable(s: "Scheduler", req: Req) -> bool:
-    """May be picked while its drafting step is in flight, on the assumption of the docstring above."""
+    """May be picked while its drafting step is in flight, on the assumption of the docstring above (and while
+    that assumption pays: AHEAD_MIN_HOLD)."""
     p, cfg = req.params, s.config.speculative_config
-    return cfg is not None and cfg.method == "ngram" and not (
+    return cfg is not None and cfg.method == "ngram" and req.spec_hold >= AHEAD_MIN_HOLD and not (
         p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
 
 
@@ -169,8 +178,11 @@ def follow(s: "Scheduler", req: Req, k: int, run: list[int]) -> None:
     at host truth. The KV slots past the run (rejected drafts, dropped rows) go: the invariant above."""
     a = len(run) - 1
     guess, req.spec_guess = req.spec_guess[:k + 1], req.spec_guess[k + 1:]
+    held = a == k and all(g < 0 or g == t for g, t in zip(guess, run))
+    if k and guess[k] >= 0:                  # a run a drafting pick could have been made ahead of
+        req.spec_hold = (1 - EMA_WEIGHT) * req.spec_hold + EMA_WEIGHT * held
     n = k - a                                # slots past the run: the rejected drafts', then any dropped row's
-    if req.spec_guess and not (a == k and all(g < 0 or g == t for g, t in zip(guess, run))):
+    if req.spec_guess and not held:
         later = [b for b, _ in s.result_queue if req in b.reqs and req not in b.dropped]
         for b in later:
             b.dropped.add(req)
