@@ -309,6 +309,8 @@ class Scheduler:
             "prefix_cache_hits": self.prefix_hits,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_ahead_drafts": self.spec_ahead_drafts,      # drafting picks made while its previous step ran
+            "spec_ahead_dropped": self.spec_ahead_dropped,    # picks ahead whose assumption failed
             # verified runs that accepted a drafts, one flat key per a (replicas' stats are summed key by key)
             **{f"spec_accepted_len_{a}": n for a, n in sorted(self.spec_accepted_hist.items())},
         }
