@@ -20,8 +20,9 @@ bonus token, so positions, seeds, KV slots and the next drafts follow the assume
 the FutureMap as plain decode rows do. Rule: processing batch k checks the assumption; where it failed, that
 request's rows in every later in-flight batch are dropped (like a finished request riding in a step), it is
 picked again from host truth, and their KV slots are freed only once the last in-flight batch that may touch
-them was waited for. Penalized and draft-model requests are not picked on an assumption: a drafting step of
-theirs is processed before the next pick, so it runs serially, like a grammar row's mask in the inline runner.
+them was waited for. Penalized and draft-model requests, and those whose runs seldom hold (a failed pick costs
+a step, a wait only the host's share of one), are not picked on an assumption: a drafting step of theirs is
+processed before the next pick, so it runs serially, like a grammar row's mask in the inline runner.
 """
 from __future__ import annotations
 

@@ -179,7 +179,7 @@ def follow(s: "Scheduler", req: Req, k: int, run: list[int]) -> None:
     a = len(run) - 1
     guess, req.spec_guess = req.spec_guess[:k + 1], req.spec_guess[k + 1:]
     held = a == k and all(g < 0 or g == t for g, t in zip(guess, run))
-    if k and guess[k] >= 0:                  # a run a drafting pick could have been made ahead of
+    if k and len(guess) > k and guess[k] >= 0:    # a run a drafting pick could have been made ahead of
         req.spec_hold = (1 - EMA_WEIGHT) * req.spec_hold + EMA_WEIGHT * held
     n = k - a                                # slots past the run: the rejected drafts', then any dropped row's
     if req.spec_guess and not held:
