@@ -81,6 +81,9 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
                                   len(req.prompt_ids), len(req.output_ids),
                                   num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
                                   prompt_logprobs=prompt_lp))
+    if s.drafter is not None and not batch.is_prefill:
+        start, end = handle.device_span                  # the draft model's cost is priced against this (speculative.py)
+        s.decode_step_s = (end - start) if s.decode_step_s is None else 0.8 * s.decode_step_s + 0.2 * (end - start)
     if batch.release:
         s.kv.free(batch.release)       # this step, the last that could touch them, has been waited for
         batch.release = []

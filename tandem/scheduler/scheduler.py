@@ -62,6 +62,7 @@ class Scheduler:
         # engine), drafts verified, drafts accepted, and verified runs by their accepted drafts.
         self.max_draft_rows = 0
         self.drafter = None                 # the draft model (speculative_config method "draft_model")
+        self.decode_step_s: float | None = None     # EMA of a decode step's device time, while a drafter runs
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_accepted_hist: dict[int, int] = {}

@@ -92,10 +92,10 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     row costs in tokens of the plain step, ROW_COST * B / (1 + ROW_COST * (B - 1)) at B decode requests (one row's
     time at the plain step's rate). So k shrinks as acceptance falls or the batch grows, and is 0 once drafts do
     not pay (then a probe draft after PROBE_EVERY steps, the gap doubling while probes fail, re-measures it).
-    Never past max_tokens."""
+    With a draft model each draft also costs a draft step (draft_cost). Never past max_tokens."""
     cfg = s.config.speculative_config
     limit = left(req)
-    p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1))
+    p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1)) + draft_cost(s)
     k = 0
     while k < cfg.num_speculative_tokens and p ** (k + 1) > cost:
         k += 1
@@ -106,6 +106,16 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     else:
         req.spec_skipped = 0
     return max(0, min(k, limit))
+
+
+def draft_cost(s: "Scheduler") -> float:
+    """What drafting one more token with the draft model costs, in tokens of the plain step: one draft step
+    (shared by the batch's drafting requests, as a target step is shared by its rows) over one target decode step,
+    both measured (EMAs of the draft steps' wall time and of the target decode steps' device time); 0 for n-gram."""
+    d = s.drafter
+    if d is None or d.step_s is None or not s.decode_step_s:
+        return 0.0
+    return d.step_s / s.decode_step_s
 
 
 def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[int]], dict[Req, int]]:
