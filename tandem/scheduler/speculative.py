@@ -127,7 +127,8 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
     want = {r: k for r in reqs if may_draft(r) and (k := draft_len(s, r, len(reqs))) > 0}
     if not want:
         return reqs, {}, {}          # nobody drafts: the overlap loop keeps its one-step lag
-    if any(r.spec_guess and (-1 in r.spec_guess or cfg.method != "ngram") for r in want):
+    blind = {r for r in want if r.spec_guess and (-1 in r.spec_guess or cfg.method != "ngram")}
+    if blind:
         # A drafting request whose in-flight tokens are not assumed (a plain row's, a bonus the n-gram had no
         # continuation for; the draft model follows host truth): its drafts are proposed from host truth.
         s.process_pending()
@@ -161,8 +162,8 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
                 if req.spec_probing:  # a probe that found nothing to propose failed too
                     req.spec_probing = False
                     req.spec_probe_gap = min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
-                if s.config.scheduler == "overlap":
-                    _update(req, 0, 1)    # a miss in the overlap loop: its next drafts wait for host truth
+                if req in blind:
+                    _update(req, 0, 1)    # a miss that cost the overlap (host truth was fetched for nothing)
     return reqs, drafts, bonus
 
 
