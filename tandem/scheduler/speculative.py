@@ -162,8 +162,6 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
                 if req.spec_probing:  # a probe that found nothing to propose failed too
                     req.spec_probing = False
                     req.spec_probe_gap = min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
-                if req in blind:
-                    _update(req, 0, 1)    # a miss that cost the overlap (host truth was fetched for nothing)
     return reqs, drafts, bonus
 
 
