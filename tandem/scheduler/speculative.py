@@ -48,8 +48,8 @@ MAX_VERIFY_ROWS = 64
 # Picking a request ahead pays only if its in-flight run is likely to hold: a held pick saves the device the host's
 # processing of the step (h), a failed one wastes the request's rows of the next step (for one request, the step:
 # T). So a request is picked ahead while its estimated hold rate (an EMA over its drafting runs, from 1) is at
-# least 1 - h / T; h / T measured: the serial loop's device idle with speculation, SmolLM2-135M Q4_1, 2 cores,
-# 5.9-6.6 % (benchmarks/results/speculative_overlap.md). Erring on the side of waiting: with more requests a failed
+# least 1 - h / T; h / T measured: the serial loop's device idle with speculation, SmolLM2-135M Q4_1, 2 shared
+# cores, 4-7 % (benchmarks/results/speculative_overlap.md). Erring on the side of waiting: with more requests a failed
 # pick wastes only the request's rows, a wait the whole batch's h.
 AHEAD_MIN_HOLD = 0.94
 
