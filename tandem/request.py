@@ -63,6 +63,14 @@ class Req:
     spec_skipped: int = 0
     spec_probe_gap: int = 16               # steps without drafts before a probe draft (doubles while probes fail)
     spec_probing: bool = False             # its current draft is a probe
+    # The overlap loop's assumption (scheduler/speculative.py): one entry per output token its launched but
+    # unprocessed steps sample (len == num_launched - len(output_ids)), the token assumed there (a draft, or the
+    # n-gram's continuation after the last draft), -1 where nothing is assumed. fill_ids() + spec_guess is the
+    # text a step picked now continues, if every in-flight run is accepted whole.
+    spec_guess: list[int] = field(default_factory=list)
+    spec_hold: float = 1.0                 # EMA of its drafting runs that held what a pick ahead assumes
+    spec_stale: bool = False               # its FutureMap row holds a dropped step's token: the next head row
+                                           # takes its last token from the host
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

@@ -309,3 +309,24 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     req.spec_acc = 0.95
     req.output_ids = [5] * 98
     assert spec_mod.draft_len(s, req, 1) == 1                         # one output left after this step's own
+
+
+def test_adaptive_k_prices_the_draft_model_step(spec_llm):
+    """With a draft model each draft also costs a draft step, as measured against the target's decode step: a
+    draft a tenth of the target still drafts where acceptance is high, one as costly as the target never does."""
+    from types import SimpleNamespace
+    from tandem.request import Req
+    s = spec_llm.engine.scheduler
+    configure(spec_llm, "serial", True)
+    req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
+    req.spec_acc, req.spec_trials = 0.9, 1.0
+    assert spec_mod.draft_len(s, req, 1) == 4 and spec_mod.draft_len(s, req, 8) == 3     # 0.9^3 > 0.67 at 8
+    s.drafter, s.decode_step_s = SimpleNamespace(step_s=0.001), 0.010
+    try:
+        assert spec_mod.draft_cost(s) == pytest.approx(0.1)
+        assert spec_mod.draft_len(s, req, 1) == 4                      # 0.9^4 = 0.66 > 0.2 + 0.1
+        assert spec_mod.draft_len(s, req, 8) == 2                      # 0.9^3 = 0.73 < 0.67 + 0.1
+        s.drafter.step_s = 0.010
+        assert spec_mod.draft_len(s, req, 1) == 0                      # a draft step costs a whole target step
+    finally:
+        s.drafter, s.decode_step_s = None, None

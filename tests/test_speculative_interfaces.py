@@ -126,6 +126,11 @@ def test_bench_report_renders():
     md = render(out)
     assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % |" in md
     assert "0.990x" in md
+    out["tpot_ms"]["a_quote"]["tandem spec overlap, always ahead"] = 10.0
+    out["loops"] = {"a_quote": {r: {"device_idle": 0.05, "decode_steps": 30, "ahead": 20, "dropped": 2}
+                                for r in ("tandem spec serial", "tandem spec overlap",
+                                          "tandem spec overlap, always ahead")}}
+    assert "| a_quote | 5.0 % | 30 | 20 / 2 | 5.0 % | 30 | 20 / 2 | 5.0 % | 30 | 20 / 2 | 10.00 |" in render(out)
 
 
 @pytest.fixture(scope="module")

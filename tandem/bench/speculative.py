@@ -17,6 +17,7 @@ import statistics
 import time
 
 from tandem import LLM, SamplingParams
+from tandem.scheduler import speculative as spec_mod
 
 PASSAGE = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin "
            "nuzzled into his breast in an effort to escape the vile wind, slipped quickly through the glass doors "
@@ -37,6 +38,7 @@ WORKLOADS = {
     "c_open_ended": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a "
                                                  "message in a bottle."}],
 }
+ALWAYS_AHEAD = "tandem spec overlap, always ahead"      # AHEAD_MIN_HOLD 0: every drafting step picked ahead
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
@@ -116,18 +118,29 @@ def bench_speculative(args: argparse.Namespace) -> dict:
     spec_stats: dict[str, dict] = {}
     idle: dict[str, float] = {}
     tandem_runs = {"tandem spec off": ("overlap", False), "tandem spec overlap": ("overlap", True),
-                   "tandem spec serial": ("serial", True)}
+                   "tandem spec serial": ("serial", True), ALWAYS_AHEAD: ("overlap", True)}
+    loops: dict[str, dict[str, dict]] = {}          # per workload and speculating run: idle, steps, picks ahead
+    hold = spec_mod.AHEAD_MIN_HOLD
     for name, ids in prompts.items():
         tandem_tpot(llm, ids, 4)                       # warm the prefix cache the same way for every tandem run
         for _ in range(args.rounds):
             for peer, (loop, on) in tandem_runs.items():
                 llm.engine.config = llm.engine.config.replace(scheduler=loop, speculative_config=spec if on else None)
                 llm.engine.recorder.clear()
-                t, delta = tandem_tpot(llm, ids, n)
+                spec_mod.AHEAD_MIN_HOLD = 0.0 if peer == ALWAYS_AHEAD else hold
+                try:
+                    t, delta = tandem_tpot(llm, ids, n)
+                finally:
+                    spec_mod.AHEAD_MIN_HOLD = hold
                 tpot.setdefault(name, {}).setdefault(peer, []).append(t)
                 if peer == "tandem spec overlap":
                     spec_stats[name] = delta
                     idle[name] = device_idle(llm)
+                if on:
+                    loops.setdefault(name, {})[peer] = {
+                        "device_idle": device_idle(llm), "ahead": delta.get("spec_ahead_drafts", 0),
+                        "dropped": delta.get("spec_ahead_dropped", 0),
+                        "decode_steps": sum(1 for d in llm.engine.recorder.devices if not d.is_prefill)}
             for peer, model in peers.items():
                 tpot[name].setdefault(peer, []).append(llama_tpot(model, ids, n))
         print(name, {k: round(1e3 * statistics.median(v), 2) for k, v in tpot[name].items()}, flush=True)
@@ -155,7 +168,7 @@ def bench_speculative(args: argparse.Namespace) -> dict:
     return {"output_len": n, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
             "throughput_requests": args.throughput_requests, "skipped": skipped,
             "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in tpot.items()},
-            "spec_stats": spec_stats, "device_idle_overlap": idle, "draft_model": args.draft_model,
+            "spec_stats": spec_stats, "device_idle_overlap": idle, "loops": loops, "draft_model": args.draft_model,
             "draft_stats": draft_stats,
             "throughput_tok_s": {k: statistics.median(v) for k, v in tp.items()}}
 
@@ -194,6 +207,22 @@ def render(out: dict) -> str:
                      f"{spec / d['tandem spec off']:.2f}x | {spec / best:.2f}x | "
                      f"{acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} | "
                      f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % |")
+    if out.get("loops"):
+        runs = ("tandem spec serial", "tandem spec overlap", ALWAYS_AHEAD)
+        lines += ["", "Drafting steps in the loops (last round): device idle over the decode forwards, decode steps "
+                      "for the output, drafting steps picked while the previous one ran (ahead) and of those dropped "
+                      f"(the assumption failed). Overlap: picked ahead while a request's runs hold "
+                      f"(AHEAD_MIN_HOLD); always ahead: AHEAD_MIN_HOLD 0.", "",
+                  "| workload | " + " | ".join(f"{r[len('tandem spec '):]} {c}" for r in runs
+                                              for c in ("idle", "steps", "ahead / dropped")) + " | always ahead TPOT ms |",
+                  "|---" * (3 * len(runs) + 2) + "|"]
+        for w, d in out["loops"].items():
+            cells = []
+            for r in runs:
+                x = d.get(r, {})
+                cells += [f"{100 * x.get('device_idle', 0):.1f} %", str(x.get("decode_steps", "-")),
+                          f"{x.get('ahead', 0)} / {x.get('dropped', 0)}"]
+            lines.append(f"| {w} | " + " | ".join(cells) + f" | {out['tpot_ms'][w].get(ALWAYS_AHEAD, float('nan')):.2f} |")
     if out.get("draft_stats"):
         lines += ["", f"Draft model `{out['draft_model']}` (method draft_model, overlap loop; the target as its own "
                       "draft only shows coupled draws at work: it costs a second forward of the same size):", "",

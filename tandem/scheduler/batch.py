@@ -1,7 +1,7 @@
 """A picked batch: the requests of one step and the StepInput sent to the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..device.step import StepInput
 from ..request import Req
@@ -19,10 +19,15 @@ class Batch:
     num_decode: int = 0
     needs_previous: bool = False      # overlap: process batch k-1 before launching this one
     masks_pending: bool = False       # the grammar branch: its token masks follow the launch (grammar.py)
+    # The speculative branch under the overlap loop (scheduler/speculative.py): requests whose rows here were
+    # picked on an assumption that failed (their results are dropped), and KV slots freed once this step has
+    # been waited for (the last in-flight step that may touch them).
+    dropped: set = field(default_factory=set)
+    release: list = field(default_factory=list)
 
     @property
     def speculative(self) -> bool:
-        """Carries draft rows (scheduler/speculative.py): no step is picked before it is processed."""
+        """Carries draft rows (scheduler/speculative.py)."""
         return bool((self.step.draft_lens > 0).any())
 
     @property

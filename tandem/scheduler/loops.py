@@ -14,10 +14,15 @@ overlap loop batch k+1 is launched at once (its forward runs while the host work
 right after batch k is processed (Scheduler.process_oldest); the device waits for them only before
 sampling. A runner that samples within its launch (the inline one) processes batch k first instead.
 
-The speculative branch (scheduler/speculative.py) changes *what host truth a pick needs*: a step that carries
-drafts is picked from host truth (pick processes the pending result first), and the step after it is picked
-only once it has been processed (pick_batch), because its accepted counts fix the next positions, seeds and KV
-slots. So in the overlap loop a drafting step runs serially; steps in which nobody drafts keep the lag.
+The speculative branch (scheduler/speculative.py) changes *what a pick assumes*: batch k+1 is picked while
+batch k still verifies drafts, assuming each of its runs is accepted whole with the n-gram's continuation as
+bonus token, so positions, seeds, KV slots and the next drafts follow the assumed text and the head rows read
+the FutureMap as plain decode rows do. Rule: processing batch k checks the assumption; where it failed, that
+request's rows in every later in-flight batch are dropped (like a finished request riding in a step), it is
+picked again from host truth, and their KV slots are freed only once the last in-flight batch that may touch
+them was waited for. Penalized and draft-model requests, and those whose runs seldom hold (a failed pick costs
+a step, a wait only the host's share of one), are not picked on an assumption: a drafting step of theirs is
+processed before the next pick, so it runs serially, like a grammar row's mask in the inline runner.
 
 The PP loop (pp_size P > 1, device/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
 per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
@@ -66,7 +71,7 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
         with rec.span("recv"):
             s.recv_requests()
         with rec.span("pick"):
-            batch = pick_batch(s)                     # host state lags one step (not past a speculative step)
+            batch = pick_batch(s)                     # host state lags one step (drafts: assumed accepted)
         if batch is not None and batch.needs_previous:
             s.process_pending()
         if batch is not None:

@@ -42,9 +42,9 @@ class Chunk:
 
 
 def pick_batch(s: "Scheduler") -> Batch | None:
-    if any(b.speculative for b, _ in s.result_queue):
-        # A step picked after a speculative one needs its accepted counts: they fix every later position,
-        # seed and KV slot of its rows (the invariant of scheduler/speculative.py).
+    if speculative.must_sync(s):
+        # A step picked after a speculative one assumes its runs are accepted whole (scheduler/speculative.py);
+        # a request that may not be picked on that assumption needs its accepted count first.
         s.process_pending()
     s.finish_idle_aborts()
     if s.grammars is not None:
@@ -177,10 +177,10 @@ def pick_decode(s: "Scheduler") -> Batch | None:
         reqs = _retract(s, _decode_candidates(s))
         if not reqs:
             return None
-    reqs, drafts = speculative.propose(s, reqs)       # drafts only where their KV slots are there
+    reqs, drafts, bonus = speculative.propose(s, reqs)       # drafts only where their KV slots are there
     if not reqs:
         return None
-    return _make_batch(s, [], _alloc_decode(s, reqs, drafts), drafts)
+    return _make_batch(s, [], _alloc_decode(s, reqs, drafts), drafts, bonus)
 
 
 def _alloc_decode(s: "Scheduler", reqs: list[Req], drafts: dict[Req, list[int]] | None = None) -> list[Req]:
@@ -271,7 +271,7 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
 
 
 def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
-                drafts: dict[Req, list[int]] | None = None) -> Batch:
+                drafts: dict[Req, list[int]] | None = None, bonus: dict[Req, int] | None = None) -> Batch:
     """Decode rows first, shortest first (one token each, input id from the FutureMap), then prefill chunks
     (host ids). A request with drafts (speculative.py) has k + 1 decode rows: its own, then one per draft
     (host id, the next position and seed position, the next of its KV slots; draft_lens marks them).
@@ -281,18 +281,25 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
     the FutureMap is never read (the next chunk takes host ids; the last chunk overwrites it before any
     decode step gathers it).
     """
-    drafts = drafts or {}
+    drafts, bonus = drafts or {}, bonus or {}
     decode = sorted(decode, key=lambda r: r.allocated)    # shortest first: the device groups rows by length
     rows_of = [(r, j) for r in decode for j in range(1 + len(drafts.get(r, ())))]   # (request, row in its run)
+    # A head row whose FutureMap row holds a dropped row's token takes its last token from the host.
+    stale = {r for r in decode if r.spec_stale}
+    for r in decode:
+        # The tokens this step's rows sample, as a later pick may assume them (speculative.py): the drafts and
+        # the n-gram's continuation after them, or nothing assumed (-1).
+        r.spec_guess.extend(drafts[r] + [bonus.get(r, -1)] if r in drafts else [-1])
+        r.spec_stale = False
     decode = [r for r, _ in rows_of]
     reqs = decode + [c.req for c in chunks]
     positions = [r.num_launched + j for r, j in rows_of] + [len(c.req.output_ids) for c in chunks]  # seed positions
     width = {r: 1 + len(drafts.get(r, ())) for r in drafts}
     ext = [1] * len(decode) + [c.n for c in chunks]
     seq = [r.allocated - width.get(r, 1) + 1 + j for r, j in rows_of] + [c.start + c.n for c in chunks]
-    ids = [0 if j == 0 else drafts[r][j - 1] for r, j in rows_of]
+    ids = [(r.output_ids[-1] if r in stale else 0) if j == 0 else drafts[r][j - 1] for r, j in rows_of]
     locs = [r.slots[r.allocated - width.get(r, 1) + j] for r, j in rows_of]
-    use_future = [int(j == 0) for _, j in rows_of]
+    use_future = [int(j == 0 and r not in stale) for r, j in rows_of]
     draft_lens = [(width.get(r, 1) - 1) if j == 0 else -1 for r, j in rows_of]
     prefix_lens, prefix_slots = [0] * len(decode), []
     for r, j in rows_of:
@@ -308,6 +315,7 @@ def _make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
         r.filled = c.start + c.n
         if c.last:
             r.num_launched = len(r.output_ids) + 1
+            r.spec_guess = [-1]
     b = len(reqs)
     samp = np.array([r.sampling_row for r in reqs], np.float64).reshape(b, 4)   # prepared when taken in
     step = StepInput(

@@ -37,9 +37,10 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     for i, (req, tok, keep) in enumerate(zip(batch.reqs, toks, batch.samples)):
         if draft_lens[i] < 0:
             continue            # a draft row: its token belongs to its head row's run (below)
-        if req.finished:
-            # One-step lag: the request finished in batch k-1 but rode in this batch. Its token is dropped:
-            # never appended, streamed or counted.
+        if req.finished or req in batch.dropped:
+            # One-step lag: the request finished in batch k-1 but rode in this batch, or it was picked on an
+            # assumption about batch k-1's run that failed (speculative.py). Its tokens are dropped: never
+            # appended, streamed or counted.
             continue
         req.kv_committed = req.filled
         if req.aborted:
@@ -47,12 +48,13 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         if not keep:
             continue            # a non-final prefill chunk: its sampled token is discarded (see _make_batch)
-        run = [tok]
-        if draft_lens[i] > 0:
-            # A verified run (speculative.py): s_0..s_a are kept, the rejected drafts' KV slots freed.
+        run, k = [tok], int(draft_lens[i])
+        if k > 0:
+            # A verified run (speculative.py): s_0..s_a are kept.
             accepted = runs[i]
-            speculative.settle(s, req, int(draft_lens[i]), accepted)
+            speculative.settle(s, req, k, accepted)
             run = toks[i:i + accepted + 1]
+        speculative.follow(s, req, k, run)    # the later in-flight steps' assumption; the rejected drafts' KV
         kept: list[int] = []
         reason = None
         try:
@@ -72,8 +74,6 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         if reason is not None:
             s.finish(req, reason)
-        elif draft_lens[i] > 0:
-            req.num_launched = len(req.output_ids)      # the launch counted every row of the run
         k = req.params.logprobs
         token_lp = None if k is None else _entries(lp, i, i + len(kept), k)
         prompt_lp, req.prompt_lp = req.prompt_lp, None      # sent once, with the first token
@@ -81,6 +81,12 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
                                   len(req.prompt_ids), len(req.output_ids),
                                   num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
                                   prompt_logprobs=prompt_lp))
+    if s.drafter is not None and not batch.is_prefill:
+        start, end = handle.device_span                  # the draft model's cost is priced against this (speculative.py)
+        s.decode_step_s = (end - start) if s.decode_step_s is None else 0.8 * s.decode_step_s + 0.2 * (end - start)
+    if batch.release:
+        s.kv.free(batch.release)       # this step, the last that could touch them, has been waited for
+        batch.release = []
     s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s)
     s.emit(outputs)
 

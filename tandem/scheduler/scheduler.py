@@ -62,9 +62,14 @@ class Scheduler:
         # engine), drafts verified, drafts accepted, and verified runs by their accepted drafts.
         self.max_draft_rows = 0
         self.drafter = None                 # the draft model (speculative_config method "draft_model")
+        self.decode_step_s: float | None = None     # EMA of a decode step's device time, while a drafter runs
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_accepted_hist: dict[int, int] = {}
+        # The overlap loop's assumption (speculative.py): drafting picks made while the request's previous step
+        # was in flight, and requests whose in-flight rows were dropped because it failed.
+        self.spec_ahead_drafts = 0
+        self.spec_ahead_dropped = 0
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def recv_requests(self) -> None:
@@ -181,6 +186,7 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         req.kv_committed = 0
         req.num_launched = len(req.output_ids)
+        req.spec_guess, req.spec_stale = [], False      # nothing in flight; its re-prefill writes the FutureMap
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
@@ -281,6 +287,8 @@ class Scheduler:
             owned += self.cache.all_slots()
         for req in self._live.values():
             owned += req.slots[req.cached_len:]
+        for batch, _ in self.result_queue:
+            owned += batch.release             # dropped speculative rows' slots, freed once that step is waited for
         assert sorted(owned) == list(range(self.kv.num_slots)), "KV slot ownership is not a partition"
 
     def take_freed_rows(self) -> np.ndarray:
@@ -311,6 +319,8 @@ class Scheduler:
             "prefix_cache_hits": self.prefix_hits,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_ahead_drafts": self.spec_ahead_drafts,      # drafting picks made while its previous step ran
+            "spec_ahead_dropped": self.spec_ahead_dropped,    # picks ahead whose assumption failed
             # verified runs that accepted a drafts, one flat key per a (replicas' stats are summed key by key)
             **{f"spec_accepted_len_{a}": n for a, n in sorted(self.spec_accepted_hist.items())},
         }

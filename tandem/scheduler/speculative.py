@@ -4,13 +4,25 @@ run becomes host truth (process results).
 A speculating request's k drafts ride as k extra decode rows right after its own (StepInput.draft_lens); the
 device samples every row as the plain path samples that output position, and verify.py's rule keeps s_0..s_a.
 
-Loop invariant (enforced in pick_batch and propose): a step that carries drafts is picked and launched only when
-no step is in flight (host truth is current), and no step is picked after it until it has been processed. So
-under the overlap loop a speculative step runs like a serial one: the host knows every request's accepted
-count before it computes the next step's positions, seeds and KV slots, no finished request ever rides in a
-speculative step, and the KV slots of rejected drafts are freed only after the step that wrote them was waited
-for (no in-flight step can touch them). Requests that do not draft (adaptive off, grammar rows, batch
-above disable_by_batch_size) keep the one-step lag.
+The one-step lag (overlap loop): step k+1 is picked before step k is processed. A request r whose step k
+verifies drafts d_1..d_k is picked in k+1 on an assumption: its run in k is accepted whole and its bonus token
+is the n-gram's continuation c (the token that followed the matched text after d_k), s_0..s_k = d_1..d_k, c.
+Req.spec_guess holds the assumed tokens (-1 where none is assumed: a plain row's token, or a bonus when the
+match ends at d_k). So k+1 gives r the positions, seed positions and KV slots of the assumed lengths; its head
+row reads the FutureMap (s_a: c when the assumption holds); its drafts are proposed from fill_ids() + spec_guess
+where no entry is -1 (else host truth is fetched first: propose). Processing step k tells whether it held
+(follow): if so r's rows in k+1 stand as they are; if not they are dropped (Batch.dropped: never appended, like
+a finished request riding in a step), r is back at host truth and picked from it again at once, its next head
+row taking its last token from the host (the FutureMap row holds the dropped row's token: Req.spec_stale).
+
+KV invariant (enforced in follow): the slots of rejected drafts and of dropped rows are freed only when no
+in-flight step can still touch them: after the last in-flight step of r was waited for (Batch.release, freed in
+process_results), or at once when the step just processed was r's last one launched.
+
+Picked only from host truth (pick_batch processes the pending step first, so such a step runs serially): a
+request with an in-flight drafting step that is penalized (the device's penalty counts of a dropped row cannot be
+undone), speculates with a draft model (its cache follows host truth), or whose runs seldom hold (a failed pick
+ahead costs more than the wait: AHEAD_MIN_HOLD). Grammar rows never draft.
 """
 from __future__ import annotations
 
@@ -33,12 +45,40 @@ ROW_COST = 0.2
 # Rows a verify step carries at most: up to here the native decode path keeps its few-row kernels (the quantized
 # linear computes rows in-kernel up to 96, SiLU x up is the native op up to 64 rows), as a plain decode step does.
 MAX_VERIFY_ROWS = 64
+# Picking a request ahead pays only if its in-flight run is likely to hold: a held pick saves the device the host's
+# processing of the step (h), a failed one wastes the request's rows of the next step (for one request, the step:
+# T). So a request is picked ahead while its estimated hold rate (an EMA over its drafting runs, from 1) is at
+# least 1 - h / T; h / T measured: the serial loop's device idle with speculation, SmolLM2-135M Q4_1, 2 shared
+# cores, 4-7 % (benchmarks/results/speculative_overlap.md). Erring on the side of waiting: with more requests a failed
+# pick wastes only the request's rows, a wait the whole batch's h.
+AHEAD_MIN_HOLD = 0.94
 
 
 def may_draft(req: Req) -> bool:
     """Grammar rows never draft: their masks depend on every token before (a mask per draft position is not
     built). Penalized rows do: a draft row counts the drafts before its position (device/penalties.py)."""
     return req.grammar is None and req.params.structured_outputs is None
+
+
+def assumable(s: "Scheduler", req: Req) -> bool:
+    """May be picked while its drafting step is in flight, on the assumption of the docstring above (and while
+    that assumption pays: AHEAD_MIN_HOLD)."""
+    p, cfg = req.params, s.config.speculative_config
+    return cfg is not None and cfg.method == "ngram" and req.spec_hold >= AHEAD_MIN_HOLD and not (
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+
+
+def must_sync(s: "Scheduler") -> bool:
+    """An in-flight step drafts for a request that may not be picked on an assumption (pick_batch then
+    processes the pending steps first)."""
+    return any(k > 0 and r not in b.dropped and not r.finished and not assumable(s, r)
+               for b, _ in s.result_queue if b.speculative for r, k in zip(b.reqs, b.step.draft_lens))
+
+
+def left(req: Req) -> int:
+    """Drafts a step may still carry for req: its rows sample output positions up to max_tokens - 1 (the
+    positions of its in-flight tokens, assumed or not, come first)."""
+    return req.max_new_tokens() - len(req.output_ids) - len(req.spec_guess) - 1
 
 
 def acceptance(req: Req) -> float:
@@ -52,10 +92,10 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     row costs in tokens of the plain step, ROW_COST * B / (1 + ROW_COST * (B - 1)) at B decode requests (one row's
     time at the plain step's rate). So k shrinks as acceptance falls or the batch grows, and is 0 once drafts do
     not pay (then a probe draft after PROBE_EVERY steps, the gap doubling while probes fail, re-measures it).
-    Never past max_tokens."""
+    With a draft model each draft also costs a draft step (draft_cost). Never past max_tokens."""
     cfg = s.config.speculative_config
-    limit = req.max_new_tokens() - len(req.output_ids) - 1
-    p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1))
+    limit = left(req)
+    p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1)) + draft_cost(s)
     k = 0
     while k < cfg.num_speculative_tokens and p ** (k + 1) > cost:
         k += 1
@@ -68,44 +108,61 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     return max(0, min(k, limit))
 
 
-def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[int]]]:
-    """The decode candidates (re-read if host truth had to be brought up to date) and their drafts."""
+def draft_cost(s: "Scheduler") -> float:
+    """What drafting one more token with the draft model costs, in tokens of the plain step: one draft step
+    (shared by the batch's drafting requests, as a target step is shared by its rows) over one target decode step,
+    both measured (EMAs of the draft steps' wall time and of the target decode steps' device time); 0 for n-gram."""
+    d = s.drafter
+    if d is None or d.step_s is None or not s.decode_step_s:
+        return 0.0
+    return d.step_s / s.decode_step_s
+
+
+def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[int]], dict[Req, int]]:
+    """The decode candidates (re-read if host truth had to be brought up to date), their drafts, and the
+    n-gram's continuation after each request's last draft (the bonus token a later pick assumes)."""
     cfg = s.config.speculative_config
     if cfg is None or len(reqs) > cfg.disable_by_batch_size or s.max_draft_rows == 0:
-        return reqs, {}
+        return reqs, {}, {}
     want = {r: k for r in reqs if may_draft(r) and (k := draft_len(s, r, len(reqs))) > 0}
     if not want:
-        return reqs, {}              # nobody drafts: the overlap loop keeps its one-step lag
-    if s.result_queue:
-        s.process_pending()          # the invariant above: drafts are proposed from host truth
+        return reqs, {}, {}          # nobody drafts: the overlap loop keeps its one-step lag
+    blind = {r for r in want if r.spec_guess and (-1 in r.spec_guess or cfg.method != "ngram")}
+    if blind:
+        # A drafting request whose in-flight tokens are not assumed (a plain row's, a bonus the n-gram had no
+        # continuation for; the draft model follows host truth): its drafts are proposed from host truth.
+        s.process_pending()
         from .pick import _decode_candidates
         reqs = _decode_candidates(s)
     drafts: dict[Req, list[int]] = {}
+    bonus: dict[Req, int] = {}
     room = min(s.max_draft_rows, s.available() - len(reqs), MAX_VERIFY_ROWS - len(reqs))   # slots and rows
     with s.recorder.span("propose"):
         if cfg.method == "draft_model" and s.drafter is not None:
             asked = {}
             for req in reqs:
-                k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
+                k = min(want.get(req, 0), room, left(req))
                 if k >= 1:
                     asked[req] = k
                     room -= k
-            return reqs, s.drafter.propose(asked)
+            return reqs, s.drafter.propose(asked), {}
         for req in reqs:
-            k = min(want.get(req, 0), room, req.max_new_tokens() - len(req.output_ids) - 1)
+            k = min(want.get(req, 0), room, left(req))
             if k < 1:
                 continue
-            d = propose_ngram(req.fill_ids(), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            d = propose_ngram(req.fill_ids() + req.spec_guess, k + 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if d:
-                drafts[req] = d
-                room -= len(d)
+                drafts[req] = d[:k]
+                if len(d) > k:
+                    bonus[req] = d[k]
+                room -= len(drafts[req])
+                if req.spec_guess:
+                    s.spec_ahead_drafts += 1          # drafted while its previous step is in flight
             else:
                 if req.spec_probing:  # a probe that found nothing to propose failed too
                     req.spec_probing = False
                     req.spec_probe_gap = min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
-                if s.config.scheduler == "overlap":
-                    _update(req, 0, 1)    # a miss cost the overlap (host truth was fetched for nothing)
-    return reqs, drafts
+    return reqs, drafts, bonus
 
 
 def _update(req: Req, accepted: int, trials: int) -> None:
@@ -114,13 +171,7 @@ def _update(req: Req, accepted: int, trials: int) -> None:
 
 
 def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
-    """A verified run of `k` drafts, `accepted` of them kept: free the KV slots of the rejected ones (the step
-    that wrote them has been waited for, and no other step is in flight: the invariant above), and count."""
-    rejected = k - accepted
-    if rejected:
-        s.kv.free(req.slots[-rejected:])
-        del req.slots[-rejected:]
-    req.filled = req.kv_committed = req.allocated
+    """Count a verified run of `k` drafts, `accepted` of them kept (its KV slots: follow)."""
     s.spec_draft_tokens += k
     s.spec_accepted_tokens += accepted
     s.spec_accepted_hist[accepted] = s.spec_accepted_hist.get(accepted, 0) + 1
@@ -128,3 +179,32 @@ def settle(s: "Scheduler", req: Req, k: int, accepted: int) -> None:
     if req.spec_probing:               # a probe: back off while they fail, back to the first gap once one pays
         req.spec_probing = False
         req.spec_probe_gap = PROBE_EVERY if accepted else min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
+
+
+def follow(s: "Scheduler", req: Req, k: int, run: list[int]) -> None:
+    """A processed row's run s_0..s_a (k drafts; a plain row: k = 0, one token) against what the later in-flight
+    steps of req assumed (spec_guess). Held: they stand. Failed: their rows of req are dropped, and req is back
+    at host truth. The KV slots past the run (rejected drafts, dropped rows) go: the invariant above."""
+    a = len(run) - 1
+    guess, req.spec_guess = req.spec_guess[:k + 1], req.spec_guess[k + 1:]
+    held = a == k and all(g < 0 or g == t for g, t in zip(guess, run))
+    if k and len(guess) > k and guess[k] >= 0:    # a run a drafting pick could have been made ahead of
+        req.spec_hold = (1 - EMA_WEIGHT) * req.spec_hold + EMA_WEIGHT * held
+    n = k - a                                # slots past the run: the rejected drafts', then any dropped row's
+    if req.spec_guess and not held:
+        later = [b for b, _ in s.result_queue if req in b.reqs and req not in b.dropped]
+        for b in later:
+            b.dropped.add(req)
+        n += len(req.spec_guess)             # one slot per in-flight token
+        if later:
+            later[-1].release.extend(req.slots[-n:])     # freed once the last step that may touch them was waited for
+        else:
+            s.kv.free(req.slots[-n:])
+        req.spec_guess, req.spec_stale = [], True
+        s.spec_ahead_dropped += 1
+    elif n:
+        s.kv.free(req.slots[-n:])            # no later step of req in flight: the step that wrote them was waited for
+    if n:
+        del req.slots[-n:]
+        req.num_launched -= n
+    req.filled = req.kv_committed = req.allocated

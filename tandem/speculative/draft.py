@@ -9,6 +9,7 @@ distribution is accepted for sampled requests too. Drafts only propose: verifica
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,7 @@ class DraftModel:
         self.max_context = self.executor.max_context
         self.state: dict[Req, _DraftState] = {}
         self._steps = 0
+        self.step_s: float | None = None        # EMA of one draft step's wall time (the adaptive rule's draft cost)
 
     def release(self, req: Req) -> None:
         """The request left (finish, abort, retraction): its draft row and slots go back."""
@@ -114,6 +116,7 @@ class DraftModel:
                 for lst, v in zip(bias, (i, tok, val)):
                     lst.append(v)
         self._steps += 1
+        t = time.perf_counter()
         step = StepInput(
             step_id=self._steps, rows=np.array([p[1].row for p in plan], np.int64),
             extend_lens=np.array(ext, np.int64), seq_lens=np.array(seq, np.int64),
@@ -123,7 +126,10 @@ class DraftModel:
             draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), np.array(pos, np.int64)),
             poison_rows=np.zeros(0, np.int64), bias_rows=np.array(bias[0], np.int64),
             bias_ids=np.array(bias[1], np.int64), bias_vals=np.array(bias[2], np.float64))
-        return self.executor.run_step(step).cpu().numpy()
+        out = self.executor.run_step(step).cpu().numpy()
+        dt = time.perf_counter() - t
+        self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+        return out
 
 
 def _shared(a: list[int], b: list[int]) -> int:
