@@ -211,8 +211,8 @@ def render(out: dict) -> str:
         runs = ("tandem spec serial", "tandem spec overlap", ALWAYS_AHEAD)
         lines += ["", "Drafting steps in the loops (last round): device idle over the decode forwards, decode steps "
                       "for the output, drafting steps picked while the previous one ran (ahead) and of those dropped "
-                      f"(the assumption failed). Overlap: picked ahead while a request's runs hold "
-                      f"(AHEAD_MIN_HOLD); always ahead: AHEAD_MIN_HOLD 0.", "",
+                      "(the assumption failed). Overlap: picked ahead while a request's runs hold "
+                      "(AHEAD_MIN_HOLD); always ahead: AHEAD_MIN_HOLD 0.", "",
                   "| workload | " + " | ".join(f"{r[len('tandem spec '):]} {c}" for r in runs
                                               for c in ("idle", "steps", "ahead / dropped")) + " | always ahead TPOT ms |",
                   "|---" * (3 * len(runs) + 2) + "|"]
