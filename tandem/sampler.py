@@ -235,7 +235,7 @@ def _mass_floor(z: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, k_value
     mass = z.new_zeros(z.shape[0], _BINS).scatter_add_(1, bins, (z - lse).exp())                   # [r, _BINS]
     first = (mass.cumsum(dim=-1) < (top_p[:, None] + 2 * _SLACK)).sum(dim=-1) + 1     # the bin it reaches, + 1
     floor = torch.where(first < _BINS - 1, -(first + 1).to(z.dtype) / _BIN, -math.inf)  # bins 0..first: z > floor
-    return torch.maximum(floor, torch.nextafter(k_value, torch.tensor(-math.inf, dtype=z.dtype)))
+    return torch.maximum(floor, torch.nextafter(k_value, torch.full_like(k_value, -math.inf)))   # z >= k_value
 
 
 def _threshold_cut(z: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
