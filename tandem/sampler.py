@@ -190,8 +190,8 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
        was 609 ms for 8 rows; what is left is a few passes over the row and a sort of about the kept tokens.
     A candidate set decides a row when every token past it is dropped (all k ranks within it, or the mass
     above its last token >= top_p with _SLACK to spare) and, for topk's set (which orders ties arbitrarily
-    and may hold part of the last tie group), no group of tied logits straddles the cut or its end. A row
-    neither stage decides takes the reference.
+    and may hold part of the last tie group), no group of tied logits straddles the cut or its end (-inf
+    ties aside: a masked token stays -inf kept or not). A row neither stage decides takes the reference.
     """
     vocab = z.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
@@ -199,9 +199,10 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     lse = torch.logsumexp(z, dim=-1, keepdim=True)                   # [b, 1]
     vals, idx = z.topk(n, dim=-1)                                     # [b, n] sorted, best first
     drop, above = _cut(vals, lse, k, top_p)
-    tie = vals[:, 1:] == vals[:, :-1]
+    tie = (vals[:, 1:] == vals[:, :-1]) & (vals[:, 1:] > -math.inf)  # -inf tokens stay -inf kept or dropped
     split = (tie & (drop[:, 1:] != drop[:, :-1])).any(dim=-1)         # a tie group straddles the cut
-    exact = ((n == vocab) | (k < n) | (above[:, -1] >= top_p + _SLACK)) & ~split
+    rest_masked = vals[:, -1] == -math.inf                            # every finite token is a candidate
+    exact = ((n == vocab) | (k < n) | (above[:, -1] >= top_p + _SLACK) | rest_masked) & ~split
     out = torch.full_like(z, -math.inf).scatter_(1, idx, vals.masked_fill(drop, -math.inf))
     if not bool(exact.all()):
         rest = (~exact).nonzero().squeeze(1)

@@ -47,6 +47,16 @@ def test_mixed_rows_and_uniform_rows(monkeypatch):
     _check(z, top_k, top_p)
 
 
+def test_grammar_rows_stay_on_the_first_stage(monkeypatch):
+    """A grammar mask leaves most tokens -inf: top-k past the allowed ones (or top_p near 1) splits that tie
+    group, which changes no output, so the row needs no threshold pass."""
+    z = _rows(5000, 6, seed=8)
+    z[:, 3:] = -math.inf
+    z[:, 0] = 0.0
+    monkeypatch.setattr(sampler, "_threshold_cut", None)              # calling it fails the test
+    _check(z, torch.tensor([50, 2, -1, 1024, 5000, 7]), torch.tensor([1.0, 1.0, 0.999999, 0.9, 1.0, 0.5]))
+
+
 def test_large_vocabulary_deep_cuts():
     """Gemma 3's 262,144 tokens at the default TOP_CANDIDATES: cuts at ~10^2 .. 10^5 tokens."""
     z = _rows(262144, 4, seed=9)
