@@ -98,11 +98,32 @@ def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     return v.log().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_()
 
 
+# Of each byte value: the int32 AND mask (-1: keep) of its 8 tokens, bit i of the byte being token i.
+_KEEP_BYTE = torch.tensor([[-((b >> i) & 1) for i in range(8)] for b in range(256)], dtype=torch.int32)
+_NEG_INF_BITS = -8388608                  # 0xFF800000: float32 -inf as an int32
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """The grammar branch: forbid (-inf) every token a row's grammar does not allow, in place.
 
     logits: [B, V]; rows: [G] batch rows under a grammar; bitmask: [G, ceil(V/32)] int32, bit t of a row set
-    when token t is allowed (llguidance's layout)."""
+    when token t is allowed (llguidance's layout). A forbidden logit's bits become -inf's (masked_fill, on the
+    int32 view: one table lookup per byte of the mask and two integer passes; at 262k tokens and 8 rows
+    ~5x less than expanding the bits and masked_fill). Byte j of a little-endian word holds its bits 8j..8j+7."""
+    vocab = logits.shape[-1]
+    table = _KEEP_BYTE if logits.device.type == "cpu" else _KEEP_BYTE.to(logits.device)
+    keep = table.index_select(0, bitmask.contiguous().view(torch.uint8).reshape(-1).long())   # [G * 4W, 8]
+    keep = keep.view(len(rows), -1)[:, :vocab]                                                # [G, V] -1 / 0
+    whole = len(rows) == logits.shape[0] and logits.is_contiguous()
+    sub = logits if whole else logits[rows]
+    bits = sub.view(torch.int32)
+    bits.bitwise_and_(keep).bitwise_or_(keep.bitwise_not().bitwise_and_(_NEG_INF_BITS))
+    if not whole:
+        logits[rows] = sub
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_token_bitmask's definition: the bits expanded, masked_fill."""
     vocab = logits.shape[-1]
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]   # [G, V]
