@@ -98,11 +98,32 @@ def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     return v.log().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_()
 
 
+# Of each byte value: the int32 AND mask (-1: keep) of its 8 tokens, bit i of the byte being token i.
+_KEEP_BYTE = torch.tensor([[-((b >> i) & 1) for i in range(8)] for b in range(256)], dtype=torch.int32)
+_NEG_INF_BITS = -8388608                  # 0xFF800000: float32 -inf as an int32
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """The grammar branch: forbid (-inf) every token a row's grammar does not allow, in place.
 
     logits: [B, V]; rows: [G] batch rows under a grammar; bitmask: [G, ceil(V/32)] int32, bit t of a row set
-    when token t is allowed (llguidance's layout)."""
+    when token t is allowed (llguidance's layout). A forbidden logit's bits become -inf's (masked_fill, on the
+    int32 view: one table lookup per byte of the mask and two integer passes; at 262k tokens and 8 rows
+    ~5x less than expanding the bits and masked_fill). Byte j of a little-endian word holds its bits 8j..8j+7."""
+    vocab = logits.shape[-1]
+    table = _KEEP_BYTE if logits.device.type == "cpu" else _KEEP_BYTE.to(logits.device)
+    keep = table.index_select(0, bitmask.contiguous().view(torch.uint8).reshape(-1).long())   # [G * 4W, 8]
+    keep = keep.view(len(rows), -1)[:, :vocab]                                                # [G, V] -1 / 0
+    whole = len(rows) == logits.shape[0] and logits.is_contiguous()
+    sub = logits if whole else logits[rows]
+    bits = sub.view(torch.int32)
+    bits.bitwise_and_(keep).bitwise_or_(keep.bitwise_not().bitwise_and_(_NEG_INF_BITS))
+    if not whole:
+        logits[rows] = sub
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """apply_token_bitmask's definition: the bits expanded, masked_fill."""
     vocab = logits.shape[-1]
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]   # [G, V]
@@ -170,39 +191,101 @@ def logprobs(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tens
     return Logprobs(lp.gather(1, tokens[:, None]).squeeze(1), top_ids, top)
 
 
-TOP_CANDIDATES = 1024   # top-p first looks for its cut among this many best tokens (exact; sorts all if not)
+TOP_CANDIDATES = 1024   # top-k / top-p first look for their cut among this many best tokens
+_BIN = 8                # the mass histogram of a deeper cut: bins 1/8 wide in z = log(p / p_max)
+_BINS = 512             # z in (-64, 0] (the last bin also takes everything below)
+_SLACK = 1e-6           # float slack on "every token past the candidates is dropped" (cumsum rounding)
 
 
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) what top-k and top-p remove; the most likely token always survives.
+    """Mask (-inf) what top-k and top-p remove; the most likely token always survives. z: [b, V], max 0.
 
-    A full sort of 49k logits costs ~2 ms a row here; the cut almost always lies among the best
-    TOP_CANDIDATES tokens, which torch.topk finds for a fraction of that. Rows whose cut lies further out
-    (a flat distribution with top_p near 1) fall back to the full sort, so the result is exact either way.
+    Exactly _top_k_top_p_reference (one full stable sort), without sorting the vocabulary. Ranks follow z
+    descending, ties by token id; a token is dropped when its rank is >= k or the mass ranked above it is >=
+    top_p. Only ranks up to the cut need their order, and the cumsum that decides the cut is sequential, so
+    over the true best n tokens in that order it is the reference's, bit for bit. Two stages:
+    1. torch.topk of TOP_CANDIDATES (or k) tokens, enough for almost every row at a 49k vocabulary;
+    2. a row whose cut lies further out (a flat distribution, top_p near 1: at 262k and temperature 1.5,
+       top-p 0.9 keeps ~10k tokens and 0.99 ~90k) takes every token above a threshold read off a histogram
+       of its mass, and sorts only those (an integer radix sort, z <= 0 as keys). A full sort of 262k logits
+       was 609 ms for 8 rows; what is left is a few passes over the row and a sort of about the kept tokens.
+    A candidate set decides a row when every token past it is dropped (all k ranks within it, or the mass
+    above its last token >= top_p with _SLACK to spare) and, for topk's set (which orders ties arbitrarily
+    and may hold part of the last tie group), no group of tied logits straddles the cut or its end (-inf
+    ties aside: a masked token stays -inf kept or not). A row neither stage decides takes the reference.
     """
     vocab = z.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
     n = min(vocab, max(TOP_CANDIDATES, int(k.max()) if bool((top_p >= 1).all()) else TOP_CANDIDATES))
-    vals, idx = z.topk(n, dim=-1)                                     # sorted, best first
-    probs = (vals - torch.logsumexp(z, dim=-1, keepdim=True)).exp()   # true probabilities of the candidates
-    above = probs.cumsum(dim=-1) - probs                              # mass ranked strictly above each token
-    ranks = torch.arange(n, device=z.device)
-    drop = (ranks[None, :] >= k[:, None]) | (above >= top_p[:, None])
-    drop[:, 0] = False
-    # Exact when the kept set ends inside the candidates: by rank (k <= n) or by mass (top_p reached).
-    exact = (k <= n) | (above[:, -1] + probs[:, -1] >= top_p)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)                   # [b, 1]
+    vals, idx = z.topk(n, dim=-1)                                     # [b, n] sorted, best first
+    drop, above = _cut(vals, lse, k, top_p)
+    tie = (vals[:, 1:] == vals[:, :-1]) & (vals[:, 1:] > -math.inf)  # -inf tokens stay -inf kept or dropped
+    split = (tie & (drop[:, 1:] != drop[:, :-1])).any(dim=-1)         # a tie group straddles the cut
+    rest_masked = vals[:, -1] == -math.inf                            # every finite token is a candidate
+    exact = ((n == vocab) | (k < n) | (above[:, -1] >= top_p + _SLACK) | rest_masked) & ~split
     out = torch.full_like(z, -math.inf).scatter_(1, idx, vals.masked_fill(drop, -math.inf))
     if not bool(exact.all()):
         rest = (~exact).nonzero().squeeze(1)
-        out[rest] = _sorted_cut(z[rest], k[rest], top_p[rest])
+        kr, pr, lr = k[rest], top_p[rest], lse[rest]
+        k_value = vals[rest].gather(1, (kr - 1).clamp_max(n - 1)[:, None]).squeeze(1)   # z of rank k-1
+        k_value = torch.where(kr <= n, k_value, -math.inf)
+        part, decided = _threshold_cut(z[rest], lr, kr, pr, _mass_floor(z[rest], lr, pr, k_value))
+        if not bool(decided.all()):
+            u = (~decided).nonzero().squeeze(1)
+            part[u] = _top_k_top_p_reference(z[rest[u]], kr[u], pr[u])
+        out[rest] = part
     return out
 
 
-def _sorted_cut(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_z, order = z.sort(dim=-1, descending=True)
-    ranks = torch.arange(z.shape[-1], device=z.device)
-    probs = torch.softmax(sorted_z, dim=-1)
-    above = probs.cumsum(dim=-1) - probs
+def _cut(sorted_z: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor):
+    """The reference rule over the best n tokens in rank order: sorted_z [b, n], lse [b, 1] (of the whole
+    row), k, top_p [b]. Returns (drop [b, n], mass ranked above each [b, n])."""
+    probs = (sorted_z - lse).exp()                                    # true probabilities
+    above = probs.cumsum(dim=-1) - probs                              # mass ranked strictly above each token
+    ranks = torch.arange(sorted_z.shape[-1], device=sorted_z.device)
     drop = (ranks[None, :] >= k[:, None]) | (above >= top_p[:, None])
     drop[:, 0] = False
+    return drop, above
+
+
+def _mass_floor(z: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, k_value: torch.Tensor) -> torch.Tensor:
+    """[r] a z threshold per row: the tokens above it hold top_p of the mass with a bin to spare (a histogram
+    of the mass in bins 1/_BIN wide; -inf: none short of the whole row), or the k-th value when that is
+    higher (those tokens already hold every rank top-k keeps)."""
+    bins = (z * -_BIN).clamp_(max=_BINS - 1).long()                   # floor(-z * _BIN): exact, _BIN a power of 2
+    mass = z.new_zeros(z.shape[0], _BINS).scatter_add_(1, bins, (z - lse).exp())                   # [r, _BINS]
+    first = (mass.cumsum(dim=-1) < (top_p[:, None] + 2 * _SLACK)).sum(dim=-1) + 1     # the bin it reaches, + 1
+    floor = torch.where(first < _BINS - 1, -(first + 1).to(z.dtype) / _BIN, -math.inf)  # bins 0..first: z > floor
+    return torch.maximum(floor, torch.nextafter(k_value, torch.full_like(k_value, -math.inf)))   # z >= k_value
+
+
+def _threshold_cut(z: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                   floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference rule over the tokens of each row [r, V] with z > floor[r]: all tokens of a tie, so their
+    rank order is the reference's. One stable integer sort for all rows: key (row, |z|), |z| ascending being
+    z descending for z <= 0, so the keys' bits are the float's (a radix sort on the CPU). Returns the masked
+    rows and whether those tokens decide each row (every token left out is dropped, or -inf)."""
+    r, vocab = z.shape
+    rows, cols = (z > floor[:, None]).nonzero(as_tuple=True)          # [m] row-major
+    vals = z[rows, cols]
+    key = (rows << 31) | (vals.view(torch.int32).to(torch.int64) & 0x7FFFFFFF)
+    order = key.sort(stable=True).indices                              # rows stay grouped, ties by token id
+    rows, cols, vals = rows[order], cols[order], vals[order]
+    counts = torch.bincount(rows, minlength=r)                         # [r] candidates of each row (>= 1)
+    rank = torch.arange(len(rows), device=z.device) - (counts.cumsum(0) - counts)[rows]
+    ranked = torch.full((r, int(counts.max())), -math.inf, device=z.device, dtype=z.dtype)   # [r, max m]
+    ranked[rows, rank] = vals                                          # -inf padding: probability 0
+    drop, above = _cut(ranked, lse, k, top_p)
+    last = above.gather(1, (counts - 1)[:, None]).squeeze(1)
+    decided = (floor == -math.inf) | (k <= counts) | (last >= top_p + _SLACK)
+    out = torch.full_like(z, -math.inf)
+    out[rows, cols] = vals.masked_fill(drop[rows, rank], -math.inf)
+    return out, decided
+
+
+def _top_k_top_p_reference(z: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The definition _top_k_top_p computes: one full stable sort. k: [b] in [1, V] (top-k off: V)."""
+    sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
+    drop, _ = _cut(sorted_z, torch.logsumexp(z, dim=-1, keepdim=True), k, top_p)
     return z.masked_fill(drop.scatter(1, order, drop), -math.inf)

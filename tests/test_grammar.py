@@ -104,3 +104,20 @@ def test_a_slow_compile_waits_instead_of_failing(llm, monkeypatch):
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=5, structured_outputs={"choice": ["ab", "cd"]}),
                        use_tqdm=False)[0]
     assert out.text in ("ab", "cd")
+
+
+@pytest.mark.parametrize("vocab, rows", [(262144, [0, 1, 2, 3]), (49152, [2, 0]), (1000, [3]), (77, [1, 2, 3])])
+def test_token_bitmask_equals_masked_fill(vocab, rows):
+    """apply_token_bitmask (a byte table on the logits' int32 view) sets exactly the bits masked_fill does: on
+    every row or some, a vocabulary that is not a multiple of 32, and NaN, -0.0, +-inf logits."""
+    import torch
+    from tandem.sampler import apply_token_bitmask, apply_token_bitmask_reference
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g)
+    logits[0, :5], logits[1, :7], logits[2, 9], logits[3, :11] = float("nan"), -0.0, float("inf"), -float("inf")
+    r = torch.tensor(rows)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    a, b = logits.clone(), logits.clone()
+    apply_token_bitmask(a, r, mask)
+    apply_token_bitmask_reference(b, r, mask)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -18,6 +18,7 @@ from conftest import assert_no_leaks, run_with
 from server_utils import ServerProcess, assert_error, children, free_port, process_tree, wait_gone
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
+from tandem.model.shard import TPLayout
 from test_parity import prompts_for
 from test_server_lifecycle import runtime_dirs
 
@@ -77,6 +78,33 @@ def test_tp3_on_smollm2_equals_tp1(tp_comm, smollm):
         assert llm.engine.runner.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
         for loop in ("serial", "overlap"):
             assert_same(run_with(llm, loop, prompt, SamplingParams(temperature=0, max_tokens=5)), refs)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch, source", [("qwen3", "hf"), ("gemma3", "hf"), ("gemma3", "gguf")])
+def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
+    """Qwen3 (q/k norms) and Gemma 3 (one KV head of 256: tp 2 replicates it, each rank keeping the head its
+    2 query heads read; an 8-key sliding window, sandwich norms, tied embeddings scaled by sqrt(hidden)),
+    from safetensors and from the GGUF test_architectures writes: tp 2 gives tp 1's greedy tokens through
+    both loops, on prompts longer than the window."""
+    from tiny_models import TINY_ARCHS, make_tiny_model, write_tiny_gguf
+    root = tmp_path_factory.mktemp(f"tp-{arch}")
+    path = make_tiny_model(root / "hf", arch, seed=TINY_ARCHS.index(arch) + 20)
+    if source == "gguf":
+        path = write_tiny_gguf(root / f"{arch}.gguf", path)
+    prompts = prompts_for(49152, n=4, seed=2) + [[3 + (11 * i + j) % 40000 for j in range(40)] for i in range(2)]
+    refs = reference(path, prompts)
+    llm = LLM(path, tp_size=2, **ENGINE)
+    try:
+        c = llm.engine.model_config
+        layouts = [TPLayout.of(c, 2, r) for r in range(2)]
+        assert [(lay.heads, lay.kv_heads, lay.kv_head_start) for lay in layouts] == (
+            [(2, 1, 0), (2, 1, 0)] if arch == "gemma3" else [(2, 1, 0), (2, 1, 1)])
+        with pytest.raises(ValueError, match=r"tp_size 3 does not fit .*4 attention heads .*fit it: 1, 2, 4\)"):
+            TPLayout.of(c, 3, 0)
+        for loop in ("serial", "overlap"):
+            assert_same(run_with(llm, loop, prompts, GREEDY), refs)
     finally:
         llm.shutdown()
 

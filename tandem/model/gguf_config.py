@@ -1,0 +1,208 @@
+"""A llama.cpp GGUF file's metadata as tandem's ModelConfig, and its tensor names as Hugging Face's.
+
+What each architecture's keys mean (llama, mistral, qwen2, qwen3, gemma3) and what llama.cpp leaves out of
+the file (gemma3's layer pattern and local RoPE base) live here; gguf_loader.py reads the weights and caches
+the config and tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from .config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# gemma3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm, post_attention_norm the one after attention.
+_GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES,
+                       "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                       "post_attention_norm.weight": "post_attention_layernorm.weight",
+                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
+_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """HF state-dict key for a GGUF tensor name of architecture `arch` (None for tensors we drop)."""
+    if name in _IGNORED or re.match(r"^blk\.\d+\.attn_rot_embd$", name):
+        return None
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLK_RE.match(name)
+    names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    raise ValueError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's convert-time q/k row permutation.
+
+    llama.cpp: ``w.reshape(n_head, 2, rows//n_head//2, *rest).swapaxes(1, 2).reshape(w.shape)``
+    (HF's rotate-half layout -> interleaved pairs); this maps it back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute tensor with {rows} rows for {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def get_field(reader, key: str, default=None):
+    return reader.field(key, default)
+
+
+def _f32(x) -> float:
+    """Shortest decimal that round-trips a float32 metadata value (9.99e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def _llama3_rope_scaling(freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict:
+    """Recover the HF llama3 rope_scaling dict from llama.cpp's rope_freqs tensor."""
+    factor = float(freqs.max())
+    cand = {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    inv = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    old = cand["original_max_position_embeddings"]
+    lo_wl, hi_wl = old / cand["low_freq_factor"], old / cand["high_freq_factor"]
+    expect = []
+    for f in inv:
+        wl = 2 * math.pi / f
+        if wl < hi_wl:
+            expect.append(1.0)
+        elif wl > lo_wl:
+            expect.append(factor)
+        else:
+            s = (old / wl - cand["low_freq_factor"]) / (cand["high_freq_factor"] - cand["low_freq_factor"])
+            expect.append(1 / ((1 - s) / factor + s))
+    if freqs.shape != (head_dim // 2,) or not np.allclose(freqs, expect, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs tensor does not match llama3 RoPE scaling with "
+                         "low_freq_factor=1, high_freq_factor=4, original context 8192")
+    return cand
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    arch = get_field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} "
+                         f"(HF: {', '.join(SUPPORTED_HF_ARCHITECTURES)})")
+
+    def req(key: str):
+        v = get_field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"GGUF file is missing metadata key {arch}.{key!s}")
+        return v
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(req("embedding_length"))
+    n_head = int(req("attention.head_count"))
+    n_kv = int(get_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(get_field(reader, f"{arch}.attention.key_length", 0)
+                   or get_field(reader, f"{arch}.rope.dimension_count", 0) or hidden // n_head)
+    vocab = get_field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = reader.count("tokenizer.ggml.tokens") or int(tensors["token_embd.weight"].shape[0])
+    rope_theta = _f32(get_field(reader, f"{arch}.rope.freq_base", 10000.0))
+
+    scaling = None
+    stype = get_field(reader, f"{arch}.rope.scaling.type")
+    if stype in ("linear", "yarn"):
+        scaling = {"rope_type": stype, "factor": _f32(req("rope.scaling.factor"))}
+        orig = get_field(reader, f"{arch}.rope.scaling.original_context_length")
+        if stype == "yarn" and orig:
+            scaling["original_max_position_embeddings"] = int(orig)
+    elif stype not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling type {stype!r}")
+    elif get_field(reader, f"{arch}.rope.scale_linear") not in (None, 1.0):
+        scaling = {"rope_type": "linear", "factor": _f32(get_field(reader, f"{arch}.rope.scale_linear"))}
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        freqs = np.asarray(dequantize_f32(t), dtype=np.float64).reshape(-1)
+        scaling = _llama3_rope_scaling(freqs, rope_theta, head_dim)
+
+    extra = _arch_switches(reader, arch, tensors, int(req("block_count")), head_dim)
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        v = get_field(reader, key)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    bos = get_field(reader, "tokenizer.ggml.bos_token_id")
+
+    return ModelConfig(
+        architecture="llama" if arch == "mistral" else arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=int(req("block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=_f32(req("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(req("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        rope_scaling=scaling,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos_ids),
+        **extra,
+    )
+
+
+def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: int) -> dict:
+    """The ModelConfig switches of a GGUF architecture beyond llama's (see ModelConfig)."""
+    window = get_field(reader, f"{arch}.attention.sliding_window")
+    out: dict = {}
+    if "blk.0.attn_q_norm.weight" in tensors:
+        out["qk_norm"] = True
+    if arch == "gemma3":
+        pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):           # newer llama.cpp: one bool per layer, True = sliding
+            types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
+        if window is None:
+            raise ValueError("GGUF file is missing metadata key gemma3.attention.sliding_window")
+        local_theta = _f32(get_field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
+        out.update(sliding_window=int(window), layer_types=tuple(types), rope_local_theta=local_theta,
+                   norm_offset=1.0, sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
+                   query_pre_attn_scalar=float(head_dim))
+    elif window and arch in ("mistral", "llama"):
+        out["sliding_window"] = int(window)
+    return out
+
+
+def dequantize_f32(t) -> np.ndarray:
+    """fp32 of a GGUFTensor, numpy-shaped; F32 stays a view of the file's map (copy-on-write)."""
+    if t.qtype == 0:
+        return t.data.view(np.float32).reshape(t.shape)
+    from gguf.quants import dequantize
+
+    return dequantize(t.data, t.qtype).reshape(t.shape)
