@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from ..kernels.quant import INT8_ACT_QTYPES
-from ..model.kv_cache import PagedKVCache
-from ..model.llama import AttentionMeta, LlamaModel
+from ..model.kv_cache import AttentionMeta, PagedKVCache
+from ..model.llama import LlamaModel
 from ..model.loader import ModelSource, load_weights
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample

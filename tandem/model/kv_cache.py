@@ -1,4 +1,5 @@
-"""The paged KV cache on the device, and the per-step view attention reads through.
+"""The paged KV cache on the device, the per-step view attention reads through (StepKV), and the step's
+attention layout over it (AttentionMeta, built once a step by the executor, read by every layer).
 
 Layout: one tensor [num_slots + 1, layers, 2 (K, V), KVH, D]. A slot holds every layer's K and V of one token,
 so a step gathers its rows' keys for a group of layers in one index_select of large rows, instead of one
@@ -12,6 +13,8 @@ native op, and every reader widens it to the compute dtype: a key is the same bi
 and whichever step reads it (so a prefix-cache hit reads what a fresh prefill would have).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -110,3 +113,35 @@ class StepKV:
         if keys.dtype != dtype:               # attention computes in the step's dtype
             keys, values = keys.to(dtype), values.to(dtype)
         return keys.transpose(1, 2), values.transpose(1, 2)   # [B, KVH, Lk, D], strided: SDPA reads it as is
+
+
+@dataclass
+class AttentionMeta:
+    """Per-step attention layout, built once and shared by every layer.
+
+    B rows (requests), T new tokens in all, Lq = longest extend, Lk = longest sequence.
+    """
+    kv: "StepKV"                  # the step's view of the paged KV cache
+    mask: torch.Tensor            # [B, 1, Lq, Lk] bool, True = attend
+    q_index: torch.Tensor | None  # [B, Lq] flat token of each query slot (None: pure decode, Lq == 1)
+    token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout
+    last_index: torch.Tensor      # [B] flat index of each row's last token (the one that samples)
+    parts: list[tuple[slice, "AttentionMeta"]] | None = None   # mixed step: (its tokens, its layout) per group
+    window_masks: dict | None = None  # sliding window W -> its mask, made once a step by window_mask()
+    fresh: list[int] | None = None    # each row's length when no row has cached keys (plain causal attention)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` narrowed to keys k > q - window of each query position q (a sliding-window layer), made once a
+        step for all its layers. A padded query slot that would see no key keeps its `mask` row (its output is
+        dropped; an empty row would be NaN)."""
+        if self.window_masks is None:
+            self.window_masks = {}
+        m = self.window_masks.get(window)
+        if m is None:
+            kv = self.kv
+            q_pos = kv.positions[:, None] if self.q_index is None else kv.positions[self.q_index]   # [B, Lq]
+            k_pos = torch.arange(self.mask.shape[-1], device=q_pos.device)
+            m = self.mask & (k_pos[None, None, :] > q_pos[:, :, None] - window)[:, None]     # [B, 1, Lq, Lk]
+            m = torch.where(m.any(-1, keepdim=True), m, self.mask)
+            self.window_masks[window] = m
+        return m

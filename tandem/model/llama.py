@@ -10,7 +10,6 @@ or the key range the decode kernel reads (native path) starts W positions back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,41 +17,9 @@ import torch.nn.functional as F
 from ..kernels.attention import decode_attention_qkv_
 from ..kernels.quant import QuantWeight, small_m
 from .config import ModelConfig
-from .kv_cache import StepKV
+from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, linear
 from .shard import TPLayout
-
-
-@dataclass
-class AttentionMeta:
-    """Per-step attention layout, built once and shared by every layer.
-
-    B rows (requests), T new tokens in all, Lq = longest extend, Lk = longest sequence.
-    """
-    kv: "StepKV"                  # the step's view of the paged KV cache
-    mask: torch.Tensor            # [B, 1, Lq, Lk] bool, True = attend
-    q_index: torch.Tensor | None  # [B, Lq] flat token of each query slot (None: pure decode, Lq == 1)
-    token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout
-    last_index: torch.Tensor      # [B] flat index of each row's last token (the one that samples)
-    parts: list[tuple[slice, "AttentionMeta"]] | None = None   # mixed step: (its tokens, its layout) per group
-    window_masks: dict | None = None  # sliding window W -> its mask, made once a step by window_mask()
-    fresh: list[int] | None = None    # each row's length when no row has cached keys (plain causal attention)
-
-    def window_mask(self, window: int) -> torch.Tensor:
-        """`mask` narrowed to keys k > q - window of each query position q (a sliding-window layer), made once a
-        step for all its layers. A padded query slot that would see no key keeps its `mask` row (its output is
-        dropped; an empty row would be NaN)."""
-        if self.window_masks is None:
-            self.window_masks = {}
-        m = self.window_masks.get(window)
-        if m is None:
-            kv = self.kv
-            q_pos = kv.positions[:, None] if self.q_index is None else kv.positions[self.q_index]   # [B, Lq]
-            k_pos = torch.arange(self.mask.shape[-1], device=q_pos.device)
-            m = self.mask & (k_pos[None, None, :] > q_pos[:, :, None] - window)[:, None]     # [B, 1, Lq, Lk]
-            m = torch.where(m.any(-1, keepdim=True), m, self.mask)
-            self.window_masks[window] = m
-        return m
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
