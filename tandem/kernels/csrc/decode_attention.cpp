@@ -21,12 +21,15 @@
 //   out      fp32 [B, H D]
 //
 // Scores of a tile: W keys at a time, one accumulator register each, and one transposing reduction for their W
-// sums (score_tile); values: 4 registers of the output held across the tile (value_tile). Measured, one thread
-// (process time, loaded machine): 1.4-1.8x less time than a dot with its own horizontal sum per key and an
-// axpy per key (batch 64 x ~130 keys, 32 rows x 930, batch 1 x 2k; fp32 and bf16 caches).
+// sums (score_tile); values: 4 registers of the output held across the tile (value_tile); query heads of a KV
+// head in pairs, so a K or V row is loaded (and widened) once for two (score_tile2 / value_tile2, the same
+// bits as one head at a time). Measured, one thread (process time, loaded machine): 1.4-1.8x less time than a
+// dot with its own horizontal sum per key and an axpy per key (batch 64 x ~130 keys, 32 rows x 930, batch 1 x
+// 2k; fp32 and bf16 caches); at 2 threads the batch-64 step's attention 33.2 -> 21.1 ms (kv_cascade.md).
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
-// Thread split: at::parallel_for over tasks (row, chunk of its keys). A task keeps per query head a running
+// Thread split: at::parallel_for over tasks (row, chunk of its keys; or several rows' same chunk of shared
+// slots, run one row after the other: decode_attention_shared.inc). A task keeps per query head a running
 // max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A row whose keys are
 // one chunk writes its normalized output at once; otherwise each chunk leaves its partial [H, D] and (max,
 // sum) per head, and the task that finishes a row's last chunk merges them in chunk order with their
@@ -60,7 +63,6 @@ static int64_t row_chunk(int64_t n) {
   return (c + TILE - 1) / TILE * TILE;
 }
 constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
-
 
 struct AttnArgs {
   const float* q; const void* cache; const int64_t* kv_index; const int64_t* seq_lens;   // cache: float/bf16/fp16
