@@ -41,6 +41,7 @@ from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
 from .ranks import rank_device, rank_infos, spawn_device, spawn_rank
+from .shared_buffers import SharedBuffers, read_logprobs, write_logprobs
 from .step import StepInput
 from .streams import now
 
@@ -50,34 +51,6 @@ _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, 
 
 class DeviceProcessError(RuntimeError):
     """The device process failed or died; the engine cannot continue."""
-
-
-class _SharedBuffers:
-    """`slots` slots (2; pp_size under the PP loop) each of step input (int64 + float64), sampled ids, logprobs,
-    and grammar token masks (int32 rows of mask_width words), in one file in /dev/shm.
-
-    Out slot of a step of B rows: ints [B sampled ids | B x MAX_LOGPROBS top ids], floats [B chosen logprobs |
-    B x MAX_LOGPROBS top logprobs] (the logprob parts written only when a row asked for them)."""
-
-    def __init__(self, path: str, int_words: int, float_words: int, out_words: int, mask_rows: int,
-                 mask_width: int, create: bool, slots: int = 2) -> None:
-        self.sizes = (int_words, float_words, out_words, mask_rows, mask_width, slots)
-        self.slots = slots
-        mask_words = (mask_rows * mask_width + 1) // 2
-        nbytes = 8 * slots * (int_words + float_words + 2 * out_words + mask_words)
-        self._map = runtime_files.map_file(path, nbytes, create)
-        o = 0
-        self.ints, self.floats, self.outs, self.lp_outs = [], [], [], []
-        for lst, words, dt in ((self.ints, int_words, np.int64), (self.floats, float_words, np.float64),
-                               (self.outs, out_words, np.int64), (self.lp_outs, out_words, np.float64)):
-            for _ in range(slots):
-                lst.append(np.frombuffer(self._map, dtype=dt, count=words, offset=o))
-                o += 8 * words
-        self.masks = []
-        for _ in range(slots):
-            self.masks.append(np.frombuffer(self._map, dtype=np.int32, count=mask_rows * mask_width, offset=o)
-                              .reshape(mask_rows, mask_width))
-            o += 8 * mask_words
 
 
 class ProcessHandle:
@@ -105,13 +78,13 @@ class ProcessHandle:
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
-        return _read_logprobs(self._runner.buffers.outs[self._buf], self._runner.buffers.lp_outs[self._buf],
+        return read_logprobs(self._runner.buffers.outs[self._buf], self._runner.buffers.lp_outs[self._buf],
                               self._b, k)
 
     def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same for the step's n prompt positions (prompt_logprob_targets), after wait()."""
         o = self._b * (1 + MAX_LOGPROBS)
-        return _read_logprobs(self._runner.buffers.outs[self._buf][o:], self._runner.buffers.lp_outs[self._buf][o:],
+        return read_logprobs(self._runner.buffers.outs[self._buf][o:], self._runner.buffers.lp_outs[self._buf][o:],
                               n, k)
 
     @property
@@ -137,7 +110,7 @@ class ProcessRunner:
         shm_path = os.path.join(self._tmp, "steps")
         out_words = (b + max_tokens_per_step) * (1 + MAX_LOGPROBS)     # sampled rows' part, prompt positions' part
         # One buffer slot per step in flight: 2 (the overlap loop's k and k-1), pp_size under the PP loop.
-        self.buffers = _SharedBuffers(shm_path, int_words, float_words, out_words, b,
+        self.buffers = SharedBuffers(shm_path, int_words, float_words, out_words, b,
                                       mask_words(spec.source.config.vocab_size), create=True,
                                       slots=max(2, spec.pp_size))
         sock = os.path.join(self._tmp, "sock")
@@ -326,20 +299,6 @@ def _peer_pid(conn) -> int:
         return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 
 
-def _write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
-    """n entries: floats [n chosen | n x MAX_LOGPROBS top], ints [n | n x MAX_LOGPROBS top ids] (ints[:n] unused
-    for the sampled rows' part: those hold the sampled ids)."""
-    k = lp.top.shape[1]
-    floats[:n] = lp.chosen.cpu().numpy()
-    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.cpu().numpy()
-    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.cpu().numpy()
-
-
-def _read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tuple:
-    return (floats[:n].copy(), ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy(),
-            floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy())
-
-
 def device_main(sock: str, shm_path: str, threads: int) -> None:
     die_with_parent()
     import torch
@@ -349,7 +308,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     tp = pp = profile = None
     try:
         spec, sizes, dist = conn.recv()
-        buffers = _SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
+        buffers = SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
         from .executor import ModelExecutor
         if dist is not None and spec.pp_size > 1:      # a pipeline stage: its layers, p2p to its neighbours
             from .pp import PPGroup
@@ -407,7 +366,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                 buffers.outs[buf][:b] = tokens.cpu().numpy()
             for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
                 if lp is not None:
-                    _write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
+                    write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
             conn.send_bytes(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
     except BaseException:
         try:

@@ -1,0 +1,51 @@
+"""The shared-memory buffers between the scheduler's runner and the device process (cpu_process.py): a step's
+index arrays go in, sampled ids, logprobs and grammar masks go through them, in one file in /dev/shm, so a
+launch is only a short socket message."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import runtime_files
+from ..sampler import MAX_LOGPROBS
+
+
+class SharedBuffers:
+    """`slots` slots (2; pp_size under the PP loop) each of step input (int64 + float64), sampled ids, logprobs,
+    and grammar token masks (int32 rows of mask_width words), in one file in /dev/shm.
+
+    Out slot of a step of B rows: ints [B sampled ids | B x MAX_LOGPROBS top ids], floats [B chosen logprobs |
+    B x MAX_LOGPROBS top logprobs] (the logprob parts written only when a row asked for them)."""
+
+    def __init__(self, path: str, int_words: int, float_words: int, out_words: int, mask_rows: int,
+                 mask_width: int, create: bool, slots: int = 2) -> None:
+        self.sizes = (int_words, float_words, out_words, mask_rows, mask_width, slots)
+        self.slots = slots
+        mask_words = (mask_rows * mask_width + 1) // 2
+        nbytes = 8 * slots * (int_words + float_words + 2 * out_words + mask_words)
+        self._map = runtime_files.map_file(path, nbytes, create)
+        o = 0
+        self.ints, self.floats, self.outs, self.lp_outs = [], [], [], []
+        for lst, words, dt in ((self.ints, int_words, np.int64), (self.floats, float_words, np.float64),
+                               (self.outs, out_words, np.int64), (self.lp_outs, out_words, np.float64)):
+            for _ in range(slots):
+                lst.append(np.frombuffer(self._map, dtype=dt, count=words, offset=o))
+                o += 8 * words
+        self.masks = []
+        for _ in range(slots):
+            self.masks.append(np.frombuffer(self._map, dtype=np.int32, count=mask_rows * mask_width, offset=o)
+                              .reshape(mask_rows, mask_width))
+            o += 8 * mask_words
+
+
+def write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
+    """n entries: floats [n chosen | n x MAX_LOGPROBS top], ints [n | n x MAX_LOGPROBS top ids] (ints[:n] unused
+    for the sampled rows' part: those hold the sampled ids)."""
+    k = lp.top.shape[1]
+    floats[:n] = lp.chosen.cpu().numpy()
+    ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top_ids.cpu().numpy()
+    floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.cpu().numpy()
+
+
+def read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tuple:
+    return (floats[:n].copy(), ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy(),
+            floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy())
