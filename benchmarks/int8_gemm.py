@@ -3,7 +3,8 @@ weights (the path it replaced past small_m() rows), on SmolLM2's linear shapes a
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--qtype 3] [--isa -1] [--threads 1]
 
---isa 1 runs the AVX2 bodies; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment to compare with
+On a CPU with AMX-INT8 the best qgemm_q8 body is the AMX one (body 3), and a column beside it times the
+AVX-512 VNNI body (isa 2) on the same weights. --isa 1 runs the AVX2 bodies; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment to compare with
 MKL's AVX2 code (what an AVX2-only machine runs). One thread is the robust reading on a shared 2-core machine
 (an OpenMP barrier stalls whenever another process takes a core).
 """
@@ -40,7 +41,7 @@ def best_ms(f, reps: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qtype", type=int, default=3, help="ggml type id (3 = Q4_1, SmolLM2's; 12 = Q4_K, 14 = Q6_K)")
-    ap.add_argument("--isa", type=int, default=-1, help="-1 the best body here, 1 AVX2, 2 AVX-512")
+    ap.add_argument("--isa", type=int, default=-1, help="-1 the best body here, 1 AVX2, 2 AVX-512 (VNNI), 3 AMX")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--rows", default="32,64,128,512", help="row counts M, comma-separated")
     args = ap.parse_args()
@@ -49,17 +50,22 @@ def main() -> None:
     qt, isa = args.qtype, args.isa
     print(f"qtype {qt}, isa {kernels.isa(isa)}, qgemm body {torch.ops.tandem.qgemm_q8_body(qt, isa)}, "
           f"{args.threads} thread(s), MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', '-')}")
-    print("| N x K | M | qlinear_q8 ms | qgemm_q8 ms | MKL fp32 + dequantize ms | qgemm / MKL |")
-    print("|---|---|---|---|---|---|")
+    amx = torch.ops.tandem.qgemm_q8_body(qt, isa) == 3
+    print("| N x K | M | qlinear_q8 ms | qgemm_q8 ms |" + (" qgemm_q8 VNNI ms | AMX / VNNI |" if amx else "")
+          + " MKL fp32 + dequantize ms | qgemm / MKL |")
+    print("|---|---|---|---|" + ("---|---|" if amx else "") + "---|---|")
     for n, k in SHAPES:
+        k = -(-k // 256) * 256 if qt in K_QUANTS else k      # K-quants: whole super-blocks (576 -> 768)
         q = blocks(n, k, qt, seed=1) if qt in K_QUANTS else weights(n, k, qt, seed=1)
         dense = q.dequantize()
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k)
             gemv = best_ms(lambda: torch.ops.tandem.qlinear_q8(x, q.data, qt, k, None, isa))
             gemm = best_ms(lambda: torch.ops.tandem.qgemm_q8(x, q.data, qt, k, None, isa))
+            vnni = best_ms(lambda: torch.ops.tandem.qgemm_q8(x, q.data, qt, k, None, 2)) if amx else 0.0
             mkl = best_ms(lambda: F.linear(x, dense)) + best_ms(lambda: torch.ops.tandem.dequantize_out(q.data, qt, k, dense))
-            print(f"| {n} x {k} | {m} | {gemv:.2f} | {gemm:.2f} | {mkl:.2f} | {mkl / gemm:.2f}x |")
+            body = f" {vnni:.2f} | {vnni / gemm:.2f}x |" if amx else ""
+            print(f"| {n} x {k} | {m} | {gemv:.2f} | {gemm:.2f} |{body} {mkl:.2f} | {mkl / gemm:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .request import Req, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler.loops import LOOPS
 from .scheduler.scheduler import Scheduler
+from .scheduler.speculative import verify_rows
 from .trace.recorder import Recorder
 
 MAX_IDLE_SPINS = 10_000
@@ -74,6 +75,7 @@ class Engine:
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.runner, self._emit, self.recorder, poll, self.grammar)
         self.scheduler.max_draft_rows = spec.max_draft_rows
+        self.scheduler.max_verify_rows = verify_rows(spec)
         self.scheduler.drafter = drafter
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()

@@ -11,11 +11,17 @@ from test_kernels import assert_close_sum, blocks, isas
 from test_quant_types import weights, whole
 
 from tandem import kernels
-from tandem.kernels.quant import (F16, GEMM_ROWS_AVX2, Q4_K, Q6_K, Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref,
-                                  quantize_act_ref, small_m)
+from tandem.kernels.quant import (F16, GEMM_ROWS, Q4_K, Q6_K, Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref,
+                                  quantize_act_ref, rows_alone, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
+
+
+def gemm_bodies() -> list[int]:
+    """The forced bodies past the scalar one this CPU runs: 1 AVX2, 2 AVX-512 VNNI, 3 AMX (qgemm_q8's own)."""
+    amx = [3] if kernels.available() and torch.ops.tandem.qgemm_q8_body(Q8_0, 3) == 3 else []
+    return isas()[1:] + amx
 
 
 def _weight(n: int, k: int, qtype: int, seed: int):
@@ -39,7 +45,7 @@ def test_qgemm_equals_reference(name, m, n, k):
         assert y.shape == (m, n)
         assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
         spec = torch.ops.tandem.qgemm_q8(x, q.data, qtype, k, b, 0)     # the scalar body: the specification
-        for isa in isas()[1:]:                                           # AVX2, AVX-512: equal to it bit for bit
+        for isa in gemm_bodies():                                        # AVX2, AVX-512, AMX: equal to it bit for bit
             assert torch.equal(torch.ops.tandem.qgemm_q8(x, q.data, qtype, k, b, isa), spec)
 
 
@@ -64,17 +70,22 @@ def test_a_row_is_the_same_at_any_row_count(name):
 
 
 def test_qlinear_takes_the_gemm_past_gemm_rows():
-    """The Python entry point: qgemm_q8 past gemm_rows() rows (small_m() with VNNI, GEMM_ROWS_AVX2 on the AVX2
-    body), the fp32 GEMM on dequantized weights between small_m() and it, and for fp32 activations."""
+    """The Python entry point: qgemm_q8 past gemm_rows() rows (GEMM_ROWS by the body: AMX, VNNI, AVX2), qlinear_q8
+    up to it where that is within small_m(), the fp32 GEMM on dequantized weights between small_m() and it (AVX2)
+    and for fp32 activations; rows_alone() is where the int8 mode's arithmetic changes."""
     q = _weight(40, 512, Q6_K, seed=1)
     body = torch.ops.tandem.qgemm_q8_body(Q6_K)
-    assert gemm_rows(Q6_K) == {2: small_m(), 1: GEMM_ROWS_AVX2}.get(body, 1 << 62)
+    assert gemm_rows(Q6_K) == GEMM_ROWS.get(body, 1 << 62) and (body == 0 or gemm_rows(Q6_K) < 200)
     assert torch.ops.tandem.qgemm_q8_body(F16) == 0 and gemm_rows(F16) == 1 << 62
+    assert rows_alone(True) == min(small_m(), gemm_rows(Q8_0)) and rows_alone(False) == small_m()
     x = torch.randn(min(gemm_rows(Q6_K), 1000) + 7, 512)
     y = qlinear(x, q, int8_act=True)
     dense = torch.nn.functional.linear(x, dequantize_ref(q.data, Q6_K, 512))
     assert torch.equal(y, torch.ops.tandem.qgemm_q8(x, q.data, Q6_K, 512) if body else dense)
-    assert torch.equal(qlinear(x, q), dense)
+    big = torch.randn(small_m() + 7, 512)                               # fp32 activations: the GEMM past small_m()
+    assert torch.equal(qlinear(big, q), torch.nn.functional.linear(big, dequantize_ref(q.data, Q6_K, 512)))
+    few = x[: rows_alone(True)]
+    assert torch.equal(qlinear(few, q, int8_act=True), torch.ops.tandem.qlinear_q8(few, q.data, Q6_K, 512))
 
 
 def test_qgemm_refuses_bad_inputs():
@@ -118,3 +129,17 @@ def test_simd_rounding_of_x_equals_the_scalar_loop(tmp_path):
                        env=dict(os.environ, TANDEM_ISA=cap))
         for a, b in zip(torch.load(out), here):
             assert torch.equal(a, b), cap
+
+
+def test_tandem_isa_caps_the_amx_body():
+    """TANDEM_ISA=avx512 (or lower) turns the AMX body off, as it caps every other op; unset or "amx" keeps it."""
+    import os
+    import subprocess
+    import sys
+    if 3 not in gemm_bodies():
+        pytest.skip("this CPU has no AMX-INT8")
+    code = "from tandem import kernels; kernels.available(); import torch; print(torch.ops.tandem.qgemm_q8_body(8))"
+    for cap, body in (("avx512", "2"), ("amx", "3"), ("", "3")):
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                             env=dict(os.environ, TANDEM_ISA=cap)).stdout.split()[-1]
+        assert out == body, cap

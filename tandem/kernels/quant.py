@@ -38,10 +38,10 @@ BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 
 INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMV bodies run (qlinear, qlinear_q8; measured: 1.4x the fp32 GEMM at 65
-# rows, even at 128); past it the int8 GEMM qgemm_q8 (kernels_act="int8", AVX-512 VNNI) or MKL's fp32 GEMM on
-# weights dequantized into a reused buffer takes over. The int8 bodies keep an output's operations the same at
-# every row count on each side of it (batch invariance), not across it: it is the one row count where a
-# row's last bits can change.
+# rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over. With int8
+# activations the int8 GEMM qgemm_q8 takes over sooner where it is faster (gemm_rows() below). Each body keeps
+# an output's operations the same at every row count on its side (batch invariance), not across: rows_alone()
+# is the one row count where a row's last bits can change.
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
@@ -128,18 +128,18 @@ def small_m() -> int:
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, int8_act: bool = False
             ) -> torch.Tensor:
     """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]. int8_act (INT8_ACT_QTYPES): rows of x rounded to int8
-    halves of 16 first; up to small_m() rows by qlinear_q8, past gemm_rows() by the int8 GEMM qgemm_q8.
-    Otherwise (fp32 activations, or between the two on AVX2) past small_m() rows the weights are dequantized
-    into a reused buffer for MKL's fp32 GEMM."""
+    halves of 16 first; past gemm_rows() rows by the int8 GEMM qgemm_q8, else up to small_m() rows by
+    qlinear_q8. Otherwise (fp32 activations, or between the two on AVX2) past small_m() rows the weights are
+    dequantized into a reused buffer for MKL's fp32 GEMM."""
     global _scratch
     q8 = int8_act and w.qtype in INT8_ACT_QTYPES
     m = x.shape[0]
+    if q8 and m > gemm_rows(w.qtype):
+        return torch.ops.tandem.qgemm_q8(x, w.data, w.qtype, w.k, bias)
     if m <= small_m():
         if q8:
             return torch.ops.tandem.qlinear_q8(x, w.data, w.qtype, w.k, bias)
         return torch.ops.tandem.qlinear(x, w.data, w.qtype, w.k, bias)
-    if q8 and m > gemm_rows(w.qtype):
-        return torch.ops.tandem.qgemm_q8(x, w.data, w.qtype, w.k, bias)
     if _scratch.numel() < w.numel():
         _scratch = torch.empty(w.numel())
     dense = _scratch[:w.numel()].view(w.shape)
@@ -147,19 +147,33 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
     return F.linear(x, dense, bias)
 
 
-# Rows past which qgemm_q8 takes over on its AVX2 body (no VNNI). Measured on one thread, against MKL's fp32
-# GEMM capped at AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2) plus the dequantization: 1.11-1.26x at 128 rows and
-# 1.17-1.25x at 512 for SmolLM2's shapes, level or behind at 32-64; the VNNI body wins from small_m() on.
-GEMM_ROWS_AVX2 = 128
+# Rows of x past which qgemm_q8 takes over from qlinear_q8's GEMV bodies, by the GEMM's body on this CPU
+# (qgemm_q8_body). Not where the GEMM gets faster (one thread, Intel Xeon with AMX, SmolLM2 / Gemma 3 shapes,
+# Q4_1 / Q4_K / Q6_K / Q8_0 / Q5_0: the AMX body level with qlinear_q8 at 16-24 rows and 2.2x ahead at 64, the
+# VNNI body level at 24-32 and 1.7x at 64) but small_m(): the two round x the same way and differ in fp32
+# order only, yet in the int8 mode a last-bit difference moves a value of the next layer across a rounding
+# step of x now and then, and 30 layers grow that to ~0.01-0.07 in a logprob (measured on SmolLM2: one prompt
+# prefilled in chunks of 16 rows, the GEMV, vs 24, the GEMM with its threshold lowered to 20). So the boundary stays at the decode batch sizes' far end, and only
+# one arithmetic for every row count would remove it. The AVX2 body beats MKL's fp32 GEMM capped at AVX2 plus
+# the dequantization only from 128 rows (1.11-1.26x at 128, 1.17-1.25x at 512, level or behind at 32-64);
+# between small_m() and it that fp32 GEMM runs.
+GEMM_ROWS = {3: SMALL_M, 2: SMALL_M, 1: 128}
+GEMM_ROWS_AVX2 = GEMM_ROWS[1]
 _gemm_rows: dict[int, int] = {}
 
 
 def gemm_rows(qtype: int) -> int:
     """Rows of x past which qlinear runs the int8 GEMM for this type on this CPU (a huge number: never)."""
     if qtype not in _gemm_rows:
-        body = torch.ops.tandem.qgemm_q8_body(qtype)
-        _gemm_rows[qtype] = small_m() if body == 2 else GEMM_ROWS_AVX2 if body == 1 else 1 << 62
+        _gemm_rows[qtype] = GEMM_ROWS.get(torch.ops.tandem.qgemm_q8_body(qtype), 1 << 62)
     return _gemm_rows[qtype]
+
+
+def rows_alone(int8_act: bool) -> int:
+    """Rows up to which every quantized linear runs its GEMV body, each row's operations those of the row
+    alone (batch invariance; qlinear_q8 with int8 activations, qlinear with fp32 ones): past it a row's last
+    bits may change (the GEMM's fp32 order, or MKL's). The speculative verify step stays within it."""
+    return min(small_m(), gemm_rows(Q8_0)) if int8_act else small_m()
 
 
 # ---------------------------------------------------------------------------------------- torch reference

@@ -58,9 +58,11 @@ class Scheduler:
         self._live: dict[str, Req] = {}
         self.retractions = 0
         self.failures = 0                   # requests ended by an error in their own path (fail)
-        # Speculative decoding (speculative.py): batch rows the device buffers hold for drafts (set by the
-        # engine), drafts verified, drafts accepted, and verified runs by their accepted drafts.
+        # Speculative decoding (speculative.py): batch rows the device buffers hold for drafts and rows a
+        # verify step may carry (both set by the engine), drafts verified, drafts accepted, and verified runs
+        # by their accepted drafts.
         self.max_draft_rows = 0
+        self.max_verify_rows = 64
         self.drafter = None                 # the draft model (speculative_config method "draft_model")
         self.decode_step_s: float | None = None     # EMA of a decode step's device time, while a drafter runs
         self.spec_draft_tokens = 0

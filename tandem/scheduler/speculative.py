@@ -42,9 +42,24 @@ MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a p
 # drafts 2.52x (0.20 and 0.19 a row; host work included, on a shared machine). Decode rows of other requests cost
 # less (benchmarks/RESULTS.md, tok/s vs concurrency: 4 rows 1.41x one row): this errs on the side of not drafting.
 ROW_COST = 0.2
-# Rows a verify step carries at most: up to here the native decode path keeps its few-row kernels (the quantized
-# linear computes rows in-kernel up to 96, SiLU x up is the native op up to 64 rows), as a plain decode step does.
+# Rows a verify step carries at most (Scheduler.max_verify_rows, set by the engine): up to here the native decode
+# path keeps its few-row kernels, as a plain decode step does: the quantized linears' GEMV bodies up to
+# kernels.quant.rows_alone() rows (96 on AVX-512 CPUs, 16 on AVX2-only ones; the engine caps this by it),
+# SiLU x up the native op up to small_m().
 MAX_VERIFY_ROWS = 64
+
+
+def verify_rows(spec) -> int:
+    """Rows a verify step of this engine may carry: MAX_VERIFY_ROWS, capped on the native CPU kernels where the
+    quantized linears stop treating each row as alone, so a verify step computes every row as the plain step
+    does. spec: the engine's ExecutorSpec."""
+    if spec.max_draft_rows == 0 or spec.kernels != "native" or not str(spec.device).startswith("cpu"):
+        return MAX_VERIFY_ROWS
+    from .. import kernels
+    if not kernels.available():
+        return MAX_VERIFY_ROWS
+    from ..kernels.quant import rows_alone
+    return min(MAX_VERIFY_ROWS, rows_alone(spec.kernels_act == "int8"))
 # Picking a request ahead pays only if its in-flight run is likely to hold: a held pick saves the device the host's
 # processing of the step (h), a failed one wastes the request's rows of the next step (for one request, the step:
 # T). So a request is picked ahead while its estimated hold rate (an EMA over its drafting runs, from 1) is at
@@ -136,7 +151,7 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
         reqs = _decode_candidates(s)
     drafts: dict[Req, list[int]] = {}
     bonus: dict[Req, int] = {}
-    room = min(s.max_draft_rows, s.available() - len(reqs), MAX_VERIFY_ROWS - len(reqs))   # slots and rows
+    room = min(s.max_draft_rows, s.available() - len(reqs), s.max_verify_rows - len(reqs))   # slots and rows
     with s.recorder.span("propose"):
         if cfg.method == "draft_model" and s.drafter is not None:
             asked = {}

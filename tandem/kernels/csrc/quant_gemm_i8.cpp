@@ -151,6 +151,7 @@ T256 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t*
 }
 
 struct WTile {            // kRows unpacked weight rows, interleaved (rows past N: zero quants and scales)
+  static constexpr int kR = kRows;
   std::vector<int8_t> q;      // [K / 4][kRows][4]: the 4 quants of each row at k = 4 g .. 4 g + 3
   std::vector<float> dw, mh;  // [2 nb][kRows] per half
   std::vector<int32_t> ncorr; // [2 nb][kRows] -128 * the half's sum of q (x rides as xq + 128)
@@ -199,7 +200,8 @@ struct XTiles {           // rows of x rounded (quantize_act_row) and laid out i
 // The tiles live in buffers reused across calls on this thread (grow-only): fresh vectors of a prefill chunk's
 // size (MBs) were mapped and unmapped by every call, and the page faults and unmaps slowed the whole step
 // (measured: its norms and index ops ~3x slower, the step ~10 %, with the GEMM itself level with MKL's).
-XTiles tile_x(const float* x, int64_t M, int64_t K) {
+// signed_x (the AMX body): the bytes are xq itself, padding 0.
+XTiles tile_x(const float* x, int64_t M, int64_t K, bool signed_x) {
   const int64_t nb = K / 32, nh = 2 * nb, tiles = (M + kTok - 1) / kTok;
   static thread_local std::vector<uint8_t> xu_buf;
   static thread_local std::vector<float> f_buf;
@@ -207,10 +209,11 @@ XTiles tile_x(const float* x, int64_t M, int64_t K) {
   if ((int64_t)f_buf.size() < 2 * tiles * nh * kTok) f_buf.resize(2 * tiles * nh * kTok);
   XTiles t{xu_buf.data(), f_buf.data(), f_buf.data() + tiles * nh * kTok};
   if (M % kTok) {                                          // the last tile's padding tokens
-    std::memset(t.xu + (tiles - 1) * K * kTok, 128, K * kTok);
+    std::memset(t.xu + (tiles - 1) * K * kTok, signed_x ? 0 : 128, K * kTok);
     std::fill_n(t.dx + (tiles - 1) * nh * kTok, nh * kTok, 0.f);
     std::fill_n(t.sxh + (tiles - 1) * nh * kTok, nh * kTok, 0.f);
   }
+  const uint32_t flip = signed_x ? 0u : 0x80808080u;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> q(K);
     std::vector<float> dx(nh), sx(nb), sxh(nh);
@@ -221,7 +224,7 @@ XTiles tile_x(const float* x, int64_t M, int64_t K) {
       for (int64_t g = 0; g < K / 4; ++g) {                 // 4 bytes at a time, xq + 128 = xq ^ 0x80
         uint32_t v;
         std::memcpy(&v, q.data() + 4 * g, 4);
-        v ^= 0x80808080u;
+        v ^= flip;
         std::memcpy(xu + (g * kTok + lane) * 4, &v, 4);
       }
       for (int64_t u = 0; u < nh; ++u) {
@@ -234,12 +237,47 @@ XTiles tile_x(const float* x, int64_t M, int64_t K) {
 }
 
 #include "quant_gemm_i8_tiles.inc"
+#include "quant_gemm_i8_amx.inc"
 
-// out [kRows][kTok] += the halves [u0, u1) of the tile's products (each output's fp32 chain continued in
-// order, so splitting K into blocks changes no result).
-using TileFn = void (*)(int64_t, int64_t, int64_t, const WTile&, const uint8_t*, const float*, const float*, float*);
+// The GEMM over weight tiles W (WTile: kRows interleaved rows for the scalar, AVX2 and VNNI micro-kernels;
+// WTileAmx: 16 natural-order rows for the AMX one). fn: out [W::kR][kTok] += the halves [u0, u1) of the tile's
+// products (each output's fp32 chain continued in order, so splitting K into blocks changes no result).
+template <class W>
+void run_gemm(const XTiles& xt, int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t M, int64_t N,
+              int64_t K, const float* bp, float* yp, bool avx2,
+              void (*fn)(int64_t, int64_t, int64_t, const W&, const uint8_t*, const float*, const float*, float*)) {
+  constexpr int R = W::kR;
+  const int64_t nh = K / 16, wtiles = (N + R - 1) / R;
+  for (int64_t p0 = 0; p0 < M; p0 += kPass) {            // a pass: up to kPass tokens against every weight tile
+    const int64_t p1 = std::min(M, p0 + kPass);
+    at::parallel_for(0, wtiles, 1, [&](int64_t t0, int64_t t1) {
+      W wt(K, avx2);
+      const int64_t ntok = (p1 - p0 + kTok - 1) / kTok;
+      std::vector<float> acc(ntok * R * kTok);                    // the pass's token tiles' [R][kTok] sums
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * R, nr = std::min<int64_t>(R, N - n0);
+        wt.unpack(qtype, wp, row_bytes, n0, N, K);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t u0 = 0; u0 < nh; u0 += kKHalves)            // a K block's weights stay in L1 over the tiles
+          for (int64_t i = 0; i < ntok; ++i) {
+            const int64_t tile = p0 / kTok + i;
+            fn(K, u0, std::min(nh, u0 + kKHalves), wt, xt.xu + tile * K * kTok,
+               xt.dx + tile * nh * kTok, xt.sxh + tile * nh * kTok, acc.data() + i * R * kTok);
+          }
+        for (int64_t i = 0; i < ntok; ++i) {
+          const float* out = acc.data() + i * R * kTok;
+          const int64_t m0 = p0 + i * kTok, mt = std::min<int64_t>(kTok, p1 - m0);
+          for (int64_t j = 0; j < mt; ++j)
+            for (int64_t r = 0; r < nr; ++r) yp[(m0 + j) * N + n0 + r] = out[r * kTok + j] + (bp ? bp[n0 + r] : 0.f);
+        }
+      }
+    });
+  }
+}
 
 }  // namespace
+
+bool cpu_has_amx();
 
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
   switch (qtype) {
@@ -248,7 +286,8 @@ int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
     default: return 0;
   }
   const Isa isa = resolve_isa(isa_req);
-  return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
+  if (isa == kAvx512 && cpu_has_vnni()) return (isa_req < 0 || isa_req >= 3) && cpu_has_amx() ? 3 : 2;
+  return isa >= kAvx2 ? 1 : 0;
 }
 
 at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
@@ -263,39 +302,18 @@ at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   const Isa isa = resolve_isa(isa_req);
   const bool mn = has_min(qtype), q8 = qtype == kQ8_0;
   const int64_t body = qgemm_q8_body(qtype, isa_req);
-  TileFn fn = mn ? tile_scalar<true> : tile_scalar<false>;
-  if (body == 2) fn = mn ? tile_avx512<true> : tile_avx512<false>;
-  else if (body == 1) fn = mn ? tile_avx2<true, false> : q8 ? tile_avx2<false, true> : tile_avx2<false, false>;
-  XTiles xt = tile_x(x.data_ptr<float>(), M, K);
-  const int64_t nh = K / 16, row_bytes = w.size(1), wtiles = (N + kRows - 1) / kRows;
+  const XTiles xt = tile_x(x.data_ptr<float>(), M, K, body == 3);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for (int64_t p0 = 0; p0 < M; p0 += kPass) {            // a pass: up to kPass tokens against every weight tile
-    const int64_t p1 = std::min(M, p0 + kPass);
-    at::parallel_for(0, wtiles, 1, [&](int64_t t0, int64_t t1) {
-      WTile wt(K, isa >= kAvx2);
-      const int64_t ntok = (p1 - p0 + kTok - 1) / kTok;
-      std::vector<float> acc(ntok * kRows * kTok);                // the pass's token tiles' [kRows][kTok] sums
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * kRows, nr = std::min<int64_t>(kRows, N - n0);
-        wt.unpack(qtype, wp, row_bytes, n0, N, K);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t u0 = 0; u0 < nh; u0 += kKHalves)            // a K block's weights stay in L1 over the tiles
-          for (int64_t i = 0; i < ntok; ++i) {
-            const int64_t tile = p0 / kTok + i;
-            fn(K, u0, std::min(nh, u0 + kKHalves), wt, xt.xu + tile * K * kTok,
-               xt.dx + tile * nh * kTok, xt.sxh + tile * nh * kTok, acc.data() + i * kRows * kTok);
-          }
-        for (int64_t i = 0; i < ntok; ++i) {
-          const float* out = acc.data() + i * kRows * kTok;
-          const int64_t m0 = p0 + i * kTok, mt = std::min<int64_t>(kTok, p1 - m0);
-          for (int64_t j = 0; j < mt; ++j)
-            for (int64_t r = 0; r < nr; ++r) yp[(m0 + j) * N + n0 + r] = out[r * kTok + j] + (bp ? bp[n0 + r] : 0.f);
-        }
-      }
-    });
+  if (body == 3) {
+    run_gemm<WTileAmx>(xt, qtype, wp, w.size(1), M, N, K, bp, yp, true, mn ? tile_amx<true> : tile_amx<false>);
+    return y;
   }
+  auto fn = mn ? tile_scalar<true> : tile_scalar<false>;
+  if (body == 2) fn = mn ? tile_avx512<true> : tile_avx512<false>;
+  else if (body == 1) fn = mn ? tile_avx2<true, false> : q8 ? tile_avx2<false, true> : tile_avx2<false, false>;
+  run_gemm<WTile>(xt, qtype, wp, w.size(1), M, N, K, bp, yp, isa >= kAvx2, fn);
   return y;
 }
 

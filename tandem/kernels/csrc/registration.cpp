@@ -1,5 +1,6 @@
 // Every op's schema, in one place: torch.ops.tandem.<name>. `isa` = -1 picks the best body this CPU runs
-// (capped by TANDEM_ISA); 0 scalar, 1 AVX2, 2 AVX-512 force one (capped by what the CPU has), for tests.
+// (capped by TANDEM_ISA); 0 scalar, 1 AVX2, 2 AVX-512 force one (capped by what the CPU has), for tests; qgemm_q8
+// also takes 3, its AMX body where the CPU has AMX-INT8 (else its AVX-512 one).
 #include <torch/library.h>
 
 #include "ops.h"
