@@ -12,9 +12,14 @@ import subprocess
 import sys
 import time
 
+import threading
+
 import httpx
 
+from tandem import runtime_files
+
 START_TIMEOUT_S = 180.0
+LONG = {"prompt": "Once upon a time", "max_tokens": 480, "temperature": 0, "ignore_eos": True}   # runs ~seconds
 STOP_TIMEOUT_S = 30.0
 
 
@@ -172,3 +177,39 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = ...) -> 
     if param is not ...:
         assert err["param"] == param, err
     return err
+
+
+def runtime_dirs(*pids: int) -> list[str]:
+    """The shared-memory and IPC folders these processes own (tandem/runtime_files.py)."""
+    import tempfile
+    return [os.path.join(base, n) for base in {runtime_files.shm_dir(), tempfile.gettempdir()}
+            for n in os.listdir(base) for pid in pids if n.startswith((f"tandem-dev-{pid}-", f"tandem-ipc-{pid}-"))]
+
+
+def cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def assert_rank_death_is_503(srv: "ServerProcess", module: bytes, ranks: int) -> None:
+    """SIGKILL the first of the engine's `ranks` device processes running `module` while a LONG request runs:
+    the request ends in a 503 (no hang), the server exits 1, and no process or runtime folder is left."""
+    try:
+        pids = process_tree(srv.proc.pid)
+        victims = [p for p in children(srv.engine_pid()) if module in cmdline(p)]
+        assert len(victims) == ranks, victims
+        out: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: out.append(
+            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60, trust_env=False)), daemon=True)
+        waiting.start()
+        srv.wait_metric("tandem:num_requests_running", lambda v: v == 1)
+        os.kill(victims[0], signal.SIGKILL)
+        waiting.join(60)
+        assert out, f"the request hung after a device process ({module.decode()}) died"
+        assert_error(out[0], 503)
+        assert srv.wait_exit() == 1, srv.log()
+        assert wait_gone(pids) == []
+        assert runtime_dirs(*pids) == []
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()

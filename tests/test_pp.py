@@ -13,21 +13,18 @@ row count; there the tokens are compared (equal on these prompts), not the logpr
 """
 from __future__ import annotations
 
-import os
 import signal
-import threading
 
 import httpx
 import pytest
 
 from conftest import assert_no_leaks
-from server_utils import ServerProcess, assert_error, children, process_tree, sse_events, wait_gone
+from server_utils import (ServerProcess, assert_rank_death_is_503, process_tree, runtime_dirs, sse_events,
+                          wait_gone)
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.device.pp import stage_layers
 from test_overlap import run_script
-from test_server_lifecycle import runtime_dirs
-from test_tp import LONG, _cmdline
 
 ENGINE = dict(kv_cache_tokens=4096, max_running_requests=16, device_threads=1, poison_future_map=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -266,23 +263,4 @@ def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama,
 
 
 def test_pp_stage_death_is_503_and_exit_1(tiny_llama, tmp_path):
-    srv = pp_server(tiny_llama, tmp_path)
-    try:
-        pids = process_tree(srv.proc.pid)
-        stages = [p for p in children(srv.engine_pid()) if b"tandem.device.cpu_process" in _cmdline(p)]
-        assert len(stages) == 2
-        out: list[httpx.Response] = []
-        waiting = threading.Thread(target=lambda: out.append(
-            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60, trust_env=False)), daemon=True)
-        waiting.start()
-        srv.wait_metric("tandem:num_requests_running", lambda v: v == 1)
-        os.kill(stages[0], signal.SIGKILL)
-        waiting.join(60)
-        assert out, "the request hung after a pipeline stage died"
-        assert_error(out[0], 503)
-        assert srv.wait_exit() == 1, srv.log()
-        assert wait_gone(pids) == []
-        assert runtime_dirs(*pids) == []
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill()
+    assert_rank_death_is_503(pp_server(tiny_llama, tmp_path), b"tandem.device.cpu_process", ranks=2)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from server_utils import ServerProcess, assert_error, children, process_tree, wait_gone
-from test_server_lifecycle import runtime_dirs
+from server_utils import runtime_dirs
 
 KV = "8192"
 PROMPTS = [f"Request {i}: the quick brown fox" + " jumps over" * (i % 5) for i in range(12)]

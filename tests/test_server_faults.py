@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server_utils import ServerProcess, children, free_port, process_tree, wait_gone
-from test_server_lifecycle import runtime_dirs
+from server_utils import runtime_dirs
 from tiny_models import make_tiny_model
 
 CMPL = "/v1/completions"

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import threading
 import time
 
 import httpx
 import pytest
 
-from server_utils import ServerProcess, assert_error, process_tree, sse_events, wait_gone
-from tandem import runtime_files
+from server_utils import LONG, ServerProcess, assert_error, process_tree, runtime_dirs, sse_events, wait_gone
 
-LONG = {"prompt": "Once upon a time", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +26,6 @@ def model_dir(tiny_llama):
 def start(model_dir, tmp_path, *extra) -> ServerProcess:
     return ServerProcess(["--model", model_dir, "--kv-cache-tokens", "8192", "--device-threads", "1", *extra],
                          str(tmp_path / "server.log"))
-
-
-def runtime_dirs(*pids: int) -> list[str]:
-    """The shared-memory and IPC folders these processes own (tandem/runtime_files.py)."""
-    return [os.path.join(base, n) for base in {runtime_files.shm_dir(), tempfile.gettempdir()}
-            for n in os.listdir(base) for pid in pids if n.startswith((f"tandem-dev-{pid}-", f"tandem-ipc-{pid}-"))]
 
 
 def test_sigterm_mid_request_exits_0_and_leaves_nothing(model_dir, tmp_path):

@@ -5,22 +5,18 @@ process or shared-memory folder behind. The forward's collectives run over share
 and over gloo (tp_comm="gloo"): the same tokens."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import threading
 
-import httpx
 import pytest
 
 from conftest import assert_no_leaks, run_with
-from server_utils import ServerProcess, assert_error, children, free_port, process_tree, wait_gone
+from server_utils import ServerProcess, assert_rank_death_is_503, free_port, process_tree, runtime_dirs, wait_gone
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.model.shard import TPLayout
 from test_parity import prompts_for
-from test_server_lifecycle import runtime_dirs
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -146,7 +142,6 @@ def test_two_nodes_on_localhost_equal_one(tiny_llama):
             node1.wait()
 
 
-LONG = {"prompt": "Once upon a time", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
 
 def tp_server(path: str, tmp_path) -> ServerProcess:
@@ -167,31 +162,7 @@ def test_tp_server_sigterm_leaves_nothing(tiny_llama, tmp_path):
 
 
 def test_tp_rank_death_is_503_not_a_hang(tiny_llama, tmp_path):
-    srv = tp_server(tiny_llama, tmp_path)
-    try:
-        pids = process_tree(srv.proc.pid)
-        rank1 = [p for p in children(srv.engine_pid()) if b"tandem.device.tp_ranks" in _cmdline(p)]
-        assert len(rank1) == 1
-        out: list[httpx.Response] = []
-        waiting = threading.Thread(target=lambda: out.append(
-            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60, trust_env=False)), daemon=True)
-        waiting.start()
-        srv.wait_metric("tandem:num_requests_running", lambda v: v == 1)
-        os.kill(rank1[0], signal.SIGKILL)
-        waiting.join(60)
-        assert out, "the request hung after a tp rank died"
-        assert_error(out[0], 503)
-        assert srv.wait_exit() == 1, srv.log()
-        assert wait_gone(pids) == []
-        assert runtime_dirs(*pids) == []
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill()
-
-
-def _cmdline(pid: int) -> bytes:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read()
+    assert_rank_death_is_503(tp_server(tiny_llama, tmp_path), b"tandem.device.tp_ranks", ranks=1)
 
 
 def test_gguf_blocks_shard_on_block_boundaries_and_dequantize_otherwise():
