@@ -23,13 +23,11 @@ no ids.
 """
 from __future__ import annotations
 
-import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
-from .ranks import DistInfo
+from .ranks import DistInfo, init_group
 
 TIMEOUT_S = 600.0          # rendezvous of all stages, and any single send or recv
 
@@ -53,11 +51,7 @@ class PPGroup:
     """One stage's place in the pipeline and its point-to-point sends of hidden states."""
 
     def __init__(self, info: DistInfo, device: torch.device, num_layers: int) -> None:
-        if info.loopback:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.size,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        init_group(info, device, TIMEOUT_S)
         self.rank, self.size, self.device = info.rank, info.size, device
         self.layers = stage_layers(num_layers, info.size, info.rank)
         self.first, self.last = info.rank == 0, info.rank == info.size - 1

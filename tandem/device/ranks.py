@@ -63,6 +63,20 @@ def rank_threads(config: EngineConfig, model_config) -> int:
     return max(1, default_device_threads(num_params(model_config)) // ranks)
 
 
+def init_group(info: DistInfo, device, timeout_s: float) -> str:
+    """Join this rank's torch.distributed group (tp or pp): NCCL on CUDA, gloo on CPU (over "lo" when every rank
+    is on this machine), timeout_s for the rendezvous and every single operation. Returns the backend."""
+    import datetime
+
+    import torch.distributed as dist
+    if info.loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
 def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
     """What every rank builds itself from (the engine's options that reach the device side)."""
     return ExecutorSpec(

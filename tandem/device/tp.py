@@ -19,16 +19,14 @@ without spinning. tp_comm "gloo" keeps every collective on gloo.
 """
 from __future__ import annotations
 
-import datetime
 import logging
-import os
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .ranks import DistInfo
+from .ranks import DistInfo, init_group
 from .shm_comm import ShmComm
 from .step import StepInput
 
@@ -43,11 +41,7 @@ _INLINE = 2048            # payload words sent with the header in one broadcast 
 
 class TPGroup:
     def __init__(self, info: DistInfo, device: torch.device) -> None:
-        if info.loopback:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.size,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        backend = init_group(info, device, TIMEOUT_S)
         self.rank, self.size, self.device = info.rank, info.size, device
         self.shm = ShmComm.join(info.rank, info.size, info.comm == "auto") if backend == "gloo" else None
         self.transport = "shm" if self.shm is not None else backend    # of the forward's collectives
