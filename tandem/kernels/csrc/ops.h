@@ -13,6 +13,11 @@ at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, i
                       const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor qgemm_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                     const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor qgemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                    const std::optional<at::Tensor>& bias);
+// Rows up to which qlinear_q8 runs qgemv_q8 for this type (past them qgemm_q8, the same bits); 0: its own
+// bodies (other types, or no AVX-512 VNNI).
+int64_t qgemv_q8_rows(int64_t qtype);
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs

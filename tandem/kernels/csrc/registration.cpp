@@ -14,6 +14,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qlinear_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemm_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("qgemv_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None) -> Tensor");
+  m.def("qgemv_q8_rows(int qtype) -> int", &tandem::qgemv_q8_rows);
   m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
@@ -41,6 +43,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("qlinear", &tandem::qlinear);
   m.impl("qlinear_q8", &tandem::qlinear_q8);
   m.impl("qgemm_q8", &tandem::qgemm_q8);
+  m.impl("qgemv_q8", &tandem::qgemv_q8);
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);

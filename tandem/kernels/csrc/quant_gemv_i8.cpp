@@ -1,0 +1,249 @@
+// The int8 GEMV with the GEMM's arithmetic (Q4_1 and Q8_0 on AVX-512 VNNI): for a few rows of x, each
+// output computed by qgemm_q8's operations in qgemm_q8's order (quant_gemm_i8.cpp's header), so its rows are
+// bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
+// decode kernel qlinear_q8 scales 4-product partials per lane instead, so its rows differ from the GEMM's in
+// the last bits, and in the int8 mode those bits grow into ~0.01-0.07 of a logprob over 30 layers).
+//
+// Lanes over 16 weight rows. One step reads 64 quant bytes of each row: Q4_1, 4 blocks' nibbles, two vpdpbusd
+// (the 4 blocks' elements 0-15 against x's, then 16-31); Q8_0, 2 blocks in natural order, one vpdpbusd (|w|
+// against x with w's sign). Either way a half's 16 products land in 4 int32 partials; four rows' partials
+// are reduced exactly and transposed at once (reduce4), four such groups' 128-bit lanes transposed again
+// (lanes4), so each half's 16 rows' exact sums sit in one register, and the fp32 chain runs half after half
+// with lanes over the rows: f = fma(float(isum_u), dx_u dw_u, f), then (Q4_1) f = fma(sxh_u, mh_u, f); y = f +
+// bias: qgemm_q8's operands and order (its scalar tile_scalar), so tests/test_qgemm.py asserts equality.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace tandem {
+
+bool cpu_has_vnni();
+
+namespace {
+
+constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;
+constexpr int kG = 16;      // weight rows of a group: the 16 lanes of the fp32 chain
+constexpr int kMx = 4;      // rows of x per pass over a group's weights
+
+#define TGV __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+// Four weight rows' [4 halves x 4 partials] int32 sums -> [4 halves][4 rows]: each 128-bit lane a half, its 4
+// int32 the 4 rows' exact sums.
+TGV inline __m512i reduce4(__m512i t0, __m512i t1, __m512i t2, __m512i t3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(t0, t1), _mm512_unpackhi_epi32(t0, t1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(t2, t3), _mm512_unpackhi_epi32(t2, t3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// u[s] = [4 halves][rows 4 s .. 4 s + 3] -> o[i] = half i's 16 rows in order.
+TGV inline void lanes4(const __m512i u[4], __m512i o[4]) {
+  const __m512i a = _mm512_shuffle_i32x4(u[0], u[1], 0x44), b = _mm512_shuffle_i32x4(u[0], u[1], 0xee);
+  const __m512i c = _mm512_shuffle_i32x4(u[2], u[3], 0x44), d = _mm512_shuffle_i32x4(u[2], u[3], 0xee);
+  o[0] = _mm512_shuffle_i32x4(a, c, 0x88), o[1] = _mm512_shuffle_i32x4(a, c, 0xdd);
+  o[2] = _mm512_shuffle_i32x4(b, d, 0x88), o[3] = _mm512_shuffle_i32x4(b, d, 0xdd);
+}
+
+// m [16 rows][16] -> [16][16 rows] (unpack, 128-bit shuffles).
+TGV inline void transpose16(__m512 m[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(m[i], m[i + 1]), t[i + 1] = _mm512_unpackhi_ps(m[i], m[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    m[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    m[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+    m[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    m[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(m[i], m[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(m[i], m[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(m[i + 8], m[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(m[i + 8], m[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    m[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    m[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// The group's scales with lanes over its rows, as qgemm_q8 unpacks them (both halves of a block share them):
+// dw [nb][kG] the fp16 d at the row's start, mh [nb][kG] (Q4_1) the fp16 m after them; 16 blocks of the 16
+// rows at a time, transposed.
+TGV void group_scales(const uint8_t* const* rows, int64_t nb, bool with_m, float* dw, float* mh) {
+  for (int part = 0; part < (with_m ? 2 : 1); ++part) {
+    float* out = part ? mh : dw;
+    for (int64_t b = 0; b < nb; b += 16) {
+      const __mmask16 mk = nb - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - b)) - 1);
+      __m512 m[16];
+      for (int r = 0; r < kG; ++r)
+        m[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, rows[r] + 2 * (part * nb + b)));
+      transpose16(m);
+      for (int i = 0; i < 16 && b + i < nb; ++i) _mm512_storeu_ps(out + (b + i) * kG, m[i]);
+    }
+  }
+}
+
+struct Group {            // kG weight rows (past N: a zero row) and their transposed scales
+  const uint8_t* const* rows;
+  int64_t nb;
+  const float *dw, *mh;
+};
+
+// Step b of a group for one row of x: the exact sums of the halves the step covers (Q4_1: blocks b .. b + 3,
+// o[0..3] elements 0-15, o[4..7] 16-31; Q8_0: blocks b, b + 1, o[0..3] their 4 halves in order).
+template <int64_t QT>
+TGV inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o[8]) {
+  const int64_t nb = g.nb;
+  const __m512i z = _mm512_setzero_si512();
+  if constexpr (QT == kQ4_1) {
+    const __mmask64 mk = nb - b >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * (nb - b))) - 1);
+    const __m512i m16 = _mm512_set1_epi8(0x0f);
+    const __m512i xl = _mm512_loadu_si512(xp), xh = _mm512_loadu_si512(xp + 64);
+    __m512i ul[4], uh[4];
+    for (int s = 0; s < 4; ++s) {
+      __m512i tl[4], th[4];
+      for (int r = 0; r < 4; ++r) {
+        const __m512i v = _mm512_maskz_loadu_epi8(mk, g.rows[4 * s + r] + 4 * nb + 16 * b);   // [d][m][qs]
+        tl[r] = _mm512_dpbusd_epi32(z, _mm512_and_si512(v, m16), xl);
+        th[r] = _mm512_dpbusd_epi32(z, _mm512_and_si512(_mm512_srli_epi16(v, 4), m16), xh);
+      }
+      ul[s] = reduce4(tl[0], tl[1], tl[2], tl[3]);
+      uh[s] = reduce4(th[0], th[1], th[2], th[3]);
+    }
+    lanes4(ul, o);
+    lanes4(uh, o + 4);
+  } else {
+    const __mmask64 mk = nb - b >= 2 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+    const __m512i xv = _mm512_loadu_si512(xp);
+    __m512i u[4];
+    for (int s = 0; s < 4; ++s) {
+      __m512i t[4];
+      for (int r = 0; r < 4; ++r) {
+        const __m512i w = _mm512_maskz_loadu_epi8(mk, g.rows[4 * s + r] + 2 * nb + 32 * b);   // [d][qs]
+        const __mmask64 neg = _mm512_movepi8_mask(w);
+        t[r] = _mm512_dpbusd_epi32(z, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(xv, neg, z, xv));
+      }
+      u[s] = reduce4(t[0], t[1], t[2], t[3]);
+    }
+    lanes4(u, o);
+  }
+}
+
+// One half of the fp32 chain: f = fma(float(isum), dx dw, f) (Q4_1: then fma(sxh, mh, f)).
+template <int64_t QT>
+TGV inline __m512 chain(__m512 f, __m512i isum, float dx, float sxh, const Group& g, int64_t u) {
+  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_loadu_ps(g.dw + (u / 2) * kG)), f);
+  if constexpr (QT == kQ4_1) f = _mm512_fmadd_ps(_mm512_set1_ps(sxh), _mm512_loadu_ps(g.mh + (u / 2) * kG), f);
+  return f;
+}
+
+struct XRows {            // rows of x rounded as qgemm_q8 rounds them, in the layout step_sums reads
+  const int8_t* q;            // [M][stride]: Q4_1, per 4 blocks their elements 0-15 then 16-31; Q8_0 natural
+  const float *dx, *sxh;      // [M][2 nb]
+  int64_t stride;
+};
+
+// y [mt][kG] (nr real rows) of one group against rows m0 .. m0 + mt - 1 of x, the chains of the mt rows of x
+// interleaved (each alone would wait on the fma latency).
+template <int64_t QT, int MT>
+TGV void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bias, float* y, int64_t ldy, int nr) {
+  const int64_t nb = g.nb, nh = 2 * nb, bstep = QT == kQ4_1 ? 4 : 2;
+  __m512 f[MT];
+  for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += bstep) {
+    const int64_t u0 = 2 * b, halves = std::min<int64_t>(2 * bstep, nh - u0);
+    for (int j = 0; j < MT; ++j) {
+      const int64_t m = m0 + j;
+      const float *dx = x.dx + m * nh, *sxh = x.sxh + m * nh;
+      __m512i o[8];
+      step_sums<QT>(g, b, x.q + m * x.stride + 32 * b, o);
+      for (int64_t h = 0; h < halves; ++h) {           // halves in order: Q4_1 o[i] is block b + i's first half
+        const int64_t u = u0 + h;
+        const __m512i isum = QT == kQ4_1 ? o[(h / 2) + 4 * (h % 2)] : o[h];
+        f[j] = chain<QT>(f[j], isum, dx[u], sxh[u], g, u);
+      }
+    }
+  }
+  const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+  for (int j = 0; j < MT; ++j) _mm512_mask_storeu_ps(y + j * ldy, keep, bias ? _mm512_add_ps(f[j], bv) : f[j]);
+}
+
+template <int64_t QT>
+void group_all(const Group& g, const XRows& x, int64_t M, const float* bias, float* y, int64_t N, int nr) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMx) {
+    const int64_t mt = std::min<int64_t>(kMx, M - m0);
+    float* yo = y + m0 * N;
+    if (mt == 4) group_rows<QT, 4>(g, x, m0, bias, yo, N, nr);
+    else if (mt == 3) group_rows<QT, 3>(g, x, m0, bias, yo, N, nr);
+    else if (mt == 2) group_rows<QT, 2>(g, x, m0, bias, yo, N, nr);
+    else group_rows<QT, 1>(g, x, m0, bias, yo, N, nr);
+  }
+}
+
+}  // namespace
+
+// Rows of x up to which qlinear_q8 runs this GEMV on these types (AVX-512 VNNI), past which qgemm_q8 (the same
+// bits): measured on one thread, SmolLM2's shapes (benchmarks/results/unified_int8.md): Q4_1 ahead of the GEMM
+// up to 16 rows (1.1-1.4x qlinear_q8's former body at 1 row), Q8_0 up to 8. 0: not this type or CPU.
+int64_t qgemv_q8_rows(int64_t qtype) {
+  if (!cpu_has_vnni() || best_isa() != kAvx512) return 0;
+  return qtype == kQ4_1 ? 16 : qtype == kQ8_0 ? 8 : 0;
+}
+
+at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                    const std::optional<at::Tensor>& bias_in) {
+  check_int8_args("tandem.qgemv_q8", x_in, w, qtype, K, bias_in);
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "tandem.qgemv_q8: Q4_1 or Q8_0 (ggml types 3, 8), got ", qtype);
+  TORCH_CHECK(cpu_has_vnni(), "tandem.qgemv_q8 needs AVX-512 VNNI");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  const int64_t M = x.size(0), N = w.size(0), nb = K / 32, nh = 2 * nb, row_bytes = w.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per 4 blocks: elements 0-15
+  // of each, then 16-31 (blocks past nb zero). Padded by a step so the last step's loads stay in the buffer.
+  const bool q4 = qtype == kQ4_1;
+  const int64_t stride = q4 ? (nb + 3) / 4 * 128 : (nb + 1) / 2 * 64;
+  std::vector<int8_t> xq(M * stride, 0);
+  std::vector<float> dx(M * nh), sxh(M * nh);
+  {
+    std::vector<int8_t> q(K);
+    std::vector<float> sx(nb);
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* row = xq.data() + m * stride;
+      quantize_act_row(x.data_ptr<float>() + m * K, K, q4 ? q.data() : row, dx.data() + m * nh, sx.data(),
+                       sxh.data() + m * nh);
+      for (int64_t b = 0; q4 && b < nb; ++b) {
+        int8_t* g = row + (b / 4) * 128 + (b % 4) * 16;
+        std::memcpy(g, q.data() + 32 * b, 16);
+        std::memcpy(g + 64, q.data() + 32 * b + 16, 16);
+      }
+    }
+  }
+  const XRows xr{xq.data(), dx.data(), sxh.data(), stride};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kG - 1) / kG, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> zero(row_bytes, 0);
+    std::vector<float> dw(nb * kG), mh(nb * kG);
+    const uint8_t* rows[kG];
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      const int64_t n0 = gi * kG;
+      const int nr = (int)std::min<int64_t>(kG, N - n0);
+      for (int r = 0; r < kG; ++r) rows[r] = r < nr ? wp + (n0 + r) * row_bytes : zero.data();
+      group_scales(rows, nb, q4, dw.data(), mh.data());
+      const Group g{rows, nb, dw.data(), mh.data()};
+      if (q4) group_all<kQ4_1>(g, xr, M, bp ? bp + n0 : nullptr, yp + n0, N, nr);
+      else group_all<kQ8_0>(g, xr, M, bp ? bp + n0 : nullptr, yp + n0, N, nr);
+    }
+  });
+  return y;
+}
+
+}  // namespace tandem
