@@ -1,4 +1,4 @@
-"""The int8 GEMV with the GEMM's arithmetic (tandem.qgemv_q8; Q4_1 and Q8_0 on AVX-512 VNNI): its rows equal
+"""The int8 GEMV with the GEMM's arithmetic (tandem.qgemv_q8; Q4_1, Q4_K and Q8_0 on AVX-512 VNNI): its rows equal
 qgemm_q8's bit for bit, so qlinear_q8 (which runs it up to qgemv_q8_rows() rows and the GEMM past them) gives
 a row the same bits at every row count, and SmolLM2 (Q4_1 + a Q8_0 head) decodes a request alone as in a
 batch. Bad inputs are refused with a clear error."""
@@ -10,11 +10,11 @@ from test_qgemm import _weight
 from test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import Q4_1, Q4_K, Q8_0, qlinear
+from tandem.kernels.quant import Q4_1, Q4_K, Q6_K, Q8_0, qlinear
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_q8_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX-512 VNNI")
-TYPES = {"Q4_1": Q4_1, "Q8_0": Q8_0}
+TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0}
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -39,26 +39,27 @@ def test_a_row_has_the_same_bits_at_every_row_count(name):
     """qlinear_q8 and the Python entry point: row r alone, in 2..300-row calls (the GEMV, the GEMM from
     qgemv_q8_rows() + 1, past small_m()) and under one thread is the same bits."""
     qtype = TYPES[name]
-    q = _weight(37, 608, qtype, seed=3)
-    x, bias = torch.randn(300, 608), torch.randn(37)
+    k = whole(608, qtype)
+    q = _weight(37, k, qtype, seed=3)
+    x, bias = torch.randn(300, k), torch.randn(37)
     full = qlinear(x, q, bias, int8_act=True)
     for m in (1, 2, 5, 8, 9, 16, 17, 37, 64, 96, 97, 200):
         assert torch.equal(qlinear(x[:m], q, bias, int8_act=True), full[:m]), m
-        assert torch.equal(torch.ops.tandem.qlinear_q8(x[:m], q.data, qtype, 608, bias), full[:m]), m
+        assert torch.equal(torch.ops.tandem.qlinear_q8(x[:m], q.data, qtype, k, bias), full[:m]), m
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(torch.ops.tandem.qlinear_q8(x[299:], q.data, qtype, 608, bias), full[299:])
+        assert torch.equal(torch.ops.tandem.qlinear_q8(x[299:], q.data, qtype, k, bias), full[299:])
     finally:
         torch.set_num_threads(threads)
 
 
 def test_rows_and_refusals():
-    assert torch.ops.tandem.qgemv_q8_rows(Q4_1) >= 1 and torch.ops.tandem.qgemv_q8_rows(Q8_0) >= 1
-    assert torch.ops.tandem.qgemv_q8_rows(Q4_K) == 0
-    q = _weight(4, 256, Q4_K, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_1 or Q8_0"):
-        torch.ops.tandem.qgemv_q8(torch.randn(2, 256), q.data, Q4_K, 256)
+    assert min(torch.ops.tandem.qgemv_q8_rows(t) for t in TYPES.values()) >= 1
+    assert torch.ops.tandem.qgemv_q8_rows(Q6_K) == 0
+    q = _weight(4, 256, Q6_K, seed=0)
+    with pytest.raises(RuntimeError, match="Q4_1, Q4_K or Q8_0"):
+        torch.ops.tandem.qgemv_q8(torch.randn(2, 256), q.data, Q6_K, 256)
     q = _weight(4, 256, Q8_0, seed=0)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         torch.ops.tandem.qgemv_q8(torch.randn(2, 128), q.data, Q8_0, 256)

@@ -155,7 +155,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 # step of x now and then, and 30 layers grow that to ~0.01-0.07 in a logprob (measured on SmolLM2: one prompt
 # prefilled in chunks of 16 rows, the GEMV, vs 24, the GEMM with its threshold lowered to 20). So the boundary
 # stays at the decode batch sizes' far end; only one arithmetic for every row count removes it, as qgemv_q8
-# does for Q4_1 / Q8_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
+# does for Q4_1 / Q4_K / Q8_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
 # choice only). The AVX2 body beats MKL's fp32 GEMM capped at AVX2 plus the dequantization only from 128 rows
 # (1.11-1.26x at 128, 1.17-1.25x at 512, level or behind at 32-64); between small_m() and it that GEMM runs.
 GEMM_ROWS = {3: SMALL_M, 2: SMALL_M, 1: 128}

@@ -1,15 +1,16 @@
-// The int8 GEMV with the GEMM's arithmetic (Q4_1 and Q8_0 on AVX-512 VNNI): for a few rows of x, each
+// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K and Q8_0 on AVX-512 VNNI): for a few rows of x, each
 // output computed by qgemm_q8's operations in qgemm_q8's order (quant_gemm_i8.cpp's header), so its rows are
 // bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
 // decode kernel qlinear_q8 scales 4-product partials per lane instead, so its rows differ from the GEMM's in
 // the last bits, and in the int8 mode those bits grow into ~0.01-0.07 of a logprob over 30 layers).
 //
-// Lanes over 16 weight rows. One step reads 64 quant bytes of each row: Q4_1, 4 blocks' nibbles, two vpdpbusd
+// Lanes over 16 weight rows. One step reads 64 quant bytes of each row: Q4_1 / Q4_K, 4 blocks' (sub-blocks')
+// nibbles, two vpdpbusd
 // (the 4 blocks' elements 0-15 against x's, then 16-31); Q8_0, 2 blocks in natural order, one vpdpbusd (|w|
 // against x with w's sign). Either way a half's 16 products land in 4 int32 partials; four rows' partials
 // are reduced exactly and transposed at once (reduce4), four such groups' 128-bit lanes transposed again
 // (lanes4), so each half's 16 rows' exact sums sit in one register, and the fp32 chain runs half after half
-// with lanes over the rows: f = fma(float(isum_u), dx_u dw_u, f), then (Q4_1) f = fma(sxh_u, mh_u, f); y = f +
+// with lanes over the rows: f = fma(float(isum_u), dx_u dw_u, f), then (Q4_1, Q4_K) f = fma(sxh_u, mh_u, f); y = f +
 // bias: qgemm_q8's operands and order (its scalar tile_scalar), so tests/test_qgemm.py asserts equality.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +26,11 @@ bool cpu_has_vnni();
 
 namespace {
 
-constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;
+enum : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+#include "k_scales.inc"
 constexpr int kG = 16;      // weight rows of a group: the 16 lanes of the fp32 chain
 constexpr int kMx = 4;      // rows of x per pass over a group's weights
 
@@ -70,16 +75,20 @@ TGV inline void transpose16(__m512 m[16]) {
 }
 
 // The group's scales with lanes over its rows, as qgemm_q8 unpacks them (both halves of a block share them):
-// dw [nb][kG] the fp16 d at the row's start, mh [nb][kG] (Q4_1) the fp16 m after them; 16 blocks of the 16
-// rows at a time, transposed.
-TGV void group_scales(const uint8_t* const* rows, int64_t nb, bool with_m, float* dw, float* mh) {
-  for (int part = 0; part < (with_m ? 2 : 1); ++part) {
+// dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; Q4_K its sub-blocks'
+// fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]). 16 blocks of the 16 rows at a time, transposed.
+TGV void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh, float* tmp) {
+  const bool kq = qt == kQ4_K;
+  if (kq)
+    for (int r = 0; r < kG; ++r) k_scales(qt, rows[r], nb, tmp + r * 4 * nb);
+  for (int part = 0; part < (qt == kQ8_0 ? 1 : 2); ++part) {
     float* out = part ? mh : dw;
     for (int64_t b = 0; b < nb; b += 16) {
       const __mmask16 mk = nb - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - b)) - 1);
       __m512 m[16];
       for (int r = 0; r < kG; ++r)
-        m[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, rows[r] + 2 * (part * nb + b)));
+        m[r] = kq ? _mm512_maskz_loadu_ps(mk, tmp + r * 4 * nb + part * nb + b)
+                  : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, rows[r] + 2 * (part * nb + b)));
       transpose16(m);
       for (int i = 0; i < 16 && b + i < nb; ++i) _mm512_storeu_ps(out + (b + i) * kG, m[i]);
     }
@@ -98,7 +107,8 @@ template <int64_t QT>
 TGV inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o[8]) {
   const int64_t nb = g.nb;
   const __m512i z = _mm512_setzero_si512();
-  if constexpr (QT == kQ4_1) {
+  if constexpr (QT != kQ8_0) {       // Q4_1 [d][m][qs], Q4_K [headers][qs]: the same nibble layout
+    const int64_t qs_at = QT == kQ4_1 ? 4 * nb : 2 * nb;
     const __mmask64 mk = nb - b >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * (nb - b))) - 1);
     const __m512i m16 = _mm512_set1_epi8(0x0f);
     const __m512i xl = _mm512_loadu_si512(xp), xh = _mm512_loadu_si512(xp + 64);
@@ -106,7 +116,7 @@ TGV inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o
     for (int s = 0; s < 4; ++s) {
       __m512i tl[4], th[4];
       for (int r = 0; r < 4; ++r) {
-        const __m512i v = _mm512_maskz_loadu_epi8(mk, g.rows[4 * s + r] + 4 * nb + 16 * b);   // [d][m][qs]
+        const __m512i v = _mm512_maskz_loadu_epi8(mk, g.rows[4 * s + r] + qs_at + 16 * b);
         tl[r] = _mm512_dpbusd_epi32(z, _mm512_and_si512(v, m16), xl);
         th[r] = _mm512_dpbusd_epi32(z, _mm512_and_si512(_mm512_srli_epi16(v, 4), m16), xh);
       }
@@ -136,7 +146,7 @@ TGV inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o
 template <int64_t QT>
 TGV inline __m512 chain(__m512 f, __m512i isum, float dx, float sxh, const Group& g, int64_t u) {
   f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_loadu_ps(g.dw + (u / 2) * kG)), f);
-  if constexpr (QT == kQ4_1) f = _mm512_fmadd_ps(_mm512_set1_ps(sxh), _mm512_loadu_ps(g.mh + (u / 2) * kG), f);
+  if constexpr (QT != kQ8_0) f = _mm512_fmadd_ps(_mm512_set1_ps(sxh), _mm512_loadu_ps(g.mh + (u / 2) * kG), f);
   return f;
 }
 
@@ -150,7 +160,7 @@ struct XRows {            // rows of x rounded as qgemm_q8 rounds them, in the l
 // interleaved (each alone would wait on the fma latency).
 template <int64_t QT, int MT>
 TGV void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bias, float* y, int64_t ldy, int nr) {
-  const int64_t nb = g.nb, nh = 2 * nb, bstep = QT == kQ4_1 ? 4 : 2;
+  const int64_t nb = g.nb, nh = 2 * nb, bstep = QT == kQ8_0 ? 2 : 4;
   __m512 f[MT];
   for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += bstep) {
@@ -162,7 +172,7 @@ TGV void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bia
       step_sums<QT>(g, b, x.q + m * x.stride + 32 * b, o);
       for (int64_t h = 0; h < halves; ++h) {           // halves in order: Q4_1 o[i] is block b + i's first half
         const int64_t u = u0 + h;
-        const __m512i isum = QT == kQ4_1 ? o[(h / 2) + 4 * (h % 2)] : o[h];
+        const __m512i isum = QT != kQ8_0 ? o[(h / 2) + 4 * (h % 2)] : o[h];
         f[j] = chain<QT>(f[j], isum, dx[u], sxh[u], g, u);
       }
     }
@@ -187,17 +197,19 @@ void group_all(const Group& g, const XRows& x, int64_t M, const float* bias, flo
 }  // namespace
 
 // Rows of x up to which qlinear_q8 runs this GEMV on these types (AVX-512 VNNI), past which qgemm_q8 (the same
-// bits): measured on one thread, SmolLM2's shapes (benchmarks/results/unified_int8.md): Q4_1 ahead of the GEMM
-// up to 16 rows (1.1-1.4x qlinear_q8's former body at 1 row), Q8_0 up to 8. 0: not this type or CPU.
+// bits): measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md): Q4_1
+// and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x qlinear_q8's former body at 1 row), Q8_0 up to 8. 0: not
+// this type or CPU.
 int64_t qgemv_q8_rows(int64_t qtype) {
   if (!cpu_has_vnni() || best_isa() != kAvx512) return 0;
-  return qtype == kQ4_1 ? 16 : qtype == kQ8_0 ? 8 : 0;
+  return qtype == kQ4_1 || qtype == kQ4_K ? 16 : qtype == kQ8_0 ? 8 : 0;
 }
 
 at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                     const std::optional<at::Tensor>& bias_in) {
   check_int8_args("tandem.qgemv_q8", x_in, w, qtype, K, bias_in);
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "tandem.qgemv_q8: Q4_1 or Q8_0 (ggml types 3, 8), got ", qtype);
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0,
+              "tandem.qgemv_q8: Q4_1, Q4_K or Q8_0 (ggml types 3, 12, 8), got ", qtype);
   TORCH_CHECK(cpu_has_vnni(), "tandem.qgemv_q8 needs AVX-512 VNNI");
   at::Tensor x = x_in.contiguous();
   at::Tensor bias;
@@ -207,7 +219,7 @@ at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   if (M == 0 || N == 0) return y;
   // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per 4 blocks: elements 0-15
   // of each, then 16-31 (blocks past nb zero). Padded by a step so the last step's loads stay in the buffer.
-  const bool q4 = qtype == kQ4_1;
+  const bool q4 = qtype != kQ8_0;
   const int64_t stride = q4 ? (nb + 3) / 4 * 128 : (nb + 1) / 2 * 64;
   std::vector<int8_t> xq(M * stride, 0);
   std::vector<float> dx(M * nh), sxh(M * nh);
@@ -231,16 +243,18 @@ at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + kG - 1) / kG, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> zero(row_bytes, 0);
-    std::vector<float> dw(nb * kG), mh(nb * kG);
+    std::vector<float> dw(nb * kG), mh(nb * kG), tmp(qtype == kQ4_K ? kG * 4 * nb : 0);
     const uint8_t* rows[kG];
     for (int64_t gi = g0; gi < g1; ++gi) {
       const int64_t n0 = gi * kG;
       const int nr = (int)std::min<int64_t>(kG, N - n0);
       for (int r = 0; r < kG; ++r) rows[r] = r < nr ? wp + (n0 + r) * row_bytes : zero.data();
-      group_scales(rows, nb, q4, dw.data(), mh.data());
+      group_scales(qtype, rows, nb, dw.data(), mh.data(), tmp.data());
       const Group g{rows, nb, dw.data(), mh.data()};
-      if (q4) group_all<kQ4_1>(g, xr, M, bp ? bp + n0 : nullptr, yp + n0, N, nr);
-      else group_all<kQ8_0>(g, xr, M, bp ? bp + n0 : nullptr, yp + n0, N, nr);
+      const float* bn = bp ? bp + n0 : nullptr;
+      if (qtype == kQ4_1) group_all<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
+      else if (qtype == kQ4_K) group_all<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
+      else group_all<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
     }
   });
   return y;
