@@ -150,6 +150,28 @@ T256 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t*
   return true;
 }
 
+// One weight row (src; null: a row past N, all zero) for a tile: natural-order signed quants q [K], the
+// per-half scales dw / mh and sums of q hs [2 nb]; sc: scratch of 4 nb floats. avx2: unpack_quants_avx2 where
+// it has the type.
+void unpack_weight_row(int64_t qt, const uint8_t* src, int64_t nb, bool avx2, int8_t* q, float* dw, float* mh,
+                       float* sc, int32_t* hs) {
+  const int64_t nh = 2 * nb;
+  if (src == nullptr) {
+    std::fill_n(q, 32 * nb, 0);
+    std::fill_n(dw, nh, 0.f);
+    std::fill_n(mh, nh, 0.f);
+    std::fill_n(hs, nh, 0);
+    return;
+  }
+  const bool fast = avx2 && unpack_quants_avx2(qt, src, nb, q, hs);
+  unpack_row(qt, src, nb, fast ? nullptr : q, dw, mh, sc);
+  for (int64_t u = 0; !fast && u < nh; ++u) {
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
+    hs[u] = sum;
+  }
+}
+
 struct WTile {            // kRows unpacked weight rows, interleaved (rows past N: zero quants and scales)
   static constexpr int kR = kRows;
   std::vector<int8_t> q;      // [K / 4][kRows][4]: the 4 quants of each row at k = 4 g .. 4 g + 3
@@ -166,21 +188,8 @@ struct WTile {            // kRows unpacked weight rows, interleaved (rows past 
   void unpack(int64_t qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int64_t K) {
     const int64_t nb = K / 32, nh = 2 * nb;
     for (int r = 0; r < kRows; ++r) {
-      if (n0 + r >= N) {
-        std::fill(row.begin(), row.end(), 0);
-        std::fill(rdw.begin(), rdw.end(), 0.f);
-        std::fill(rmh.begin(), rmh.end(), 0.f);
-        std::fill(hs.begin(), hs.end(), 0);
-      } else {
-        const uint8_t* src = w + (n0 + r) * row_bytes;
-        const bool fast = avx2 && unpack_quants_avx2(qt, src, nb, row.data(), hs.data());
-        unpack_row(qt, src, nb, fast ? nullptr : row.data(), rdw.data(), rmh.data(), sc.data());
-        for (int64_t u = 0; !fast && u < nh; ++u) {
-          int sum = 0;
-          for (int i = 0; i < 16; ++i) sum += row[16 * u + i];
-          hs[u] = sum;
-        }
-      }
+      unpack_weight_row(qt, n0 + r < N ? w + (n0 + r) * row_bytes : nullptr, nb, avx2, row.data(), rdw.data(),
+                        rmh.data(), sc.data(), hs.data());
       for (int64_t g = 0; g < K / 4; ++g) std::memcpy(q.data() + (g * kRows + r) * 4, row.data() + 4 * g, 4);
       for (int64_t u = 0; u < nh; ++u) {
         ncorr[u * kRows + r] = -128 * hs[u];
