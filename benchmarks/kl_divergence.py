@@ -23,7 +23,7 @@ from tandem import LLM, SamplingParams, kernels
 from tandem.bench import machine_info
 from tandem.bench.accuracy import divergence, llama_cpp_logprobs, real_text, teacher_forced_logprobs
 from tandem.device.executor import AUTO_KV_DTYPE
-from tandem.kernels.quant import rows_alone
+from tandem.kernels.quant import small_m
 from tandem.model.loader import default_model_path
 
 p = argparse.ArgumentParser()
@@ -39,8 +39,8 @@ p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__f
                                              "kl_divergence.json"))
 cli = p.parse_args()
 path = cli.model or default_model_path()
-kernels.available()               # rows_alone() asks the loaded library which ISA runs
-chunk = min(64, rows_alone(True))  # prompt chunks that take the in-kernel rows, as a decode step does
+kernels.available()               # small_m() asks the loaded library which ISA runs
+chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, as a decode step does
 
 
 def engine(act: str, kv: str = "auto") -> LLM:

@@ -12,8 +12,7 @@ from test_quant_types import weights, whole
 
 from tandem import kernels
 from tandem.kernels.quant import (F16, INT8_ACT_QTYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-                                  Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref, quantize_act_ref, rows_alone,
-                                  small_m)
+                                  Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref, quantize_act_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -34,7 +33,7 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
     fifth bits joined to the nibbles first; K-quants: their 16- or 32-weight sub-block scales); equal to the
     float64 product of the dequantized operands up to fp32 summation order. K covers whole 4-block groups and
     their 2- and 1-block tails (K-quants: K rounded up to whole super-blocks, 256 to 1536). The Python entry
-    point takes the same op up to rows_alone() rows."""
+    point takes the same op up to small_m() rows."""
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
     qtype = TYPES[name]
@@ -48,7 +47,7 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
         y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
         assert y.shape == (m, n)
         assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
-    if m <= rows_alone(True):
+    if m <= small_m():
         assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
 
 
@@ -70,7 +69,7 @@ def test_a_row_is_the_same_at_any_row_count(name, isa):
 
 
 def test_qlinear_int8_act_dispatch():
-    """int8 activations where the op reads the type: up to rows_alone() rows by qlinear_q8, past gemm_rows() by
+    """int8 activations where the op reads the type: up to small_m() rows by qlinear_q8, past gemm_rows() by
     the int8 GEMM where this CPU has its body (else fp32 activations past small_m()); F16 / BF16 weights keep
     fp32."""
     q8, qk, half = blocks(9, 256, Q8_0), blocks(9, 256, Q4_K), weights(9, 256, F16)

@@ -12,7 +12,7 @@ from test_quant_types import weights, whole
 
 from tandem import kernels
 from tandem.kernels.quant import (F16, GEMM_ROWS, Q4_K, Q6_K, Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref,
-                                  quantize_act_ref, rows_alone, small_m)
+                                  quantize_act_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -72,19 +72,19 @@ def test_a_row_is_the_same_at_any_row_count(name):
 def test_qlinear_takes_the_gemm_past_gemm_rows():
     """The Python entry point: qgemm_q8 past gemm_rows() rows (GEMM_ROWS by the body: AMX, VNNI, AVX2), qlinear_q8
     up to it where that is within small_m(), the fp32 GEMM on dequantized weights between small_m() and it (AVX2)
-    and for fp32 activations; rows_alone() is where the int8 mode's arithmetic changes."""
+    and for fp32 activations; small_m() is where the int8 mode's arithmetic changes (gemm_rows() is never below it)."""
     q = _weight(40, 512, Q6_K, seed=1)
     body = torch.ops.tandem.qgemm_q8_body(Q6_K)
     assert gemm_rows(Q6_K) == GEMM_ROWS.get(body, 1 << 62) and (body == 0 or gemm_rows(Q6_K) < 200)
     assert torch.ops.tandem.qgemm_q8_body(F16) == 0 and gemm_rows(F16) == 1 << 62
-    assert rows_alone(True) == min(small_m(), gemm_rows(Q8_0)) and rows_alone(False) == small_m()
+    assert gemm_rows(Q8_0) >= small_m() and gemm_rows(Q6_K) >= small_m()
     x = torch.randn(min(gemm_rows(Q6_K), 1000) + 7, 512)
     y = qlinear(x, q, int8_act=True)
     dense = torch.nn.functional.linear(x, dequantize_ref(q.data, Q6_K, 512))
     assert torch.equal(y, torch.ops.tandem.qgemm_q8(x, q.data, Q6_K, 512) if body else dense)
     big = torch.randn(small_m() + 7, 512)                               # fp32 activations: the GEMM past small_m()
     assert torch.equal(qlinear(big, q), torch.nn.functional.linear(big, dequantize_ref(q.data, Q6_K, 512)))
-    few = x[: rows_alone(True)]
+    few = x[: small_m()]
     assert torch.equal(qlinear(few, q, int8_act=True), torch.ops.tandem.qlinear_q8(few, q.data, Q6_K, 512))
 
 

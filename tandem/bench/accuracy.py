@@ -3,7 +3,7 @@
 The gate of issue 17: over >= 4k tokens of real text, the KL divergence of tandem's next-token distributions
 from the fp32 reference (tandem's exact mode, kernels_act="fp32": dequantized weights, fp32 activations,
 greedy parity with transformers) is at most llama.cpp's own on the same GGUF. Both engines are teacher-forced
-on the same token ids. tandem's prompt runs in chunks of at most rows_alone() tokens, so every quantized linear
+on the same token ids. tandem's prompt runs in chunks of at most small_m() tokens, so every quantized linear
 takes the in-kernel rows, the path a decode step takes (a row's numerics do not depend on how many rows ride
 with it); its distributions are captured where prompt logprobs are computed (every prompt position's full
 logits, before the top-k is taken).

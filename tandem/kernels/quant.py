@@ -40,8 +40,8 @@ NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMV bodies run (qlinear, qlinear_q8; measured: 1.4x the fp32 GEMM at 65
 # rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over. With int8
 # activations the int8 GEMM qgemm_q8 takes over sooner where it is faster (gemm_rows() below). Each body keeps
-# an output's operations the same at every row count on its side (batch invariance), not across: rows_alone()
-# is the one row count where a row's last bits can change.
+# an output's operations the same at every row count on its side (batch invariance), not across: small_m()
+# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 with VNNI: none, see GEMM_ROWS).
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
@@ -168,13 +168,6 @@ def gemm_rows(qtype: int) -> int:
     if qtype not in _gemm_rows:
         _gemm_rows[qtype] = GEMM_ROWS.get(torch.ops.tandem.qgemm_q8_body(qtype), 1 << 62)
     return _gemm_rows[qtype]
-
-
-def rows_alone(int8_act: bool) -> int:
-    """Rows up to which every quantized linear runs its GEMV body, each row's operations those of the row
-    alone (batch invariance; qlinear_q8 with int8 activations, qlinear with fp32 ones): past it a row's last
-    bits may change (the GEMM's fp32 order, or MKL's). The speculative verify step stays within it."""
-    return min(small_m(), gemm_rows(Q8_0)) if int8_act else small_m()
 
 
 # ---------------------------------------------------------------------------------------- torch reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, gemm_rows, qlinear, small_m
+from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, qlinear, small_m
 
 
 SMALL_M = 64        # rows up to which a CPU linear runs as a bmm over row blocks of the weight
@@ -49,8 +49,7 @@ class QLinear:
         # The decode call decided once: the op overload and its arguments (qlinear's choice for few rows).
         w = self.parts[0]
         q8 = int8_act and w.qtype in INT8_ACT_QTYPES
-        few = min(small_m(), gemm_rows(w.qtype)) if q8 else small_m()     # rows qlinear gives to the op
-        self._few = (few if len(self.parts) == 1 else -1,
+        self._few = (small_m() if len(self.parts) == 1 else -1,
                      (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

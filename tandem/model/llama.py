@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import decode_attention_qkv_
-from ..kernels.quant import QuantWeight, rows_alone, small_m
+from ..kernels.quant import QuantWeight, small_m
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, linear
@@ -140,13 +140,11 @@ class LlamaModel:
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
             self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
-        # A pure decode step of up to rows_alone() rows (those the quantized linears' GEMV bodies take; the
-        # fused op calls them) runs each layer as one native op (decode_layer_) where its
+        # A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
         # linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
         # tensor-parallel rank reduces between them, and the layer is a plain Llama / Qwen2 one (a global
         # layer, SiLU, no QK-norm or sandwich norms: the others keep the op-by-op body).
         self.int8_act = int8_act
-        self._fused_rows = rows_alone(int8_act) if native else 0
         plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
         for layer in self.layers if native and tp is None and plain else []:
             lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
@@ -267,7 +265,7 @@ class LlamaModel:
         c, ops = self.config, torch.ops.tandem
         eps = c.rms_norm_eps
         decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
-        fused = decode and x.shape[0] <= self._fused_rows               # layers with "blocks": one op each
+        fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
         for i, layer in enumerate(self.layers):
             if fused and "blocks" in layer:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)

@@ -25,6 +25,7 @@ from .batch import Batch
 from . import grammar
 from .grammar import Grammars
 from .results import process_results
+from .speculative import MAX_VERIFY_ROWS
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -62,7 +63,7 @@ class Scheduler:
         # verify step may carry (both set by the engine), drafts verified, drafts accepted, and verified runs
         # by their accepted drafts.
         self.max_draft_rows = 0
-        self.max_verify_rows = 64
+        self.max_verify_rows = MAX_VERIFY_ROWS
         self.drafter = None                 # the draft model (speculative_config method "draft_model")
         self.decode_step_s: float | None = None     # EMA of a decode step's device time, while a drafter runs
         self.spec_draft_tokens = 0

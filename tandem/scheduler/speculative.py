@@ -44,8 +44,8 @@ MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a p
 ROW_COST = 0.2
 # Rows a verify step carries at most (Scheduler.max_verify_rows, set by the engine): up to here the native decode
 # path keeps its few-row kernels, as a plain decode step does: the quantized linears' GEMV bodies up to
-# kernels.quant.rows_alone() rows (96 on AVX-512 CPUs, 16 on AVX2-only ones; the engine caps this by it),
-# SiLU x up the native op up to small_m().
+# kernels.quant.small_m() rows (96 on AVX-512 CPUs, 16 on AVX2-only ones; the engine caps this by it), and SiLU
+# x up the native op up to the same.
 MAX_VERIFY_ROWS = 64
 
 
@@ -58,8 +58,8 @@ def verify_rows(spec) -> int:
     from .. import kernels
     if not kernels.available():
         return MAX_VERIFY_ROWS
-    from ..kernels.quant import rows_alone
-    return min(MAX_VERIFY_ROWS, rows_alone(spec.kernels_act == "int8"))
+    from ..kernels.quant import small_m
+    return min(MAX_VERIFY_ROWS, small_m())
 # Picking a request ahead pays only if its in-flight run is likely to hold: a held pick saves the device the host's
 # processing of the step (h), a failed one wastes the request's rows of the next step (for one request, the step:
 # T). So a request is picked ahead while its estimated hold rate (an EMA over its drafting runs, from 1) is at
