@@ -38,8 +38,8 @@ BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 
 INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMV bodies run (qlinear, qlinear_q8; measured: 1.4x the fp32 GEMM at 65
-# rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over. With int8
-# activations the int8 GEMM qgemm_q8 takes over sooner where it is faster (gemm_rows() below). Each body keeps
+# rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
+# activations the int8 GEMM qgemm_q8 (gemm_rows() below: right there with VNNI, past 128 rows on AVX2). Each body keeps
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
 # is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 with VNNI: none, see GEMM_ROWS).
 SMALL_M = 96
