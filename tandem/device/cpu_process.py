@@ -53,6 +53,13 @@ class DeviceProcessError(RuntimeError):
     """The device process failed or died; the engine cannot continue."""
 
 
+class _SchedulerGone(Exception):
+    """The scheduler's end of the connection closed (it exited or was killed): the device process exits quietly.
+
+    Raised by every send or receive on that connection in device_main, so a kill that lands while a step runs
+    (its "done" then meets a broken pipe) ends the process the same way as one that lands while it waits."""
+
+
 class ProcessHandle:
     def __init__(self, runner: "ProcessRunner", step: StepInput, buf: int) -> None:
         self.step_id = step.step_id
@@ -299,6 +306,15 @@ def _peer_pid(conn) -> int:
         return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 
 
+@contextlib.contextmanager
+def _scheduler_link():
+    """Turns a closed scheduler connection (EOF, broken pipe, reset) into _SchedulerGone."""
+    try:
+        yield
+    except (EOFError, OSError) as e:
+        raise _SchedulerGone() from e
+
+
 def device_main(sock: str, shm_path: str, threads: int) -> None:
     die_with_parent()
     import torch
@@ -327,7 +343,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             def wait() -> np.ndarray:
                 # The grammar branch: the forward is done; sampling waits for the host's masks.
                 while not step.mask_ready and step.step_id not in early:
-                    msg = conn.recv_bytes()
+                    with _scheduler_link():
+                        msg = conn.recv_bytes()
                     if msg[:1] == b"M":
                         early.add(_LAUNCH.unpack(msg)[1])
                     else:
@@ -337,15 +354,12 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             return wait
 
         while True:
-            try:
-                if tp is not None and not later and not conn.poll(KEEPALIVE_S):
-                    tp.keepalive()          # idle: the other ranks' collective timeout must not fire
-                    continue
-                msg = later.popleft() if later else conn.recv_bytes()
-            except (EOFError, OSError):
-                if tp is not None:
-                    tp.quit(quiet=True)
-                return                      # the scheduler is gone: exit with it (the other ranks too)
+            with _scheduler_link():
+                idle = tp is not None and not later and not conn.poll(KEEPALIVE_S)
+                msg = b"" if idle else later.popleft() if later else conn.recv_bytes()
+            if idle:
+                tp.keepalive()              # idle: the other ranks' collective timeout must not fire
+                continue
             start = now()           # the device span: from the launch message in hand to the ids written back
             if msg == b"Q":
                 if tp is not None:
@@ -367,7 +381,12 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
                 if lp is not None:
                     write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
-            conn.send_bytes(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
+            with _scheduler_link():
+                conn.send_bytes(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
+    except _SchedulerGone:
+        if tp is not None:
+            tp.quit(quiet=True)
+        return                              # the scheduler is gone: exit with it (the other ranks too)
     except BaseException:
         try:
             conn.send_bytes(pickle.dumps(("error", (traceback.format_exc(),))))
