@@ -71,11 +71,12 @@ def test_a_row_is_the_same_at_any_row_count(name):
 
 def test_qlinear_takes_the_gemm_past_gemm_rows():
     """The Python entry point: qgemm_q8 past gemm_rows() rows (GEMM_ROWS by the body: AMX, VNNI, AVX2), qlinear_q8
-    up to it where that is within small_m(), the fp32 GEMM on dequantized weights between small_m() and it (AVX2)
-    and for fp32 activations; small_m() is where the int8 mode's arithmetic changes (gemm_rows() is never below it)."""
+    up to it, the fp32 GEMM on dequantized weights for fp32 activations; small_m() is where the int8 mode's
+    arithmetic changes (gemm_rows() is never below it, and with a SIMD body no fp32 GEMM runs between them)."""
     q = _weight(40, 512, Q6_K, seed=1)
     body = torch.ops.tandem.qgemm_q8_body(Q6_K)
-    assert gemm_rows(Q6_K) == GEMM_ROWS.get(body, 1 << 62) and (body == 0 or gemm_rows(Q6_K) < 200)
+    assert gemm_rows(Q6_K) == max(GEMM_ROWS.get(body, 1 << 62), small_m()) and (body == 0 or gemm_rows(Q6_K) < 200)
+    assert body == 0 or gemm_rows(Q6_K) == small_m()
     assert torch.ops.tandem.qgemm_q8_body(F16) == 0 and gemm_rows(F16) == 1 << 62
     assert gemm_rows(Q8_0) >= small_m() and gemm_rows(Q6_K) >= small_m()
     x = torch.randn(min(gemm_rows(Q6_K), 1000) + 7, 512)

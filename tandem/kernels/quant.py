@@ -39,7 +39,7 @@ INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMV bodies run (qlinear, qlinear_q8; measured: 1.4x the fp32 GEMM at 65
 # rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
-# activations the int8 GEMM qgemm_q8 (gemm_rows() below: right there with VNNI, past 128 rows on AVX2). Each body keeps
+# activations the int8 GEMM qgemm_q8 (gemm_rows() below: right there, with VNNI and AVX2). Each body keeps
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
 # is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 with VNNI: none, see GEMM_ROWS).
 SMALL_M = 96
@@ -129,7 +129,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
             ) -> torch.Tensor:
     """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]. int8_act (INT8_ACT_QTYPES): rows of x rounded to int8
     halves of 16 first; past gemm_rows() rows by the int8 GEMM qgemm_q8, else up to small_m() rows by
-    qlinear_q8. Otherwise (fp32 activations, or between the two on AVX2) past small_m() rows the weights are
+    qlinear_q8. Otherwise (fp32 activations, or a type without the int8 GEMM) past small_m() rows the weights are
     dequantized into a reused buffer for MKL's fp32 GEMM."""
     global _scratch
     q8 = int8_act and w.qtype in INT8_ACT_QTYPES
@@ -156,17 +156,19 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 # prefilled in chunks of 16 rows, the GEMV, vs 24, the GEMM with its threshold lowered to 20). So the boundary
 # stays at the decode batch sizes' far end; only one arithmetic for every row count removes it, as qgemv_q8
 # does for Q4_1 / Q4_K / Q8_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
-# choice only). The AVX2 body beats MKL's fp32 GEMM capped at AVX2 plus the dequantization only from 128 rows
-# (1.11-1.26x at 128, 1.17-1.25x at 512, level or behind at 32-64); between small_m() and it that GEMM runs.
-GEMM_ROWS = {3: SMALL_M, 2: SMALL_M, 1: 128}
-GEMM_ROWS_AVX2 = GEMM_ROWS[1]
+# choice only). The AVX2 body (a half's sums in int16 for the narrow types, a last tile's padding half skipped)
+# measured on an AMD EPYC Zen 3, one thread: 1.1-3x MKL's fp32 GEMM plus the dequantization at 17-128 rows on
+# SmolLM2's and Gemma 3's shapes (the Q8_0 head 2-3x), the 576 x 1536 down projection alone behind at 17-32
+# (0.7-0.8x), so it too takes over at small_m() and no fp32 GEMM runs between the two.
+GEMM_ROWS = {3: SMALL_M, 2: SMALL_M, 1: SMALL_M_AVX2}
 _gemm_rows: dict[int, int] = {}
 
 
 def gemm_rows(qtype: int) -> int:
     """Rows of x past which qlinear runs the int8 GEMM for this type on this CPU (a huge number: never)."""
     if qtype not in _gemm_rows:
-        _gemm_rows[qtype] = GEMM_ROWS.get(torch.ops.tandem.qgemm_q8_body(qtype), 1 << 62)
+        # Never below small_m() (an AVX-512 CPU without VNNI runs the AVX2 GEMM body: there it is small_m())
+        _gemm_rows[qtype] = max(GEMM_ROWS.get(torch.ops.tandem.qgemm_q8_body(qtype), 1 << 62), small_m())
     return _gemm_rows[qtype]
 
 

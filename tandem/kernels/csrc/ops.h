@@ -14,10 +14,11 @@ at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, i
 at::Tensor qgemm_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                     const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor qgemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias);
+                    const std::optional<at::Tensor>& bias, int64_t isa);
 // Rows up to which qlinear_q8 runs qgemv_q8 for this type (past them qgemm_q8, the same bits); 0: its own
-// bodies (other types, or no AVX-512 VNNI).
+// bodies (other types, or a CPU without AVX2). _isa: for an ISA request as qlinear_q8's.
 int64_t qgemv_q8_rows(int64_t qtype);
+int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa);
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs

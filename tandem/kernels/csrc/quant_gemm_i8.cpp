@@ -20,12 +20,14 @@
 // differ from qlinear_q8's (which sums 4-product partials per lane) in fp32 rounding only: the integer sums are
 // the same exact values, so the gap to the float64 specification is of the same size (tests/test_qgemm.py).
 // Measured (one thread, AMD EPYC with AVX-512 VNNI, SmolLM2's shapes): 1.6-2.1x MKL's fp32 GEMM plus the
-// dequantization at 128-512 rows; the AVX2 body 1.1-1.25x MKL capped at AVX2 past 128 rows (quant.py). End
+// dequantization at 128-512 rows; the AVX2 body 1.1-3x MKL past 16 rows on an AVX2-only Zen 3 (quant.py). End
 // to end, 16 prompts x 1000 tokens prefill in 1.41x less time. The micro-kernels: quant_gemm_i8_tiles.inc.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -251,10 +253,14 @@ XTiles tile_x(const float* x, int64_t M, int64_t K, bool signed_x) {
 // The GEMM over weight tiles W (WTile: kRows interleaved rows for the scalar, AVX2 and VNNI micro-kernels;
 // WTileAmx: 16 natural-order rows for the AMX one). fn: out [W::kR][kTok] += the halves [u0, u1) of the tile's
 // products (each output's fp32 chain continued in order, so splitting K into blocks changes no result).
+// fn_tail: the same for a token tile of at most kTok / 2 real tokens (the AVX2 body's, which skips the
+// padding half; the others pass fn).
+template <class W>
+using TileFn = void (*)(int64_t, int64_t, int64_t, const W&, const uint8_t*, const float*, const float*, float*);
+
 template <class W>
 void run_gemm(const XTiles& xt, int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t M, int64_t N,
-              int64_t K, const float* bp, float* yp, bool avx2,
-              void (*fn)(int64_t, int64_t, int64_t, const W&, const uint8_t*, const float*, const float*, float*)) {
+              int64_t K, const float* bp, float* yp, bool avx2, TileFn<W> fn, TileFn<W> fn_tail) {
   constexpr int R = W::kR;
   const int64_t nh = K / 16, wtiles = (N + R - 1) / R;
   for (int64_t p0 = 0; p0 < M; p0 += kPass) {            // a pass: up to kPass tokens against every weight tile
@@ -270,8 +276,8 @@ void run_gemm(const XTiles& xt, int64_t qtype, const uint8_t* wp, int64_t row_by
         for (int64_t u0 = 0; u0 < nh; u0 += kKHalves)            // a K block's weights stay in L1 over the tiles
           for (int64_t i = 0; i < ntok; ++i) {
             const int64_t tile = p0 / kTok + i;
-            fn(K, u0, std::min(nh, u0 + kKHalves), wt, xt.xu + tile * K * kTok,
-               xt.dx + tile * nh * kTok, xt.sxh + tile * nh * kTok, acc.data() + i * R * kTok);
+            (p1 - p0 - i * kTok <= kTok / 2 ? fn_tail : fn)(K, u0, std::min(nh, u0 + kKHalves), wt,
+                xt.xu + tile * K * kTok, xt.dx + tile * nh * kTok, xt.sxh + tile * nh * kTok, acc.data() + i * R * kTok);
           }
         for (int64_t i = 0; i < ntok; ++i) {
           const float* out = acc.data() + i * R * kTok;
@@ -282,6 +288,17 @@ void run_gemm(const XTiles& xt, int64_t qtype, const uint8_t* wp, int64_t row_by
       }
     });
   }
+}
+
+// The AVX2 tiles for a type (full, tail): the narrow types' |q| <= 16 lets a half's sums stay int16.
+template <bool MIN, int MODE>
+std::pair<TileFn<WTile>, TileFn<WTile>> avx2_pair() { return {tile_avx2<MIN, MODE, 2>, tile_avx2<MIN, MODE, 1>}; }
+
+std::pair<TileFn<WTile>, TileFn<WTile>> avx2_tiles(int64_t qt) {
+  const bool narrow = qt == kQ4_0 || qt == kQ4_1 || qt == kQ4_K || qt == kQ2_K || qt == kQ3_K;
+  if (qt == kQ8_0) return avx2_pair<false, kQ8>();
+  if (has_min(qt)) return narrow ? avx2_pair<true, kNarrow>() : avx2_pair<true, kWide>();
+  return narrow ? avx2_pair<false, kNarrow>() : avx2_pair<false, kWide>();
 }
 
 }  // namespace
@@ -309,20 +326,21 @@ at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const Isa isa = resolve_isa(isa_req);
-  const bool mn = has_min(qtype), q8 = qtype == kQ8_0;
+  const bool mn = has_min(qtype);
   const int64_t body = qgemm_q8_body(qtype, isa_req);
   const XTiles xt = tile_x(x.data_ptr<float>(), M, K, body == 3);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (body == 3) {
-    run_gemm<WTileAmx>(xt, qtype, wp, w.size(1), M, N, K, bp, yp, true, mn ? tile_amx<true> : tile_amx<false>);
+    const TileFn<WTileAmx> fn = mn ? tile_amx<true> : tile_amx<false>;
+    run_gemm<WTileAmx>(xt, qtype, wp, w.size(1), M, N, K, bp, yp, true, fn, fn);
     return y;
   }
-  auto fn = mn ? tile_scalar<true> : tile_scalar<false>;
-  if (body == 2) fn = mn ? tile_avx512<true> : tile_avx512<false>;
-  else if (body == 1) fn = mn ? tile_avx2<true, false> : q8 ? tile_avx2<false, true> : tile_avx2<false, false>;
-  run_gemm<WTile>(xt, qtype, wp, w.size(1), M, N, K, bp, yp, isa >= kAvx2, fn);
+  TileFn<WTile> fn = mn ? tile_scalar<true> : tile_scalar<false>, fn_tail = fn;
+  if (body == 2) fn = fn_tail = mn ? tile_avx512<true> : tile_avx512<false>;
+  else if (body == 1) std::tie(fn, fn_tail) = avx2_tiles(qtype);
+  run_gemm<WTile>(xt, qtype, wp, w.size(1), M, N, K, bp, yp, isa >= kAvx2, fn, fn_tail);
   return y;
 }
 

@@ -194,33 +194,48 @@ void group_all(const Group& g, const XRows& x, int64_t M, const float* bias, flo
   }
 }
 
-}  // namespace
+#include "quant_gemv_i8_avx2.inc"
 
-// Rows of x up to which qlinear_q8 runs this GEMV on these types (AVX-512 VNNI), past which qgemm_q8 (the same
-// bits): measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md): Q4_1
-// and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x qlinear_q8's former body at 1 row), Q8_0 up to 8. 0: not
-// this type or CPU.
-int64_t qgemv_q8_rows(int64_t qtype) {
-  if (!cpu_has_vnni() || best_isa() != kAvx512) return 0;
-  return qtype == kQ4_1 || qtype == kQ4_K ? 16 : qtype == kQ8_0 ? 8 : 0;
+// The body qgemv_q8 runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
+int gemv_body(int64_t isa_req) {
+  const Isa isa = resolve_isa(isa_req);
+  return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
 }
 
+}  // namespace
+
+// Rows of x up to which qlinear_q8 runs this GEMV on these types, past which qgemm_q8 (the same bits), by the
+// body: measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md). AVX-512
+// VNNI: Q4_1 and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x qlinear_q8's former body at 1 row), Q8_0 up to
+// 8. AVX2: see benchmarks/results/avx2_gemv.md. 0: not this type or CPU (the scalar fallback keeps qlinear_q8's
+// own body).
+int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa_req) {
+  const int body = gemv_body(isa_req);
+  if (body == 2) return qtype == kQ4_1 || qtype == kQ4_K ? 16 : qtype == kQ8_0 ? 8 : 0;
+  if (body == 1) return qtype == kQ4_K ? 16 : 0;
+  return 0;
+}
+
+int64_t qgemv_q8_rows(int64_t qtype) { return qgemv_q8_rows_isa(qtype, -1); }
+
 at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias_in) {
+                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.qgemv_q8", x_in, w, qtype, K, bias_in);
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0,
               "tandem.qgemv_q8: Q4_1, Q4_K or Q8_0 (ggml types 3, 12, 8), got ", qtype);
-  TORCH_CHECK(cpu_has_vnni(), "tandem.qgemv_q8 needs AVX-512 VNNI");
+  const int body = gemv_body(isa_req);
+  TORCH_CHECK(body > 0, "tandem.qgemv_q8 needs AVX2 (or AVX-512 VNNI)");
   at::Tensor x = x_in.contiguous();
   at::Tensor bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32, nh = 2 * nb, row_bytes = w.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per 4 blocks: elements 0-15
-  // of each, then 16-31 (blocks past nb zero). Padded by a step so the last step's loads stay in the buffer.
+  // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per xg blocks (a step's: 4
+  // VNNI, 2 AVX2): elements 0-15 of each, then 16-31 (blocks past nb zero). Padded by a step so the last
+  // step's loads stay in the buffer.
   const bool q4 = qtype != kQ8_0;
-  const int64_t stride = q4 ? (nb + 3) / 4 * 128 : (nb + 1) / 2 * 64;
+  const int64_t xg = body == 2 ? 4 : 2, stride = q4 ? (nb + xg - 1) / xg * 32 * xg : (nb + 1) / 2 * 64;
   std::vector<int8_t> xq(M * stride, 0);
   std::vector<float> dx(M * nh), sxh(M * nh);
   {
@@ -231,9 +246,9 @@ at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
       quantize_act_row(x.data_ptr<float>() + m * K, K, q4 ? q.data() : row, dx.data() + m * nh, sx.data(),
                        sxh.data() + m * nh);
       for (int64_t b = 0; q4 && b < nb; ++b) {
-        int8_t* g = row + (b / 4) * 128 + (b % 4) * 16;
+        int8_t* g = row + (b / xg) * 32 * xg + (b % xg) * 16;
         std::memcpy(g, q.data() + 32 * b, 16);
-        std::memcpy(g + 64, q.data() + 32 * b + 16, 16);
+        std::memcpy(g + 16 * xg, q.data() + 32 * b + 16, 16);
       }
     }
   }
@@ -241,20 +256,28 @@ at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + kG - 1) / kG, 1, [&](int64_t g0, int64_t g1) {
+  const int G = body == 2 ? kG : kG2;                  // weight rows of a group: the fp32 chain's lanes
+  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> zero(row_bytes, 0);
-    std::vector<float> dw(nb * kG), mh(nb * kG), tmp(qtype == kQ4_K ? kG * 4 * nb : 0);
+    std::vector<float> dw(nb * G), mh(nb * G), tmp(qtype == kQ4_K ? G * 4 * nb : 0);
     const uint8_t* rows[kG];
     for (int64_t gi = g0; gi < g1; ++gi) {
-      const int64_t n0 = gi * kG;
-      const int nr = (int)std::min<int64_t>(kG, N - n0);
-      for (int r = 0; r < kG; ++r) rows[r] = r < nr ? wp + (n0 + r) * row_bytes : zero.data();
-      group_scales(qtype, rows, nb, dw.data(), mh.data(), tmp.data());
+      const int64_t n0 = gi * G;
+      const int nr = (int)std::min<int64_t>(G, N - n0);
+      for (int r = 0; r < G; ++r) rows[r] = r < nr ? wp + (n0 + r) * row_bytes : zero.data();
+      if (body == 2) group_scales(qtype, rows, nb, dw.data(), mh.data(), tmp.data());
+      else group_scales_avx2(qtype, rows, nb, dw.data(), mh.data(), tmp.data());
       const Group g{rows, nb, dw.data(), mh.data()};
       const float* bn = bp ? bp + n0 : nullptr;
-      if (qtype == kQ4_1) group_all<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
-      else if (qtype == kQ4_K) group_all<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
-      else group_all<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
+      if (body == 2) {
+        if (qtype == kQ4_1) group_all<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
+        else if (qtype == kQ4_K) group_all<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
+        else group_all<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
+      } else {
+        if (qtype == kQ4_1) group_all_avx2<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
+        else if (qtype == kQ4_K) group_all_avx2<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
+        else group_all_avx2<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
+      }
     }
   });
   return y;

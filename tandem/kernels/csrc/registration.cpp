@@ -14,7 +14,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qlinear_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemm_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
-  m.def("qgemv_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None) -> Tensor");
+  m.def("qgemv_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemv_q8_rows(int qtype) -> int", &tandem::qgemv_q8_rows);
   m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
