@@ -17,12 +17,12 @@ from tandem.bench.peers import context_tpot
 from tandem.model.loader import default_model_path
 
 p = argparse.ArgumentParser()
-p.add_argument("--threads", type=int, default=2)
-p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--threads", type=int, default=2, help="threads of each engine")
+p.add_argument("--rounds", type=int, default=3, help="rounds per context length (median taken)")
 p.add_argument("--model", default=None, help="a GGUF file (default: the default SmolLM2 Q4_1)")
 p.add_argument("--kernels-act", default="int8", help="tandem's kernels_act: int8 (default) or fp32 (exact)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                             "context_tpot.json"))
+                                             "context_tpot.json"), help="JSON file the figures are written to")
 cli = p.parse_args()
 path = cli.model or default_model_path()
 llm = LLM(path, device_threads=cli.threads, kernels_act=cli.kernels_act)

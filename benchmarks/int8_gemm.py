@@ -28,13 +28,16 @@ from tandem.kernels.quant import K_QUANTS  # noqa: E402
 SHAPES = [(3072, 576), (576, 1536), (960, 576)]      # gate_up, down, qkv (N, K)
 
 
+CLOCK = time.perf_counter
+
+
 def best_ms(f, reps: int = 5) -> float:
     f()
     best = float("inf")
     for _ in range(reps):
-        t = time.perf_counter()
+        t = CLOCK()
         f()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, CLOCK() - t)
     return best * 1e3
 
 
@@ -44,7 +47,11 @@ def main() -> None:
     ap.add_argument("--isa", type=int, default=-1, help="-1 the best body here, 1 AVX2, 2 AVX-512 (VNNI), 3 AMX")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--rows", default="32,64,128,512", help="row counts M, comma-separated")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by this process's CPU time (steadier than wall time on a VM whose cores are shared)")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.cpu_time else time.perf_counter
     assert kernels.available(), kernels.unavailable_reason()
     torch.set_num_threads(args.threads)
     qt, isa = args.qtype, args.isa

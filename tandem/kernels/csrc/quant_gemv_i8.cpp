@@ -1,4 +1,5 @@
-// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K and Q8_0 on AVX-512 VNNI): for a few rows of x, each
+// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K and Q8_0; an AVX-512 VNNI body here, an AVX2 one in
+// quant_gemv_i8_avx2.inc): for a few rows of x, each
 // output computed by qgemm_q8's operations in qgemm_q8's order (quant_gemm_i8.cpp's header), so its rows are
 // bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
 // decode kernel qlinear_q8 scales 4-product partials per lane instead, so its rows differ from the GEMM's in
@@ -207,7 +208,8 @@ int gemv_body(int64_t isa_req) {
 // Rows of x up to which qlinear_q8 runs this GEMV on these types, past which qgemm_q8 (the same bits), by the
 // body: measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md). AVX-512
 // VNNI: Q4_1 and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x qlinear_q8's former body at 1 row), Q8_0 up to
-// 8. AVX2: see benchmarks/results/avx2_gemv.md. 0: not this type or CPU (the scalar fallback keeps qlinear_q8's
+// 8. AVX2: Q4_K up to 16 rows (1.0-1.25x the decode body); Q4_1 and Q8_0 not (0.7-1.0x it;
+// benchmarks/results/avx2_session.md). 0: not this type or CPU (the scalar fallback keeps qlinear_q8's
 // own body).
 int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa_req) {
   const int body = gemv_body(isa_req);
