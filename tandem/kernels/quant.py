@@ -158,8 +158,9 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 # does for Q4_1 / Q4_K / Q8_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
 # choice only). The AVX2 body (a half's sums in int16 for the narrow types, a last tile's padding half skipped)
 # measured on an AMD EPYC Zen 3, one thread: 1.1-3x MKL's fp32 GEMM plus the dequantization at 17-128 rows on
-# SmolLM2's and Gemma 3's shapes (the Q8_0 head 2-3x), the 576 x 1536 down projection alone behind at 17-32
-# (0.7-0.8x), so it too takes over at small_m() and no fp32 GEMM runs between the two.
+# SmolLM2's and Gemma 3's shapes (the Q8_0 head 2-3x), behind only on the 576 x 1536 down projection at 17-32
+# (0.7-0.8x) and the 960 x 576 qkv at 17 (0.7x; level at 24-64), ahead summed over a SmolLM2 layer and head at
+# every row count, so it too takes over at small_m() and no fp32 GEMM runs between the two.
 GEMM_ROWS = {3: SMALL_M, 2: SMALL_M, 1: SMALL_M_AVX2}
 _gemm_rows: dict[int, int] = {}
 
