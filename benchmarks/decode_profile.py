@@ -25,7 +25,8 @@ import time
 
 FAMILIES = [  # (family, predicate on the op name), first match wins
     ("fused layer op's own time", lambda n: "decode_layer" in n),    # its calls are profiled by their op names
-    ("quantized linears", lambda n: n.startswith("tandem::qlinear") or n in ("aten::mm", "aten::addmm", "aten::linear")),
+    ("quantized linears", lambda n: n.startswith(("tandem::qlinear", "tandem::qgemm", "tandem::qgemv"))
+     or n in ("aten::mm", "aten::addmm", "aten::linear")),
     ("decode attention", lambda n: "attention" in n),
     ("norms", lambda n: "rms_norm" in n),
     ("rope", lambda n: "rope" in n),

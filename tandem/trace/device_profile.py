@@ -1,8 +1,9 @@
 """A per-op profile of the device's decode steps, for the benchmarks (`benchmarks/decode_profile.py`).
 
-Set TANDEM_DEVICE_PROFILE=out.json (and optionally TANDEM_DEVICE_PROFILE_SKIP=N, default 8) in the
-environment of a process that starts a CPU device process: after N decode steps (every row one new token)
-it runs torch.profiler over the following decode steps and, when the device process quits, writes
+Set TANDEM_DEVICE_PROFILE=out.json (and optionally TANDEM_DEVICE_PROFILE_SKIP=N, default 8, and
+TANDEM_DEVICE_PROFILE_STEPS=M, default 48) in the environment of a process that starts a CPU device process:
+after N decode steps (every row one new token) it runs torch.profiler over the next M decode steps (or fewer,
+if the run ends first) and then writes
   {"steps", "other_steps_while_profiling", "batch_sizes", "wall_ms_per_step", "ops": [{"name", "calls_per_step", "self_ms_per_step"}],
    "ops_ms_per_step", "other_ms_per_step"}
 where `other` is the step's wall time outside every profiled op's own time: Python, op dispatch and the
@@ -17,8 +18,11 @@ import time
 
 
 class DeviceProfile:
-    def __init__(self, path: str, skip: int) -> None:
-        self.path, self.skip = path, skip
+    def __init__(self, path: str, skip: int, steps: int = 48) -> None:
+        # The profile is written once `steps` steps are in (not only at quit): the device process gets
+        # 10 s to exit at shutdown, less than key_averages takes over a few hundred large steps here.
+        self.path, self.skip, self.steps = path, skip, steps
+        self.done = False
         self.seen = 0                 # decode steps so far
         self.walls: list[float] = []
         self.batch_sizes: set[int] = set()
@@ -28,14 +32,17 @@ class DeviceProfile:
     @staticmethod
     def from_env() -> "DeviceProfile | None":
         path = os.environ.get("TANDEM_DEVICE_PROFILE")
-        return DeviceProfile(path, int(os.environ.get("TANDEM_DEVICE_PROFILE_SKIP", "8"))) if path else None
+        if not path:
+            return None
+        return DeviceProfile(path, int(os.environ.get("TANDEM_DEVICE_PROFILE_SKIP", "8")),
+                             int(os.environ.get("TANDEM_DEVICE_PROFILE_STEPS", "48")))
 
     @contextlib.contextmanager
     def step(self, batch_size: int, num_tokens: int):
         decode = num_tokens == batch_size
         self.seen += decode
-        if not decode or self.seen <= self.skip:
-            self.mixed_in += self.prof is not None     # the profiler sees it too: the figures would be off
+        if self.done or not decode or self.seen <= self.skip:
+            self.mixed_in += self.prof is not None and not self.done   # profiled too: the figures would be off
             yield
             return
         if self.prof is None:
@@ -46,10 +53,13 @@ class DeviceProfile:
         yield
         self.walls.append(time.perf_counter() - t)
         self.batch_sizes.add(batch_size)
+        if len(self.walls) >= self.steps:
+            self.write()
 
     def write(self) -> None:
-        if self.prof is None:
+        if self.prof is None or self.done:
             return
+        self.done = True
         self.prof.__exit__(None, None, None)
         n = len(self.walls)
         # Self times exclude the ops called inside: their sum counts each microsecond once.

@@ -145,10 +145,33 @@ T256 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t*
     }
     _mm256_storeu_si256((__m256i*)(q + 32 * b), v);
     // Sums of 8 bytes of q + 128 (unsigned) per 64-bit lane; a half is two lanes, less 16 * 128.
+    // The odd lane added onto the even one in each 128-bit half: two extracts, not four.
     const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, bias), _mm256_setzero_si256());
-    hs[2 * b] = (int32_t)(_mm256_extract_epi64(sad, 0) + _mm256_extract_epi64(sad, 1)) - 2048;
-    hs[2 * b + 1] = (int32_t)(_mm256_extract_epi64(sad, 2) + _mm256_extract_epi64(sad, 3)) - 2048;
+    const __m256i pair = _mm256_add_epi64(sad, _mm256_srli_si256(sad, 8));
+    hs[2 * b] = _mm256_cvtsi256_si32(pair) - 2048;
+    hs[2 * b + 1] = _mm256_extract_epi32(pair, 4) - 2048;
   }
+  return true;
+}
+
+// unpack_row's scales for the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one fp16 d, and m with a min, per
+// block, each for both halves) by F16C, 8 blocks a conversion: unpack_row's software fp16 conversion was ~1/5
+// of a call at a few rows. The same values (both conversions are exact).
+T256 void f16_halves(const uint8_t* src, int64_t nb, float* dst) {   // dst[2 b] = dst[2 b + 1] = src[b]
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * b)));
+    const __m256 lo = _mm256_unpacklo_ps(d, d), hi = _mm256_unpackhi_ps(d, d);   // d0 d0 d1 d1 | d4 d4 d5 d5 ...
+    _mm256_storeu_ps(dst + 2 * b, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(dst + 2 * b + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+  for (; b < nb; ++b) dst[2 * b] = dst[2 * b + 1] = _cvtsh_ss(load_u16(src + 2 * b));
+}
+
+T256 bool legacy_scales_f16c(int64_t qt, const uint8_t* row, int64_t nb, float* dw, float* mh) {
+  if (qt != kQ4_0 && qt != kQ4_1 && qt != kQ5_0 && qt != kQ5_1 && qt != kQ8_0) return false;
+  f16_halves(row, nb, dw);
+  if (has_min(qt)) f16_halves(row + 2 * nb, nb, mh);
   return true;
 }
 
@@ -166,7 +189,7 @@ void unpack_weight_row(int64_t qt, const uint8_t* src, int64_t nb, bool avx2, in
     return;
   }
   const bool fast = avx2 && unpack_quants_avx2(qt, src, nb, q, hs);
-  unpack_row(qt, src, nb, fast ? nullptr : q, dw, mh, sc);
+  if (!fast || !legacy_scales_f16c(qt, src, nb, dw, mh)) unpack_row(qt, src, nb, fast ? nullptr : q, dw, mh, sc);
   for (int64_t u = 0; !fast && u < nh; ++u) {
     int sum = 0;
     for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
@@ -192,11 +215,24 @@ struct WTile {            // kRows unpacked weight rows, interleaved (rows past 
     for (int r = 0; r < kRows; ++r) {
       unpack_weight_row(qt, n0 + r < N ? w + (n0 + r) * row_bytes : nullptr, nb, avx2, row.data(), rdw.data(),
                         rmh.data(), sc.data(), hs.data());
-      for (int64_t g = 0; g < K / 4; ++g) std::memcpy(q.data() + (g * kRows + r) * 4, row.data() + 4 * g, 4);
+      // Local restrict pointers (declared after the row is written): through the vectors' own the compiler
+      // reloaded q's data pointer at every 4-byte move (int8_t stores may alias anything), and this
+      // interleave was ~1/5 of a call at a few rows.
+      int8_t* __restrict qd = q.data();
+      const int8_t* __restrict rq = row.data();
+      float *__restrict dwd = dw.data(), *__restrict mhd = mh.data();
+      int32_t* __restrict nc = ncorr.data();
+      const float *__restrict rd = rdw.data(), *__restrict rm = rmh.data();
+      const int32_t* __restrict hsd = hs.data();
+      for (int64_t g = 0; g < K / 4; ++g) {
+        int32_t v;
+        std::memcpy(&v, rq + 4 * g, 4);
+        std::memcpy(qd + (g * kRows + r) * 4, &v, 4);
+      }
       for (int64_t u = 0; u < nh; ++u) {
-        ncorr[u * kRows + r] = -128 * hs[u];
-        dw[u * kRows + r] = rdw[u];
-        mh[u * kRows + r] = rmh[u];
+        nc[u * kRows + r] = -128 * hsd[u];
+        dwd[u * kRows + r] = rd[u];
+        mhd[u * kRows + r] = rm[u];
       }
     }
   }
