@@ -12,7 +12,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..kernels.quant import INT8_ACT_QTYPES
+from ..kernels.quant import INT8_ACT_QTYPES, small_m
+from ..model.cascade import SharedPrefix, additive, shared_prefix
 from ..model.kv_cache import AttentionMeta, PagedKVCache
 from ..model.llama import LlamaModel
 from ..model.loader import ModelSource, load_weights
@@ -121,6 +122,9 @@ class ModelExecutor:
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp)
         del state
+        # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by.
+        self._cascade = (spec.shared_prefix_attention and self.device.type == "cpu"
+                         and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
@@ -279,7 +283,15 @@ class ModelExecutor:
         valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
         kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.kv_cache.pad_slot)  # [B, Lk]
         has_prefix = bool((seq_np > ext_np).any())
-        kv = self.kv_cache.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix, part)
+        # Shared-prefix (cascade) extend: rows on one cached prefix attend it once (model/cascade.py); the
+        # step's view, mask and positions then cover only the keys after it. Only where the token path
+        # (a few tokens, each as a decode row) is not taken, and never with sliding windows (their layers
+        # need the whole layout).
+        p = 0
+        if lq > 1 and has_prefix and self._cascade and (not self.model.native or t > small_m()):
+            p = shared_prefix(kv_index, seq_np - ext_np)
+        kv = self.kv_cache.step_view(kv_index[:, p:], tok_row, positions - p if p else positions, out_cache_loc,
+                                     bool((seq_np - ext_np > p).any()), part)
         if lq == 1:
             return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
         q_col = torch.arange(lq, device=dev)
@@ -289,5 +301,8 @@ class ModelExecutor:
         pad = (q_col[None, :] >= ext[:, None])[:, :, None]
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
+        if p:       # a padded slot still sees its row's first own key, so no row of the cut mask is empty
+            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.dtype), q_index, (tok_row, tok_col),
+                                 last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
                              fresh=None if has_prefix else ext_np.tolist())

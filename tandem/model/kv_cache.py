@@ -15,8 +15,12 @@ and whichever step reads it (so a prefix-cache hit reads what a fresh prefill wo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .cascade import SharedPrefix
 
 GATHER_BUDGET_BYTES = 256 << 20     # cap on the per-step gather buffer; layers are gathered in groups below it
 
@@ -129,6 +133,9 @@ class AttentionMeta:
     parts: list[tuple[slice, "AttentionMeta"]] | None = None   # mixed step: (its tokens, its layout) per group
     window_masks: dict | None = None  # sliding window W -> its mask, made once a step by window_mask()
     fresh: list[int] | None = None    # each row's length when no row has cached keys (plain causal attention)
+    # Rows on one cached prefix (model/cascade.py): its slots; kv, mask (then additive float) and positions
+    # cover only the keys after it.
+    shared: "SharedPrefix | None" = None
 
     def window_mask(self, window: int) -> torch.Tensor:
         """`mask` narrowed to keys k > q - window of each query position q (a sliding-window layer), made once a

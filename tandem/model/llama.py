@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..kernels.attention import decode_attention_qkv_
 from ..kernels.quant import QuantWeight, small_m
+from .cascade import cascade_attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, linear
@@ -326,6 +327,10 @@ class LlamaModel:
         if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
             return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
+        if meta.shared is not None:     # rows on one cached prefix: it once, their own keys after it
+            queries = q[meta.q_index].transpose(1, 2)
+            return cascade_attention(q, meta.shared.keys_values(meta.kv.cache.data, i, q.dtype), queries, keys,
+                                     values, meta.mask, meta.token_rc, self.scale)
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
         else:
