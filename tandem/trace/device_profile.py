@@ -17,8 +17,11 @@ import os
 import time
 
 
+DEFAULT_SKIP, DEFAULT_STEPS = 8, 48    # decode steps before the profiler starts, and profiled
+
+
 class DeviceProfile:
-    def __init__(self, path: str, skip: int, steps: int = 48) -> None:
+    def __init__(self, path: str, skip: int = DEFAULT_SKIP, steps: int = DEFAULT_STEPS) -> None:
         # The profile is written once `steps` steps are in (not only at quit): the device process gets
         # 10 s to exit at shutdown, less than key_averages takes over a few hundred large steps here.
         self.path, self.skip, self.steps = path, skip, steps
@@ -34,8 +37,8 @@ class DeviceProfile:
         path = os.environ.get("TANDEM_DEVICE_PROFILE")
         if not path:
             return None
-        return DeviceProfile(path, int(os.environ.get("TANDEM_DEVICE_PROFILE_SKIP", "8")),
-                             int(os.environ.get("TANDEM_DEVICE_PROFILE_STEPS", "48")))
+        return DeviceProfile(path, int(os.environ.get("TANDEM_DEVICE_PROFILE_SKIP", DEFAULT_SKIP)),
+                             int(os.environ.get("TANDEM_DEVICE_PROFILE_STEPS", DEFAULT_STEPS)))
 
     @contextlib.contextmanager
     def step(self, batch_size: int, num_tokens: int):
