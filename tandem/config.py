@@ -43,8 +43,8 @@ class EngineConfig:
     kernels_act: str = "int8"           # "int8": quantized linears round x to int8 (16-element halves; decode kernels, int8 GEMM on prefill); "fp32": exact mode
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
     tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
-    nnodes: int = 1                     # machines the tp_size ranks span (tp_size / nnodes ranks on each)
-    node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks
+    nnodes: int = 1                     # machines the device ranks span: tp_size / nnodes tp ranks or pp_size / nnodes stages on each
+    node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks or stages
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
     tp_comm: str = "auto"               # tp collectives: "auto" (shared memory when all ranks share a host, else gloo), "gloo"
     # ---- pipeline parallelism (tandem/device/pp.py, the PP loop in tandem/scheduler/loops.py) ----
@@ -104,8 +104,9 @@ class EngineConfig:
     def _check_tp(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:
             raise ValueError(f"tp_size and nnodes must be >= 1, got {self.tp_size} and {self.nnodes}")
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size {self.tp_size} does not split evenly over {self.nnodes} nodes")
+        if self.tp_size * self.pp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} x pp_size {self.pp_size} device ranks do not split evenly "
+                             f"over {self.nnodes} nodes")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1:

@@ -14,13 +14,15 @@ row count; there the tokens are compared (equal on these prompts), not the logpr
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from conftest import assert_no_leaks
-from server_utils import (ServerProcess, assert_rank_death_is_503, process_tree, runtime_dirs, sse_events,
-                          wait_gone)
+from server_utils import (ServerProcess, assert_rank_death_is_503, free_port, process_tree, runtime_dirs,
+                          sse_events, wait_gone)
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.device.pp import stage_layers
@@ -38,16 +40,24 @@ def prompts(n: int = 7) -> list[list[int]]:
         [[5 + j % 3000 for j in range(300)]]
 
 
-def watch_depth(llm) -> list[int]:
-    """Record how many micro-batches are in flight each time the loop processes the oldest, and check the PP
-    loop's first invariant there: a request rides in at most one in-flight micro-batch."""
-    s, depths = llm.engine.scheduler, []
+class Depths(list):
+    """How many micro-batches were in flight each time the loop processed the oldest; `chunked`: how often
+    one request's prefill chunks were in two of them (the chunked pipeline)."""
+    chunked = 0
+
+
+def watch_depth(llm) -> Depths:
+    """Record the depths, and check the PP loop's first invariant each time: a request rides in at most one
+    in-flight micro-batch that samples for it (its other rows there are non-final prefill chunks)."""
+    s, depths = llm.engine.scheduler, Depths()
     oldest = s.process_oldest
 
     def process_oldest() -> None:
         depths.append(len(s.result_queue))
+        sampling = [id(r) for b, _ in s.result_queue for r, kept in zip(b.reqs, b.samples) if kept]
+        assert len(sampling) == len(set(sampling)), "a request sampled in two in-flight micro-batches"
         ids = [id(r) for b, _ in s.result_queue for r in set(b.reqs)]
-        assert len(ids) == len(set(ids)), "a request in two in-flight micro-batches"
+        depths.chunked += len(ids) - len(set(ids))
         oldest()
     s.process_oldest = process_oldest
     return depths
@@ -94,7 +104,7 @@ def test_a_stage_holds_only_its_layers(three_layers):
     spec = executor_spec(config, resolve_model(config.model))
     for stage in (0, 1):
         pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=stage_layers(3, 2, stage),
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), spans_nodes=False)
         ex = ModelExecutor(spec, pp=pp)
         assert len(ex.model.layers) == ex.kv_cache.num_layers == ex.kv_cache.data.shape[1] == 2 - stage
         assert (ex.model.embed is not None) == (stage == 0)      # untied embeddings: the head is its own
@@ -158,19 +168,39 @@ def test_sampling_options_equal_pp1(three_layers):
     assert got[2][3][3] == "stop"                       # the grammar completed
 
 
-def test_smollm2_two_stages_equal_one():
-    """The real model (30 layers: 15 a stage) in the default mode: Q4_1 blocks, int8 activations, bf16 KV."""
+def test_smollm2_two_three_and_five_stages_equal_one():
+    """The real model (30 layers: 15, 10 or 6 a stage) in the default mode: Q4_1 blocks, int8 activations,
+    bf16 KV."""
     ps = [[1, 504, 3458, 282, 4649, 314], [1, 1978, 253, 1346, 563, 2079, 28, 357, 3249], [1] + [2000 + i for i in
                                                                                               range(40)]]
     params = (SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=3, max_tokens=8))
     got = {}
-    for pp in (1, 2):
+    for pp in (1, 2, 3, 5):
         llm = LLM(pp_size=pp, device_threads=1, kv_cache_tokens=2048, max_running_requests=8, poison_future_map=True)
         try:
             got[pp] = [outputs(llm, "overlap", ps, p) for p in params]
         finally:
             llm.shutdown()
-    assert got[2] == got[1]
+    assert got[2] == got[1] and got[3] == got[1] and got[5] == got[1]
+
+
+def test_chunked_pipeline_equals_pp1(three_layers):
+    """Prompts of 200-460 tokens in chunks of 64: a prompt's next chunk is launched while its previous one
+    is still on a later stage, and the tokens are PP 1's."""
+    ps = [[9 + (13 * i + 7 * j) % 30000 for j in range(200 + 130 * i)] for i in range(3)] + prompts(3)
+    engine = {**ENGINE, "max_prefill_tokens": 64, "mixed_prefill_tokens": 64}
+    ref = LLM(three_layers["llama-q8_0"], **engine)
+    try:
+        want = outputs(ref, "overlap", ps, GREEDY)
+    finally:
+        ref.shutdown()
+    llm = LLM(three_layers["llama-q8_0"], pp_size=3, **engine)
+    try:
+        depths = watch_depth(llm)
+        assert outputs(llm, "overlap", ps, GREEDY) == want
+        assert depths.chunked > 0                     # one prompt's chunks were in two micro-batches at once
+    finally:
+        llm.shutdown()
 
 
 def test_retraction_with_micro_batches_in_flight(tiny_llama, make_llm):
@@ -216,6 +246,53 @@ def test_what_stages_cannot_serve_is_refused(tiny_llama):
         EngineConfig(pp_size=2, device_backend="inline")
     with pytest.raises(ValueError, match="pp_size must be >= 1"):
         EngineConfig(pp_size=0)
+    with pytest.raises(ValueError, match="pp_size 3 device ranks do not split evenly over 2 nodes"):
+        EngineConfig(pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1")
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
+    """Node 1 is a separate `tandem serve --node-rank 1` launch holding the later half of the stages (the last
+    one samples there: its results come back through node 0's last stage, the grammar masks go to it); PP 4
+    also passes the step from stage to stage on node 1. Q8_0 blocks in the int8 mode: logprobs are equal."""
+    from tiny_models import make_tiny_model, write_tiny_gguf
+    path = str(write_tiny_gguf(tmp_path / "tiny4-q8_0.gguf",
+                               make_tiny_model(tmp_path / "tiny4", "llama", num_hidden_layers=4), quant="Q8_0"))
+    params = [GREEDY, SEEDED, SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1,
+                                             ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=40,
+                             structured_outputs={"choice": ["alpha", "beta gamma"]})]
+    ps = prompts(5)
+
+    def run(llm) -> list:
+        outs = llm.generate(ps, params, use_tqdm=False)
+        assert_no_leaks(llm)
+        return [(o.token_ids, o.outputs[0].logprobs, o.prompt_logprobs, o.finish_reason) for o in outs]
+    ref = LLM(path, **ENGINE)
+    try:
+        want = run(ref)
+    finally:
+        ref.shutdown()
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--model", path, "--pp", str(pp),
+                              "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--kv-cache-tokens",
+                              "4096", "--max-running-requests", "16", "--device-threads", "1",
+                              "--poison-future-map", "--log-level", "warning"])
+    try:
+        llm = LLM(path, pp_size=pp, nnodes=2, node_rank=0, dist_init_addr=addr, **ENGINE)
+        try:
+            assert len(llm.engine.runner.conns) == pp // 2          # node 0 runs only its own stages
+            depths = watch_depth(llm)
+            assert run(llm) == want
+            assert max(depths) == pp
+        finally:
+            llm.shutdown()
+        assert node1.wait(timeout=30) == 0              # the quit passed around the pipeline ends node 1 cleanly
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -263,4 +340,4 @@ def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama,
 
 
 def test_pp_stage_death_is_503_and_exit_1(tiny_llama, tmp_path):
-    assert_rank_death_is_503(pp_server(tiny_llama, tmp_path), b"tandem.device.cpu_process", ranks=2)
+    assert_rank_death_is_503(pp_server(tiny_llama, tmp_path), b"tandem.device.device_main", ranks=2)

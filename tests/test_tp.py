@@ -49,7 +49,7 @@ def assert_same(outs, refs) -> None:
 @pytest.mark.parametrize("tp_comm", ["auto", "gloo"])
 def test_tp2_equals_tp1_both_loops(arch, tp_comm, request):
     """Both transports of the forward's collectives: shared memory (picked on one host) and gloo. Three
-    450-token prompts make a prefill step longer than the step broadcast's inline words (tp._INLINE)."""
+    450-token prompts make a prefill step longer than the step broadcast's inline words (step_wire.INLINE)."""
     path = request.getfixturevalue(arch)
     prompts = prompts_for(49152, n=6) + [[3 + (7 * i + j) % 40000 for j in range(450)] for i in range(3)]
     refs = reference(path, prompts)

@@ -6,7 +6,7 @@ socket; the step's index arrays travel through shared memory (double-buffered: t
 rewritten only at launch k+2, after the host has processed step k). Sampled ids come back through shared
 memory, and the "done" message is the copy_done event the scheduler waits on.
 
-The process is started with `python -m tandem.device.cpu_process` (not multiprocessing's spawn, which
+The process (device_main.py) is started with `python -m tandem.device.device_main` (not multiprocessing's spawn, which
 re-imports the user's __main__), dies with its parent (socket EOF and PR_SET_PDEATHSIG), and a crash in it
 surfaces in the scheduler as DeviceProcessError, never a hang.
 
@@ -18,46 +18,32 @@ and sends "done", and the runner relays those ids to the first stage with the ne
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import os
 import pickle
 import shutil
 import socket
 import struct
 import subprocess
-import sys
 import time
-import traceback
-from multiprocessing.connection import Client, Listener, wait
+from multiprocessing.connection import Listener, wait
 
 import numpy as np
 
 from .. import runtime_files
-from ..lifeline import die_with_parent
-from ..trace.device_profile import DeviceProfile
 from ..grammar.compiler import mask_words
 from ..sampler import MAX_BIASES, MAX_LOGPROBS
 from . import step as step_mod
 from .executor import ExecutorSpec
-from .ranks import rank_device, rank_infos, spawn_device, spawn_rank
-from .shared_buffers import SharedBuffers, read_logprobs, write_logprobs
+from .ranks import rank_infos, spawn_device, spawn_rank
+from .shared_buffers import SharedBuffers, read_logprobs
 from .step import StepInput
+from .device_main import _DONE, _LAUNCH
 from .streams import now
 
-_LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
-_DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives
 
 
 class DeviceProcessError(RuntimeError):
     """The device process failed or died; the engine cannot continue."""
-
-
-class _SchedulerGone(Exception):
-    """The scheduler's end of the connection closed (it exited or was killed): the device process exits quietly.
-
-    Raised by every send or receive on that connection in device_main, so a kill that lands while a step runs
-    (its "done" then meets a broken pipe) ends the process the same way as one that lands while it waits."""
 
 
 class ProcessHandle:
@@ -125,13 +111,15 @@ class ProcessRunner:
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
         # pp: one device process per stage (self.proc the first, self.ranks the others, in stage order once
         # they connect, as self.conns).
-        procs = [spawn_device(sock, shm_path, device_threads, authkey) for _ in range(spec.pp_size)]
+        # pp over several nodes: this node's stages here (the first pp_size / nnodes), the others started by
+        # `tandem serve --node-rank R` there (device/pp_nodes.py).
+        pp_init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/pp-store"
+        self._stages = rank_infos(spec.pp_size, nnodes, 0, device_threads, pp_init) if spec.pp_size > 1 else [None]
+        procs = [spawn_device(sock, shm_path, device_threads, authkey) for _ in self._stages]
         self.proc = procs[0]
         self.dist = None                    # rank 0's DistInfo under tp; the other ranks of this node:
         self.ranks: list[subprocess.Popen] = procs[1:]
         self.relay: dict[int, int] = {}     # pp: request-table row -> id sampled there, not yet relayed
-        self._stages = rank_infos(spec.pp_size, 1, 0, device_threads, f"file://{self._tmp}/pp-store") \
-            if spec.pp_size > 1 else [None]
         if spec.tp_size > 1:
             init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/tp-store"
             self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init, spec.tp_comm)
@@ -304,103 +292,3 @@ def _peer_pid(conn) -> int:
     """The process id at the other end of a unix-socket connection (SO_PEERCRED: pid, uid, gid)."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-
-
-@contextlib.contextmanager
-def _scheduler_link():
-    """Turns a closed scheduler connection (EOF, broken pipe, reset) into _SchedulerGone."""
-    try:
-        yield
-    except (EOFError, OSError) as e:
-        raise _SchedulerGone() from e
-
-
-def device_main(sock: str, shm_path: str, threads: int) -> None:
-    die_with_parent()
-    import torch
-    torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
-    authkey = sys.stdin.buffer.read()
-    conn = Client(sock, family="AF_UNIX", authkey=authkey)
-    tp = pp = profile = None
-    try:
-        spec, sizes, dist = conn.recv()
-        buffers = SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
-        from .executor import ModelExecutor
-        if dist is not None and spec.pp_size > 1:      # a pipeline stage: its layers, p2p to its neighbours
-            from .pp import PPGroup
-            pp = PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
-        elif dist is not None:             # tp rank 0: join the group, then broadcast every step to it
-            from .tp import KEEPALIVE_S, TPGroup
-            tp = TPGroup(dist, rank_device(spec.device, dist))
-        executor = ModelExecutor(spec, tp=tp, pp=pp)
-        profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
-        conn.send_bytes(pickle.dumps(("ready", (executor.num_slots, executor.max_context,
-                                                tp.transport if tp is not None else None))))
-        early: set[int] = set()              # steps whose mask message came before they were run
-        later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
-
-        def masks_of(step: StepInput, buf: int):
-            def wait() -> np.ndarray:
-                # The grammar branch: the forward is done; sampling waits for the host's masks.
-                while not step.mask_ready and step.step_id not in early:
-                    with _scheduler_link():
-                        msg = conn.recv_bytes()
-                    if msg[:1] == b"M":
-                        early.add(_LAUNCH.unpack(msg)[1])
-                    else:
-                        later.append(msg)
-                early.discard(step.step_id)
-                return buffers.masks[buf][:len(step.grammar_rows)]
-            return wait
-
-        while True:
-            with _scheduler_link():
-                idle = tp is not None and not later and not conn.poll(KEEPALIVE_S)
-                msg = b"" if idle else later.popleft() if later else conn.recv_bytes()
-            if idle:
-                tp.keepalive()              # idle: the other ranks' collective timeout must not fire
-                continue
-            start = now()           # the device span: from the launch message in hand to the ids written back
-            if msg == b"Q":
-                if tp is not None:
-                    tp.quit()
-                return
-            kind, step_id, buf = _LAUNCH.unpack(msg)
-            if kind == b"M":                # the masks of a step not yet run (it is next)
-                early.add(step_id)
-                continue
-            step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
-            if tp is not None:
-                tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
-            b = step.batch_size
-            with profile.step(b, step.num_tokens) if profile is not None else contextlib.nullcontext():
-                tokens = executor.run_step(step, masks_of(step, buf))
-                if tokens is None:          # a pipeline stage but the last: its hidden states went on
-                    continue
-                buffers.outs[buf][:b] = tokens.cpu().numpy()
-            for lp, o in ((executor.last_logprobs, 0), (executor.last_prompt_logprobs, b * (1 + MAX_LOGPROBS))):
-                if lp is not None:
-                    write_logprobs(buffers.outs[buf][o:], buffers.lp_outs[buf][o:], len(lp.chosen), lp)
-            with _scheduler_link():
-                conn.send_bytes(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
-    except _SchedulerGone:
-        if tp is not None:
-            tp.quit(quiet=True)
-        return                              # the scheduler is gone: exit with it (the other ranks too)
-    except BaseException:
-        try:
-            conn.send_bytes(pickle.dumps(("error", (traceback.format_exc(),))))
-        except (OSError, EOFError):
-            pass
-        raise
-    finally:
-        if profile is not None:
-            profile.write()
-        if tp is not None:
-            tp.close()
-        if pp is not None:
-            pp.close()
-
-
-if __name__ == "__main__":
-    device_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

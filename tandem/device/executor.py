@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..kernels.quant import INT8_ACT_QTYPES, small_m
 from ..model.cascade import SharedPrefix, additive, shared_prefix
@@ -94,8 +95,9 @@ class ModelExecutor:
         c = self.config
         from ..kernels import use_native
         native = use_native(spec.kernels, self.device, dtype)
-        if tp is not None:
-            tp.check_same("engine options", spec.fingerprint())
+        if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the runner's spec
+            check_same((tp or pp).size, "tp rank" if tp is not None else "pipeline stage", "engine options",
+                       spec.fingerprint())
         if state is None:
             state = load_weights(spec.source, quantized=native)
         # Before sharding, so that every tp rank decides alike: do the linears round x to int8 (kv_dtype)?
@@ -306,3 +308,15 @@ class ModelExecutor:
                                  last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
                              fresh=None if has_prefix else ext_np.tolist())
+
+
+def check_same(size: int, who: str, what: str, fingerprint: dict) -> None:
+    """Every rank of the group raises the same clear error when the ranks (tp ranks or pipeline stages, on
+    this machine or others) were started with different options."""
+    every: list = [None] * size
+    dist.all_gather_object(every, fingerprint)
+    for r, fp in enumerate(every):
+        diff = sorted(k for k in set(fp) | set(every[0]) if fp.get(k) != every[0].get(k))
+        if diff:
+            raise ValueError(f"{who} {r} was started with other {what} than {who} 0: {', '.join(diff)} "
+                             f"differ (give every node the same model and engine options)")

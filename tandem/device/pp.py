@@ -20,6 +20,13 @@ result it has waited for and sends them with the next launch (StepInput.stash_ro
 before that step's poison and gather. The PP loop (scheduler/loops.py) launches a micro-batch only with
 requests whose previous micro-batch was processed, so what it gathers has been relayed. Middle stages read
 no ids.
+
+Stages on other machines (`--nnodes M`, pp_size / M stages on each; device/pp_nodes.py): node 0's stages read
+the step from the shared buffers as above; a stage on node R > 0 has no scheduler beside it, so it receives
+the step's packed words from the stage before it (device/step_wire.py), ahead of the hidden states, and passes
+them on. The last stage sends its results (sampled ids, logprobs) back to node 0's last stage, the **relay**,
+over a group of those two ranks; a thread there writes them into the out buffer and sends the "done"; the
+relay sends the grammar masks the other way over a second such group.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import step_wire
 from .ranks import DistInfo, init_group
 
 TIMEOUT_S = 600.0          # rendezvous of all stages, and any single send or recv
@@ -55,20 +63,67 @@ class PPGroup:
         self.rank, self.size, self.device = info.rank, info.size, device
         self.layers = stage_layers(num_layers, info.size, info.rank)
         self.first, self.last = info.rank == 0, info.rank == info.size - 1
+        per_node = info.size // info.nnodes
+        self.spans_nodes = info.nnodes > 1
+        self.takes_step = info.rank >= per_node                                 # on a node R > 0
+        self.passes_step = info.rank + 1 < info.size and info.rank + 1 >= per_node
+        self.relay_rank = per_node - 1 if info.nnodes > 1 else None             # node 0's last stage
+        self.relay = info.rank == self.relay_rank
+        self.results = self.masks = None
+        if self.relay_rank is not None:   # every rank creates them, in this order (torch.distributed's rule)
+            self.results = dist.new_group([self.relay_rank, info.size - 1])
+            self.masks = dist.new_group([self.relay_rank, info.size - 1])
         self._sends: list = []            # (work, tensor) of the sends in flight: the tensor lives until sent
+        self._fresh = False               # sends of this step already posted (its step words): keep them
+
+    def _post(self, x: torch.Tensor) -> None:
+        x = x.contiguous()
+        self._sends.append((dist.isend(x, self.rank + 1), x))
+
+    def _flush(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def send_hidden(self, x: torch.Tensor) -> None:
         """To the next stage, without waiting for it to receive (it may still run the previous step); the
-        previous send is completed first, so at most one is in flight and tensors are freed in order."""
-        for work, _ in self._sends:
-            work.wait()
-        x = x.contiguous()
-        self._sends = [(dist.isend(x, self.rank + 1), x)]
+        previous step's sends are completed first, so only one step's are in flight, freed in order."""
+        if not self._fresh:
+            self._flush()
+        self._fresh = False
+        self._post(x)
+
+    def send_step(self, kind: int, step_id: int = 0, step=None, ints=None, floats=None) -> None:
+        """Pass a step's words (or a no-op / quit) on to the next stage, on another node (step_wire.py)."""
+        self._flush()
+        payload, words = step_wire.step_payload(step, ints, floats) if step is not None else (None, (0, 0, 0))
+        step_wire.send_words(self._post, self.device, kind, step_id, payload, words)
+        self._fresh = kind == step_wire.STEP
+        if not self._fresh:
+            self._flush()
+
+    def recv_step(self):
+        """(kind, step id, step, ints, floats) from the stage before (a stage on a node R > 0)."""
+        def xfer(t: torch.Tensor) -> torch.Tensor:
+            dist.recv(t, self.rank - 1)
+            return t
+        return step_wire.recv_words(xfer, self.device)[:5]
 
     def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(x, self.rank - 1)
         return x
+
+    def keepalive(self) -> None:
+        self.send_step(step_wire.NOOP)
+
+    def quit(self, quiet: bool = False) -> None:
+        """Tell the stages on the other nodes to exit (quiet: on the way out anyway)."""
+        try:
+            self.send_step(step_wire.QUIT)
+        except RuntimeError:
+            if not quiet:
+                raise
 
     def min_int(self, v: int) -> int:
         t = torch.tensor([v], dtype=torch.int64, device=self.device)
@@ -77,8 +132,7 @@ class PPGroup:
 
     def close(self) -> None:
         try:
-            for work, _ in self._sends:
-                work.wait()
+            self._flush()
         except RuntimeError:
             pass
         self._sends = []

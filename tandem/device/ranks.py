@@ -27,6 +27,7 @@ class DistInfo:
     threads: int              # torch threads of this rank
     loopback: bool            # every rank on this machine: gloo talks over "lo"
     comm: str = "auto"        # "auto": shared memory for the forward's collectives when all ranks share a host
+    nnodes: int = 1           # machines the group spans, size / nnodes ranks on each (rank // that: its node)
 
 
 SMALL_MODEL_PARAMS = 20_000_000
@@ -59,7 +60,7 @@ def rank_threads(config: EngineConfig, model_config) -> int:
     (or its pipeline stages)."""
     if config.device_threads:
         return config.device_threads
-    ranks = config.tp_size // config.nnodes * config.pp_size
+    ranks = config.tp_size * config.pp_size // config.nnodes
     return max(1, default_device_threads(num_params(model_config)) // ranks)
 
 
@@ -97,30 +98,31 @@ def device_env(threads: int) -> dict[str, str]:
     return child_env({"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
-def rank_infos(tp_size: int, nnodes: int, node_rank: int, threads: int, init_method: str,
+def rank_infos(size: int, nnodes: int, node_rank: int, threads: int, init_method: str,
                comm: str = "auto") -> list[DistInfo]:
-    """The DistInfo of each rank on this node (ranks node_rank * per_node ... ; rank 0 on node 0)."""
-    per_node = tp_size // nnodes
+    """The DistInfo of each rank of a group of `size` (tp ranks or pipeline stages) on this node (ranks
+    node_rank * per_node ... ; rank 0 on node 0)."""
+    per_node = size // nnodes
     loopback = nnodes == 1 or init_method.startswith(("tcp://127.", "tcp://localhost:"))
-    return [DistInfo(node_rank * per_node + i, tp_size, i, init_method, threads, loopback, comm)
+    return [DistInfo(node_rank * per_node + i, size, i, init_method, threads, loopback, comm, nnodes)
             for i in range(per_node)]
 
 
 def spawn_device(sock: str, shm_path: str, threads: int, authkey: bytes) -> subprocess.Popen:
-    """`python -m tandem.device.cpu_process`: a device process the scheduler launches into (alone, tp rank 0,
+    """`python -m tandem.device.device_main`: a device process the scheduler launches into (alone, tp rank 0,
     or a pipeline stage), which connects back to the runner's socket with `authkey` (given on its stdin)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.cpu_process", sock, shm_path, str(threads)],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.device_main", sock, shm_path, str(threads)],
                             env=device_env(threads), stdin=subprocess.PIPE, close_fds=True)
     proc.stdin.write(authkey)
     proc.stdin.close()
     return proc
 
 
-def spawn_rank(spec: ExecutorSpec, info: DistInfo) -> subprocess.Popen:
-    """`python -m tandem.device.tp_ranks` with (spec, info) pickled on its stdin."""
+def spawn_rank(spec: ExecutorSpec, info: DistInfo, module: str = "tandem.device.tp_ranks") -> subprocess.Popen:
+    """`python -m tandem.device.tp_ranks` (a tp rank other than 0) or `tandem.device.pp_nodes` (a pipeline
+    stage on a node R > 0) with (spec, info) pickled on its stdin."""
     env = device_env(info.threads)
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.tp_ranks"], env=env, stdin=subprocess.PIPE,
-                            close_fds=True)
+    proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdin=subprocess.PIPE, close_fds=True)
     proc.stdin.write(pickle.dumps((spec, info)))
     proc.stdin.close()
     return proc

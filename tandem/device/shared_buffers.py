@@ -46,6 +46,15 @@ def write_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, lp) -> None:
     floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k] = lp.top.cpu().numpy()
 
 
+def write_results(outs: np.ndarray, lp_outs: np.ndarray, b: int, tokens, lp, plp) -> None:
+    """A step's out slot: the sampled ids of its b rows, their logprobs and the prompt positions' (each where
+    some row asked for them)."""
+    outs[:b] = tokens.cpu().numpy()
+    for x, o in ((lp, 0), (plp, b * (1 + MAX_LOGPROBS))):
+        if x is not None:
+            write_logprobs(outs[o:], lp_outs[o:], len(x.chosen), x)
+
+
 def read_logprobs(ints: np.ndarray, floats: np.ndarray, n: int, k: int) -> tuple:
     return (floats[:n].copy(), ints[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy(),
             floats[n:n + n * MAX_LOGPROBS].reshape(n, MAX_LOGPROBS)[:, :k].copy())

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import step_wire
 from .ranks import DistInfo, init_group
 from .shm_comm import ShmComm
 from .step import StepInput
@@ -34,9 +35,6 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0         # rendezvous of all ranks, and any single collective
 KEEPALIVE_S = 60.0        # an idle rank 0 broadcasts a no-op this often
-_QUIT, _STEP, _NOOP = 0, 1, 2
-_HEADER = 6               # kind, step id, int words, float words, previous step's rows, payload words
-_INLINE = 2048            # payload words sent with the header in one broadcast (a decode step of 64 rows: ~1,550)
 
 
 class TPGroup:
@@ -76,16 +74,6 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
-    def check_same(self, what: str, fingerprint: dict) -> None:
-        """Every rank raises the same clear error when the ranks were started with different options."""
-        every: list = [None] * self.size
-        dist.all_gather_object(every, fingerprint)
-        for r, fp in enumerate(every):
-            diff = sorted(k for k in set(fp) | set(every[0]) if fp.get(k) != every[0].get(k))
-            if diff:
-                raise ValueError(f"tp rank {r} was started with other {what} than rank 0: {', '.join(diff)} "
-                                 f"differ (give every node the same model and engine options)")
-
     # ---- the step broadcast (rank 0 sends, the others receive) ----------------------------------------------
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -94,37 +82,27 @@ class TPGroup:
         return t
 
     def _send(self, kind: int, step_id: int = 0, payload: np.ndarray | None = None, words=(0, 0, 0)) -> None:
-        """One broadcast of [header | up to _INLINE payload words], a second one only for a longer payload
-        (a prefill): each gloo call costs ~0.2 ms on loopback."""
-        n = 0 if payload is None else len(payload)
-        msg = np.zeros(_HEADER + _INLINE, np.int64)                          # [header | payload head]
-        msg[:_HEADER] = (kind, step_id, *words, n)
-        if n:
-            msg[_HEADER:_HEADER + min(n, _INLINE)] = payload[:_INLINE]
-        self._bcast(torch.from_numpy(msg).to(self.device))
-        if n > _INLINE:
-            self._bcast(torch.from_numpy(payload[_INLINE:]).to(self.device))
+        step_wire.send_words(self._bcast, self.device, kind, step_id, payload, words)
 
     def send_step(self, step_id: int, step: StepInput, ints: np.ndarray, floats: np.ndarray) -> None:
         """Rank 0, before its forward: the step's packed words and the previous step's sampled ids."""
         self.comm_s = 0.0
-        ni, nf = step.int_words(), step.float_words()
         rows, ids = self._prev if self._prev is not None else (np.zeros(0, np.int64),) * 2
         self._prev = None
-        payload = np.concatenate([ints[:ni], floats[:nf].view(np.int64), rows, ids])
-        self._send(_STEP, step_id, payload, (ni, nf, len(rows)))
+        payload, words = step_wire.step_payload(step, ints, floats, np.concatenate([rows, ids]))
+        self._send(step_wire.STEP, step_id, payload, words)
 
     def sampled(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Rank 0, after sampling: what the other ranks stash into their FutureMap next step."""
         self._prev = (rows.cpu().numpy().astype(np.int64), ids.cpu().numpy().astype(np.int64))
 
     def keepalive(self) -> None:
-        self._send(_NOOP)
+        self._send(step_wire.NOOP)
 
     def quit(self, quiet: bool = False) -> None:
         """Tell the other ranks to exit (quiet: on the way out anyway, a dead peer is no news)."""
         try:
-            self._send(_QUIT)
+            self._send(step_wire.QUIT)
         except RuntimeError:
             if not quiet:
                 raise
@@ -132,18 +110,12 @@ class TPGroup:
     def recv_step(self) -> tuple[StepInput, torch.Tensor, torch.Tensor] | None:
         """Ranks 1..: the next step and the previous step's (rows, ids); None when rank 0 quits."""
         while True:
-            msg = self._bcast(torch.zeros(_HEADER + _INLINE, dtype=torch.int64, device=self.device)).cpu().numpy()
-            kind, step_id, ni, nf, nprev, n = msg[:_HEADER].tolist()
-            if kind == _QUIT:
+            kind, _, step, _, _, extra = step_wire.recv_words(self._bcast, self.device)
+            if kind == step_wire.QUIT:
                 return None
-            if kind == _STEP:
+            if kind == step_wire.STEP:
                 break
-        words = msg[_HEADER:_HEADER + n]
-        if n > _INLINE:
-            rest = self._bcast(torch.empty(n - _INLINE, dtype=torch.int64, device=self.device)).cpu().numpy()
-            words = np.concatenate([words, rest])
-        step = StepInput.unpack(step_id, words[:ni], words[ni:ni + nf].view(np.float64))
-        prev = torch.from_numpy(words[ni + nf:].copy()).to(self.device).view(2, nprev)
+        prev = torch.from_numpy(extra.copy()).to(self.device).view(2, len(extra) // 2)
         return step, prev[0], prev[1]
 
     def close(self) -> None:

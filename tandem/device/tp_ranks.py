@@ -40,18 +40,23 @@ def rank_main() -> int:
 
 
 def run_node(config) -> int:
-    """Node R > 0: start this node's ranks and wait for them. SIGTERM / SIGINT stop them; the exit code is
-    0 when every rank ended because rank 0 quit, 1 otherwise."""
+    """Node R > 0: start this node's ranks (tp ranks, or pipeline stages: device/pp_nodes.py) and wait for
+    them. SIGTERM / SIGINT stop them; the exit code is 0 when every rank ended because rank 0 quit, 1
+    otherwise."""
     from ..model.loader import resolve_model
     from ..model.shard import check_tp_size
+    from .pp import check_pp_size
     source = resolve_model(config.model, config.cache_dir)
     check_tp_size(source.config, config.tp_size, source.name)
+    check_pp_size(source.config.num_layers, config.pp_size, source.name)
     spec = executor_spec(config, source)
-    infos = rank_infos(config.tp_size, config.nnodes, config.node_rank, rank_threads(config, source.config),
-                       f"tcp://{config.dist_init_addr}", config.tp_comm)
-    procs = [spawn_rank(spec, info) for info in infos]
-    log.info("node %d: tp ranks %s started, joining %s", config.node_rank, [i.rank for i in infos],
-             config.dist_init_addr)
+    pp = config.pp_size > 1
+    infos = rank_infos(config.pp_size if pp else config.tp_size, config.nnodes, config.node_rank,
+                       rank_threads(config, source.config), f"tcp://{config.dist_init_addr}", config.tp_comm)
+    module = "tandem.device.pp_nodes" if pp else "tandem.device.tp_ranks"
+    procs = [spawn_rank(spec, info, module) for info in infos]
+    log.info("node %d: %s %s started, joining %s", config.node_rank, "pipeline stages" if pp else "tp ranks",
+             [i.rank for i in infos], config.dist_init_addr)
 
     def stop(*_):
         for p in procs:

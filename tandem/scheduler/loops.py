@@ -26,9 +26,11 @@ processed before the next pick, so it runs serially, like a grammar row's mask i
 
 The PP loop (pp_size P > 1, device/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
 per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
-in-flight micro-batch, and it takes at most 1/P of the decoding requests (pick.py). So a request waits for
-its micro-batch k to be processed before it rides again, which gives the invariants:
-  - a request is in at most one in-flight micro-batch (host state of a request never lags: no token dropped);
+in-flight micro-batch, but for a started prefill's next chunk (the chunked pipeline: it samples nothing, and
+stages run micro-batches in launch order), and it takes at most 1/P of the decoding requests (pick.py). So a
+request waits for its micro-batch k to be processed before it decodes again, which gives the invariants:
+  - a request is in at most one in-flight micro-batch that samples for it (its last prefill chunk or a decode
+    row; host state of a request never lags: no token dropped);
   - the tokens sampled for micro-batch k reach the first stage's FutureMap before any micro-batch that needs
     them launches: the last stage samples, the host waits for k, and the runner relays k's ids with the next
     launch (cpu_process.ProcessRunner.launch_step), stashed before that step's gather;

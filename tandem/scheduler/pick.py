@@ -6,9 +6,11 @@ Host state may lag the device by one step (overlap loop): lengths here are `allo
 in-flight step's KV slot, `filled`, which counts launched prefill chunks, and `num_launched`, which counts
 the in-flight token.
 
-Pipeline parallelism (pp_size > 1, the PP loop): a micro-batch is picked only from requests in no in-flight
-micro-batch (Scheduler.in_flight; a started prefill's next chunk waits too), and takes at most 1/pp_size of
-the decoding requests, so that pp_size micro-batches of about equal size keep every stage busy.
+Pipeline parallelism (pp_size > 1, the PP loop): decode rows are picked only from requests in no in-flight
+micro-batch (Scheduler.in_flight), at most 1/pp_size of the decoding requests, so that pp_size micro-batches
+of about equal size keep every stage busy. A started prefill's next chunk is the exception (the chunked
+pipeline): it needs no sampled token, and every stage runs micro-batches in launch order, so chunk j+1
+reaches a stage after chunk j wrote its KV there; the chunks of one long prompt occupy several stages at once.
 """
 from __future__ import annotations
 
@@ -84,8 +86,7 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         s.end(s.waiting.popleft(), "length")
     chunks: list[Chunk] = []
     tokens = 0
-    busy = s.in_flight() if s.config.pp_size > 1 else set()
-    started = [r for r in s.running if r.prefilling and not r.aborted and id(r) not in busy]
+    started = [r for r in s.running if r.prefilling and not r.aborted]    # in flight or not (module docstring)
     # Arrivals go first for one step, once per chunk of a started prefill: a short request behind a long prompt
     # waits for the chunk in flight, not also for the next chunk in the step that would carry it.
     aside = bool(s.waiting) and bool(started) and not any(r.stood_aside for r in started)
