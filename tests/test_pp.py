@@ -250,6 +250,34 @@ def test_what_stages_cannot_serve_is_refused(tiny_llama):
         EngineConfig(pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1")
 
 
+def test_trace_shows_the_pipeline(tiny_llama, tmp_path):
+    """`tandem trace --pp 2`'s recording: every step has both stages' own spans, in pipeline order; the
+    summary has each stage's busy and send ms and bubble fraction; trace.json has a track per stage and
+    report.html their table."""
+    import json
+
+    from tandem.trace.export import summarize, write_trace_dir
+    from tandem.trace.run import Workload, trace_loops
+    llm = LLM(tiny_llama, pp_size=2, device_threads=1, kv_cache_tokens=4096)
+    try:
+        recs, tps = trace_loops(llm, Workload(requests=8, max_tokens=8, input_len=16))
+    finally:
+        llm.shutdown()
+    rec = {r.loop: r for r in recs}["overlap"]            # the PP loop under pp_size 2
+    assert rec.devices and all([k for k, *_ in d.stages] == [0, 1] for d in rec.devices)
+    for d in rec.devices:
+        (_, s0, e0, _), (_, s1, e1, _) = d.stages
+        assert s0 <= e0 and s1 <= e1 and s0 <= s1 and e0 <= e1 <= d.end
+    stages = rec.summary["pp_stages"]
+    assert [st["stage"] for st in stages] == [0, 1] and all(0 <= st["bubble_fraction"] < 1 for st in stages)
+    assert all(st["steps"] == len(rec.devices) and st["comm_ms_per_step"] >= 0 for st in stages)
+    paths = write_trace_dir(str(tmp_path / "trace"), recs, summarize(recs, tps), "pp trace")
+    names = {e["args"]["name"] for e in json.load(open(paths["trace.json"]))["traceEvents"]
+             if e.get("name") == "thread_name"}
+    assert {"pipeline stage 0", "pipeline stage 1"} <= names
+    assert "pipeline stages" in open(paths["report.html"]).read()
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
     """Node 1 is a separate `tandem serve --node-rank 1` launch holding the later half of the stages (the last

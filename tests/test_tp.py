@@ -108,7 +108,7 @@ def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
 def test_shapes_and_options_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match=r"tp_size 2 does not fit .*9 attention heads .*fit it: 1, 3\)"):
         LLM(tp_size=2)
-    with pytest.raises(ValueError, match="does not split evenly over 2 nodes"):
+    with pytest.raises(ValueError, match="split evenly over 2 nodes"):
         EngineConfig(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1")
     with pytest.raises(ValueError, match="needs dist_init_addr HOST:PORT"):
         EngineConfig(tp_size=2, nnodes=2)

@@ -54,6 +54,7 @@ class ProcessHandle:
         self._rows = step.rows if runner.pp_size > 1 else None    # the FutureMap relay's rows
         self._span = (0.0, 0.0)
         self.comm_s = 0.0          # the step's time in tp collectives (after wait())
+        self.stage_spans: tuple = ()   # pp: each of this node's stages' (stage, busy start, end, send seconds)
 
     def send_masks(self, masks: np.ndarray) -> None:
         """The grammar branch: the token masks of this step's grammar rows, once the host has them."""
@@ -64,6 +65,8 @@ class ProcessHandle:
         if self._result is None:
             *span, self.comm_s = self._runner._wait_done(self.step_id)  # copy_done.wait()
             self._span = tuple(span)
+            if self._rows is not None:
+                self.stage_spans = self._runner.stage_spans(self.step_id)
             self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
             if self._rows is not None:     # the next launch relays them to the first stage (device/pp.py)
                 self._runner.relay.update(zip(self._rows.tolist(), self._result.tolist()))
@@ -125,6 +128,7 @@ class ProcessRunner:
             self.dist, *others = rank_infos(spec.tp_size, nnodes, 0, device_threads, init, spec.tp_comm)
             self.ranks = [spawn_rank(spec, info) for info in others]
         self._done: dict[int, tuple[float, float, float]] = {}
+        self._stages_of: dict[int, dict[int, tuple]] = {}     # pp: step -> stage -> its span (stage_spans)
         self._closed = False
         self._listener, self._shm_path, self._spec, self._timeout = listener, shm_path, spec, start_timeout
         self.num_slots = self.max_context = 0
@@ -225,8 +229,11 @@ class ProcessRunner:
         return self._decode(msg, self.conns.index(conn))
 
     def _decode(self, msg: bytes, sender: int):
-        if msg[:1] == b"D":
-            _, step_id, start, end, comm = _DONE.unpack(msg)
+        if msg[:1] in b"DS":
+            kind, step_id, start, end, comm = _DONE.unpack(msg)
+            if kind == b"S":                # a pipeline stage's own span of a step (device_main.py)
+                self._stages_of.setdefault(step_id, {})[sender] = (sender, start, end, comm)
+                return ("stage", step_id)
             return ("done", step_id, start, end, comm)
         kind, payload = pickle.loads(msg)
         if kind == "error":
@@ -240,9 +247,22 @@ class ProcessRunner:
 
     def _wait_done(self, step_id: int) -> tuple[float, float, float]:
         while step_id not in self._done:
-            _, sid, start, end, comm = self._recv()
-            self._done[sid] = (start, end, comm)
+            kind, sid, *times = self._recv()
+            if kind == "done":
+                self._done[sid] = tuple(times)
         return self._done.pop(step_id)
+
+    def stage_spans(self, step_id: int) -> tuple:
+        """The stages' spans of a step that was waited for: each stage sends its own after its forward, so
+        the earlier stages' are in (a span still unread then is read now, one that is late is left out)."""
+        others = [c for c in self.conns if c is not self.conn]
+        try:
+            for c in wait(others, 0) if others else []:
+                self._decode(c.recv_bytes(), self.conns.index(c))
+        except (OSError, EOFError) as e:
+            raise self._died() from e
+        spans = self._stages_of.pop(step_id, {})
+        return tuple(spans[k] for k in sorted(spans))
 
     def _dead(self, exclude: int = -1) -> tuple[str, int] | None:
         """(which, exit code) of the first of this node's device processes that has exited."""

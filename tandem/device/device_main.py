@@ -25,7 +25,8 @@ from .step import StepInput
 from .streams import now
 
 _LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
-_DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives
+_DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives;
+#                                   b"S" (same layout): a pipeline stage's own span and seconds in its sends
 
 
 class _SchedulerGone(Exception):
@@ -111,6 +112,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                 early.add(step_id)
                 continue
             step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
+            if pp is not None:
+                pp.comm_s = 0.0
             if tp is not None:
                 tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
             if relay is not None:
@@ -120,6 +123,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             b = step.batch_size
             with profile.step(b, step.num_tokens) if profile is not None else contextlib.nullcontext():
                 tokens = executor.run_step(step, masks_of(step, buf))
+                if pp is not None:          # this stage's own span: from its input in hand (the trace's pipeline)
+                    send(_DONE.pack(b"S", step_id, start if pp.first else pp.recv_done, now(), pp.comm_s))
                 if tokens is None:          # a pipeline stage but the last: its hidden states went on
                     if relay is not None and len(step.grammar_rows):
                         relay.send_masks(masks_of(step, buf)())      # to the last stage, on another node

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from . import step_wire
 from .ranks import DistInfo, init_group
+from .streams import now
 
 TIMEOUT_S = 600.0          # rendezvous of all stages, and any single send or recv
 
@@ -75,15 +76,19 @@ class PPGroup:
             self.masks = dist.new_group([self.relay_rank, info.size - 1])
         self._sends: list = []            # (work, tensor) of the sends in flight: the tensor lives until sent
         self._fresh = False               # sends of this step already posted (its step words): keep them
+        self.comm_s = 0.0                 # seconds blocked in sends since the step began (the trace's comm)
+        self.recv_done = 0.0              # when this step's hidden states arrived (its busy span starts)
 
     def _post(self, x: torch.Tensor) -> None:
         x = x.contiguous()
         self._sends.append((dist.isend(x, self.rank + 1), x))
 
     def _flush(self) -> None:
+        t = now()
         for work, _ in self._sends:
             work.wait()
         self._sends = []
+        self.comm_s += now() - t
 
     def send_hidden(self, x: torch.Tensor) -> None:
         """To the next stage, without waiting for it to receive (it may still run the previous step); the
@@ -112,6 +117,7 @@ class PPGroup:
     def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(x, self.rank - 1)
+        self.recv_done = now()
         return x
 
     def keepalive(self) -> None:

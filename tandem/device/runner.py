@@ -18,6 +18,7 @@ from .streams import DeviceStreams, Event, now
 class ResultHandle(Protocol):
     step_id: int
     comm_s: float           # the step's seconds in tensor-parallel collectives (0 without tp); after wait()
+    stage_spans: tuple      # pipeline stages: ((stage, busy start, end, seconds in sends), ...); after wait()
 
     def wait(self) -> np.ndarray:
         """Block until the step's sampled ids are on the host; returns them ([B] int64)."""
@@ -59,6 +60,7 @@ class InlineHandle:
         self._start, self._end, self._events = start, end, events
         self._result: np.ndarray | None = None
         self.comm_s = 0.0
+        self.stage_spans = ()
 
     def wait(self) -> np.ndarray:
         if self._result is None:

@@ -87,7 +87,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     if batch.release:
         s.kv.free(batch.release)       # this step, the last that could touch them, has been waited for
         batch.release = []
-    s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s)
+    s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s, handle.stage_spans)
     s.emit(outputs)
 
 

@@ -21,6 +21,7 @@ HOST_NAMES = {"recv": "recv", "pick": "pick batch", "launch": "launch step", "pr
               "propose": "propose drafts"}
 PID = {"serial": 1, "overlap": 2}
 HOST_TID, DEVICE_TID, IDLE_TID = 1, 2, 3
+STAGE_TID = 10               # pipeline stage k's track: STAGE_TID + k
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,24 @@ def chrome_trace(recs: Iterable[Recording], meta: dict | None = None) -> dict:
         for s, e in idle_gaps(rec):
             events.append({"ph": "X", "name": "idle", "cat": "idle", "pid": pid, "tid": IDLE_TID,
                            "ts": _us(s, t0), "dur": round((e - s) * 1e6, 3)})
+        events += stage_events(rec, pid, t0)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta or {}}
+
+
+def stage_events(rec: Recording, pid: int, t0: float) -> list[dict]:
+    """The pipeline view: one track per stage with its micro-batches (step ids in args); the gaps between
+    them are that stage's bubbles."""
+    events, named = [], set()
+    for d in rec.devices:
+        for k, s, e, comm in d.stages:
+            if k not in named:
+                named.add(k)
+                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": STAGE_TID + k,
+                               "args": {"name": f"pipeline stage {k}"}})
+            events.append({"ph": "X", "name": "prefill" if d.is_prefill else "decode", "cat": "stage", "pid": pid,
+                           "tid": STAGE_TID + k, "ts": _us(s, t0), "dur": round((e - s) * 1e6, 3),
+                           "args": {"step": d.step, "batch_size": d.batch_size, "send_ms": round(1e3 * comm, 3)}})
+    return events
 
 
 # ---- summary ------------------------------------------------------------------------------------------------

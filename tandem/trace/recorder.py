@@ -26,6 +26,7 @@ class DeviceSpan:
     launch: float
     comm: float = 0.0        # seconds of the forward in tensor-parallel collectives (all-reduce, gather, broadcast)
     draft_tokens: int = 0    # speculative decoding: drafts this forward verified (0: not a verify step)
+    stages: tuple = ()       # pipeline stages on node 0: ((stage, busy start, end, seconds in sends), ...)
 
 
 class Recorder:
@@ -61,14 +62,17 @@ class Recorder:
         if self.enabled:
             self._launch[batch.step_id] = now()
 
-    def device(self, batch, span: tuple[float, float], output_tokens: int, comm_s: float = 0.0) -> None:
-        """The step's forward span, and the tokens its processing kept (dropped one-step-lag tokens excluded)."""
+    def device(self, batch, span: tuple[float, float], output_tokens: int, comm_s: float = 0.0,
+               stages: tuple = ()) -> None:
+        """The step's forward span, and the tokens its processing kept (dropped one-step-lag tokens excluded).
+        Under pipeline parallelism the span runs from the last stage's launch to its end, and `stages` has
+        each stage's own busy span."""
         if not self.enabled:
             return
         launch = self._launch.pop(batch.step_id, span[0])
         self.devices.append(DeviceSpan(batch.step_id, span[0], span[1], batch.size, batch.num_tokens,
                                        batch.is_prefill, launch, comm_s,
-                                       int(batch.step.draft_lens[batch.step.draft_lens > 0].sum())))
+                                       int(batch.step.draft_lens[batch.step.draft_lens > 0].sum()), stages))
         self.output_tokens += output_tokens
 
     def clear(self) -> None:
@@ -96,4 +100,25 @@ class Recorder:
             "host_ms_per_step": 1e3 * (host_total - waited) / steps if steps else 0.0,
             "device_ms_per_step": 1e3 * busy / steps if steps else 0.0,
             "comm_ms_per_step": 1e3 * sum(d.comm for d in dev) / steps if steps else 0.0,
+            **({"pp_stages": stage_summary(dev)} if any(d.stages for d in dev) else {}),
         }
+
+
+def stage_summary(dev: list[DeviceSpan]) -> list[dict]:
+    """Per pipeline stage: busy and send ms per step, and its bubble fraction, the share of the pipeline's
+    window (first stage start to last stage end) the stage spent without a micro-batch."""
+    per: dict[int, list[tuple[float, float, float]]] = {}
+    for d in dev:
+        for k, s, e, c in d.stages:
+            per.setdefault(k, []).append((s, e, c))
+    if not per:
+        return []
+    t0 = min(s for spans in per.values() for s, _, _ in spans)
+    window = max(e for spans in per.values() for _, e, _ in spans) - t0
+    out = []
+    for k in sorted(per):
+        busy, n = sum(e - s for s, e, _ in per[k]), len(per[k])
+        out.append({"stage": k, "steps": n, "busy_ms_per_step": 1e3 * busy / n,
+                    "comm_ms_per_step": 1e3 * sum(c for _, _, c in per[k]) / n,
+                    "bubble_fraction": 1.0 - busy / window if window > 0 else 0.0})
+    return out

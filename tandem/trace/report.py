@@ -77,7 +77,21 @@ def summary_table(summary: dict) -> str:
                   f"({o['median_on']:.1f} on vs {o['median_off']:.1f} off); scheduler CPU per output token "
                   f"{o['host_cpu_us_per_token_on']:.1f} &micro;s on vs "
                   f"{o['host_cpu_us_per_token_off']:.1f} &micro;s off</p>")
-    return f"<table class=summary><tr><th></th>{head}</tr>{rows}</table>{extra}"
+    return f"<table class=summary><tr><th></th>{head}</tr>{rows}</table>{extra}{stage_table(summary)}"
+
+
+def stage_table(summary: dict) -> str:
+    """Pipeline stages (PP loop): each stage's busy and send ms per step and its bubble fraction."""
+    out = []
+    for loop, sm in summary["loops"].items():
+        if sm.get("pp_stages"):
+            rows = "".join(f"<tr><td>{st['stage']}</td><td>{st['steps']}</td><td>{st['busy_ms_per_step']:.3f}</td>"
+                           f"<td>{st['comm_ms_per_step']:.3f}</td><td>{st['bubble_fraction']:.3f}</td></tr>"
+                           for st in sm["pp_stages"])
+            out.append(f"<h3>{html.escape(loop)} loop: pipeline stages</h3><table class=summary><tr><th>stage</th>"
+                       "<th>micro-batches</th><th>busy ms per step</th><th>send ms per step</th>"
+                       f"<th>bubble fraction</th></tr>{rows}</table>")
+    return "".join(out)
 
 
 def step_table(rec: Recording, rows: list[StepRow]) -> str:

@@ -65,6 +65,12 @@ def _panel(ax, rec: Recording, start: float, length: float) -> None:
         if e - s > 0.04 * 1e3 * length:
             ax.text((s + e) / 2, DEVICE_Y, f"{d.step}", ha="center", va="center", fontsize=7, color="white",
                     clip_on=True)
+    stages = sorted({k for d in rec.devices for k, *_ in d.stages})
+    for d in rec.devices:                  # the pipeline: a lane per stage under the device lane
+        for k, s, e, _ in d.stages:
+            if e >= start and s <= end:
+                _bars(ax, [(ms(s), ms(e))], DEVICE_Y - 1 - stages.index(k), PREFILL if d.is_prefill else DECODE,
+                      edgecolor="white", linewidth=0.5)
     for n, k, s, e in rec.host:
         if n == "process" and start <= s <= end and ms(e) - ms(s) > 0.04 * 1e3 * length:
             ax.text((ms(s) + ms(e)) / 2, HOST_Y + 0.52, f"{k}", ha="center", va="bottom", fontsize=6,
@@ -73,8 +79,9 @@ def _panel(ax, rec: Recording, start: float, length: float) -> None:
     ax.set_title(f"{rec.loop} loop: device idle {100 * sm['device_idle_fraction']:.1f} %, "
                  f"{sm['tokens_per_s']:.0f} tok/s  (host {sm['host_ms_per_step']:.2f} ms, "
                  f"device {sm['device_ms_per_step']:.2f} ms per step)", fontsize=9, loc="left")
-    ax.set_yticks([DEVICE_Y, HOST_Y], ["device", "host"])
-    ax.set_ylim(-0.6, 1.75)
+    ax.set_yticks([DEVICE_Y - 1 - i for i in range(len(stages))] + [DEVICE_Y, HOST_Y],
+                  [f"stage {k}" for k in stages] + ["device" if not stages else "last stage", "host"])
+    ax.set_ylim(-0.6 - len(stages), 1.75)
     ax.set_xlim(0, 1e3 * length)
     ax.grid(axis="x", color="#e5e7eb", linewidth=0.5)
     ax.set_axisbelow(True)
@@ -82,7 +89,9 @@ def _panel(ax, rec: Recording, start: float, length: float) -> None:
 
 def plot_timelines(recs: list[Recording], path: str) -> None:
     starts, length = steady_windows(recs)
-    fig, axes = plt.subplots(len(recs), 1, figsize=(12, 1.1 + 1.6 * len(recs)), sharex=True, squeeze=False)
+    lanes = max((len({k for d in r.devices for k, *_ in d.stages}) for r in recs), default=0)
+    fig, axes = plt.subplots(len(recs), 1, figsize=(12, 1.1 + (1.6 + 0.5 * lanes) * len(recs)), sharex=True,
+                             squeeze=False)
     for ax, rec, start in zip(axes[:, 0], recs, starts):
         _panel(ax, rec, start, length)
     axes[-1, 0].set_xlabel("ms from the first decode forward (same window length in every panel; "
