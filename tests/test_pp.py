@@ -314,9 +314,20 @@ def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
             depths = watch_depth(llm)
             assert run(llm) == want
             assert max(depths) == pp
+            if pp == 2:                                 # node 1 dies: an error on node 0, not a hang
+                from tandem.device.cpu_process import DeviceProcessError
+                node1.kill()
+                node1.wait()
+                with pytest.raises(DeviceProcessError):
+                    llm.generate(ps, GREEDY, use_tqdm=False)
+                s = llm.engine.scheduler                # the engine is unusable now: clean books for shutdown
+                for req in list(s.running):
+                    s.finish(req, "abort")
+                s.result_queue.clear()
         finally:
             llm.shutdown()
-        assert node1.wait(timeout=30) == 0              # the quit passed around the pipeline ends node 1 cleanly
+        if pp != 2:
+            assert node1.wait(timeout=30) == 0          # the quit passed around the pipeline ends node 1 cleanly
     finally:
         if node1.poll() is None:
             node1.kill()
@@ -344,9 +355,40 @@ def pp_server(path: str, tmp_path) -> ServerProcess:
                          str(tmp_path / "server.log"))
 
 
+def disconnect_mid_stream(srv: ServerProcess) -> None:
+    """Four long streams keep both micro-batches busy; one client leaves mid-stream: its request is aborted,
+    the others finish, and every KV slot comes back."""
+    import threading
+
+    def aborts() -> float:
+        return sum(v for k, v in srv.metrics().items() if k.startswith("tandem:request_success_total")
+                   and 'finished_reason="abort"' in k)
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    before, done = aborts(), []
+    others = [threading.Thread(target=lambda: done.append(httpx.post(
+        srv.url + "/v1/completions", json=body, timeout=120, trust_env=False).status_code)) for _ in range(3)]
+    for t in others:
+        t.start()
+    with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as h:
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got == 3:
+                    break                           # closing the connection aborts the request
+    for t in others:
+        t.join(120)
+    assert done == [200, 200, 200]
+    srv.wait_metric("tandem:num_requests_running", lambda v: v == 0.0)
+    assert aborts() == before + 1
+    assert srv.wait_metric("tandem:kv_cache_usage_perc", lambda v: v == 0.0) == 0.0
+
+
 def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama, tmp_path):
     """`tandem serve --pp 2`: frontend, engine and two stage processes; a streamed completion carries PP 1's
-    offline tokens; SIGTERM exits 0 and leaves no process or shared-memory folder."""
+    offline tokens; a client that leaves mid-stream frees its KV; SIGTERM exits 0 and leaves no process or
+    shared-memory folder."""
     ref = LLM(tiny_llama, kv_cache_tokens=8192, device_threads=1)
     try:
         want = ref.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -362,6 +404,7 @@ def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama,
             events = sse_events(list(r.iter_lines()))
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want
+    disconnect_mid_stream(srv)
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
     assert wait_gone(pids) == []
     assert runtime_dirs(*pids) == []
