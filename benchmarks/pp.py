@@ -8,7 +8,9 @@ alternate between them; each figure is the median of its rounds:
 - the bubble fraction of PP 2 at each B: the share of stage time not spent on the forward,
   1 - (t_pp1x1 / 2) / t_pp2x1 per token, where PP 1 x 1 thread is the same forward on one core and each stage
   runs half of it on its own core. It counts the pipeline's idle time (batch 1 has one micro-batch: one stage
-  always waits for the other) and the cost of the sends and the relay.
+  always waits for the other) and the cost of the sends and the relay;
+- the same measured directly: each stage's busy and send ms per decode step and its bubble fraction, from the
+  stages' own spans (the trace's pp_stages).
 Run under `flock /tmp/tandem-bench.lock`:
     python benchmarks/pp.py [--rounds 2] [--out 32] [--json benchmarks/results/pp.json]
 """
@@ -70,6 +72,11 @@ def main() -> None:
         fig[f"ratio_b{b}"] = fig[f"pp2x1_b{b}"]["tok_s"] / fig[f"pp1x2_b{b}"]["tok_s"]
         # per token: t_pp2 = 1 / tok_s(pp2x1); ideal = t_pp1x1 / 2
         fig[f"bubble_b{b}"] = 1 - fig[f"pp2x1_b{b}"]["tok_s"] / (2 * fig[f"pp1x1_b{b}"]["tok_s"])
+        # Measured directly: each stage's own spans over the decode steps (the trace's pp_stages), medians.
+        per = [r["stages"] for r in rounds[("pp2x1", b)] if r.get("stages")]
+        fig[f"stages_b{b}"] = [{key: statistics.median(p[k][key] for p in per)
+                                for key in ("busy_ms_per_step", "comm_ms_per_step", "bubble_fraction")}
+                               for k in range(len(per[0]))] if per else []
     result = {"model": "SmolLM2-135M-Instruct Q4_1 (the default GGUF), int8 activations", "cpu_flags": cpu_flags(),
               "cores": len(os.sched_getaffinity(0)), "rounds": args.rounds, "out": args.out, "figures": fig,
               "load_avg": {"start": load_start, "end": open("/proc/loadavg").read().split()[:3]}}

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.bench.datasets import random_requests  # noqa: E402
+from tandem.trace.recorder import stage_summary  # noqa: E402
 
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
              num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=2048)
@@ -60,7 +61,8 @@ def decode(llm, batch: int, out: int) -> dict:
     steps = [d for d in rec.devices if not d.is_prefill]
     return {"tok_s": batch * out / (total - first),
             "step_ms": 1e3 * statistics.mean(d.end - d.start for d in steps),
-            "comm_ms": 1e3 * statistics.mean(d.comm for d in steps)}
+            "comm_ms": 1e3 * statistics.mean(d.comm for d in steps),
+            "stages": stage_summary(steps)}          # pipeline stages' own spans over the decode steps (PP)
 
 
 def allreduce_us(rows: int, one_core: bool = False, policy: str = "default", iters: int = 300) -> dict:

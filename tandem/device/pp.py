@@ -56,7 +56,7 @@ def check_pp_size(num_layers: int, pp_size: int, name: str = "the model") -> Non
                          f"pipeline stage needs at least one (pp sizes that fit it: 1..{num_layers})")
 
 
-class PPGroup:
+class PPGroup(step_wire.WireControl):
     """One stage's place in the pipeline and its point-to-point sends of hidden states."""
 
     def __init__(self, info: DistInfo, device: torch.device, num_layers: int) -> None:
@@ -120,16 +120,8 @@ class PPGroup:
         self.recv_done = now()
         return x
 
-    def keepalive(self) -> None:
-        self.send_step(step_wire.NOOP)
-
-    def quit(self, quiet: bool = False) -> None:
-        """Tell the stages on the other nodes to exit (quiet: on the way out anyway)."""
-        try:
-            self.send_step(step_wire.QUIT)
-        except RuntimeError:
-            if not quiet:
-                raise
+    def _control(self, kind: int) -> None:            # keepalive() and quit() to the stages on other nodes
+        self.send_step(kind)
 
     def min_int(self, v: int) -> int:
         t = torch.tensor([v], dtype=torch.int64, device=self.device)

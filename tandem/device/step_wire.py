@@ -55,3 +55,22 @@ def recv_words(xfer: Callable[[torch.Tensor], torch.Tensor],
         words = np.concatenate([words, rest])
     ints, floats = words[:ni], words[ni:ni + nf].view(np.float64)
     return kind, step_id, StepInput.unpack(step_id, ints, floats), ints, floats, words[ni + nf:]
+
+
+class WireControl:
+    """keepalive and quit of a group whose `_control(kind)` sends a no-op or the quit down its wire (tp's step
+    broadcast, pp's step passing to another node)."""
+
+    def _control(self, kind: int) -> None:
+        raise NotImplementedError
+
+    def keepalive(self) -> None:
+        self._control(NOOP)
+
+    def quit(self, quiet: bool = False) -> None:
+        """Tell the other ranks to exit (quiet: on the way out anyway, a dead peer is no news)."""
+        try:
+            self._control(QUIT)
+        except RuntimeError:
+            if not quiet:
+                raise

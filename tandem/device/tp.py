@@ -37,7 +37,7 @@ TIMEOUT_S = 600.0         # rendezvous of all ranks, and any single collective
 KEEPALIVE_S = 60.0        # an idle rank 0 broadcasts a no-op this often
 
 
-class TPGroup:
+class TPGroup(step_wire.WireControl):
     def __init__(self, info: DistInfo, device: torch.device) -> None:
         backend = init_group(info, device, TIMEOUT_S)
         self.rank, self.size, self.device = info.rank, info.size, device
@@ -96,16 +96,8 @@ class TPGroup:
         """Rank 0, after sampling: what the other ranks stash into their FutureMap next step."""
         self._prev = (rows.cpu().numpy().astype(np.int64), ids.cpu().numpy().astype(np.int64))
 
-    def keepalive(self) -> None:
-        self._send(step_wire.NOOP)
-
-    def quit(self, quiet: bool = False) -> None:
-        """Tell the other ranks to exit (quiet: on the way out anyway, a dead peer is no news)."""
-        try:
-            self._send(step_wire.QUIT)
-        except RuntimeError:
-            if not quiet:
-                raise
+    def _control(self, kind: int) -> None:            # keepalive() and quit() (step_wire.WireControl)
+        self._send(kind)
 
     def recv_step(self) -> tuple[StepInput, torch.Tensor, torch.Tensor] | None:
         """Ranks 1..: the next step and the previous step's (rows, ids); None when rank 0 quits."""
