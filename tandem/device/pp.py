@@ -66,7 +66,6 @@ class PPGroup(step_wire.WireControl):
         self.first, self.last = info.rank == 0, info.rank == info.size - 1
         per_node = info.size // info.nnodes
         self.spans_nodes = info.nnodes > 1
-        self.takes_step = info.rank >= per_node                                 # on a node R > 0
         self.passes_step = info.rank + 1 < info.size and info.rank + 1 >= per_node
         self.relay_rank = per_node - 1 if info.nnodes > 1 else None             # node 0's last stage
         self.relay = info.rank == self.relay_rank
