@@ -65,11 +65,10 @@ class ProcessHandle:
         if self._result is None:
             *span, self.comm_s = self._runner._wait_done(self.step_id)  # copy_done.wait()
             self._span = tuple(span)
-            if self._rows is not None:
-                self.stage_spans = self._runner.stage_spans(self.step_id)
             self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
             if self._rows is not None:     # the next launch relays them to the first stage (device/pp.py)
                 self._runner.relay.update(zip(self._rows.tolist(), self._result.tolist()))
+                self.stage_spans = self._runner.stage_spans(self.step_id)
         return self._result
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

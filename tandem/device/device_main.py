@@ -63,10 +63,9 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         from .executor import ModelExecutor
         if dist is not None and spec.pp_size > 1:      # a pipeline stage: its layers, p2p to its neighbours
             from .pp import PPGroup
-            from .pp_nodes import KEEPALIVE_S
             pp = PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
         elif dist is not None:             # tp rank 0: join the group, then broadcast every step to it
-            from .tp import KEEPALIVE_S, TPGroup
+            from .tp import TPGroup
             tp = TPGroup(dist, rank_device(spec.device, dist))
         executor = ModelExecutor(spec, tp=tp, pp=pp)
         profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
@@ -97,7 +96,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
 
         while True:
             with _scheduler_link():
-                idle = link is not None and not later and not conn.poll(KEEPALIVE_S)
+                idle = link is not None and not later and not conn.poll(step_wire.KEEPALIVE_S)
                 msg = b"" if idle else later.popleft() if later else conn.recv_bytes()
             if idle:
                 link.keepalive()            # idle: the other ranks' collective timeout must not fire

@@ -9,7 +9,7 @@ The relay is node 0's last stage: ResultRelay, a thread there, receives each ste
 the two ranks, writes them into the step's out buffer and sends the "done" the runner waits for. Grammar masks
 go the other way over a second group (send_masks / recv_masks), after the relay's own forward.
 
-Idle: node 0's stage before the boundary sends a no-op every KEEPALIVE_S (cpu_process.py), passed along to the
+Idle: node 0's stage before the boundary sends a no-op every step_wire.KEEPALIVE_S (device_main.py), passed along to the
 last stage, which answers the relay with one, so no receive's timeout fires while the engine waits for
 requests. A quit is passed the same way. A stage that dies breaks its neighbours' links: they fail at once,
 node 0's runner names the failure (503 for the requests, as with tp), node R's stages exit 1.
@@ -32,7 +32,6 @@ from .pp import PPGroup
 from .ranks import rank_device
 from .shared_buffers import write_results
 
-KEEPALIVE_S = 60.0          # an idle node-0 boundary stage sends a no-op this often
 _RESULT = 5                 # result header: kind, step id, out words, logprob words, rows
 
 

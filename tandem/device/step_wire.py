@@ -16,6 +16,7 @@ import torch
 from .step import StepInput
 
 QUIT, STEP, NOOP = 0, 1, 2
+KEEPALIVE_S = 60.0          # an idle sender (tp rank 0, pp's last node-0 stage) sends a NOOP this often
 HEADER = 6
 INLINE = 2048
 

@@ -9,7 +9,7 @@ masks, logprobs stay there). The other ranks learn the sampled ids with the next
 stash them into their own FutureMap before that step gathers from it, so every rank's FutureMap holds what
 rank 0's does when a step reads it.
 
-An idle rank 0 sends a no-op every KEEPALIVE_S, so the other ranks' collective timeout (TIMEOUT_S) only
+An idle rank 0 sends a no-op every step_wire.KEEPALIVE_S, so the other ranks' collective timeout (TIMEOUT_S) only
 fires for a peer that is stuck or unreachable; a peer that dies closes its connections and the next
 collective fails at once (DeviceProcessError on the scheduler's side, never a hang).
 
@@ -34,7 +34,6 @@ from .step import StepInput
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0         # rendezvous of all ranks, and any single collective
-KEEPALIVE_S = 60.0        # an idle rank 0 broadcasts a no-op this often
 
 
 class TPGroup(step_wire.WireControl):
