@@ -1,5 +1,5 @@
 """The int8 GEMV with the GEMM's arithmetic (tandem.qgemv_q8; Q4_1, Q4_K and Q8_0, an AVX-512 VNNI and an AVX2
-body): its rows equal qgemm_q8's bit for bit, so qlinear_q8 (which runs it up to qgemv_q8_rows() rows and the
+body; Q5_0, Gemma 3's main type, the VNNI body only): its rows equal qgemm_q8's bit for bit, so qlinear_q8 (which runs it up to qgemv_q8_rows() rows and the
 GEMM past them, where that is not 0) gives a row the same bits at every row count, and SmolLM2 (Q4_1 + a Q8_0
 head) decodes a request alone as in a batch where both its types have it (VNNI). Bad inputs are refused with a
 clear error."""
@@ -11,12 +11,13 @@ from test_qgemm import _weight
 from test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import Q4_1, Q4_K, Q6_K, Q8_0, qlinear
+from tandem.kernels.quant import Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, qlinear
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.isa(-1) < 1,
                                 reason="needs the native kernels on a CPU with AVX2")
-TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0}
+TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0, "Q5_0": Q5_0}
 BODIES = [1] + ([-1] if torch.ops.tandem.qgemv_q8_rows(Q4_1) else [])      # AVX2, and VNNI where it is here
+VNNI_ONLY = {Q5_0}                                                       # types the AVX2 body does not have
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -32,7 +33,7 @@ def test_gemv_equals_the_gemm_bit_for_bit(name, m, n, k):
     x[0, : k // 2] = 0
     for b in (None, bias):
         gemm = torch.ops.tandem.qgemm_q8(x, q.data, qtype, k, b)
-        for isa in BODIES:
+        for isa in BODIES if qtype not in VNNI_ONLY else BODIES[1:]:
             assert torch.equal(torch.ops.tandem.qgemv_q8(x, q.data, qtype, k, b, isa), gemm), isa
         assert torch.equal(torch.ops.tandem.qgemm_q8(x, q.data, qtype, k, b, 2), gemm)     # the VNNI body too
         assert torch.equal(torch.ops.tandem.qgemm_q8(x, q.data, qtype, k, b, 1), gemm)     # and the AVX2 one
@@ -44,7 +45,7 @@ def test_a_row_has_the_same_bits_at_every_row_count(name):
     qgemv_q8_rows() + 1, past small_m()) and under one thread is the same bits."""
     qtype = TYPES[name]
     if torch.ops.tandem.qgemv_q8_rows(qtype) == 0:
-        pytest.skip("qlinear_q8 keeps its own body for this type on this CPU (AVX2: Q4_1, Q8_0)")
+        pytest.skip("qlinear_q8 keeps its own body for this type on this CPU (AVX2: Q4_1, Q8_0, Q5_0)")
     k = whole(608, qtype)
     q = _weight(37, k, qtype, seed=3)
     x, bias = torch.randn(300, k), torch.randn(37)
@@ -66,11 +67,14 @@ def test_rows_and_refusals():
     if torch.ops.tandem.isa(-1) < 2:                           # AVX2: Q4_1 and Q8_0 keep qlinear_q8's faster body
         assert torch.ops.tandem.qgemv_q8_rows(Q4_1) == torch.ops.tandem.qgemv_q8_rows(Q8_0) == 0
     q = _weight(4, 256, Q6_K, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_1, Q4_K or Q8_0"):
+    with pytest.raises(RuntimeError, match="Q4_1, Q4_K, Q8_0 or Q5_0"):
         torch.ops.tandem.qgemv_q8(torch.randn(2, 256), q.data, Q6_K, 256)
     q = _weight(4, 256, Q8_0, seed=0)
     with pytest.raises(RuntimeError, match="needs AVX2"):                    # isa 0: the scalar cap
         torch.ops.tandem.qgemv_q8(torch.randn(2, 256), q.data, Q8_0, 256, None, 0)
+    q5 = _weight(4, 256, Q5_0, seed=0)
+    with pytest.raises(RuntimeError, match="Q5_0 needs AVX-512 VNNI"):       # isa 1: the AVX2 body
+        torch.ops.tandem.qgemv_q8(torch.randn(2, 256), q5.data, Q5_0, 256, None, 1)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         torch.ops.tandem.qgemv_q8(torch.randn(2, 128), q.data, Q8_0, 256)
     assert torch.ops.tandem.qgemv_q8(torch.randn(0, 256), q.data, Q8_0, 256).shape == (0, 4)

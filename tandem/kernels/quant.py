@@ -41,7 +41,7 @@ NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
 # activations the int8 GEMM qgemm_q8 (gemm_rows() below: right there, with VNNI and AVX2). Each body keeps
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
-# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 with VNNI: none, see GEMM_ROWS).
+# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 with VNNI: none, see GEMM_ROWS).
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
@@ -155,7 +155,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 # step of x now and then, and 30 layers grow that to ~0.01-0.07 in a logprob (measured on SmolLM2: one prompt
 # prefilled in chunks of 16 rows, the GEMV, vs 24, the GEMM with its threshold lowered to 20). So the boundary
 # stays at the decode batch sizes' far end; only one arithmetic for every row count removes it, as qgemv_q8
-# does for Q4_1 / Q4_K / Q8_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
+# does for Q4_1 / Q4_K / Q8_0 / Q5_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
 # choice only). The AVX2 body (a half's sums in int16 for the narrow types, a last tile's padding half skipped)
 # measured on an AMD EPYC Zen 3, one thread: 1.1-3x MKL's fp32 GEMM plus the dequantization at 17-128 rows on
 # SmolLM2's and Gemma 3's shapes (the Q8_0 head 2-3x), behind only on the 576 x 1536 down projection at 17-32

@@ -292,7 +292,7 @@ void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, i
 at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                       const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.qlinear_q8", x_in, w, qtype, K, bias_in);
-  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI: the GEMM's arithmetic at every row count (quant_gemv_i8.cpp),
+  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0 with VNNI): the GEMM's arithmetic at every row count (quant_gemv_i8.cpp),
   // so a row's output is the same bits at any M and in any step; the bodies below otherwise.
   if (const int64_t gv = qgemv_q8_rows_isa(qtype, isa_req); gv > 0)
     return x_in.size(0) <= gv ? qgemv_q8(x_in, w, qtype, K, bias_in, isa_req)
