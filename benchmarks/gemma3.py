@@ -62,6 +62,17 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def smaps_mb(pid: int) -> dict:
+    """The device process's resident memory by kind (anonymous: weights' copies, KV pages touched, torch's heap;
+    file: the GGUF map's resident pages and the libraries' text)."""
+    keys = {"Anonymous": "anon", "Rss": "rss"}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        got = {keys[k]: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f if ":" in line)
+               if k in keys}
+    got["file"] = got["rss"] - got["anon"]
+    return got
+
+
 def device_pids() -> list[int]:
     """This process's children (the CPU device process)."""
     me, pids = os.getpid(), []
@@ -73,7 +84,12 @@ def device_pids() -> list[int]:
 
 llm = LLM(path, device_threads=cli.threads, kv_cache_tokens=cli.kv_cache_tokens, max_running_requests=64)
 c = llm.engine.model_config
-kv_bytes = cli.kv_cache_tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+# The KV pool's element: kv_cache_dtype "auto" is bfloat16 where the linears round x to int8 (the default on a
+# quantized GGUF), else fp32 (device/executor.py, ModelExecutor.kv_dtype).
+cfg = llm.engine.config
+kv_elem = ({"float32": 4, "bfloat16": 2, "float16": 2}[cfg.kv_cache_dtype] if cfg.kv_cache_dtype != "auto"
+           else 2 if cfg.kernels_act == "int8" else 4)
+kv_bytes = cli.kv_cache_tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_elem
 peers, skipped = {"tandem overlap": TandemPeer(llm, "overlap", 128)}, {}
 try:
     peers["llama.cpp single"] = LlamaCppPeer(path, cli.threads, 1, 2200)
@@ -102,6 +118,7 @@ if not cli.skip_throughput:
 
 pids = device_pids()
 out["memory_mb"] = {"device_rss": sum(rss_mb(p) for p in pids), "host_rss": rss_mb(os.getpid()),
+                    "device_smaps": [smaps_mb(p) for p in pids], "kv_element_bytes": kv_elem,
                     "gguf": out["gguf_bytes"] / 2**20, "kv_cache": kv_bytes / 2**20,
                     "kv_cache_tokens": cli.kv_cache_tokens}
 llm.shutdown()
