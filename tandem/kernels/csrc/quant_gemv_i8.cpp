@@ -35,8 +35,8 @@ enum : int64_t {
 constexpr int kG = 16;      // weight rows of a group: the 16 lanes of the fp32 chain
 constexpr int kMx = 4;      // rows of x per pass over a group's weights
 
-// The bodies' type tags: a ggml type, or minus a nibble type (Q4_1, Q4_K, Q5_0) whose values are read from the
-// group's predecoded copy (predecode: several rows of x, each of which would decode the weights again).
+// The bodies' type tags: a ggml type, or minus a nibble type whose values are read from the group's predecoded
+// copy (predecode; only Q5_0 takes it, see `predecoded` in qgemv_q8).
 constexpr int64_t base_of(int64_t qt) { return qt < 0 ? -qt : qt; }
 constexpr bool gv_min(int64_t qt) { return base_of(qt) == kQ4_1 || base_of(qt) == kQ4_K; }   // a second fma a half
 constexpr bool is_q5(int64_t qt) { return base_of(qt) == kQ5_0; }
@@ -106,7 +106,7 @@ struct Group {            // kG weight rows (past N: a zero row) and their trans
   const uint8_t* const* rows;
   int64_t nb;
   const float *dw, *mh;
-  const uint8_t* pre = nullptr;   // nibble types, several rows of x: the rows' values decoded once (predecode)
+  const uint8_t* pre = nullptr;   // Q5_0, several rows of x: the rows' values decoded once (predecode)
   int64_t pstride = 0;            // bytes of a row there: 128 a step (64 low-nibble bytes, then 64 high)
   const char* pf = nullptr;       // a later group's rows (contiguous), prefetched a slice a step
   int64_t pf_lines = 0;
@@ -262,9 +262,10 @@ int gemv_body(int64_t isa_req) {
 // Rows of x up to which qlinear_q8 runs this GEMV on these types, past which qgemm_q8 (the same bits), by the
 // body: measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md). AVX-512
 // VNNI: Q4_1 and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x qlinear_q8's former body at 1 row), Q8_0 up to
-// 8; Q5_0 (Gemma 3's q / k / gate / up) up to 16, 1.1-1.5x its former body at 1-16 rows (AMD EPYC, one thread),
-// so the GEMM can take over from 17 rows (2.3x the former body at 64). AVX2: Q4_K up to 16 rows (1.0-1.25x the decode body); Q4_1 and Q8_0 not (0.7-1.0x it;
-// benchmarks/results/avx2_session.md). 0: not this type or CPU (the scalar fallback keeps qlinear_q8's
+// 8; Q5_0 (Gemma 3's q / k / gate / up) up to 16, 1.1-1.5x its former body at 1-16 rows (AMD EPYC, one
+// thread), so the GEMM can take over from 17 rows (2.3x the former body at 64). AVX2: Q4_K up to 16 rows
+// (1.0-1.25x the decode body); Q4_1 and Q8_0 not (0.7-1.0x it; benchmarks/results/avx2_session.md); Q5_0 has
+// no AVX2 body. 0: not this type or CPU (the scalar fallback keeps qlinear_q8's
 // own body).
 int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa_req) {
   const int body = gemv_body(isa_req);
