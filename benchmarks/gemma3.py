@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from tandem import LLM
 from tandem.bench.datasets import random_requests
