@@ -162,6 +162,17 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
 # (0.7-0.8x) and the 960 x 576 qkv at 17 (0.7x; level at 24-64), ahead summed over a SmolLM2 layer and head at
 # every row count, so it too takes over at small_m() and no fp32 GEMM runs between the two.
 GEMM_ROWS = {3: SMALL_M, 2: SMALL_M, 1: SMALL_M_AVX2}
+_packed_rows: dict[int, int] = {}
+
+
+def packed_rows(qtype: int) -> int:
+    """Rows of x up to which a linear with a repacked copy of its weight (tandem.pack_gemv, made at load for
+    Q4_0 / Q4_1 / Q8_0 on CPUs with AVX-512 VNNI) runs tandem.qgemv_packed: the GEMM's bits at 2.2-2.6x
+    qgemv_q8's speed on SmolLM2's shapes (csrc/quant_gemv_packed.cpp). 0: no copy is made for this type here."""
+    if qtype not in _packed_rows:
+        from . import available
+        _packed_rows[qtype] = torch.ops.tandem.qgemv_packed_rows(qtype) if available() else 0
+    return _packed_rows[qtype]
 _gemm_rows: dict[int, int] = {}
 
 

@@ -22,6 +22,7 @@ from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, linear
 from .shard import TPLayout
 
+_NONE = torch.empty(0, dtype=torch.uint8)       # decode_layer_'s packed entry of a linear without a packed copy
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """RoPE frequencies of the model's global layers, or (local) of its sliding layers: their own base
@@ -152,7 +153,8 @@ class LlamaModel:
             if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
                     and all(len(lin.parts) == 1 for lin in lins[1:])):
                 parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
-                layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts])
+                packed = [lin.packed if lin.packed is not None else _NONE for lin in lins for _ in lin.parts]
+                layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts], packed)
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
 
@@ -311,9 +313,9 @@ class LlamaModel:
         same tensors as the op-by-op body, so bit for bit its result, with ~9 dispatched torch calls fewer. x is
         updated in place; returns the layer's MLP output (the next layer's delta)."""
         c, kv = self.config, meta.kv
-        w, qtypes = layer["blocks"]
+        w, qtypes, packed = layer["blocks"]
         return torch.ops.tandem.decode_layer_.default(
-            x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, layer["qkv"].bias,
+            x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, packed, layer["qkv"].bias,
             self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
             kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale)
 

@@ -10,6 +10,8 @@
 //   delta    fp32 [B, E] or none the previous layer's MLP output, still to add (none for layer 0)
 //   w        [qkv, o, gate_up, down] GGUF blocks (QuantWeight.data), qtypes their ggml types; qkv may be three
 //            weights [q, k, v] of different block types (Q4_K_M's Q6_K attn_v), whose outputs are concatenated
+//   packed   per entry of w, its repacked copy (tandem.pack_gemv; an empty tensor: none), run by qgemv_packed
+//            up to qgemv_packed_rows() rows (the same bits as qlinear_q8)
 //   int8     whether a linear of an integer block type rounds its input to int8 (kernels_act="int8")
 //   returns  fp32 [B, E]         this layer's MLP output (the next layer's delta)
 // The rest as decode_attention_qkv_ (cache, layer, loc, kv_index, seq_lens, scale, heads) and rope_ (cos,
@@ -27,14 +29,18 @@ static bool int8_type(int64_t qtype) { return qtype == 2 || qtype == 3 || (qtype
 
 at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& attn_norm,
                          const at::Tensor& mlp_norm, double eps, at::TensorList w, at::IntArrayRef qtypes,
-                         const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
+                         at::TensorList packed, const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                          const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK((w.size() == 4 || w.size() == 6) && qtypes.size() == w.size(),
-              "tandem.decode_layer_: w and qtypes are [qkv, o, gate_up, down] or [q, k, v, o, gate_up, down]");
+  TORCH_CHECK((w.size() == 4 || w.size() == 6) && qtypes.size() == w.size() && packed.size() == w.size(),
+              "tandem.decode_layer_: w, qtypes and packed are [qkv, o, gate_up, down] or [q, k, v, o, gate_up, down]");
   const int nq = (int)w.size() - 3;                                     // parts of the qkv projection
   auto lin = [&](const at::Tensor& in, int i, const std::optional<at::Tensor>& bias) {
+    if (int8 && packed[i].numel() && in.size(0) <= qgemv_packed_rows(qtypes[i])) {
+      RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
+      return qgemv_packed(in, packed[i], qtypes[i], in.size(1), w[i].size(0), bias);
+    }
     if (int8 && int8_type(qtypes[i])) {
       RECORD_FUNCTION("tandem::qlinear_q8", std::vector<c10::IValue>());
       return qlinear_q8(in, w[i], qtypes[i], in.size(1), bias, -1);

@@ -19,6 +19,12 @@ at::Tensor qgemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int
 // bodies (other types, or a CPU without AVX2). _isa: for an ISA request as qlinear_q8's.
 int64_t qgemv_q8_rows(int64_t qtype);
 int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa);
+// The int8 GEMV on weights repacked at load (quant_gemv_packed.cpp): the layout, the op, and the rows of x up
+// to which a model runs it where it holds the packed copy (0: not this type or CPU).
+at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
+at::Tensor qgemv_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                        const std::optional<at::Tensor>& bias);
+int64_t qgemv_packed_rows(int64_t qtype);
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs
@@ -51,7 +57,7 @@ at::Tensor race_noise(const at::Tensor& seeds, int64_t vocab, int64_t isa);
 
 at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& attn_norm,
                          const at::Tensor& mlp_norm, double eps, at::TensorList w, at::IntArrayRef qtypes,
-                         const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
+                         at::TensorList packed, const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                          const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale);

@@ -16,6 +16,9 @@ TORCH_LIBRARY(tandem, m) {
   m.def("qgemm_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemv_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemv_q8_rows(int qtype) -> int", &tandem::qgemv_q8_rows);
+  m.def("pack_gemv(Tensor w, int qtype, int k) -> Tensor");
+  m.def("qgemv_packed(Tensor x, Tensor packed, int qtype, int k, int n, Tensor? bias=None) -> Tensor");
+  m.def("qgemv_packed_rows(int qtype) -> int", &tandem::qgemv_packed_rows);
   m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
@@ -32,7 +35,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("race_argmax(Tensor x, Tensor? t=None, Tensor? seeds=None, int isa=-1) -> Tensor");
   m.def("race_noise(Tensor seeds, int vocab, int isa=-1) -> Tensor");
   m.def("decode_layer_(Tensor(a!) x, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] w, "
-        "int[] qtypes, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
+        "int[] qtypes, Tensor[] packed, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
@@ -44,6 +47,8 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("qlinear_q8", &tandem::qlinear_q8);
   m.impl("qgemm_q8", &tandem::qgemm_q8);
   m.impl("qgemv_q8", &tandem::qgemv_q8);
+  m.impl("pack_gemv", &tandem::pack_gemv);
+  m.impl("qgemv_packed", &tandem::qgemv_packed);
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);

@@ -1,0 +1,242 @@
+// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q8_0; AVX-512 VNNI): for a few rows of x (a decode
+// step, a speculative verify step's k + 1 rows), each output computed by qgemm_q8's operations in qgemm_q8's
+// order (quant_gemm_i8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
+//
+// Why another layout: qgemv_q8 reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
+// load), so each vpdpbusd leaves 4-product partials of one row that must be summed across lanes and transposed
+// (reduce4, lanes4: ~2.7 shuffle or add per vpdpbusd, all on the one 512-bit shuffle port of Intel cores), and
+// all of it again for every row of x. Here a group of 16 output rows is interleaved once at load so that one
+// vector holds, for each of the 16 rows, 4 consecutive quants along K in its int32 lane: a vpdpbusd against 4
+// bytes of x broadcast adds 4 products to each row's own lane, so 4 of them give a half's 16 exact sums in
+// output order, with no reduction; the unpacked quants of a block serve every row of x. Measured on SmolLM2's
+// shapes in results/packed_gemv.md.
+//
+// Packed tensor: uint8 [ceil(N / 16), nb * (QB + SB)], group g = output rows 16 g .. 16 g + 15 (rows past N zero):
+//   [quants, QB bytes a block] x nb, then [d fp16 x 16] x nb, then (Q4_1) [m fp16 x 16] x nb.
+//   Q4_0 / Q4_1, QB = 256: 4 vectors p of 64 bytes; byte 4 r + t of vector p is byte 4 p + t of row r's 16 qs
+//     bytes of the block (GGUF order: low nibble element 4 p + t, high nibble element 16 + 4 p + t), so the low
+//     nibbles of vector p are half 0's quants 4 p .. 4 p + 3 of every row and the high nibbles half 1's.
+//   Q8_0, QB = 512: vector 4 h + p holds byte 16 h + 4 p + t of row r's 32 quants at 4 r + t, xor 0x80 (w + 128,
+//     unsigned for vpdpbusd).
+// The operand vpdpbusd takes unsigned is the weight: Q4_1's nibbles are its quants; Q4_0's are q + 8, so a half's
+// sum loses 8 sum(x); Q8_0's bytes are q + 128, so it loses 128 sum(x) (sum(x) exact per half and row of x).
+// Then, half after half: f = fma(float(isum_u), dx_u dw_u, f), Q4_1 f = fma(sxh_u, m_u, f); y = f + bias.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace tandem {
+
+bool cpu_has_vnni();
+
+namespace {
+
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+constexpr int kG = 16;                      // output rows of a group: the int32 / fp32 lanes
+constexpr int64_t kMaxRows = 1 << 20;
+
+constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : 256; }       // QB
+constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }         // SB
+constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : 34; }
+bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0; }
+
+#define TPK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+struct XRows {              // rows of x rounded as qgemm_q8 rounds them (quantize_act_row), natural order
+  const int8_t* q;              // [M][K]
+  const float *dx, *sxh;        // [M][nh]
+  const int32_t* off;           // [M][nh]: what the unsigned weight bytes add to a half's sum (Q4_0 8 sum(x),
+                                // Q8_0 128 sum(x); Q4_1 none)
+  int64_t K, nh;
+};
+
+// Output rows of GT consecutive groups against rows m0 .. m0 + MT - 1 of x. The GT x MT fp32 chains are
+// independent, so their fma latencies overlap (one row alone, GT = 4; several rows, their chains).
+template <int64_t QT, int GT, int MT>
+TPK void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, const XRows& x, int64_t m0, const float* bias,
+              float* y, int64_t ldy, int64_t n0, int64_t N) {
+  constexpr int64_t QB = quant_bytes(QT);
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  __m512 f[GT][MT];
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < MT; ++j) f[g][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int g = 0; g < GT; ++g) {
+      const uint8_t* q = gp + g * gbytes + b * QB;
+      const uint8_t* sc = gp + g * gbytes + nb * QB + 32 * b;
+      __m512i w[8];
+      if constexpr (QT == kQ8_0) {
+        for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(q + 64 * i);
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(q + 64 * p);
+          w[p] = _mm512_and_si512(v, m4);
+          w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
+      __m512 mn = _mm512_setzero_ps();
+      if constexpr (QT == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32 * nb)));
+      for (int j = 0; j < MT; ++j) {
+        const int64_t m = m0 + j;
+        const int8_t* xb = x.q + m * x.K + 32 * b;
+        for (int h = 0; h < 2; ++h) {
+          const int64_t u = 2 * b + h;
+          __m512i s = _mm512_setzero_si512();
+          for (int p = 0; p < 4; ++p) {
+            int32_t xv;
+            std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
+            s = _mm512_dpbusd_epi32(s, w[4 * h + p], _mm512_set1_epi32(xv));
+          }
+          if constexpr (QT != kQ4_1) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x.off[m * x.nh + u]));
+          f[g][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), d),
+                                    f[g][j]);
+          if constexpr (QT == kQ4_1) f[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mn, f[g][j]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < GT; ++g) {
+    const int64_t n = n0 + g * kG;
+    if (n >= N) break;
+    const int nr = (int)std::min<int64_t>(kG, N - n);
+    const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+    for (int j = 0; j < MT; ++j)
+      _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n, keep, bias ? _mm512_add_ps(f[g][j], bv) : f[g][j]);
+  }
+}
+
+// Groups g0 .. g1 - 1 against every row of x: rows 4 at a time over one group; fewer than 4 rows take 2 or 4
+// groups at a time (GT), where that many are left.
+template <int64_t QT>
+void groups(const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows& x, int64_t M, const float* bias, float* y,
+            int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1;) {
+    const uint8_t* gp = wp + g * gbytes;
+    const int64_t n0 = g * kG, left = g1 - g;
+    if (M == 1 && left >= 4) {
+      tile<QT, 4, 1>(gp, gbytes, nb, x, 0, bias, y, N, n0, N);
+      g += 4;
+      continue;
+    }
+    if (M == 2 && left >= 2) {
+      tile<QT, 2, 2>(gp, gbytes, nb, x, 0, bias, y, N, n0, N);
+      g += 2;
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: tile<QT, 1, 4>(gp, gbytes, nb, x, m0, bias, y, N, n0, N); break;
+        case 3: tile<QT, 1, 3>(gp, gbytes, nb, x, m0, bias, y, N, n0, N); break;
+        case 2: tile<QT, 1, 2>(gp, gbytes, nb, x, m0, bias, y, N, n0, N); break;
+        default: tile<QT, 1, 1>(gp, gbytes, nb, x, m0, bias, y, N, n0, N); break;
+      }
+    }
+    g += 1;
+  }
+}
+
+}  // namespace
+
+int64_t qgemv_packed_rows(int64_t qtype) {
+  // Rows of x up to which the model runs this op where it holds a packed copy (past them qlinear_q8: the same
+  // bits). 0: not this type, or a CPU without AVX-512 VNNI (the copy is not made).
+  if (!packable(qtype) || resolve_isa(-1) != kAvx512 || !cpu_has_vnni()) return 0;
+  return 16;
+}
+
+at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1 or Q8_0 (ggml types 2, 3, 8), got ", qtype);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem.pack_gemv: K must be a positive multiple of 32, got ", K);
+  const int64_t nb = K / 32, rb = row_block_bytes(qtype) * nb;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
+              "tandem.pack_gemv: w must be a contiguous uint8 [N, ", rb, "] tensor (QuantWeight.data)");
+  const int64_t N = w.size(0), NG = (N + kG - 1) / kG, QB = quant_bytes(qtype);
+  const int64_t gbytes = nb * (QB + scale_bytes(qtype));
+  at::Tensor out = at::zeros({NG, gbytes}, w.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  // The regrouped row (quant.py): [d fp16 x nb][m fp16 x nb (Q4_1)][qs: 16 (Q4) or 32 (Q8_0) bytes x nb].
+  const int64_t qs_at = (qtype == kQ4_1 ? 4 : 2) * nb, qs_bytes = qtype == kQ8_0 ? 32 : 16;
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* gp = op + g * gbytes;
+      for (int r = 0; r < kG && g * kG + r < N; ++r) {
+        const uint8_t* row = wp + (g * kG + r) * rb;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* qs = row + qs_at + qs_bytes * b;
+          uint8_t* q = gp + b * QB;
+          for (int v = 0; v < QB / 64; ++v)            // vector v: bytes 4 v .. 4 v + 3 of the row's block
+            for (int t = 0; t < 4; ++t)
+              q[64 * v + 4 * r + t] = qtype == kQ8_0 ? (uint8_t)(qs[4 * v + t] ^ 0x80) : qs[4 * v + t];
+          std::memcpy(gp + nb * QB + 32 * b + 2 * r, row + 2 * b, 2);                          // d
+          if (qtype == kQ4_1) std::memcpy(gp + nb * QB + 32 * nb + 32 * b + 2 * r, row + 2 * nb + 2 * b, 2);  // m
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                        const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(packable(qtype), "tandem.qgemv_packed: Q4_0, Q4_1 or Q8_0 (ggml types 2, 3, 8), got ", qtype);
+  TORCH_CHECK(resolve_isa(-1) == kAvx512 && cpu_has_vnni(), "tandem.qgemv_packed needs AVX-512 VNNI");
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
+  const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
+  const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == NG && packed.size(1) == gbytes,
+              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
+              "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
+  TORCH_CHECK(x_in.size(0) <= kMaxRows, "tandem.qgemv_packed: too many rows");
+  TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
+              "tandem.qgemv_packed: bias must be fp32 [N]");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<float> xs;
+  static thread_local std::vector<int32_t> xo;
+  if ((int64_t)xq.size() < M * K) xq.resize(M * K);
+  if ((int64_t)xs.size() < 2 * M * nh + nb) xs.resize(2 * M * nh + nb);
+  if ((int64_t)xo.size() < M * nh) xo.resize(M * nh);
+  int8_t* xqp = xq.data();
+  float *dxp = xs.data(), *sxhp = dxp + M * nh, *sxp = sxhp + M * nh;     // dx, sxh [M][nh]; sx scratch [nb]
+  int32_t* xop = xo.data();
+  const int32_t unit = qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0;
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = xqp + m * K;
+    quantize_act_row(x.data_ptr<float>() + m * K, K, q, dxp + m * nh, sxp, sxhp + m * nh);
+    for (int64_t u = 0; u < nh; ++u) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
+      xop[m * nh + u] = unit * sum;
+    }
+  }
+  const XRows xr{xqp, dxp, sxhp, xop, K, nh};
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Chunks of 4 groups (a one-row tile's width), so a thread's share never splits a tile.
+  const int64_t chunks = (NG + 3) / 4;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t g0 = 4 * c0, g1 = std::min(4 * c1, NG);
+    if (qtype == kQ4_1) groups<kQ4_1>(wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    else if (qtype == kQ4_0) groups<kQ4_0>(wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    else groups<kQ8_0>(wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+  });
+  return y;
+}
+
+}  // namespace tandem
