@@ -12,7 +12,8 @@ from tandem import kernels
 from tandem.kernels.quant import Q4_0, Q4_1, Q4_K, Q8_0, packed_rows
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q4_1) == 0,
-                                reason="needs the native kernels on a CPU with AVX-512 VNNI")
+                                reason="needs the native kernels on a CPU with AVX2")
+BODIES = [1] + ([2] if torch.ops.tandem.isa(-1) == 2 else [])     # AVX2, and AVX-512 VNNI where it is here
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 T = torch.ops.tandem
 
@@ -33,7 +34,9 @@ def test_packed_gemv_equals_the_gemm_bit_for_bit(name, m, n, k):
         x[1] *= 1e-3
     packed = T.pack_gemv(q.data, qtype, k)
     for b in (None, bias):
-        assert torch.equal(T.qgemv_packed(x, packed, qtype, k, n, b), T.qgemm_q8(x, q.data, qtype, k, b))
+        gemm = T.qgemm_q8(x, q.data, qtype, k, b)
+        for isa in BODIES:
+            assert torch.equal(T.qgemv_packed(x, packed, qtype, k, n, b, isa), gemm), isa
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -45,7 +48,8 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(name):
     x, bias = torch.randn(40, k), torch.randn(37)
     full = T.qgemm_q8(x, q.data, qtype, k, bias)
     for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
-        assert torch.equal(T.qgemv_packed(x[:m], packed, qtype, k, 37, bias), full[:m]), m
+        for isa in BODIES:
+            assert torch.equal(T.qgemv_packed(x[:m], packed, qtype, k, 37, bias, isa), full[:m]), (m, isa)
         if qtype != Q4_0:       # qlinear_q8 keeps its own body (other fp32 order) for Q4_0: the copy unifies it
             assert torch.equal(T.qlinear_q8(x[:m], q.data, qtype, k, bias), full[:m]), m
     threads = torch.get_num_threads()
@@ -86,6 +90,8 @@ def test_refusals():
         T.qgemv_packed(torch.randn(1, 64), packed, Q8_0, 64, 40)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         T.qgemv_packed(torch.randn(1, 32), packed, Q8_0, 64, 20)
+    with pytest.raises(RuntimeError, match="needs AVX2"):                    # isa 0: the scalar cap
+        T.qgemv_packed(torch.randn(1, 64), packed, Q8_0, 64, 20, None, 0)
     with pytest.raises(RuntimeError, match="bias must be fp32"):
         T.qgemv_packed(torch.randn(1, 64), packed, Q8_0, 64, 20, torch.randn(3))
     assert T.qgemv_packed(torch.randn(0, 64), packed, Q8_0, 64, 20).shape == (0, 20)

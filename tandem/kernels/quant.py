@@ -167,8 +167,9 @@ _packed_rows: dict[int, int] = {}
 
 def packed_rows(qtype: int) -> int:
     """Rows of x up to which a linear with a repacked copy of its weight (tandem.pack_gemv, made at load for
-    Q4_0 / Q4_1 / Q8_0 on CPUs with AVX-512 VNNI) runs tandem.qgemv_packed: the GEMM's bits at 2.2-2.6x
-    qgemv_q8's speed on SmolLM2's shapes (csrc/quant_gemv_packed.cpp). 0: no copy is made for this type here."""
+    Q4_0 / Q4_1 / Q8_0 with int8 activations) runs tandem.qgemv_packed, the GEMM's bits at 2-2.7x the row
+    layout's GEMV (csrc/quant_gemv_packed.cpp says where it was measured): 256 with AVX-512 VNNI, 32 with AVX2.
+    0: no copy is made for this type here."""
     if qtype not in _packed_rows:
         from . import available
         _packed_rows[qtype] = torch.ops.tandem.qgemv_packed_rows(qtype) if available() else 0

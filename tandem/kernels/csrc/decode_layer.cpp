@@ -39,7 +39,7 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
   auto lin = [&](const at::Tensor& in, int i, const std::optional<at::Tensor>& bias) {
     if (int8 && packed[i].numel() && in.size(0) <= qgemv_packed_rows(qtypes[i])) {
       RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-      return qgemv_packed(in, packed[i], qtypes[i], in.size(1), w[i].size(0), bias);
+      return qgemv_packed(in, packed[i], qtypes[i], in.size(1), w[i].size(0), bias, -1);
     }
     if (int8 && int8_type(qtypes[i])) {
       RECORD_FUNCTION("tandem::qlinear_q8", std::vector<c10::IValue>());

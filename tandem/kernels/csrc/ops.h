@@ -23,7 +23,7 @@ int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa);
 // to which a model runs it where it holds the packed copy (0: not this type or CPU).
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias);
+                        const std::optional<at::Tensor>& bias, int64_t isa);
 int64_t qgemv_packed_rows(int64_t qtype);
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);

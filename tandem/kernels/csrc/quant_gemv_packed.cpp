@@ -1,5 +1,5 @@
-// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q8_0; AVX-512 VNNI): for a few rows of x (a decode
-// step, a speculative verify step's k + 1 rows), each output computed by qgemm_q8's operations in qgemm_q8's
+// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
+// of x of a decode step or a speculative verify step (up to qgemv_packed_rows()), each output computed by qgemm_q8's operations in qgemm_q8's
 // order (quant_gemm_i8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
 //
 // Why another layout: qgemv_q8 reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
@@ -8,8 +8,7 @@
 // all of it again for every row of x. Here a group of 16 output rows is interleaved once at load so that one
 // vector holds, for each of the 16 rows, 4 consecutive quants along K in its int32 lane: a vpdpbusd against 4
 // bytes of x broadcast adds 4 products to each row's own lane, so 4 of them give a half's 16 exact sums in
-// output order, with no reduction; the unpacked quants of a block serve every row of x. Measured on SmolLM2's
-// shapes in results/packed_gemv.md.
+// output order, with no reduction; the unpacked quants of a block serve every row of x.
 //
 // Packed tensor: uint8 [ceil(N / 16), nb * (QB + SB)], group g = output rows 16 g .. 16 g + 15 (rows past N zero):
 //   [quants, QB bytes a block] x nb, then [d fp16 x 16] x nb, then (Q4_1) [m fp16 x 16] x nb.
@@ -38,7 +37,6 @@ namespace {
 
 enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 constexpr int kG = 16;                      // output rows of a group: the int32 / fp32 lanes
-constexpr int64_t kMaxRows = 1 << 20;
 
 constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : 256; }       // QB
 constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }         // SB
@@ -112,14 +110,96 @@ TPK void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, const XRows& x, int
   }
 }
 
+#define TPK2 __attribute__((target("avx2,fma,f16c")))
+
+// The AVX2 body (CPUs without AVX-512 VNNI): the same layout, each 64-byte vector as two ymm (rows 0-7, 8-15),
+// each a fp32 chain of its own. vpdpbusd's work by pmaddubsw (weights unsigned, x signed) and pmaddwd by ones:
+// Q4_0 / Q4_1 add a half's 4 pmaddubsw outputs in int16 first (|16 products| <= 16 x 15 x 128 < 2^15); Q8_0's
+// w + 128 would saturate pmaddubsw, so its bytes are turned back into w and it runs |w| against x with w's sign
+// (|pair| <= 2 x 128 x 128), each pmaddubsw widened at once, and its sums need no offset.
+template <int64_t QT, int MT>
+TPK2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias, float* y,
+                    int64_t ldy, int64_t n0, int64_t N) {
+  constexpr int64_t QB = quant_bytes(QT);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  __m256 f[MT][2];
+  for (int j = 0; j < MT; ++j) f[j][0] = f[j][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = gp + b * QB;
+    const uint8_t* sc = gp + nb * QB + 32 * b;
+    for (int s = 0; s < 2; ++s) {                    // rows 8 s .. 8 s + 7
+      __m256i w[8];
+      if constexpr (QT == kQ8_0) {
+        for (int i = 0; i < 8; ++i)
+          w[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + 64 * i + 32 * s)), flip);
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p + 32 * s));
+          w[p] = _mm256_and_si256(v, m4);
+          w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * s)));
+      __m256 mn = _mm256_setzero_ps();
+      if constexpr (QT == kQ4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 * nb + 16 * s)));
+      for (int j = 0; j < MT; ++j) {
+        const int64_t m = m0 + j;
+        const int8_t* xb = x.q + m * x.K + 32 * b;
+        for (int h = 0; h < 2; ++h) {
+          const int64_t u = 2 * b + h;
+          __m256i acc;
+          if constexpr (QT == kQ8_0) {
+            acc = _mm256_setzero_si256();
+            for (int p = 0; p < 4; ++p) {
+              int32_t xv;
+              std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
+              const __m256i wi = w[4 * h + p];
+              const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(wi), _mm256_sign_epi8(_mm256_set1_epi32(xv), wi));
+              acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));
+            }
+          } else {
+            __m256i s16 = _mm256_setzero_si256();
+            for (int p = 0; p < 4; ++p) {
+              int32_t xv;
+              std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
+              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[4 * h + p], _mm256_set1_epi32(xv)));
+            }
+            acc = _mm256_madd_epi16(s16, ones);
+            if constexpr (QT == kQ4_0) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
+          }
+          f[j][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), d),
+                                    f[j][s]);
+          if constexpr (QT == kQ4_1) f[j][s] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mn, f[j][s]);
+        }
+      }
+    }
+  }
+  for (int s = 0; s < 2; ++s) {
+    const int64_t n = n0 + 8 * s;
+    for (int j = 0; j < MT; ++j) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, f[j][s]);
+      for (int i = 0; i < 8 && n + i < N; ++i) y[(m0 + j) * ldy + n + i] = bias ? out[i] + bias[n + i] : out[i];
+    }
+  }
+}
+
 // Groups g0 .. g1 - 1 against every row of x: rows 4 at a time over one group; fewer than 4 rows take 2 or 4
 // groups at a time (GT), where that many are left.
 template <int64_t QT>
-void groups(const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows& x, int64_t M, const float* bias, float* y,
-            int64_t N, int64_t g0, int64_t g1) {
+void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows& x, int64_t M, const float* bias,
+            float* y, int64_t N, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1;) {
     const uint8_t* gp = wp + g * gbytes;
     const int64_t n0 = g * kG, left = g1 - g;
+    if (body == 1) {                       // AVX2: a group at a time, rows of x 2 at a time (16 ymm registers)
+      for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        if (M - m0 >= 2) tile_avx2<QT, 2>(gp, nb, x, m0, bias, y, N, n0, N);
+        else tile_avx2<QT, 1>(gp, nb, x, m0, bias, y, N, n0, N);
+      }
+      g += 1;
+      continue;
+    }
     if (M == 1 && left >= 4) {
       tile<QT, 4, 1>(gp, gbytes, nb, x, 0, bias, y, N, n0, N);
       g += 4;
@@ -142,13 +222,24 @@ void groups(const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows& x, int64
   }
 }
 
+// The body qgemv_packed runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
+int packed_body(int64_t isa_req) {
+  const Isa isa = resolve_isa(isa_req);
+  return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
+}
+
 }  // namespace
 
+// Rows of x up to which a model runs this op where it holds a packed copy (past them qlinear_q8 / qgemm_q8, the
+// same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one thread, an
+// Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x qgemv_q8 at 1-16 rows and
+// 1.2-2.2x qgemm_q8's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past 256); the AVX2
+// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows and ahead of the AVX2 GEMM up to 32,
+// behind it at 64.
 int64_t qgemv_packed_rows(int64_t qtype) {
-  // Rows of x up to which the model runs this op where it holds a packed copy (past them qlinear_q8: the same
-  // bits). 0: not this type, or a CPU without AVX-512 VNNI (the copy is not made).
-  if (!packable(qtype) || resolve_isa(-1) != kAvx512 || !cpu_has_vnni()) return 0;
-  return 16;
+  if (!packable(qtype)) return 0;
+  const int body = packed_body(-1);
+  return body == 2 ? 256 : body == 1 ? 32 : 0;
 }
 
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
@@ -185,9 +276,10 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
 }
 
 at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias_in) {
+                        const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype), "tandem.qgemv_packed: Q4_0, Q4_1 or Q8_0 (ggml types 2, 3, 8), got ", qtype);
-  TORCH_CHECK(resolve_isa(-1) == kAvx512 && cpu_has_vnni(), "tandem.qgemv_packed needs AVX-512 VNNI");
+  const int body = packed_body(isa_req);
+  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
@@ -196,7 +288,6 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
               "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
               "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
-  TORCH_CHECK(x_in.size(0) <= kMaxRows, "tandem.qgemv_packed: too many rows");
   TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
               "tandem.qgemv_packed: bias must be fp32 [N]");
   const at::Tensor x = x_in.contiguous();
@@ -209,21 +300,25 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   static thread_local std::vector<float> xs;
   static thread_local std::vector<int32_t> xo;
   if ((int64_t)xq.size() < M * K) xq.resize(M * K);
-  if ((int64_t)xs.size() < 2 * M * nh + nb) xs.resize(2 * M * nh + nb);
+  if ((int64_t)xs.size() < 2 * M * nh) xs.resize(2 * M * nh);
   if ((int64_t)xo.size() < M * nh) xo.resize(M * nh);
   int8_t* xqp = xq.data();
-  float *dxp = xs.data(), *sxhp = dxp + M * nh, *sxp = sxhp + M * nh;     // dx, sxh [M][nh]; sx scratch [nb]
+  float *dxp = xs.data(), *sxhp = dxp + M * nh;                         // dx, sxh [M][nh]
   int32_t* xop = xo.data();
   const int32_t unit = qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0;
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* q = xqp + m * K;
-    quantize_act_row(x.data_ptr<float>() + m * K, K, q, dxp + m * nh, sxp, sxhp + m * nh);
-    for (int64_t u = 0; u < nh; ++u) {
-      int32_t sum = 0;
-      for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
-      xop[m * nh + u] = unit * sum;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {       // rows are independent: any split, same bytes
+    std::vector<float> sx(nb);
+    for (int64_t m = r0; m < r1; ++m) {
+      int8_t* q = xqp + m * K;
+      quantize_act_row(xp + m * K, K, q, dxp + m * nh, sx.data(), sxhp + m * nh);
+      for (int64_t u = 0; u < nh; ++u) {
+        int32_t sum = 0;
+        for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
+        xop[m * nh + u] = unit * sum;
+      }
     }
-  }
+  });
   const XRows xr{xqp, dxp, sxhp, xop, K, nh};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -232,9 +327,9 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   const int64_t chunks = (NG + 3) / 4;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t g0 = 4 * c0, g1 = std::min(4 * c1, NG);
-    if (qtype == kQ4_1) groups<kQ4_1>(wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
-    else if (qtype == kQ4_0) groups<kQ4_0>(wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
-    else groups<kQ8_0>(wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    else groups<kQ8_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
   });
   return y;
 }

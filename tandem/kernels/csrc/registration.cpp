@@ -17,7 +17,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("qgemv_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemv_q8_rows(int qtype) -> int", &tandem::qgemv_q8_rows);
   m.def("pack_gemv(Tensor w, int qtype, int k) -> Tensor");
-  m.def("qgemv_packed(Tensor x, Tensor packed, int qtype, int k, int n, Tensor? bias=None) -> Tensor");
+  m.def("qgemv_packed(Tensor x, Tensor packed, int qtype, int k, int n, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemv_packed_rows(int qtype) -> int", &tandem::qgemv_packed_rows);
   m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
