@@ -300,6 +300,7 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     from tandem.request import Req
     s = spec_llm.engine.scheduler
     configure(spec_llm, "serial", True)
+    s.row_cost = spec_mod.ROW_COST           # the initial row cost (the engine measures its own as it runs)
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
     req.spec_acc, req.spec_trials = 0.8, 1.0
     assert spec_mod.draft_len(s, req, 1) == 4
@@ -324,6 +325,7 @@ def test_adaptive_k_prices_the_draft_model_step(spec_llm):
     from tandem.request import Req
     s = spec_llm.engine.scheduler
     configure(spec_llm, "serial", True)
+    s.row_cost = spec_mod.ROW_COST
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
     req.spec_acc, req.spec_trials = 0.9, 1.0
     assert spec_mod.draft_len(s, req, 1) == 4 and spec_mod.draft_len(s, req, 8) == 3     # 0.9^3 > 0.67 at 8

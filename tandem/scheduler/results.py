@@ -81,9 +81,11 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
                                   len(req.prompt_ids), len(req.output_ids),
                                   num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
                                   prompt_logprobs=prompt_lp))
-    if s.drafter is not None and not batch.is_prefill:
-        start, end = handle.device_span                  # the draft model's cost is priced against this (speculative.py)
-        s.decode_step_s = (end - start) if s.decode_step_s is None else 0.8 * s.decode_step_s + 0.2 * (end - start)
+    if s.config.speculative_config is not None and not batch.is_prefill:
+        start, end = handle.device_span      # what a draft row and a draft model step cost is priced against this
+        speculative.observe_step(s, batch.step.draft_lens, end - start)
+        if s.drafter is not None:
+            s.decode_step_s = (end - start) if s.decode_step_s is None else 0.8 * s.decode_step_s + 0.2 * (end - start)
     if batch.release:
         s.kv.free(batch.release)       # this step, the last that could touch them, has been waited for
         batch.release = []

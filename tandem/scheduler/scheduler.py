@@ -25,7 +25,7 @@ from .batch import Batch
 from . import grammar
 from .grammar import Grammars
 from .results import process_results
-from .speculative import MAX_VERIFY_ROWS
+from .speculative import MAX_VERIFY_ROWS, ROW_COST
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -66,6 +66,8 @@ class Scheduler:
         self.max_verify_rows = MAX_VERIFY_ROWS
         self.drafter = None                 # the draft model (speculative_config method "draft_model")
         self.decode_step_s: float | None = None     # EMA of a decode step's device time, while a drafter runs
+        self.row_cost = ROW_COST            # one more decode row's cost over a one-row step (observe_step)
+        self.plain_step_s: dict[int, float] = {}    # EMA of a draft-free decode step's device time by its rows
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_accepted_hist: dict[int, int] = {}

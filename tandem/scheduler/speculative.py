@@ -37,11 +37,13 @@ if TYPE_CHECKING:
 EMA_WEIGHT = 0.3          # weight of the newest verified run in a request's acceptance estimate
 PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token again after this many steps,
 MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a probe in the overlap loop costs a sync)
-# Cost of one more row in a decode step, as a fraction of a one-row step: measured on SmolLM2-135M Q4_1, 2 cores,
-# serial loop, verify steps of one request whose drafts are all rejected: 4 drafts cost 1.82x a plain step, 8
-# drafts 2.52x (0.20 and 0.19 a row; host work included, on a shared machine). Decode rows of other requests cost
-# less (benchmarks/RESULTS.md, tok/s vs concurrency: 4 rows 1.41x one row): this errs on the side of not drafting.
+# Cost of one more row in a decode step, as a fraction of a one-row step, until the engine has measured it
+# (observe_step): measured on SmolLM2-135M Q4_1, 2 cores, serial loop, verify steps of one request whose drafts are
+# all rejected, with the row layout's GEMV: 4 drafts cost 1.82x a plain step, 8 drafts 2.52x (0.20 and 0.19 a
+# row). The repacked GEMV (kernels/csrc/quant_gemv_packed.cpp) made a row cheaper, and rows cost differently on
+# every CPU and model: hence the measured value (Scheduler.row_cost).
 ROW_COST = 0.2
+ROW_COST_RANGE = (0.02, 1.0)     # a measured sample is clipped to this (a shared machine's outliers)
 # Rows a verify step carries at most (Scheduler.max_verify_rows, set by the engine): up to here the native decode
 # path keeps its few-row kernels, as a plain decode step does: the quantized linears' GEMV bodies up to
 # kernels.quant.small_m() rows (96 on AVX-512 CPUs, 16 on AVX2-only ones; the engine caps this by it), and SiLU
@@ -104,13 +106,14 @@ def acceptance(req: Req) -> float:
 
 def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     """Adaptive k: draft the j-th token only while p^j, the chance it is reached and accepted, exceeds what its
-    row costs in tokens of the plain step, ROW_COST * B / (1 + ROW_COST * (B - 1)) at B decode requests (one row's
+    row costs in tokens of the plain step, c B / (1 + c (B - 1)) at B decode requests, c = s.row_cost (one row's
     time at the plain step's rate). So k shrinks as acceptance falls or the batch grows, and is 0 once drafts do
     not pay (then a probe draft after PROBE_EVERY steps, the gap doubling while probes fail, re-measures it).
     With a draft model each draft also costs a draft step (draft_cost). Never past max_tokens."""
     cfg = s.config.speculative_config
     limit = left(req)
-    p, cost = acceptance(req), ROW_COST * batch / (1 + ROW_COST * (batch - 1)) + draft_cost(s)
+    c = s.row_cost
+    p, cost = acceptance(req), c * batch / (1 + c * (batch - 1)) + draft_cost(s)
     k = 0
     while k < cfg.num_speculative_tokens and p ** (k + 1) > cost:
         k += 1
@@ -121,6 +124,27 @@ def draft_len(s: "Scheduler", req: Req, batch: int) -> int:
     else:
         req.spec_skipped = 0
     return max(0, min(k, limit))
+
+
+def observe_step(s: "Scheduler", draft_lens, seconds: float) -> None:
+    """Measure what one more row costs (Scheduler.row_cost) from the device time of decode steps. Model: a step of
+    R rows takes t1 (1 + c (R - 1)). Steps without drafts give t(B) per batch size B (EMAs); a verify step of B
+    requests and R rows then gives r = t(R) / t(B) - 1 = c (R - B) / (1 + c (B - 1)), so c = r / (R - B - r (B - 1)),
+    clipped to ROW_COST_RANGE and averaged (EMA) into s.row_cost."""
+    rows = len(draft_lens)
+    b = rows - int((draft_lens < 0).sum())
+    if rows == b:
+        if b <= s.max_verify_rows:
+            t = s.plain_step_s.get(b)
+            s.plain_step_s[b] = seconds if t is None else (1 - EMA_WEIGHT) * t + EMA_WEIGHT * seconds
+        return
+    t = s.plain_step_s.get(b)
+    if not t:
+        return
+    r = seconds / t - 1
+    den = rows - b - r * (b - 1)
+    c = ROW_COST_RANGE[1] if den <= 0 else min(max(r / den, ROW_COST_RANGE[0]), ROW_COST_RANGE[1])
+    s.row_cost = (1 - EMA_WEIGHT) * s.row_cost + EMA_WEIGHT * c
 
 
 def draft_cost(s: "Scheduler") -> float:
