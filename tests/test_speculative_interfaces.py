@@ -121,10 +121,11 @@ def test_bench_report_renders():
            "skipped": {}, "tpot_ms": {"a_quote": {"tandem spec off": 20.0, "tandem spec overlap": 9.0,
                                                   "tandem spec serial": 8.0, "llama.cpp plain": 14.0,
                                                   "llama.cpp prompt lookup": 12.0}},
-           "spec_stats": {"a_quote": {"spec_draft_tokens": 8, "spec_accepted_tokens": 6, "spec_accepted_len_3": 2}},
+           "spec_stats": {"a_quote": {"spec_draft_tokens": 8, "spec_accepted_tokens": 6, "spec_accepted_len_3": 2,
+                                      "tokens": 40}},
            "device_idle_overlap": {"a_quote": 0.03}, "throughput_tok_s": {"off": 100.0, "on": 99.0}}
     md = render(out)
-    assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % |" in md
+    assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % | 40 |" in md
     assert "0.990x" in md
     out["tpot_ms"]["a_quote"]["tandem spec overlap, always ahead"] = 10.0
     out["loops"] = {"a_quote": {r: {"device_idle": 0.05, "decode_steps": 30, "ahead": 20, "dropped": 2}

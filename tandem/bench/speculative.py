@@ -5,7 +5,9 @@ mean accepted length per workload; and 64 requests x 32 -> 128 tokens throughput
 
 Workloads: (a) quoting and editing (repeat a passage, fix a typo in code), (b) a multi-turn chat that quotes an
 earlier turn, (c) open-ended text. Greedy, ignore_eos, the same prompt ids for every peer; TPOT is the time from
-the first to the last of `--output-len` tokens over their gaps (prefill excluded).
+the first to the last of `--output-len` tokens over their gaps (prefill excluded); with --stop-at-eos each answer
+ends at its EOS, so the TPOT is that of the answer itself (a quote ends where the passage does, instead of going on
+past EOS into text the prompt does not hold).
 
     tandem bench speculative --json speculative.json      # or benchmarks/speculative.py (writes results/)
 """
@@ -42,8 +44,9 @@ ALWAYS_AHEAD = "tandem spec overlap, always ahead"      # AHEAD_MIN_HOLD 0: ever
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
-def tandem_tpot(llm: LLM, ids: list[int], n: int) -> tuple[float, dict]:
-    """Seconds per output token after the first (from the engine's own output times), and the spec stats delta."""
+def tandem_tpot(llm: LLM, ids: list[int], n: int, stop: bool = False) -> tuple[float, dict]:
+    """Seconds per output token after the first (from the engine's own output times), and the spec stats delta.
+    stop: the answer ends at EOS (at most n tokens), else n tokens past it."""
     eng = llm.engine
     times: list[float] = []
     old = eng._sink
@@ -56,13 +59,14 @@ def tandem_tpot(llm: LLM, ids: list[int], n: int) -> tuple[float, dict]:
     before = llm.stats()
     eng._sink = sink
     try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=not stop), use_tqdm=False)
     finally:
         eng._sink = old
     after = llm.stats()
-    assert len(times) == n, len(times)
+    assert len(times) == n or (stop and 1 < len(times) < n), len(times)
     delta = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_")}
-    return (times[-1] - times[0]) / (n - 1), delta
+    delta["tokens"] = len(times)
+    return (times[-1] - times[0]) / (len(times) - 1), delta
 
 
 def device_idle(llm: LLM) -> float:
@@ -74,14 +78,15 @@ def device_idle(llm: LLM) -> float:
     return 1.0 - sum(d.end - d.start for d in dev) / span if span > 0 else 0.0
 
 
-def llama_tpot(llm, ids: list[int], n: int) -> float:
+def llama_tpot(llm, ids: list[int], n: int, stop: bool = False) -> float:
     llm.reset()
     times = []
-    for k, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0), 1):
+    eos = llm.token_eos()
+    for k, tok in enumerate(llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0), 1):
         times.append(time.perf_counter())
-        if k == n:
+        if k == n or (stop and tok == eos):
             break
-    return (times[-1] - times[0]) / (n - 1)
+    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def throughput(llm: LLM, spec: dict, on: bool, num: int, in_len: int, out_len: int, vocab: int) -> float:
@@ -129,7 +134,7 @@ def bench_speculative(args: argparse.Namespace) -> dict:
                 llm.engine.recorder.clear()
                 spec_mod.AHEAD_MIN_HOLD = 0.0 if peer == ALWAYS_AHEAD else hold
                 try:
-                    t, delta = tandem_tpot(llm, ids, n)
+                    t, delta = tandem_tpot(llm, ids, n, args.stop_at_eos)
                 finally:
                     spec_mod.AHEAD_MIN_HOLD = hold
                 tpot.setdefault(name, {}).setdefault(peer, []).append(t)
@@ -142,7 +147,7 @@ def bench_speculative(args: argparse.Namespace) -> dict:
                         "dropped": delta.get("spec_ahead_dropped", 0),
                         "decode_steps": sum(1 for d in llm.engine.recorder.devices if not d.is_prefill)}
             for peer, model in peers.items():
-                tpot[name].setdefault(peer, []).append(llama_tpot(model, ids, n))
+                tpot[name].setdefault(peer, []).append(llama_tpot(model, ids, n, args.stop_at_eos))
         print(name, {k: round(1e3 * statistics.median(v), 2) for k, v in tpot[name].items()}, flush=True)
     draft_stats: dict[str, dict] = {}
     if args.draft_model:
@@ -152,7 +157,7 @@ def bench_speculative(args: argparse.Namespace) -> dict:
         try:
             for name, ids in prompts.items():
                 tandem_tpot(dllm, ids, 4)
-                t, delta = tandem_tpot(dllm, ids, n)
+                t, delta = tandem_tpot(dllm, ids, n, args.stop_at_eos)
                 tpot[name]["tandem draft model"] = [t]
                 draft_stats[name] = delta
         finally:
@@ -165,7 +170,7 @@ def bench_speculative(args: argparse.Namespace) -> dict:
             tp.setdefault("on" if on else "off", []).append(
                 throughput(llm, spec, on, args.throughput_requests, 32, 128, vocab))
     llm.shutdown()
-    return {"output_len": n, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
+    return {"output_len": n, "stop_at_eos": args.stop_at_eos, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
             "throughput_requests": args.throughput_requests, "skipped": skipped,
             "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in tpot.items()},
             "spec_stats": spec_stats, "device_idle_overlap": idle, "loops": loops, "draft_model": args.draft_model,
@@ -176,6 +181,9 @@ def bench_speculative(args: argparse.Namespace) -> dict:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="threads of tandem's device process and of llama.cpp")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per workload")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="each answer ends at EOS (at most --output-len tokens; TPOT over the answer itself), "
+                        "instead of --output-len tokens past it (ignore_eos)")
     p.add_argument("--rounds", type=int, default=1, help="rounds per peer and workload (the table takes the median)")
     p.add_argument("--throughput-requests", type=int, default=64,
                    help="requests of the 32 -> 128 throughput check, speculation on vs off (0: skip)")
@@ -187,14 +195,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def render(out: dict) -> str:
     lines = [f"# Speculative decoding (n-gram), single stream, SmolLM2-135M Q4_1, {out['threads']} threads",
-             "", f"Greedy, {out['output_len']} output tokens (ignore_eos), median of {out['rounds']} round(s); "
+             "", f"Greedy, {out['output_len']} output tokens "
+             f"({'at most: each answer ends at EOS' if out.get('stop_at_eos') else 'ignore_eos'}), median of "
+             f"{out['rounds']} round(s); "
              f"speculative_config `{json.dumps(out['speculative_config'])}`. TPOT in ms (prefill excluded). "
              "Ratios < 1 are faster. Acceptance = accepted / drafted tokens; mean accepted length = tokens a "
              "verify step kept (accepted drafts + 1).", "",
              "| workload | tandem off | tandem spec (overlap) | tandem spec (serial) | llama.cpp plain | "
              "llama.cpp prompt lookup | spec / tandem off | spec / best llama.cpp | acceptance | mean accepted "
-             "length | device idle (overlap, spec) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "length | device idle (overlap, spec) | tokens (spec overlap) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, d in out["tpot_ms"].items():
         st = out["spec_stats"].get(w, {})
         runs = sum(v for k, v in st.items() if k.startswith("spec_accepted_len_"))
@@ -206,7 +216,7 @@ def render(out: dict) -> str:
                      f"{cell('tandem spec serial')} | {cell('llama.cpp plain')} | {cell('llama.cpp prompt lookup')} | "
                      f"{spec / d['tandem spec off']:.2f}x | {spec / best:.2f}x | "
                      f"{acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} | "
-                     f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % |")
+                     f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % | {st.get('tokens', '-')} |")
     if out.get("loops"):
         runs = ("tandem spec serial", "tandem spec overlap", ALWAYS_AHEAD)
         lines += ["", "Drafting steps in the loops (last round): device idle over the decode forwards, decode steps "
