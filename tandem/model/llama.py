@@ -24,6 +24,7 @@ from .shard import TPLayout
 
 _NONE = torch.empty(0, dtype=torch.uint8)       # decode_layer_'s packed entry of a linear without a packed copy
 
+
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """RoPE frequencies of the model's global layers, or (local) of its sliding layers: their own base
     (rope_local_theta, gemma3) and no scaling."""
