@@ -125,8 +125,10 @@ def test_bench_report_renders():
                                       "tokens": 40}},
            "device_idle_overlap": {"a_quote": 0.03}, "throughput_tok_s": {"off": 100.0, "on": 99.0}}
     md = render(out)
-    assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % | 40 |" in md
+    assert "| a_quote | 20.00 | 9.00 | 8.00 | 14.00 | 12.00 | 0.40x | 0.67x | 0.75 | 4.00 | 3.0 % | - | 40 |" in md
     assert "0.990x" in md
+    out["device_idle_overlap_off"] = {"a_quote": 0.04}
+    assert "| 3.0 % | 4.0 % | 40 |" in render(out)
     out["tpot_ms"]["a_quote"]["tandem spec overlap, always ahead"] = 10.0
     out["loops"] = {"a_quote": {r: {"device_idle": 0.05, "decode_steps": 30, "ahead": 20, "dropped": 2}
                                 for r in ("tandem spec serial", "tandem spec overlap",

@@ -122,6 +122,7 @@ def bench_speculative(args: argparse.Namespace) -> dict:
     tpot: dict[str, dict[str, list[float]]] = {}
     spec_stats: dict[str, dict] = {}
     idle: dict[str, float] = {}
+    idle_off: dict[str, float] = {}          # the same loop without speculation: the reference for the idle goal
     tandem_runs = {"tandem spec off": ("overlap", False), "tandem spec overlap": ("overlap", True),
                    "tandem spec serial": ("serial", True), ALWAYS_AHEAD: ("overlap", True)}
     loops: dict[str, dict[str, dict]] = {}          # per workload and speculating run: idle, steps, picks ahead
@@ -141,6 +142,8 @@ def bench_speculative(args: argparse.Namespace) -> dict:
                 if peer == "tandem spec overlap":
                     spec_stats[name] = delta
                     idle[name] = device_idle(llm)
+                if peer == "tandem spec off":
+                    idle_off[name] = device_idle(llm)
                 if on:
                     loops.setdefault(name, {})[peer] = {
                         "device_idle": device_idle(llm), "ahead": delta.get("spec_ahead_drafts", 0),
@@ -173,7 +176,8 @@ def bench_speculative(args: argparse.Namespace) -> dict:
     return {"output_len": n, "stop_at_eos": args.stop_at_eos, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
             "throughput_requests": args.throughput_requests, "skipped": skipped,
             "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in tpot.items()},
-            "spec_stats": spec_stats, "device_idle_overlap": idle, "loops": loops, "draft_model": args.draft_model,
+            "spec_stats": spec_stats, "device_idle_overlap": idle,
+            "device_idle_overlap_off": idle_off, "loops": loops, "draft_model": args.draft_model,
             "draft_stats": draft_stats,
             "throughput_tok_s": {k: statistics.median(v) for k, v in tp.items()}}
 
@@ -203,8 +207,8 @@ def render(out: dict) -> str:
              "verify step kept (accepted drafts + 1).", "",
              "| workload | tandem off | tandem spec (overlap) | tandem spec (serial) | llama.cpp plain | "
              "llama.cpp prompt lookup | spec / tandem off | spec / best llama.cpp | acceptance | mean accepted "
-             "length | device idle (overlap, spec) | tokens (spec overlap) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "length | device idle (overlap, spec) | device idle (overlap, off) | tokens (spec overlap) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, d in out["tpot_ms"].items():
         st = out["spec_stats"].get(w, {})
         runs = sum(v for k, v in st.items() if k.startswith("spec_accepted_len_"))
@@ -212,11 +216,13 @@ def render(out: dict) -> str:
         best = min([d[k] for k in ("llama.cpp plain", "llama.cpp prompt lookup") if k in d] or [float("nan")])
         spec = min(d["tandem spec overlap"], d["tandem spec serial"])
         cell = lambda k: f"{d[k]:.2f}" if k in d else "-"  # noqa: E731
+        off_idle = (f"{100 * out['device_idle_overlap_off'][w]:.1f} %" if w in out.get("device_idle_overlap_off", {})
+                    else "-")
         lines.append(f"| {w} | {cell('tandem spec off')} | {cell('tandem spec overlap')} | "
                      f"{cell('tandem spec serial')} | {cell('llama.cpp plain')} | {cell('llama.cpp prompt lookup')} | "
                      f"{spec / d['tandem spec off']:.2f}x | {spec / best:.2f}x | "
                      f"{acc / drafted if drafted else 0:.2f} | {1 + acc / runs if runs else 1:.2f} | "
-                     f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % | {st.get('tokens', '-')} |")
+                     f"{100 * out['device_idle_overlap'].get(w, 0):.1f} % | {off_idle} | {st.get('tokens', '-')} |")
     if out.get("loops"):
         runs = ("tandem spec serial", "tandem spec overlap", ALWAYS_AHEAD)
         lines += ["", "Drafting steps in the loops (last round): device idle over the decode forwards, decode steps "
