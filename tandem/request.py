@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .speculative.ngram import NgramIndex
 
 
 class ReqStatus(enum.Enum):
@@ -68,6 +72,7 @@ class Req:
     # n-gram's continuation after the last draft), -1 where nothing is assumed. fill_ids() + spec_guess is the
     # text a step picked now continues, if every in-flight run is accepted whole.
     spec_guess: list[int] = field(default_factory=list)
+    ngram: NgramIndex | None = None        # its n-gram index (speculative/ngram.py), built at its first proposal
     spec_hold: float = 1.0                 # EMA of its drafting runs that held what a pick ahead assumes
     spec_stale: bool = False               # its FutureMap row holds a dropped step's token: the next head row
                                            # takes its last token from the host

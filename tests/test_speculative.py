@@ -38,8 +38,10 @@ class Oracle:
         self.rng = random.Random(seed)
         self.calls = 0
 
-    def __call__(self, tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    def __call__(self, req, k: int, lo: int, hi: int) -> list[int]:
+        """Stands in for scheduler/speculative.py's ngram_drafts: drafts for req's text (truth + assumed tail)."""
         self.calls += 1
+        tokens = req.fill_ids() + req.spec_guess
         for prompt, out in self.truth.items():
             if tuple(tokens[:len(prompt)]) != prompt:
                 continue
@@ -103,7 +105,7 @@ def test_spec_equals_plain_greedy_and_seeded(spec_llm, monkeypatch, loop, drafts
     configure(spec_llm, loop, False)
     plain, plain_outs = outputs(spec_llm, prompts, params)
     truth = {tuple(p): o[0] for p, o in zip(prompts, plain)}
-    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle(truth, garbage=drafts == "garbage"))
+    monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle(truth, garbage=drafts == "garbage"))
     configure(spec_llm, loop, True)
     before = spec_llm.stats()
     spec, spec_outs = outputs(spec_llm, prompts, params)
@@ -141,7 +143,7 @@ def test_stops_inside_accepted_runs(spec_llm, monkeypatch, loop):
     truth = {tuple(p): ref_o.token_ids for p, ref_o in zip(prompts, ref)}
     truth[tuple(prompts[2])] = plain[2][0]
     truth[tuple(prompts[4])] = plain[4][0]
-    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle(truth, wrong=0.0))
+    monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle(truth, wrong=0.0))
     configure(spec_llm, loop, True)
     spec, _ = outputs(spec_llm, prompts, params)
     assert spec == plain
@@ -157,7 +159,7 @@ def test_retraction_and_aborts(tiny_llama, make_llm, monkeypatch, loop):
     plain = run_script(llm, loop, initial, {})
     assert llm.engine.scheduler.retractions > 0
     truth = {tuple(ids): plain[label][0] for label, ids, _ in initial}
-    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle(truth))
+    monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle(truth))
     llm = make_llm(tiny_llama, kv_cache_tokens=260, speculative_config=SPEC)   # fresh admission state
     configure(llm, loop, True)
     spec = run_script(llm, loop, initial, {})
@@ -191,7 +193,7 @@ def test_randomized_mix_both_loops(tiny_qwen2, make_llm, monkeypatch, seed):
         events.setdefault(rng.randrange(1, 6), []).append(("add",) + r)   # steps both runs reach
     configure(llm, "serial", False)
     plain = run_script(llm, "serial", initial, events)
-    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle({tuple(ids): plain[lab][0] for lab, ids, _ in reqs},
+    monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle({tuple(ids): plain[lab][0] for lab, ids, _ in reqs},
                                                          wrong=0.5, seed=seed))
     for loop in LOOPS:
         configure(llm, loop, True, spec_cfg)
@@ -205,7 +207,7 @@ def test_grammar_rows_never_draft(spec_llm, monkeypatch):
     configure(spec_llm, "overlap", False)
     plain, _ = outputs(spec_llm, prompts, params)
     oracle = Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)})
-    monkeypatch.setattr(spec_mod, "propose_ngram", oracle)
+    monkeypatch.setattr(spec_mod, "ngram_drafts", oracle)
     for loop in LOOPS:
         configure(spec_llm, loop, True)
         before = spec_llm.stats()["spec_draft_tokens"]
@@ -228,7 +230,7 @@ def test_penalties_count_per_accepted_token(spec_llm, monkeypatch, loop):
     plain, _ = outputs(spec_llm, prompts, params)
     unpenalized = outputs(spec_llm, prompts[1:2], [greedy(24, ignore_eos=True, logit_bias=bias)])[0]
     assert unpenalized[0][0] == [7] * 24 and len(set(plain[1][0])) > 2 and len(set(plain[0][0])) > 2
-    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
+    monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
     configure(spec_llm, loop, True)
     before = spec_llm.stats()
     assert outputs(spec_llm, prompts, params)[0] == plain
@@ -244,7 +246,7 @@ def test_n_samples_and_adaptive_off(spec_llm, monkeypatch):
     configure(spec_llm, "serial", False)
     plain = spec_llm.generate([prompt], params, use_tqdm=False)[0]
     oracle = Oracle({tuple(prompt): []}, garbage=True)
-    monkeypatch.setattr(spec_mod, "propose_ngram", oracle)
+    monkeypatch.setattr(spec_mod, "ngram_drafts", oracle)
     configure(spec_llm, "serial", True)
     before = spec_llm.stats()["spec_draft_tokens"]
     out = spec_llm.generate([prompt], params, use_tqdm=False)[0]

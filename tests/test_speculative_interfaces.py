@@ -4,11 +4,13 @@ proposer (a draft equal to the target accepts every draft; a random one almost n
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import tandem.scheduler.speculative as spec_mod
 from tandem import LLM, SamplingParams
-from tandem.speculative.ngram import propose_ngram
+from tandem.speculative.ngram import NgramIndex, propose_ngram
 from test_speculative import (LOOPS, QUOTE, SPEC, Oracle, _mixed_workload, assert_logprobs_close, configure,
                               greedy, outputs)
 from test_speculative import spec_llm  # noqa: F401,F811 (a fixture)
@@ -20,6 +22,24 @@ def test_ngram_proposer():
     assert propose_ngram([5, 6, 7], 4, 1, 4) == []
     assert propose_ngram([9, 1, 2, 8, 2], 2, 2, 3) == []                       # a 1-token match is below min
     assert propose_ngram([9, 1, 2, 8, 2], 2, 1, 3) == [8, 2]
+
+
+@pytest.mark.parametrize("vocab", [2, 4, 30, 1000])
+def test_ngram_index_equals_the_scan(vocab):
+    """The scheduler's incremental index proposes what the reference scan does over truth + assumed tail, as
+    prompt and outputs grow and the tail changes every step (small vocabularies: many overlapping matches)."""
+    rng = random.Random(vocab)
+    for _ in range(300):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 6)
+        index = NgramIndex(lo, hi)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        out: list[int] = []
+        for _ in range(rng.randint(1, 10)):
+            out += [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+            tail = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+            k = rng.randint(0, 7)
+            assert index.propose((prompt, out), tail, k) == propose_ngram(prompt + out + tail, k, lo, hi)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -106,7 +126,7 @@ def test_tensor_parallel_ranks_keep_the_accepted_token(tiny_llama, monkeypatch):
         params = [greedy(20, ignore_eos=True), SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)]
         configure(llm, "overlap", False)
         plain, _ = outputs(llm, prompts, params)
-        monkeypatch.setattr(spec_mod, "propose_ngram", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
+        monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
         for loop in LOOPS:
             configure(llm, loop, True)
             assert outputs(llm, prompts, params)[0] == plain

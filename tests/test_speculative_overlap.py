@@ -20,8 +20,8 @@ PARAMS = [greedy(60, ignore_eos=True),
 
 def counters(llm) -> dict:
     s, st = llm.engine.scheduler, llm.stats()
-    return {"ahead": s.spec_ahead_drafts, "dropped": s.spec_ahead_dropped, "runs": sum(s.spec_accepted_hist.values()),
-            "drafted": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"]}
+    return {"ahead": s.spec_ahead_drafts, "dropped": s.spec_ahead_dropped, "syncs": st["spec_syncs"],
+            "runs": sum(s.spec_accepted_hist.values()), "drafted": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"]}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -43,7 +43,7 @@ def plain(llm):
 
 
 def run_spec(llm, monkeypatch, proposer, loop="overlap", prompts=PROMPTS, params=PARAMS):
-    monkeypatch.setattr(spec_mod, "propose_ngram", proposer)
+    monkeypatch.setattr(spec_mod, "ngram_drafts", proposer)
     configure(llm, loop, True)
     before = counters(llm)
     got = outputs(llm, prompts, params)[0]            # leak-checked
@@ -76,7 +76,7 @@ def test_garbage_drafts_stop_picks_ahead(llm, plain, monkeypatch):
 
 def test_serial_loop_never_picks_ahead(llm, plain, monkeypatch):
     got, c = run_spec(llm, monkeypatch, Oracle({tuple(p): o[0] for p, o in zip(PROMPTS, plain)}), loop="serial")
-    assert got == plain and c["ahead"] == c["dropped"] == 0 and c["accepted"] > 0
+    assert got == plain and c["ahead"] == c["dropped"] == c["syncs"] == 0 and c["accepted"] > 0
 
 
 def test_stops_inside_runs_picked_ahead(llm, monkeypatch):
@@ -114,7 +114,7 @@ def test_retraction_and_aborts_with_failed_assumptions(tiny_llama, make_llm, mon
     configure(llm, loop, False)
     plain = run_script(llm, loop, initial, {})
     truth = {tuple(ids): plain[label][0] for label, ids, _ in initial}
-    monkeypatch.setattr(spec_mod, "propose_ngram", Oracle(truth, wrong=0.4))
+    monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle(truth, wrong=0.4))
     llm = make_llm(tiny_llama, kv_cache_tokens=140, poison_future_map=True, speculative_config=SPEC)
     configure(llm, loop, True)
     assert run_script(llm, loop, initial, {}) == plain
@@ -137,6 +137,7 @@ def test_penalized_rows_wait_for_host_truth(llm, monkeypatch):
     got, c = run_spec(llm, monkeypatch, Oracle({tuple(prompts[0]): want[0][0]}, wrong=0.2), prompts=prompts,
                       params=params)
     assert got == want and c["accepted"] > 0 and c["ahead"] == c["dropped"] == 0
+    assert c["syncs"] > 0                       # its drafting steps waited for host truth before the next pick
 
 
 def test_real_model_quoting_picks_ahead():

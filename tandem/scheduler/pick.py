@@ -47,6 +47,7 @@ def pick_batch(s: "Scheduler") -> Batch | None:
     if speculative.must_sync(s):
         # A step picked after a speculative one assumes its runs are accepted whole (scheduler/speculative.py);
         # a request that may not be picked on that assumption needs its accepted count first.
+        s.spec_syncs += 1
         s.process_pending()
     s.finish_idle_aborts()
     if s.grammars is not None:

@@ -75,6 +75,7 @@ class Scheduler:
         # was in flight, and requests whose in-flight rows were dropped because it failed.
         self.spec_ahead_drafts = 0
         self.spec_ahead_dropped = 0
+        self.spec_syncs = 0             # picks that first waited for host truth (the speculative branch's syncs)
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def recv_requests(self) -> None:
@@ -326,6 +327,7 @@ class Scheduler:
             "spec_accepted_tokens": self.spec_accepted_tokens,
             "spec_ahead_drafts": self.spec_ahead_drafts,      # drafting picks made while its previous step ran
             "spec_ahead_dropped": self.spec_ahead_dropped,    # picks ahead whose assumption failed
+            "spec_syncs": self.spec_syncs,      # picks that waited for an in-flight step's results (not assumable)
             # verified runs that accepted a drafts, one flat key per a (replicas' stats are summed key by key)
             **{f"spec_accepted_len_{a}": n for a, n in sorted(self.spec_accepted_hist.items())},
         }

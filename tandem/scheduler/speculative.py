@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..request import Req
-from ..speculative.ngram import propose_ngram
+from ..speculative.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -170,6 +170,7 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
     if blind:
         # A drafting request whose in-flight tokens are not assumed (a plain row's, a bonus the n-gram had no
         # continuation for; the draft model follows host truth): its drafts are proposed from host truth.
+        s.spec_syncs += bool(s.result_queue)
         s.process_pending()
         from .pick import _decode_candidates
         reqs = _decode_candidates(s)
@@ -189,7 +190,7 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
             k = min(want.get(req, 0), room, left(req))
             if k < 1:
                 continue
-            d = propose_ngram(req.fill_ids() + req.spec_guess, k + 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            d = ngram_drafts(req, k + 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if d:
                 drafts[req] = d[:k]
                 if len(d) > k:
@@ -202,6 +203,14 @@ def propose(s: "Scheduler", reqs: list[Req]) -> tuple[list[Req], dict[Req, list[
                     req.spec_probing = False
                     req.spec_probe_gap = min(2 * req.spec_probe_gap, MAX_PROBE_GAP)
     return reqs, drafts, bonus
+
+
+def ngram_drafts(req: Req, k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to k n-gram tokens to follow req's text: host truth (prompt + outputs) and the tokens the overlap loop
+    assumes in flight (spec_guess), from the request's own NgramIndex (built at its first proposal)."""
+    if req.ngram is None:
+        req.ngram = NgramIndex(lookup_min, lookup_max)
+    return req.ngram.propose((req.prompt_ids, req.output_ids), req.spec_guess, k)
 
 
 def _update(req: Req, accepted: int, trials: int) -> None:
