@@ -24,7 +24,6 @@ Measured here, on the machine it runs on:
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/ngram_placement.py   # -> results/ngram_placement.{json,md}
 """
 import argparse
-import json
 import os
 import random
 import statistics
@@ -32,6 +31,7 @@ import time
 
 import torch
 
+from tandem.bench import write_json_md
 from tandem.speculative.ngram import NgramIndex, propose_ngram
 
 
@@ -203,12 +203,7 @@ def main() -> None:
     losses = engine_losses(args.threads, args.rounds, args.output_len)
     out = {"threads": args.threads, "rounds": args.rounds, "output_len": args.output_len, "k": k, "ops": ops,
            "losses": losses, "estimate": estimate(losses, ops)}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    md = render(out)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_json_md(args.out, out, render(out))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,14 @@ def write_json(path: str | None, result: dict) -> None:
         print(f"wrote {path}")
 
 
+def write_json_md(path: str, result: dict, md: str) -> None:
+    """A benchmark's JSON at `path` and its rendered table beside it (.md), printed too."""
+    write_json(path, result)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
 def line(label: str, value: Any, fmt: str = "") -> None:
     """One row of the result blocks: the label padded to 40 columns, as vllm and sglang print them."""
     print("{:<40} {:<10{}}".format(label, value, fmt))
