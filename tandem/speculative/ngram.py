@@ -6,9 +6,10 @@ editing and multi-turn chats that refer back repeat their input, so those drafts
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-from typing import Sequence
 
 
 def propose_ngram(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -36,7 +37,7 @@ class NgramIndex:
     assumes (Req.spec_guess, rewritten or dropped at every step). Truth's windows enter per-n dicts (n-gram ->
     start of its most recent occurrence) once a token follows them; the few windows that end inside the assumed
     tail are more recent than all of those and are scanned first. Memory: one dict entry per token and n
-    (~0.4 KB a token at n = 1..4, under 2 % of a token's KV on SmolLM2)."""
+    (~0.5 KB a token at n = 1..4; a token's bf16 KV on SmolLM2 is 23 KB)."""
 
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lo, self.hi = lookup_min, lookup_max
