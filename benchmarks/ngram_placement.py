@@ -13,9 +13,9 @@ The lag: batch k+1 is picked before the host knows what batch k accepted. The tw
     nothing still runs), and the over-allocated KV.
 
 Measured here, on the machine it runs on:
-  1. the per-step cost of each proposer: the host's propose_ngram on the request's text, and the device op (the
-     table write + a batched torch match over [B, L] token tables, on the device's thread count), checked to
-     propose the same drafts;
+  1. the per-step cost of each proposer: on the host the scheduler's NgramIndex (and the whole-text scan,
+     propose_ngram, it replaced), and the device op (the table write + a batched torch match over [B, L] token
+     tables, on the device's thread count), checked to propose what propose_ngram does;
   2. the optimistic path's losses in the engine per workload (tandem/bench/speculative.py's prompts, overlap
      loop, answers to EOS): decode steps, picks ahead and dropped, syncs, device idle against the same loop with
      speculation off;
@@ -40,7 +40,6 @@ def device_match(table: torch.Tensor, lens: torch.Tensor, k: int, lo: int, hi: i
     tokens after the most recent earlier occurrence of its longest repeating suffix of hi..lo tokens (as
     propose_ngram). Returns drafts [B, k] (-1 past the proposal) and their counts [B]."""
     b, width = table.shape
-    rows = torch.arange(b)
     best = torch.full((b,), -1, dtype=torch.long)          # start of the continuation in the table
     for n in range(hi, lo - 1, -1):
         idx = (lens - n).clamp(min=0)[:, None] + torch.arange(n)

@@ -4,6 +4,7 @@ The offline LLM API and the server's engine process both drive this class.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import threading
@@ -181,11 +182,11 @@ class Engine:
         # keeps a request out of a second in-flight micro-batch: the overlap loop's one-step lag would gather
         # tokens the last stage has not relayed yet.
         loop = "pp" if self.config.pp_size > 1 and self.config.scheduler == "overlap" else self.config.scheduler
+        yields = contextlib.nullcontext()
         if self.config.resolved_backend() == "process":
             from .device.cpu_process import host_yields_to_device
-            with host_yields_to_device():          # the device process goes first on the shared cores
-                LOOPS[loop](self.scheduler, idle or until_done)
-        else:
+            yields = host_yields_to_device()       # the device process goes first on the shared cores
+        with yields:
             LOOPS[loop](self.scheduler, idle or until_done)
 
     def stats(self) -> dict:

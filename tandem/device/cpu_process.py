@@ -55,10 +55,12 @@ def host_yields_to_device():
     CPU time is the same, so TPOT moved within the run's noise. Only a thread under SCHED_OTHER switches (a
     real-time one is left alone), and it gets its policy back after; where the OS refuses, nothing changes."""
     try:
-        if os.sched_getscheduler(0) != os.SCHED_OTHER:
-            raise PermissionError
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        switch = os.sched_getscheduler(0) == os.SCHED_OTHER
+        if switch:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):       # not Linux, or not allowed
+        switch = False
+    if not switch:
         yield
         return
     try:
