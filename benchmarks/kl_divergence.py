@@ -35,6 +35,9 @@ p.add_argument("--greedy", type=int, default=8, help="prompts of the greedy agre
 p.add_argument("--greedy-tokens", type=int, default=64)
 p.add_argument("--kv-dtypes", default="bfloat16,float16,float32",
                help="KV cache dtypes of the int8 runs (comma-separated; the first line is the default's, auto)")
+p.add_argument("--prefill-acts", default="",
+               help="also these prefill_act values (comma-separated, e.g. int8,bf16) with every document one "
+                    "prefill chunk (the long-prompt path: bf16 GEMM + SDPA, not the decode rows')")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                              "kl_divergence.json"))
 cli = p.parse_args()
@@ -43,9 +46,10 @@ kernels.available()               # small_m() asks the loaded library which ISA 
 chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, as a decode step does
 
 
-def engine(act: str, kv: str = "auto") -> LLM:
+def engine(act: str, kv: str = "auto", prefill_act: str = "auto", prefill_chunk: int = chunk) -> LLM:
     return LLM(path, kernels_act=act, kv_cache_dtype=kv, device_backend="inline", device_threads=cli.threads,
-               max_prefill_tokens=chunk, kv_cache_tokens=cli.doc_tokens + 256, prefix_cache=False)
+               max_prefill_tokens=prefill_chunk, kv_cache_tokens=cli.doc_tokens + 256, prefix_cache=False,
+               prefill_act=prefill_act)
 
 
 exact = engine("fp32")
@@ -90,6 +94,12 @@ for kv in cli.kv_dtypes.split(","):
     name = f"tandem int8, {kv} KV" + (" (default)" if getattr(torch, kv) == AUTO_KV_DTYPE else "")
     results[name] = {**summary([teacher_forced_logprobs(llm, d) for d in docs]),
                      "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
+    llm.shutdown()
+for pa in filter(None, cli.prefill_acts.split(",")):
+    llm = engine("int8", prefill_act=pa, prefill_chunk=cli.doc_tokens)
+    assert llm.engine.runner.executor.model.prefill_bf16 == (pa == "bf16")
+    results[f"tandem int8, bf16 KV, whole-document prefill chunks, prefill_act={pa}"] = summary(
+        [teacher_forced_logprobs(llm, d) for d in docs])
     llm.shutdown()
 try:
     from llama_cpp import Llama

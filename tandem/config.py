@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
     kernels_act: str = "int8"           # "int8": quantized linears round x to int8 (16-element halves; decode kernels, int8 GEMM on prefill); "fp32": exact mode
+    prefill_act: str = "auto"           # long prefill chunks' linears and attention: "auto" (bf16 on CPUs with AMX-BF16, else int8), "bf16", "int8" (with kernels_act="int8")
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
     tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
     nnodes: int = 1                     # machines the device ranks span: tp_size / nnodes tp ranks or pp_size / nnodes stages on each
@@ -61,6 +62,11 @@ class EngineConfig:
             raise ValueError(f"kernels must be 'native' or 'torch', got {self.kernels!r}")
         if self.kernels_act not in ("fp32", "int8"):
             raise ValueError(f"kernels_act must be 'fp32' or 'int8', got {self.kernels_act!r}")
+        if self.prefill_act not in ("auto", "bf16", "int8"):
+            raise ValueError(f"prefill_act must be 'auto', 'bf16' or 'int8', got {self.prefill_act!r}")
+        if self.prefill_act != "auto" and (self.kernels_act != "int8" or self.kernels != "native"):
+            raise ValueError(f"prefill_act={self.prefill_act!r} needs kernels='native' and kernels_act='int8': "
+                             f"the exact mode (kernels_act='fp32') keeps every linear and attention in fp32")
         if self.device_backend not in ("auto", "process", "inline"):
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

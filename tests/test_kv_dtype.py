@@ -122,7 +122,9 @@ def test_engine_on_a_low_precision_cache(tiny_llama, tmp_path, make_llm, dtype):
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 101, 7 + i] * (1 + i) for i in range(6)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
-    llm = make_llm(gguf, kv_cache_dtype=dtype)
+    # prefill_act int8: the fresh prefill (126 tokens, one long chunk) and the cache hits (the last token of each)
+    # then run the same linears; under bf16 long chunks they differ by design (tests/test_prefill_bf16.py).
+    llm = make_llm(gguf, kv_cache_dtype=dtype, prefill_act="int8")
     runs = []
     for scheduler in ("serial", "overlap", "overlap"):          # the third run is served by the prefix cache
         llm.engine.config = llm.engine.config.replace(scheduler=scheduler)

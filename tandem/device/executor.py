@@ -45,6 +45,7 @@ class ExecutorSpec:
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
+    prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
@@ -121,8 +122,9 @@ class ModelExecutor:
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
+        bf16 = self.prefill_bf16(rounds, state)
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
-                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp)
+                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16)
         del state
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by.
         self._cascade = (spec.shared_prefix_attention and self.device.type == "cpu"
@@ -146,6 +148,26 @@ class ModelExecutor:
         if rounds and self.spec.kernels_act == "int8" and self.device.type == "cpu":
             return AUTO_KV_DTYPE
         return dtype
+
+    def prefill_bf16(self, rounds: bool, state: dict) -> bool:
+        """Do long prefill chunks run bf16 GEMMs and bf16 attention (prefill_act, LlamaModel)? "auto": yes on a
+        CPU with AMX-BF16 tiles (torch's oneDNN GEMM runs them: 4x the int8 GEMM's rate at 924 rows, and the
+        KL gate of benchmarks/kl_divergence.py holds, benchmarks/results/prefill_bf16.md) where the linears
+        round already (rounds) and their bf16 copies take at most a quarter of the free memory; int8 elsewhere
+        (AVX2 and AVX-512-only CPUs: not measured faster there)."""
+        act = self.spec.prefill_act
+        if act == "int8" or self.spec.kernels_act != "int8":
+            return False
+        if not rounds or self.device.type != "cpu":
+            if act == "bf16":
+                raise ValueError("prefill_act='bf16' needs a quantized (GGUF) model on the CPU with native kernels "
+                                 "and kernels_act='int8'")
+            return False
+        if act == "bf16":
+            return True
+        layer_weights = sum(t.numel() for k, t in state.items() if _stage_layer(k) is not None and len(t.shape) == 2)
+        return (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+                and 2 * layer_weights <= _free_memory_bytes(self.device) // 4)
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -304,7 +326,7 @@ class ModelExecutor:
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
         if p:       # a padded slot still sees its row's first own key, so no row of the cut mask is empty
-            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.dtype), q_index, (tok_row, tok_col),
+            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.extend_dtype), q_index, (tok_row, tok_col),
                                  last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
                              fresh=None if has_prefix else ext_np.tolist())

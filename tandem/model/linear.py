@@ -58,6 +58,19 @@ class QLinear:
                      (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
         self.packed_rows = packed_rows(w.qtype) if q8 and len(self.parts) == 1 else 0
         self.packed = torch.ops.tandem.pack_gemv(w.data, w.qtype, w.k) if self.packed_rows else None
+        self.bf16: torch.Tensor | None = None       # the dequantized weight in bf16 (make_bf16), for bulk()
+
+    def make_bf16(self) -> None:
+        """Keep a bf16 copy of the dequantized weight (2 bytes a weight) for bulk() (prefill_act="bf16")."""
+        self.bf16 = torch.cat([p.dequantize() for p in self.parts]).to(torch.bfloat16).contiguous()
+
+    def bulk(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of a long prefill chunk, x [M, K] fp32 -> [M, N] fp32, by torch's bf16 GEMM (oneDNN: AMX
+        tiles where the CPU has them; 4x the int8 GEMM's rate at 924 rows on a Sapphire Rapids core,
+        benchmarks/results/prefill_bf16.md). x and the output are rounded to bf16 (8 bits of mantissa; the int8
+        path keeps ~7 a 16-element half); sums are fp32 inside oneDNN."""
+        y = F.linear(x.to(torch.bfloat16), self.bf16).float()
+        return y if self.bias is None else y.add_(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, op, data, qtype, k = self._few
@@ -69,6 +82,17 @@ class QLinear:
             return qlinear(x, self.parts[0], self.bias, self.int8_act)
         y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
+
+
+def run_rows(lin: "Linear | QLinear", x: torch.Tensor, bulk_from: int) -> torch.Tensor:
+    """lin(x), where x's rows from bulk_from on (a long prefill chunk's tokens, after a mixed step's decode rows)
+    run lin.bulk() when lin has a bf16 copy; the rows before keep their own path, so a decode row's bits never
+    depend on the prefill it shares a step with."""
+    if getattr(lin, "bf16", None) is None or bulk_from >= x.shape[0]:
+        return lin(x)
+    if bulk_from == 0:
+        return lin.bulk(x)
+    return torch.cat([lin(x[:bulk_from]), lin.bulk(x[bulk_from:])])
 
 
 Weight = "torch.Tensor | QuantWeight | list[QuantWeight]"

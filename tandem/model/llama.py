@@ -19,7 +19,7 @@ from ..kernels.quant import QuantWeight, small_m
 from .cascade import cascade_attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
-from .linear import Linear, QLinear, Weight, cat_rows, linear
+from .linear import Linear, QLinear, Weight, cat_rows, linear, run_rows
 from .shard import TPLayout
 
 _NONE = torch.empty(0, dtype=torch.uint8)       # decode_layer_'s packed entry of a linear without a packed copy
@@ -68,6 +68,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _silu_mul(gate_up: torch.Tensor, many: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of [T, 2I] rows: tandem.silu_mul up to small_m() rows (the linears' threshold: rows up to
+    it are treated alone), torch past it (or `many`): its vectorized exp beats the op's scalar loop there."""
+    if not many and gate_up.shape[0] <= small_m():
+        return torch.ops.tandem.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
@@ -79,11 +88,14 @@ class LlamaModel:
     pp: a pipeline stage (device/pp.py): only its layers (pp.layers), the embedding on the first stage, the
     final norm and LM head on the last; final_hidden receives and sends (hidden, residual) at the stage's ends
     and returns None on every stage but the last.
+    prefill_bf16 (prefill_act="bf16"): the layers' quantized linears keep a bf16 copy, and a long prefill chunk
+    (more than small_m() tokens: the rows that already attend by SDPA, not as decode rows) runs its linears and
+    its attention in bf16 (_bulk_from). Decode rows, verify rows and short chunks keep the int8 kernels.
     """
 
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False, int8_act: bool = False, tp=None, pp=None) -> None:
+                 native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -158,6 +170,25 @@ class LlamaModel:
                 layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts], packed)
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
+        self.prefill_bf16 = bool(prefill_bf16 and native)
+        for layer in self.layers if self.prefill_bf16 else []:
+            for k in ("qkv", "o", "gate_up", "down"):
+                if isinstance(layer[k], QLinear):
+                    layer[k].make_bf16()
+        # Attention of a long prefill chunk (SDPA, cascade) computes in this dtype (cascade masks are made in it)
+        self.extend_dtype = torch.bfloat16 if self.prefill_bf16 else dtype
+
+    def _bulk_from(self, t: int, meta: AttentionMeta) -> int:
+        """The step's first token whose linears run the bf16 GEMM (prefill_bf16): 0 for a prefill step of more
+        than small_m() tokens, a mixed step's first prefill token when its prefill part is that long, else t
+        (none). The same test as _attention's: those are the tokens that attend by SDPA, never bit for bit a
+        decode row (_token_attention's invariant holds only below it)."""
+        if not self.prefill_bf16:
+            return t
+        if meta.parts is not None:
+            rows, m = meta.parts[-1]
+            return rows.start if m.q_index is not None and rows.stop - rows.start > small_m() else t
+        return 0 if meta.q_index is not None and t > small_m() else t
 
     def _rope_table(self, inv_freq: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
@@ -270,6 +301,7 @@ class LlamaModel:
         eps = c.rms_norm_eps
         decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
         fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
+        b0 = self._bulk_from(x.shape[0], meta)                          # rows from b0 on: bf16 linears
         for i, layer in enumerate(self.layers):
             if fused and "blocks" in layer:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)
@@ -278,7 +310,7 @@ class LlamaModel:
                 h = ops.rms_norm(x, layer["attn_norm"], eps)
             else:
                 h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
-            qkv = layer["qkv"](h).contiguous()      # [T, (H + 2 KVH) D]; a no-op (no dispatch) but after Linear's bias add
+            qkv = run_rows(layer["qkv"], h, b0).contiguous()      # [T, (H + 2 KVH) D]; a no-op (no dispatch) but after Linear's bias add
             if c.qk_norm:
                 ops.head_rms_norm_(qkv, layer["qk_norm"], eps)
             cos, sin = self._rope(layer)
@@ -290,20 +322,19 @@ class LlamaModel:
                 hd, kvh = c.head_dim, self.num_kv_heads
                 attn = self._attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
                                        meta)
-            o = self._reduce(layer["o"](attn))
+            o = self._reduce(run_rows(layer["o"], attn, b0))
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
                 h = ops.add_rms_norm_(x, ops.rms_norm(o, layer["post_attn_norm"], eps), layer["mlp_norm"], eps)
             else:
                 h = ops.add_rms_norm_(x, o, layer["mlp_norm"], eps)
-            gate_up = layer["gate_up"](h)                               # [T, 2I]
+            gate_up = run_rows(layer["gate_up"], h, b0)                 # [T, 2I]
             if c.hidden_act == "gelu_tanh":
                 act = ops.gelu_tanh_mul(gate_up)
-            elif x.shape[0] <= small_m():   # the same threshold as the linears': rows up to it are treated alone
-                act = ops.silu_mul(gate_up)
-            else:                       # many rows: torch's vectorized exp beats the scalar loop
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            delta = self._reduce(layer["down"](act))
+            elif b0 >= x.shape[0]:
+                act = _silu_mul(gate_up)
+            else:                       # the rows before b0 as their own step would, the bulk rows by torch
+                act = torch.cat([_silu_mul(gate_up[:b0]), _silu_mul(gate_up[b0:], many=True)])
+            delta = self._reduce(run_rows(layer["down"], act, b0))
             if c.sandwich_norm:
                 delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
         return x, delta
@@ -329,6 +360,9 @@ class LlamaModel:
             return self._decode_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
         if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
             return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
+        if self.extend_dtype != q.dtype:    # a long chunk under prefill_bf16: bf16 SDPA (2-2.3x fp32's rate here)
+            return self._attention(i, q.to(self.extend_dtype), k.to(self.extend_dtype), v.to(self.extend_dtype),
+                                   meta).float()
         keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
         if meta.shared is not None:     # rows on one cached prefix: it once, their own keys after it
             queries = q[meta.q_index].transpose(1, 2)
