@@ -66,7 +66,8 @@ class EngineConfig:
             raise ValueError(f"prefill_act must be 'auto', 'bf16' or 'int8', got {self.prefill_act!r}")
         if self.prefill_act != "auto" and (self.kernels_act != "int8" or self.kernels != "native"):
             raise ValueError(f"prefill_act={self.prefill_act!r} needs kernels='native' and kernels_act='int8': "
-                             f"the exact mode (kernels_act='fp32') keeps every linear and attention in fp32")
+                             f"the exact mode (kernels_act='fp32') and the torch path keep every linear and "
+                             f"attention in fp32")
         if self.device_backend not in ("auto", "process", "inline"):
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

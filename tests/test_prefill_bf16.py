@@ -113,7 +113,8 @@ def test_decode_rows_untouched_by_a_bf16_prefill_in_their_step(q8_gguf, make_llm
     alone = make_llm(q8_gguf, **kw).generate(short, params, use_tqdm=False)
     llm = make_llm(q8_gguf, **kw)
     together = llm.generate(short + long, params, use_tqdm=False)[:3]
-    assert any(d.is_prefill and d.batch_size > 1 for d in llm.engine.recorder.devices)     # mixed steps ran
+    # mixed steps ran: the 3 decoding rows with the long prompt's chunk (the first step has the 3 prompts alone)
+    assert any(d.is_prefill and d.batch_size == 4 and d.num_tokens > 4 for d in llm.engine.recorder.devices)
     for a, b in zip(alone, together):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
@@ -135,3 +136,58 @@ def test_bf16_prefill_logprobs_close_to_the_int8_path(q8_gguf, make_llm):
     d16, d8 = divergence(exact, runs["bf16"]), divergence(exact, runs["int8"])
     assert 0 < d16.kl_mean < 1e-3 and d16.top1_agree > 0.9
     assert d16.kl_mean < 3 * d8.kl_mean + 1e-5
+
+
+@native
+def test_cascade_under_bf16_prefill(q8_gguf, make_llm, monkeypatch):
+    """Rows extending one cached prefix in a long chunk attend it by the cascade in bf16: the first tokens'
+    distributions stay close to the same chunk without the cascade (one bf16 SDPA over the padded layout)."""
+    import tandem.model.llama as llama_mod
+    calls = []
+    real = llama_mod.cascade_attention
+    monkeypatch.setattr(llama_mod, "cascade_attention", lambda q, *a: calls.append(q.dtype) or real(q, *a))
+    prefix = _prompts(1, 150, 7)[0]
+    prompts = [prefix + p for p in _prompts(5, 30, 8)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    got = {}
+    for on in (True, False):
+        llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", shared_prefix_attention=on)
+        llm.generate([prefix + [9]], one, use_tqdm=False)                 # the prefix, cached
+        got[on] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, one, use_tqdm=False)]
+    assert calls and set(calls) == {torch.bfloat16}                      # the cascade ran, in bf16
+    for a, b in zip(got[True], got[False]):
+        common = set(a) & set(b)
+        assert len(common) >= 4
+        assert max(abs(a[t] - b[t]) for t in common) < 0.05
+
+
+@native
+def test_bf16_prefill_keeps_an_fp32_cache_fp32(q8_gguf, make_llm):
+    """K/V are written from fp32 and rounded once by the cache: an fp32 cache under bf16 chunks holds fp32
+    values (not bf16-rounded ones), while the chunk's attention reads them in bf16."""
+    llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", kv_cache_dtype="float32",
+                   prefix_cache=False)
+    data = llm.engine.runner.executor.kv_cache.data
+    assert data.dtype == torch.float32
+    data.zero_()                                       # then only the prefill's K/V are non-zero
+    llm.generate(_prompts(1, 200, 9), SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    used = data[data != 0]
+    assert used.numel() >= 200 * data[0].numel() // 2 and not used.equal(used.bfloat16().float())
+
+
+@native
+def test_bf16_prefill_on_sliding_window_layers(tmp_path, make_llm):
+    """Gemma 3 (sliding-window layers, sandwich norms, GeGLU, head_dim 256) under bf16 chunks: the window masks
+    apply to the bf16 SDPA, and the distributions stay close to the int8 chunk's."""
+    from tandem.bench.accuracy import divergence, teacher_forced_logprobs
+    from tiny_models import make_tiny_model, write_tiny_gguf
+    gguf = str(write_tiny_gguf(tmp_path / "g3.gguf", make_tiny_model(tmp_path / "g3", "gemma3"), quant="Q8_0"))
+    ids = _prompts(1, 200, 10)[0]
+    runs = {}
+    for act in ("int8", "bf16"):
+        llm = make_llm(gguf, device_backend="inline", prefill_act=act, prefix_cache=False)
+        assert llm.engine.runner.executor.model.prefill_bf16 == (act == "bf16")
+        assert any(layer["window"] for layer in llm.engine.runner.executor.model.layers)
+        runs[act] = teacher_forced_logprobs(llm, ids)
+    d = divergence(runs["int8"], runs["bf16"])
+    assert not runs["bf16"].equal(runs["int8"]) and d.kl_mean < 1e-3 and d.top1_agree > 0.9

@@ -63,6 +63,11 @@ def _stage_layer(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
 
 
+def _layer_weights(state: dict) -> int:
+    """Weights of the layers' matrices (the linears prefill_act="bf16" copies)."""
+    return sum(t.numel() for k, t in state.items() if _stage_layer(k) is not None and len(t.shape) == 2)
+
+
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -110,19 +115,20 @@ class ModelExecutor:
         if pp is not None:                  # a stage keeps its own layers' weights only
             state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
         kv_dtype = self.kv_dtype(rounds, dtype)
+        bf16 = self.prefill_bf16(rounds, state)
         bytes_per_slot = 2 * num_layers * layout.kv_heads * c.head_dim * kv_dtype.itemsize
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
             weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
             free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
+            free -= 2 * _layer_weights(state) if bf16 else 0      # the bf16 copies the model is about to make
             num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
             if tp is not None or pp is not None:   # slot ids come from one scheduler: every rank holds them all
                 num_slots = (tp or pp).min_int(num_slots)
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
-        bf16 = self.prefill_bf16(rounds, state)
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16)
         del state
@@ -165,9 +171,11 @@ class ModelExecutor:
             return False
         if act == "bf16":
             return True
-        layer_weights = sum(t.numel() for k, t in state.items() if _stage_layer(k) is not None and len(t.shape) == 2)
-        return (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
-                and 2 * layer_weights <= _free_memory_bytes(self.device) // 4)
+        yes = (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+               and 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
+        group = self.tp or self.pp
+        # Every tp rank and pipeline stage decides alike (a rank on another CPU or with less memory says no for all)
+        return bool(group.min_int(int(yes))) if group is not None else yes
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)

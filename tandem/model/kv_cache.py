@@ -94,9 +94,12 @@ class StepKV:
         self._view = buf.view(b, lk, *shape[1:])
         self._first = layer
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's new k, v ([T, KVH, D]) to the cache and the view; return keys, values of the layer."""
-        dtype = k.dtype
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new k, v ([T, KVH, D]) to the cache and the view; return keys, values of the layer
+        in `dtype` (default k's: the attention's; prefill_act="bf16" asks for bf16 while k, v are written from
+        fp32, so the cache rounds them once, whatever its dtype)."""
+        dtype = k.dtype if dtype is None else dtype
         data = self.cache.data
         if k.dtype != data.dtype:             # a bf16/fp16 cache: round once, write the same bits to both
             k, v = k.to(data.dtype), v.to(data.dtype)

@@ -86,8 +86,8 @@ class QLinear:
 
 def run_rows(lin: "Linear | QLinear", x: torch.Tensor, bulk_from: int) -> torch.Tensor:
     """lin(x), where x's rows from bulk_from on (a long prefill chunk's tokens, after a mixed step's decode rows)
-    run lin.bulk() when lin has a bf16 copy; the rows before keep their own path, so a decode row's bits never
-    depend on the prefill it shares a step with."""
+    run lin.bulk() when lin has a bf16 copy; the rows before keep their own path, so a decode row's bits do not
+    depend on the long prefill chunk it shares a step with."""
     if getattr(lin, "bf16", None) is None or bulk_from >= x.shape[0]:
         return lin(x)
     if bulk_from == 0:

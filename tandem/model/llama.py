@@ -9,8 +9,6 @@ or the key range the decode kernel reads (native path) starts W positions back.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -20,37 +18,10 @@ from .cascade import cascade_attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, linear, run_rows
+from .rope import apply_rope, rope_inv_freq
 from .shard import TPLayout
 
 _NONE = torch.empty(0, dtype=torch.uint8)       # decode_layer_'s packed entry of a linear without a packed copy
-
-
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """RoPE frequencies of the model's global layers, or (local) of its sliding layers: their own base
-    (rope_local_theta, gemma3) and no scaling."""
-    dim = config.head_dim
-    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = None if local and config.rope_local_theta else config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,13 +30,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _silu_mul(gate_up: torch.Tensor, many: bool = False) -> torch.Tensor:
@@ -330,8 +294,8 @@ class LlamaModel:
             gate_up = run_rows(layer["gate_up"], h, b0)                 # [T, 2I]
             if c.hidden_act == "gelu_tanh":
                 act = ops.gelu_tanh_mul(gate_up)
-            elif b0 >= x.shape[0]:
-                act = _silu_mul(gate_up)
+            elif b0 >= x.shape[0] or b0 == 0:
+                act = _silu_mul(gate_up, many=b0 == 0)
             else:                       # the rows before b0 as their own step would, the bulk rows by torch
                 act = torch.cat([_silu_mul(gate_up[:b0]), _silu_mul(gate_up[b0:], many=True)])
             delta = self._reduce(run_rows(layer["down"], act, b0))
@@ -360,14 +324,13 @@ class LlamaModel:
             return self._decode_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
         if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
             return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
-        if self.extend_dtype != q.dtype:    # a long chunk under prefill_bf16: bf16 SDPA (2-2.3x fp32's rate here)
-            return self._attention(i, q.to(self.extend_dtype), k.to(self.extend_dtype), v.to(self.extend_dtype),
-                                   meta).float()
-        keys, values = meta.kv.store(i, k, v)                            # [B, KVH, Lk, D]
+        out_dtype = q.dtype             # a long chunk under prefill_bf16 attends in bf16 (2-2.3x fp32 SDPA's rate)
+        keys, values = meta.kv.store(i, k, v, self.extend_dtype)        # [B, KVH, Lk, D]
+        q = q.to(self.extend_dtype)
         if meta.shared is not None:     # rows on one cached prefix: it once, their own keys after it
             queries = q[meta.q_index].transpose(1, 2)
             return cascade_attention(q, meta.shared.keys_values(meta.kv.cache.data, i, q.dtype), queries, keys,
-                                     values, meta.mask, meta.token_rc, self.scale)
+                                     values, meta.mask, meta.token_rc, self.scale).to(out_dtype)
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
         else:
@@ -379,7 +342,7 @@ class LlamaModel:
             mask = meta.window_mask(window) if window else meta.mask
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=True)
-        out = out.transpose(1, 2)                                       # [B, Lq, H, D]
+        out = out.transpose(1, 2).to(out_dtype)                         # [B, Lq, H, D]
         if meta.token_rc is None:
             return out.reshape(q.shape[0], -1)                          # [T, H*D]
         rows, cols = meta.token_rc
