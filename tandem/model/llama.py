@@ -32,13 +32,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def _silu_mul(gate_up: torch.Tensor, many: bool = False) -> torch.Tensor:
-    """SiLU(gate) * up of [T, 2I] rows: tandem.silu_mul up to small_m() rows (the linears' threshold: rows up to
-    it are treated alone), torch past it (or `many`): its vectorized exp beats the op's scalar loop there."""
-    if not many and gate_up.shape[0] <= small_m():
-        return torch.ops.tandem.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def _silu_mul(gate_up: torch.Tensor, bulk_from: int) -> torch.Tensor:
+    """SiLU(gate) * up of [T, 2I] rows, split as run_rows splits the linears: the rows before bulk_from as their
+    own step would run them (tandem.silu_mul up to small_m() rows, the linears' threshold: rows up to it are
+    treated alone; torch past it, whose vectorized exp beats the op's scalar loop), the rows from it by torch."""
+    def own(g: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tandem.silu_mul(g) if g.shape[0] <= small_m() else bulk(g)
+
+    def bulk(g: torch.Tensor) -> torch.Tensor:
+        gate, up = g.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    if bulk_from >= gate_up.shape[0]:
+        return own(gate_up)
+    if bulk_from == 0:
+        return bulk(gate_up)
+    return torch.cat([own(gate_up[:bulk_from]), bulk(gate_up[bulk_from:])])
 
 
 class LlamaModel:
@@ -294,10 +303,8 @@ class LlamaModel:
             gate_up = run_rows(layer["gate_up"], h, b0)                 # [T, 2I]
             if c.hidden_act == "gelu_tanh":
                 act = ops.gelu_tanh_mul(gate_up)
-            elif b0 >= x.shape[0] or b0 == 0:
-                act = _silu_mul(gate_up, many=b0 == 0)
-            else:                       # the rows before b0 as their own step would, the bulk rows by torch
-                act = torch.cat([_silu_mul(gate_up[:b0]), _silu_mul(gate_up[b0:], many=True)])
+            else:
+                act = _silu_mul(gate_up, b0)
             delta = self._reduce(run_rows(layer["down"], act, b0))
             if c.sandwich_norm:
                 delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
