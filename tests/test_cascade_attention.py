@@ -1,5 +1,6 @@
 """Shared-prefix (cascade) attention in the native decode op (csrc/decode_attention_shared.inc): rows whose keys
-start with the same KV slots read them once for all. Its invariant is that it changes no bit: every row's
+start with the same KV slots read them once for all, up to 8 rows of a chunk attending it together (each K and
+V row loaded and widened once for all their query heads). Its invariant is that it changes no bit: every row's
 output equals, bit for bit, the op with sharing off, the row attended alone and the row at another thread
 count; and it equals the torch reference (gather, then SDPA). Checked with several sharing groups in one
 batch, rows that branch off a common prefix, a row whose slots are a prefix of another's (a verify step),
@@ -57,6 +58,8 @@ BATCHES = {
                                 (2, 2000, 90), (0, 900, 60), (4, 5, 1), (2, 2000, 2000)],
     "branching": [(0, 700, 1), (0, 256, 300), (0, 256, 301), (0, 64, 30), (0, 1000, 5)],
     "long": [(0, 4000, 1), (0, 4000, 30), (0, 3000, 96)],
+    # more rows on one prefix than a shared task carries (MAX_SHARED_ROWS = 8): a chunk's rows split over tasks
+    "many rows": [(0, 600, 1 + 3 * i) for i in range(19)] + [(1, 200, 5), (1, 200, 70)],
 }
 
 

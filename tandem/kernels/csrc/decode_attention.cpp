@@ -21,16 +21,17 @@
 //   out      fp32 [B, H D]
 //
 // Scores of a tile: W keys at a time, one accumulator register each, and one transposing reduction for their W
-// sums (score_tile); values: 4 registers of the output held across the tile (value_tile); query heads of a KV
-// head in pairs, so a K or V row is loaded (and widened) once for two (score_tile2 / value_tile2, the same
-// bits as one head at a time). Measured, one thread (process time, loaded machine): 1.4-1.8x less time than a
-// dot with its own horizontal sum per key and an axpy per key (batch 64 x ~130 keys, 32 rows x 930, batch 1 x
-// 2k; fp32 and bf16 caches); at 2 threads the batch-64 step's attention 33.2 -> 21.1 ms (kv_cascade.md).
+// sums; values: 4 registers of the output held across the tile; a K or V row is loaded (and widened) once for
+// every query head of its KV head, and in a shared-prefix task for those of every row (score_block /
+// value_block, each score and output element the same bits as one query at a time). Measured, one thread
+// (process time, loaded machine): 1.4-1.8x less time than a dot with its own horizontal sum per key and an axpy
+// per key (batch 64 x ~130 keys, 32 rows x 930, batch 1 x 2k; fp32 and bf16 caches); at 2 threads the
+// batch-64 step's attention 33.2 -> 21.1 ms (kv_cascade.md).
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
-// Thread split: at::parallel_for over tasks (row, chunk of its keys; or several rows' same chunk of shared
-// slots, run one row after the other: decode_attention_shared.inc). A task keeps per query head a running
-// max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A row whose keys are
+// Thread split: over tasks (row, chunk of its keys; or up to MAX_SHARED_ROWS rows' same chunk of shared slots,
+// attended together: decode_attention_shared.inc), by count or from one counter (attend_rows). A task keeps per query head
+// a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A row whose keys are
 // one chunk writes its normalized output at once; otherwise each chunk leaves its partial [H, D] and (max,
 // sum) per head, and the task that finishes a row's last chunk merges them in chunk order with their
 // log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
@@ -47,6 +48,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -63,6 +65,8 @@ static int64_t row_chunk(int64_t n) {
   return (c + TILE - 1) / TILE * TILE;
 }
 constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
+constexpr int64_t MAX_SHARED_ROWS = 8;  // rows of a shared-prefix task (more are split over several: their states
+                                        // and queries stay within L1 / L2)
 
 struct AttnArgs {
   const float* q; const void* cache; const int64_t* kv_index; const int64_t* seq_lens;   // cache: float/bf16/fp16
@@ -71,13 +75,18 @@ struct AttnArgs {
   int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
 };
 
+// A thread's working memory for attend (decode_attention_body.inc) over tasks of up to R rows.
+struct Scratch {
+  std::vector<float> f;                                  // queries [R, H, D], scores [R, H, TILE], ml_own
+  std::vector<const float*> in;                          // per KV head: R G query (then probability) rows
+  std::vector<float*> out;                               // and their score (then output) rows
+  float* ml_own;                                         // [H, 2] an unsplit row's (max, sum)
+  Scratch(int64_t R, int64_t H, int64_t D)
+      : f((size_t)(R * H * (D + TILE) + 2 * H)), in((size_t)(R * H)), out((size_t)(R * H)),
+        ml_own(f.data() + R * H * (D + TILE)) {}
+};
+
 namespace scalar {
-template <typename T>
-static float dot(const float* a, const T* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
-  return s;
-}
 template <typename T>
 static void axpy(float* y, float a, const T* x, int64_t n) {   // y += a * x
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
@@ -96,24 +105,21 @@ static float exp_sum(float* s, int64_t n, float mx) {             // s[j] = exp(
   return sum;
 }
 template <typename T>
-static void score_tile(const float* q, const T* const* k, int64_t n, int64_t D, float* s) {
-  for (int64_t j = 0; j < n; ++j) s[j] = dot(q, k[j], D);
+static float dot(const float* a, const T* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+template <typename T>   // s[c][j] = q[c] . k[j] for nq queries and the n keys of a tile
+static void score_block(const float* const* q, int64_t nq, const T* const* k, int64_t n, int64_t D, float* const* s) {
+  for (int64_t c = 0; c < nq; ++c)
+    for (int64_t j = 0; j < n; ++j) s[c][j] = dot(q[c], k[j], D);
 }
 template <typename T>
-static void value_tile(float* acc, const float* p, const T* const* v, int64_t n, int64_t D) {
-  for (int64_t j = 0; j < n; ++j) axpy(acc, p[j], v[j], D);
-}
-template <typename T>
-static void score_tile2(const float* q0, const float* q1, const T* const* k, int64_t n, int64_t D, float* s0,
-                        float* s1) {
-  score_tile(q0, k, n, D, s0);
-  score_tile(q1, k, n, D, s1);
-}
-template <typename T>
-static void value_tile2(float* acc0, float* acc1, const float* p0, const float* p1, const T* const* v, int64_t n,
-                        int64_t D) {
-  value_tile(acc0, p0, v, n, D);
-  value_tile(acc1, p1, v, n, D);
+static void value_block(float* const* acc, const float* const* p, int64_t nq, const T* const* v, int64_t n,
+                        int64_t D) {                              // acc[c] += p[c][j] v[j] over the tile's keys
+  for (int64_t c = 0; c < nq; ++c)
+    for (int64_t j = 0; j < n; ++j) axpy(acc[c], p[c][j], v[j], D);
 }
 #include "decode_attention_body.inc"
 }  // namespace scalar
@@ -161,7 +167,8 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
 }
 
-using AttendFn = void (*)(const AttnArgs&, int64_t, int64_t, int64_t, float*, float*, float*, bool);
+using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, int64_t, int64_t, float* const*, float* const*,
+                         Scratch&, bool);
 template <typename T>
 static AttendFn attend_for(Isa isa) {
   return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
@@ -198,41 +205,66 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   Plan plan;
   if (shared_prefix_on() && B > 1 && chunks > B) plan_shared(a, start, chunk, first, plan);
   plan_rest(a, start, chunk, first, plan);
-  std::vector<float> part_acc, part_ml;                  // [chunks, H, D], [chunks, H, 2]
+  // [chunks, H, D], [chunks, H, 2]: every partial is written (attend starts it) before it is read, so no zeroing
+  std::unique_ptr<float[]> part_acc, part_ml;
   if (chunks > B) {
-    part_acc.resize((size_t)chunks * H * D);
-    part_ml.resize((size_t)chunks * H * 2);
+    part_acc.reset(new float[(size_t)chunks * H * D]);
+    part_ml.reset(new float[(size_t)chunks * H * 2]);
   }
   std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
   for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
   const AttendFn attend = pick_attend(resolve_isa(isa_req), kv);
-  float* pacc = part_acc.data();
-  float* pml = part_ml.data();
+  float* pacc = part_acc.get();
+  float* pml = part_ml.get();
   // A task of R rows over one chunk of the same slots runs them one after the other: the chunk's K and V (64-128
   // keys, 48-96 KB in fp32) come from memory for the first row and from cache for the others, and each row's
   // state stays in L1 (a tile-by-tile order across the rows was within noise of it at 32 rows on a loaded
   // machine, and 1.6x slower at 1,000 rows, whose states no longer fit in cache).
-  auto run = [&](const Task& t, std::vector<float>& scratch) {
+  // A task's R rows attend its chunk together, tile by tile (decode_attention_body.inc): the chunk's K and V come
+  // from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are the bits
+  // it gets alone. A row's chunks that are split leave partials, merged by the task finishing its last one.
+  auto run = [&](const Task& t, Scratch& scratch) {
+    const int64_t* rows = plan.members.data() + t.m0;
+    float* accs[MAX_SHARED_ROWS];
+    float* mls[MAX_SHARED_ROWS];
     for (int64_t r = 0; r < t.R; ++r) {
-      const int64_t b = plan.members[t.m0 + r], n = first[b + 1] - first[b];
-      float* orow = o + b * H * D;
-      if (n == 1) {                                      // unsplit (never shared): normalize in place
-        float* ml_own = scratch.data() + H * (D + TILE);
-        attend(a, b, t.k0, t.k1, orow, ml_own, scratch.data(), true);
-        for (int64_t i = 0; i < H; ++i)
-          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= ml_own[2 * i + 1];
-        continue;
+      const int64_t b = rows[r], n = first[b + 1] - first[b];
+      if (n == 1) {                                      // unsplit (never shared): normalized in place below
+        accs[r] = o + b * H * D;
+        mls[r] = scratch.ml_own;
+      } else {
+        accs[r] = pacc + (first[b] + t.j) * H * D;
+        mls[r] = pml + (first[b] + t.j) * H * 2;
       }
-      const int64_t c = first[b] + t.j;
-      attend(a, b, t.k0, t.k1, pacc + c * H * D, pml + c * H * 2, scratch.data(), r == 0);
-      if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1)      // the row's last chunk: merge
+    }
+    attend(a, rows, t.R, t.k0, t.k1, accs, mls, scratch, true);
+    for (int64_t r = 0; r < t.R; ++r) {
+      const int64_t b = rows[r], n = first[b + 1] - first[b];
+      float* orow = o + b * H * D;
+      if (n == 1) {
+        for (int64_t i = 0; i < H; ++i)
+          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= scratch.ml_own[2 * i + 1];
+      } else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {   // the row's last chunk: merge
         merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
+      }
     }
   };
-  const std::vector<int64_t> cuts = plan.cuts(at::get_num_threads());
-  at::parallel_for(0, (int64_t)cuts.size() - 1, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scratch((size_t)H * (D + TILE + 2));
-    for (int64_t t = cuts[p0]; t < cuts[p1]; ++t) run(plan.tasks[t], scratch);
+  // Without shared tasks parallel_for splits the tasks by count (a row's chunks stay with one thread). With them
+  // the threads take tasks in plan order from one counter until none is left: a shared task of R rows costs
+  // less than R one-row tasks over the same keys, so a split fixed in advance left one thread waiting (~15 % of
+  // a 32-row shared-prefix step's attention at 2 threads). Which thread runs a task never changes a bit.
+  const int64_t ntasks = (int64_t)plan.tasks.size();
+  if (!plan.any_shared) {
+    at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
+      Scratch scratch(1, H, D);
+      for (int64_t t = t0; t < t1; ++t) run(plan.tasks[t], scratch);
+    });
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), ntasks), 1, [&](int64_t, int64_t) {
+    Scratch scratch(MAX_SHARED_ROWS, H, D);
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) run(plan.tasks[t], scratch);
   });
 }
 
