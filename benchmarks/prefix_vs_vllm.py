@@ -1,5 +1,7 @@
 """tandem next to vLLM's CPU build on the prefix-cache and long-prompt workloads of issue 10, back to back in
-one run (interleaved rounds, alternating which engine goes first), same token-id prompts, greedy, ignore_eos:
+one run (interleaved rounds, alternating which engine goes first, --settle seconds of pause before each run),
+same token-id prompts, greedy, ignore_eos. The idle vLLM server's CPU time during each tandem run is recorded
+(vllm_cpu_s_meanwhile: 0.06-0.09 s of a 5-6 s shared-prefix run when measured, so the idle peer does not compete).
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/prefix_vs_vllm.py --vllm-python V/bin/python
 
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload (median taken)")
     ap.add_argument("--json", default=None, help="write every round's figures here")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds of pause before each timed run (the machine "
+                    "settles after the other engine's run)")
     args = ap.parse_args()
     workloads = args.workloads.split(",")
     bad = [w for w in workloads if w not in WORKLOADS]
@@ -110,11 +114,17 @@ def main() -> None:
                 work = requests_for(w, vocab, r + 1)
                 order = ("tandem", "vllm") if r % 2 == 0 else ("vllm", "tandem")
                 for engine in order:
+                    time.sleep(args.settle)
+                    peer_cpu = server.cpu_seconds()
                     wall, n_in, n_out = (run_tandem(llm, w, work) if engine == "tandem"
                                          else run_vllm(server, w, work))
-                    rows[engine].append({"wall_s": wall, "input_tokens": n_in, "output_tokens": n_out,
-                                         "output_tok_s": n_out / wall})
-                    print(f"{w} round {r} {engine}: {wall:.2f} s, {n_out / wall:.1f} output tok/s", flush=True)
+                    row = {"wall_s": wall, "input_tokens": n_in, "output_tokens": n_out, "output_tok_s": n_out / wall}
+                    if engine == "tandem":                   # the idle peer's CPU time while tandem ran
+                        row["vllm_cpu_s_meanwhile"] = round(server.cpu_seconds() - peer_cpu, 3)
+                    rows[engine].append(row)
+                    print(f"{w} round {r} {engine}: {wall:.2f} s, {n_out / wall:.1f} output tok/s"
+                          + (f" (vLLM used {row['vllm_cpu_s_meanwhile']:.2f} CPU s meanwhile)" if engine == "tandem"
+                             else ""), flush=True)
             med = {e: statistics.median(x["wall_s"] for x in v) for e, v in rows.items()}
             out["workloads"][w] = {"rounds": rows, "median_wall_s": med,
                                    "tandem_over_vllm": med["vllm"] / med["tandem"]}

@@ -172,6 +172,32 @@ class VllmServer:
         self.close()
         raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f} s: {self._log_tail()}")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server's process tree has used so far (Linux /proc; 0 elsewhere): taken
+        around the other engine's runs, it shows whether the idle server still competed for the cores."""
+        if self.proc is None:
+            return 0.0
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        parent, used = {}, {}
+        for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d)] = int(fields[1])                      # after "pid (comm)": state, ppid, ...
+            used[int(d)] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+        total = 0.0
+        for pid, t in used.items():
+            p = pid
+            while p in parent and p != self.proc.pid:
+                p = parent[p]
+            if p == self.proc.pid:
+                total += t
+        return total
+
     def _log_tail(self, n: int = 1500) -> str:
         try:
             with open(self.log_path, errors="replace") as f:
