@@ -30,10 +30,10 @@
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
 // Thread split: over tasks (row, chunk of its keys; or up to MAX_SHARED_ROWS rows' same chunk of shared slots,
-// attended together: decode_attention_shared.inc), by count or from one counter (attend_rows). A task keeps per query head
-// a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A row whose keys are
-// one chunk writes its normalized output at once; otherwise each chunk leaves its partial [H, D] and (max,
-// sum) per head, and the task that finishes a row's last chunk merges them in chunk order with their
+// attended together: decode_attention_shared.inc), by count or from one counter (attend_rows). A task keeps per
+// query head a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A
+// row whose keys are one chunk writes its normalized output at once; otherwise each chunk leaves its partial
+// [H, D] and (max, sum) per head, and the task that finishes a row's last chunk merges them in chunk order with their
 // log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
 // Batch invariance: a row's chunk size is a function of its own key count only (about 16 chunks, at least
 // MIN_CHUNK keys, whole tiles), so its summation order never depends on the other rows of the batch or the
@@ -168,7 +168,7 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
 }
 
 using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, int64_t, int64_t, float* const*, float* const*,
-                         Scratch&, bool);
+                         Scratch&);
 template <typename T>
 static AttendFn attend_for(Isa isa) {
   return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
@@ -237,7 +237,7 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
         mls[r] = pml + (first[b] + t.j) * H * 2;
       }
     }
-    attend(a, rows, t.R, t.k0, t.k1, accs, mls, scratch, true);
+    attend(a, rows, t.R, t.k0, t.k1, accs, mls, scratch);
     for (int64_t r = 0; r < t.R; ++r) {
       const int64_t b = rows[r], n = first[b + 1] - first[b];
       float* orow = o + b * H * D;
