@@ -33,8 +33,8 @@
 // attended together: decode_attention_shared.inc), by count or from one counter (attend_rows). A task keeps per
 // query head a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A
 // row whose keys are one chunk writes its normalized output at once; otherwise each chunk leaves its partial
-// [H, D] and (max, sum) per head, and the task that finishes a row's last chunk merges them in chunk order with their
-// log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
+// [H, D] and (max, sum) per head, and the task that finishes a row's last chunk merges them in chunk order with
+// their log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
 // Batch invariance: a row's chunk size is a function of its own key count only (about 16 chunks, at least
 // MIN_CHUNK keys, whole tiles), so its summation order never depends on the other rows of the batch or the
 // thread count. The int8-activation linears round x to integers, which turns any last-bit difference into a
@@ -216,20 +216,18 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   const AttendFn attend = pick_attend(resolve_isa(isa_req), kv);
   float* pacc = part_acc.get();
   float* pml = part_ml.get();
-  // A task of R rows over one chunk of the same slots runs them one after the other: the chunk's K and V (64-128
-  // keys, 48-96 KB in fp32) come from memory for the first row and from cache for the others, and each row's
-  // state stays in L1 (a tile-by-tile order across the rows was within noise of it at 32 rows on a loaded
-  // machine, and 1.6x slower at 1,000 rows, whose states no longer fit in cache).
   // A task's R rows attend its chunk together, tile by tile (decode_attention_body.inc): the chunk's K and V come
-  // from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are the bits
-  // it gets alone. A row's chunks that are split leave partials, merged by the task finishing its last one.
+  // from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are the
+  // bits it gets alone. R is at most MAX_SHARED_ROWS, so the rows' states stay in cache (a tile-by-tile order
+  // over all of a chunk's rows was 1.6x slower at 1,000 rows, whose states no longer fit). A row's chunks that
+  // are split leave partials, merged by the task finishing its last one.
   auto run = [&](const Task& t, Scratch& scratch) {
     const int64_t* rows = plan.members.data() + t.m0;
     float* accs[MAX_SHARED_ROWS];
     float* mls[MAX_SHARED_ROWS];
     for (int64_t r = 0; r < t.R; ++r) {
       const int64_t b = rows[r], n = first[b + 1] - first[b];
-      if (n == 1) {                                      // unsplit (never shared): normalized in place below
+      if (n == 1) {      // unsplit: never shared (plan_shared takes rows of >= 2 chunks), so the task's only row
         accs[r] = o + b * H * D;
         mls[r] = scratch.ml_own;
       } else {
