@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..kernels.quant import INT8_ACT_QTYPES, small_m
 from ..model.cascade import SharedPrefix, additive, shared_prefix
 from ..model.kv_cache import AttentionMeta, PagedKVCache
@@ -171,7 +172,9 @@ class ModelExecutor:
             return False
         if act == "bf16":
             return True
+        # TANDEM_ISA=avx2 (kernels.isa() below AVX-512) caps this choice too, so such a run is the AVX2 engine's
         yes = (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+               and kernels.available() and kernels.isa() == "avx512"
                and 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
         group = self.tp or self.pp
         # Every tp rank and pipeline stage decides alike (a rank on another CPU or with less memory says no for all)

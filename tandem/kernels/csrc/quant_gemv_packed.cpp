@@ -184,6 +184,91 @@ TPK2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, c
   }
 }
 
+// The AVX2 body for more rows of x (past kAvx2PairRows): one half of a group (output rows 8 s .. 8 s + 7, one ymm)
+// against MT rows of x, so a half's 4 weight vectors are unpacked once for MT rows (tile_avx2 unpacks all 8 for
+// every 2 rows: a quarter of its work at many rows) and the MT fp32 chains overlap. The same integer sums and
+// the same fp32 operations in the same order as tile_avx2 (so the same bits).
+template <int64_t QT, int MT>
+TPK2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias, float* y,
+                         int64_t ldy, int64_t n, int64_t N, int s) {
+  constexpr int64_t QB = quant_bytes(QT);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  __m256 f[MT];
+  for (int j = 0; j < MT; ++j) f[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = gp + b * QB + 32 * s;
+    const uint8_t* sc = gp + nb * QB + 32 * b + 16 * s;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
+    __m256 mn = _mm256_setzero_ps();
+    if constexpr (QT == kQ4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 * nb)));
+    for (int h = 0; h < 2; ++h) {
+      const int64_t u = 2 * b + h;
+      __m256i w[4], aw[4];
+      for (int p = 0; p < 4; ++p) {
+        if constexpr (QT == kQ8_0) {
+          w[p] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + 64 * (4 * h + p))), flip);
+          aw[p] = _mm256_abs_epi8(w[p]);
+        } else {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
+          w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+        }
+      }
+      for (int j = 0; j < MT; ++j) {
+        const int64_t m = m0 + j;
+        const int8_t* xb = x.q + m * x.K + 32 * b + 16 * h;
+        __m256i acc;
+        if constexpr (QT == kQ8_0) {
+          acc = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) {
+            int32_t xv;
+            std::memcpy(&xv, xb + 4 * p, 4);
+            const __m256i pr = _mm256_maddubs_epi16(aw[p], _mm256_sign_epi8(_mm256_set1_epi32(xv), w[p]));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));
+          }
+        } else {
+          __m256i s16 = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) {
+            int32_t xv;
+            std::memcpy(&xv, xb + 4 * p, 4);
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv)));
+          }
+          acc = _mm256_madd_epi16(s16, ones);
+          if constexpr (QT == kQ4_0) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
+        }
+        f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), d), f[j]);
+        if constexpr (QT == kQ4_1) f[j] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mn, f[j]);
+      }
+    }
+  }
+  const int nr = (int)std::min<int64_t>(8, N - n);
+  for (int j = 0; j < MT; ++j) {
+    float* yr = y + (m0 + j) * ldy + n;
+    if (nr == 8 && !bias) {
+      _mm256_storeu_ps(yr, f[j]);
+      continue;
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, f[j]);
+    for (int i = 0; i < nr; ++i) yr[i] = bias ? out[i] + bias[n + i] : out[i];
+  }
+}
+
+// Rows of x a tile_avx2_rows call takes: Q4's 4 weight vectors leave registers for 6 fp32 chains, Q8_0's
+// 8 (the signed quants and their magnitudes) for 5 (measured best, TANDEM_ISA=avx2 on a Sapphire Rapids core:
+// 4, 5, 6 and 8 tried; 16 ymm registers either way).
+template <int64_t QT>
+constexpr int kAvx2Rows = QT == kQ8_0 ? 5 : 6;
+
+// Rows m0 .. M - 1 of x against half s of a group, MT rows a tile and the last < MT by narrower ones.
+template <int64_t QT, int MT>
+void rows_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, int64_t M, const float* bias, float* y,
+               int64_t n, int64_t N, int s) {
+  for (; M - m0 >= MT; m0 += MT) tile_avx2_rows<QT, MT>(gp, nb, x, m0, bias, y, N, n, N, s);
+  if constexpr (MT > 1) {
+    if (M > m0) rows_avx2<QT, MT - 1>(gp, nb, x, m0, M, bias, y, n, N, s);
+  }
+}
+
 // Groups g0 .. g1 - 1 against every row of x: rows 4 at a time over one group; fewer than 4 rows take 2 or 4
 // groups at a time (GT), where that many are left.
 template <int64_t QT>
@@ -192,6 +277,13 @@ void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows
   for (int64_t g = g0; g < g1;) {
     const uint8_t* gp = wp + g * gbytes;
     const int64_t n0 = g * kG, left = g1 - g;
+    if (body == 1 && M > 2) {
+      for (int s = 0; s < 2 && n0 + 8 * s < N; ++s) {
+        rows_avx2<QT, kAvx2Rows<QT>>(gp, nb, x, 0, M, bias, y, n0 + 8 * s, N, s);
+      }
+      g += 1;
+      continue;
+    }
     if (body == 1) {                       // AVX2: a group at a time, rows of x 2 at a time (16 ymm registers)
       for (int64_t m0 = 0; m0 < M; m0 += 2) {
         if (M - m0 >= 2) tile_avx2<QT, 2>(gp, nb, x, m0, bias, y, N, n0, N);
@@ -234,12 +326,15 @@ int packed_body(int64_t isa_req) {
 // same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one thread, an
 // Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x qgemv_q8 at 1-16 rows and
 // 1.2-2.2x qgemm_q8's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past 256); the AVX2
-// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows and ahead of the AVX2 GEMM up to 32,
-// behind it at 64.
+// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows, and with tile_avx2_rows past 2 rows
+// 1.0-2.8x the AVX2 GEMM at every row count measured (3-2048: results/packed_gemv_avx2_rows.md), so on AVX2 it
+// takes every row count, prefill chunks included (kAllRows).
+constexpr int64_t kAllRows = int64_t(1) << 40;
+
 int64_t qgemv_packed_rows(int64_t qtype) {
   if (!packable(qtype)) return 0;
   const int body = packed_body(-1);
-  return body == 2 ? 256 : body == 1 ? 32 : 0;
+  return body == 2 ? 256 : body == 1 ? kAllRows : 0;
 }
 
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
