@@ -9,7 +9,7 @@ from test_qgemm import _weight
 from test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import Q4_0, Q4_1, Q4_K, Q8_0, packed_rows
+from tandem.kernels.quant import Q4_0, Q4_1, Q4_K, Q8_0, packed_rows, small_m
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX2")
@@ -51,7 +51,9 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(name):
     for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
         for isa in BODIES:
             assert torch.equal(T.qgemv_packed(x[:m], packed, qtype, k, 37, bias, isa), full[:m]), (m, isa)
-        if qtype != Q4_0:       # qlinear_q8 keeps its own body (other fp32 order) for Q4_0: the copy unifies it
+        # qlinear_q8 runs the GEMM's arithmetic where qgemv_q8_rows says so (AVX-512 VNNI: Q4_1, Q8_0); elsewhere
+        # (Q4_0; Q4_1 and Q8_0 on AVX2) its own body, another fp32 order: the packed copy unifies them.
+        if T.qgemv_q8_rows(qtype) > 0:
             assert torch.equal(T.qlinear_q8(x[:m], q.data, qtype, k, bias), full[:m]), m
     threads = torch.get_num_threads()
     try:
@@ -63,7 +65,8 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(name):
 
 def test_qlinear_runs_the_packed_copy_with_the_same_bits():
     """QLinear makes the copy for int8 activations only, runs it up to packed_rows() rows and the row layout's
-    ops past them: every row count gives the same bits as without the copy."""
+    ops past them: every row count gives the GEMM's bits, as without the copy where the row layout's GEMV runs
+    the GEMM's arithmetic (qgemv_q8_rows; not the AVX2 body of Q4_1)."""
     from tandem.model.linear import QLinear
     q = _weight(50, 576, Q4_1, seed=5)
     lin, exact = QLinear(q, int8_act=True), QLinear(q, int8_act=False)
@@ -73,7 +76,9 @@ def test_qlinear_runs_the_packed_copy_with_the_same_bits():
     plain.packed_rows = 0
     x = torch.randn(40, 576)
     for m in (1, 5, 16, 17, 40):
-        assert torch.equal(lin(x[:m]), plain(x[:m])), m
+        assert torch.equal(lin(x[:m]), T.qgemm_q8(x[:m], q.data, Q4_1, 576, None)), m
+        if T.qgemv_q8_rows(Q4_1) > 0 or m > small_m():
+            assert torch.equal(lin(x[:m]), plain(x[:m])), m
 
 
 def test_refusals():

@@ -23,8 +23,15 @@ def cpu_model() -> str:
 
 def machine_info(threads: int | None = None) -> dict[str, Any]:
     import torch
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__,
+    info = {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__,
             "threads": threads, "python": platform.python_version()}
+    # An ISA cap (TANDEM_ISA=avx2 and oneDNN's / MKL's own, as an AVX2 machine emulated on an AVX-512 one) is
+    # part of what was measured: a capped run says so.
+    caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
+    return {**info, "isa_caps": caps} if caps else info
+
+
+ISA_CAPS = ("TANDEM_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def engine_threads(config) -> int:

@@ -326,9 +326,9 @@ int packed_body(int64_t isa_req) {
 // same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one thread, an
 // Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x qgemv_q8 at 1-16 rows and
 // 1.2-2.2x qgemm_q8's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past 256); the AVX2
-// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows, and with tile_avx2_rows past 2 rows
-// 1.0-2.8x the AVX2 GEMM at every row count measured (3-2048: results/packed_gemv_avx2_rows.md), so on AVX2 it
-// takes every row count, prefill chunks included (kAllRows).
+// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows; with tile_avx2_rows past 2 rows
+// (1.05-1.5x the 2-row tiles) 1.2-11x the AVX2 GEMM at 3-128 rows and 0.93-1.24x at 256-1024
+// (results/packed_gemv_avx2_rows.md), so on AVX2 it takes every row count, prefill chunks included (kAllRows).
 constexpr int64_t kAllRows = int64_t(1) << 40;
 
 int64_t qgemv_packed_rows(int64_t qtype) {
