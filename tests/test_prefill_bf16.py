@@ -66,7 +66,8 @@ def q8_gguf(tiny_llama, tmp_path_factory):
 def test_auto_and_explicit_choices(tiny_llama, q8_gguf, make_llm):
     """auto: bf16 where the CPU has AMX-BF16 tiles; explicit choices win; the exact mode and unquantized
     weights never take it, and asking for it there is an error, not a silent fp32 run."""
-    amx = torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+    amx = (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+           and kernels.isa() == "avx512")                       # (TANDEM_ISA=avx2 makes it the AVX2 engine's)
     for kw, want in [({}, amx), ({"prefill_act": "bf16"}, True), ({"prefill_act": "int8"}, False),
                      ({"kernels_act": "fp32"}, False)]:
         model = make_llm(q8_gguf, device_backend="inline", **kw).engine.runner.executor.model
@@ -85,16 +86,20 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 @native
 def test_both_loops_alike_with_bf16_prefill(q8_gguf, make_llm):
     """Prompts long enough that every prefill step is a bf16 chunk, chunked (max_prefill_tokens) and mixed
-    with decode rows: the serial and overlap loops give the same tokens, greedy and seeded."""
+    with decode rows: the serial and overlap loops give the same tokens, greedy and seeded. One engine a loop:
+    on one engine the second run hits the prefix cache and re-prefills a short tail with the int8 kernels, not
+    inside a bf16 chunk (another rounding, by design: _bulk_from), which with AVX2's small_m() of 16 changed a
+    greedy token of the first prompt."""
     from conftest import run_with
     from tandem.kernels.quant import small_m
-    llm = make_llm(q8_gguf, prefill_act="bf16", max_prefill_tokens=2 * small_m() + 40,
-                   mixed_prefill_tokens=small_m() + 20)
+    kw = dict(prefill_act="bf16", max_prefill_tokens=2 * small_m() + 40, mixed_prefill_tokens=small_m() + 20)
     prompts = _prompts(5, small_m() + 50, 1) + _prompts(2, 3 * small_m(), 2)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)] * 4
-    serial = [o.outputs[0].token_ids for o in run_with(llm, "serial", prompts, params[:len(prompts)])]
-    overlap = [o.outputs[0].token_ids for o in run_with(llm, "overlap", prompts, params[:len(prompts)])]
+    serial = [o.outputs[0].token_ids for o in run_with(make_llm(q8_gguf, **kw), "serial", prompts,
+                                                          params[:len(prompts)])]
+    overlap = [o.outputs[0].token_ids for o in run_with(make_llm(q8_gguf, **kw), "overlap", prompts,
+                                                           params[:len(prompts)])]
     assert serial == overlap
 
 

@@ -184,7 +184,7 @@ TPK2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, c
   }
 }
 
-// The AVX2 body for more rows of x (past kAvx2PairRows): one half of a group (output rows 8 s .. 8 s + 7, one ymm)
+// The AVX2 body for more than 2 rows of x: one half of a group (output rows 8 s .. 8 s + 7, one ymm)
 // against MT rows of x, so a half's 4 weight vectors are unpacked once for MT rows (tile_avx2 unpacks all 8 for
 // every 2 rows: a quarter of its work at many rows) and the MT fp32 chains overlap. The same integer sums and
 // the same fp32 operations in the same order as tile_avx2 (so the same bits).
@@ -277,7 +277,7 @@ void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows
   for (int64_t g = g0; g < g1;) {
     const uint8_t* gp = wp + g * gbytes;
     const int64_t n0 = g * kG, left = g1 - g;
-    if (body == 1 && M > 2) {
+    if (body == 1 && M > 2) {              // AVX2, many rows: each 8-row half of the group (none past N)
       for (int s = 0; s < 2 && n0 + 8 * s < N; ++s) {
         rows_avx2<QT, kAvx2Rows<QT>>(gp, nb, x, 0, M, bias, y, n0 + 8 * s, N, s);
       }
@@ -418,10 +418,11 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Chunks of 4 groups (a one-row tile's width), so a thread's share never splits a tile.
-  const int64_t chunks = (NG + 3) / 4;
+  // Chunks of 4 groups (a one-row tile's width), so a thread's share never splits a tile; AVX2 past 2 rows takes
+  // a group at a time, so chunks of one (SmolLM2's 576 outputs are 36 groups: 9 chunks of 4 split 5 / 4).
+  const int64_t per = body == 1 && M > 2 ? 1 : 4, chunks = (NG + per - 1) / per;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    const int64_t g0 = 4 * c0, g1 = std::min(4 * c1, NG);
+    const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
     if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else groups<kQ8_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
