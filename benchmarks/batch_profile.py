@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_profile import _family, cpu_flags, save  # noqa: E402
-from tandem.bench import ISA_CAPS  # noqa: E402
+from tandem.bench import isa_caps  # noqa: E402
 
 WORKLOADS = {  # name: (rows, prompt tokens of each row, shared prefix tokens, output tokens)
     "decode 64 x 32 -> 128": (64, 32, 0, 128),
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     res = [measure(w, args.threads, args.kernels_act, args.engine) for w in args.workloads]
     meta = {"tag": args.tag, "threads": args.threads, "kernels_act": args.kernels_act, "engine": args.engine,
-            "cpu": cpu_flags() + "".join(f"; {k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)),
+            "cpu": cpu_flags() + "".join(f"; {k}={v}" for k, v in isa_caps().items()),
             "date": time.strftime("%Y-%m-%d")}
     save(f"batch_profile_{args.tag}", res, meta, render(res, meta))
 

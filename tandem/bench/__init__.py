@@ -25,13 +25,15 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
     import torch
     info = {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__,
             "threads": threads, "python": platform.python_version()}
-    # An ISA cap (TANDEM_ISA=avx2 and oneDNN's / MKL's own, as an AVX2 machine emulated on an AVX-512 one) is
-    # part of what was measured: a capped run says so.
-    caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
+    caps = isa_caps()
     return {**info, "isa_caps": caps} if caps else info
 
 
-ISA_CAPS = ("TANDEM_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+def isa_caps() -> dict[str, str]:
+    """The ISA caps set for this run (TANDEM_ISA=avx2 and oneDNN's / MKL's own, as an AVX2 machine emulated on an
+    AVX-512 one): part of what was measured, so a capped run's results say so."""
+    return {k: os.environ[k] for k in ("TANDEM_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            if os.environ.get(k)}
 
 
 def engine_threads(config) -> int:

@@ -112,6 +112,40 @@ TPK void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, const XRows& x, int
 
 #define TPK2 __attribute__((target("avx2,fma,f16c")))
 
+// One row of x (m) against half u of a block, for the 8 output rows of one ymm: the half's exact sums from its
+// 4 weight vectors w (Q4: the nibbles; Q8_0: the signed quants, aw their magnitudes, or null: taken here, which
+// keeps tile_avx2's 8 vectors of quants from spilling a copy of their magnitudes) and the row's 16 bytes xb,
+// then the GEMM's fp32 step(s) on the rows' chain f. Both AVX2 tiles run it, so they give the same bits.
+template <int64_t QT>
+TPK2 inline __attribute__((always_inline)) __m256 half_step_avx2(__m256 f, const __m256i* w, const __m256i* aw,
+                                                                 const int8_t* xb, const XRows& x, int64_t m,
+                                                                 int64_t u, __m256 d, __m256 mn) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc;
+  if constexpr (QT == kQ8_0) {
+    acc = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      int32_t xv;
+      std::memcpy(&xv, xb + 4 * p, 4);
+      const __m256i a = aw ? aw[p] : _mm256_abs_epi8(w[p]);
+      const __m256i pr = _mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(xv), w[p]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));
+    }
+  } else {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      int32_t xv;
+      std::memcpy(&xv, xb + 4 * p, 4);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv)));
+    }
+    acc = _mm256_madd_epi16(s16, ones);
+    if constexpr (QT == kQ4_0) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
+  }
+  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), d), f);
+  if constexpr (QT == kQ4_1) f = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mn, f);
+  return f;
+}
+
 // The AVX2 body (CPUs without AVX-512 VNNI): the same layout, each 64-byte vector as two ymm (rows 0-7, 8-15),
 // each a fp32 chain of its own. vpdpbusd's work by pmaddubsw (weights unsigned, x signed) and pmaddwd by ones:
 // Q4_0 / Q4_1 add a half's 4 pmaddubsw outputs in int16 first (|16 products| <= 16 x 15 x 128 < 2^15); Q8_0's
@@ -121,7 +155,7 @@ template <int64_t QT, int MT>
 TPK2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias, float* y,
                     int64_t ldy, int64_t n0, int64_t N) {
   constexpr int64_t QB = quant_bytes(QT);
-  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
   __m256 f[MT][2];
   for (int j = 0; j < MT; ++j) f[j][0] = f[j][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -145,32 +179,8 @@ TPK2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, c
       for (int j = 0; j < MT; ++j) {
         const int64_t m = m0 + j;
         const int8_t* xb = x.q + m * x.K + 32 * b;
-        for (int h = 0; h < 2; ++h) {
-          const int64_t u = 2 * b + h;
-          __m256i acc;
-          if constexpr (QT == kQ8_0) {
-            acc = _mm256_setzero_si256();
-            for (int p = 0; p < 4; ++p) {
-              int32_t xv;
-              std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
-              const __m256i wi = w[4 * h + p];
-              const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(wi), _mm256_sign_epi8(_mm256_set1_epi32(xv), wi));
-              acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));
-            }
-          } else {
-            __m256i s16 = _mm256_setzero_si256();
-            for (int p = 0; p < 4; ++p) {
-              int32_t xv;
-              std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
-              s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[4 * h + p], _mm256_set1_epi32(xv)));
-            }
-            acc = _mm256_madd_epi16(s16, ones);
-            if constexpr (QT == kQ4_0) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
-          }
-          f[j][s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), d),
-                                    f[j][s]);
-          if constexpr (QT == kQ4_1) f[j][s] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mn, f[j][s]);
-        }
+        for (int h = 0; h < 2; ++h)
+          f[j][s] = half_step_avx2<QT>(f[j][s], w + 4 * h, nullptr, xb + 16 * h, x, m, 2 * b + h, d, mn);
       }
     }
   }
@@ -192,7 +202,7 @@ template <int64_t QT, int MT>
 TPK2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias, float* y,
                          int64_t ldy, int64_t n, int64_t N, int s) {
   constexpr int64_t QB = quant_bytes(QT);
-  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
   __m256 f[MT];
   for (int j = 0; j < MT; ++j) f[j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -202,7 +212,6 @@ TPK2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t 
     __m256 mn = _mm256_setzero_ps();
     if constexpr (QT == kQ4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 * nb)));
     for (int h = 0; h < 2; ++h) {
-      const int64_t u = 2 * b + h;
       __m256i w[4], aw[4];
       for (int p = 0; p < 4; ++p) {
         if constexpr (QT == kQ8_0) {
@@ -213,31 +222,8 @@ TPK2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t 
           w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
         }
       }
-      for (int j = 0; j < MT; ++j) {
-        const int64_t m = m0 + j;
-        const int8_t* xb = x.q + m * x.K + 32 * b + 16 * h;
-        __m256i acc;
-        if constexpr (QT == kQ8_0) {
-          acc = _mm256_setzero_si256();
-          for (int p = 0; p < 4; ++p) {
-            int32_t xv;
-            std::memcpy(&xv, xb + 4 * p, 4);
-            const __m256i pr = _mm256_maddubs_epi16(aw[p], _mm256_sign_epi8(_mm256_set1_epi32(xv), w[p]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));
-          }
-        } else {
-          __m256i s16 = _mm256_setzero_si256();
-          for (int p = 0; p < 4; ++p) {
-            int32_t xv;
-            std::memcpy(&xv, xb + 4 * p, 4);
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv)));
-          }
-          acc = _mm256_madd_epi16(s16, ones);
-          if constexpr (QT == kQ4_0) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
-        }
-        f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), d), f[j]);
-        if constexpr (QT == kQ4_1) f[j] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mn, f[j]);
-      }
+      for (int j = 0; j < MT; ++j)
+        f[j] = half_step_avx2<QT>(f[j], w, aw, x.q + (m0 + j) * x.K + 32 * b + 16 * h, x, m0 + j, 2 * b + h, d, mn);
     }
   }
   const int nr = (int)std::min<int64_t>(8, N - n);
