@@ -40,7 +40,12 @@
 // thread count. The int8-activation linears round x to integers, which turns any last-bit difference into a
 // visible one; with this, a row's output is the same in any batch (the overlap loop's riding rows, a
 // speculative verify step, another loop) and under any device_threads. (The old policy sized chunks from B
-// and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a step in merges.)
+// and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a step in merges.) MIN_CHUNK
+// 256, not 64: every chunk of a task costs its queries' setup, the (max, sum, output) state and a merge, and a
+// last part-tile; measured (2 threads, bf16 cache, interleaved, best of 40): 256 is 0.86-0.87x the time of
+// 64 at 64 rows of ~160 keys, 0.91-0.94x at 32 rows on a 930-key shared prefix, 0.92-0.93x at 16 rows of
+// ~600, 0.93-0.97x at batch 1 with 500 or 2,000 keys, on the AVX2 and the AVX-512 bodies (128 and 192 lay
+// between). A shared prefix now shares in 256-key chunks: prefixes shorter than that are read once a row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -56,7 +61,7 @@
 namespace tandem {
 
 constexpr int64_t TILE = 32;         // keys scored before their values are accumulated (a multiple of every W)
-constexpr int64_t MIN_CHUNK = 64;    // fewest keys of a split chunk (the batch-invariant split, above)
+constexpr int64_t MIN_CHUNK = 256;   // fewest keys of a split chunk (the batch-invariant split, above)
 constexpr int64_t ROW_CHUNKS = 16;   // chunks a long row is split into
 
 // Keys per chunk of a row of n keys: ~n / ROW_CHUNKS, at least MIN_CHUNK, in whole tiles.
