@@ -42,10 +42,11 @@
 // speculative verify step, another loop) and under any device_threads. (The old policy sized chunks from B
 // and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a step in merges.) MIN_CHUNK
 // 256, not 64: every chunk of a task costs its queries' setup, the (max, sum, output) state and a merge, and a
-// last part-tile; measured (2 threads, bf16 cache, interleaved, best of 40): 256 is 0.86-0.87x the time of
-// 64 at 64 rows of ~160 keys, 0.91-0.94x at 32 rows on a 930-key shared prefix, 0.92-0.93x at 16 rows of
-// ~600, 0.93-0.97x at batch 1 with 500 or 2,000 keys, on the AVX2 and the AVX-512 bodies (128 and 192 lay
-// between). A shared prefix now shares in 256-key chunks: prefixes shorter than that are read once a row.
+// last part-tile; measured (benchmarks/decode_attention_chunks.py, 2 threads, bf16 cache; results/
+// decode_attention_chunks.md): 256 takes 0.82-0.95x the time of 64 on every batch there (64 rows of ~160
+// keys, 32 rows on a 930-key shared prefix, 16 rows of 300-900, 8 of 3,000, batch 1 at 500 and 2,000), on the
+// AVX2 and the AVX-512 bodies; 128 lies between. A shared prefix now shares in 256-key chunks: prefixes
+// shorter than that are read once a row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
