@@ -7,7 +7,7 @@ between rounds; ARCHITECTURE.md section 5), each figure the median of its rounds
 - prefill: 8 prompts x 512 tokens, 1 output token, input tok/s;
 - device RSS: resident memory of the device process after the runs (weights + touched KV + torch itself).
 Run under `flock /tmp/tandem-bench.lock` so no other benchmark shares the cores.
-    python benchmarks/kernels.py [--rounds 3] [--threads N] [--engines native,torch] [--json out.json]
+    python benchmarks/kernel_engines.py [--rounds 3] [--threads N] [--engines native,torch] [--json out.json]
 --engines names two or more of: native, torch, int8 (native with kernels_act="int8"); ratios are to the first.
 --agreement N (not timed) instead decodes N greedy tokens of a few prompts with native and int8 and reports
 where they first differ.
