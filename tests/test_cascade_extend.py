@@ -65,7 +65,8 @@ def test_shared_prefix_length():
 def test_engine_on_equals_off(tiny_llama, make_llm, monkeypatch, scheduler):
     """16 requests on a cached 120-token prefix with 20-70 own tokens each, chunked (max_prefill_tokens 256)
     and mixed with running decode rows: the same greedy tokens and logprobs (1e-4) with the cascade on and
-    off in the exact mode, and the cascade ran only when on."""
+    off in the exact mode, and the cascade ran only when on. The torch path: with native kernels long chunks
+    attend by the extend op, which reads keys in place and has no split (tests/test_extend_attention.py)."""
     from tandem import SamplingParams
     from tandem.model import llama
     calls = {"n": 0}
@@ -81,7 +82,7 @@ def test_engine_on_equals_off(tiny_llama, make_llm, monkeypatch, scheduler):
     for share in (True, False):
         calls["n"] = 0
         llm = make_llm(tiny_llama, scheduler=scheduler, shared_prefix_attention=share, device_backend="inline",
-                       kernels_act="fp32", max_prefill_tokens=256)
+                       kernels_act="fp32", max_prefill_tokens=256, kernels="torch")
         llm.generate([prefix + [9]], SamplingParams(max_tokens=1), use_tqdm=False)    # the prefix is cached
         first = llm.generate(prompts[:2], sp, use_tqdm=False)
         rest = llm.generate(prompts, sp, use_tqdm=False)

@@ -133,8 +133,10 @@ class ModelExecutor:
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16)
         del state
-        # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by.
-        self._cascade = (spec.shared_prefix_attention and self.device.type == "cpu"
+        # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
+        # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
+        # step's view must keep the prefix's columns.
+        self._cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not self.model.extend_native
                          and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.

@@ -1,4 +1,5 @@
-"""Paged decode attention (csrc/decode_attention.cpp) and its torch references (gather, then SDPA)."""
+"""Paged decode and extend attention (csrc/decode_attention.cpp, csrc/extend_attention.cpp) and their torch
+references (gather, then SDPA)."""
 from __future__ import annotations
 
 import torch
@@ -47,3 +48,17 @@ def decode_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_in
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)                                              # [B, H, D]
+
+
+def extend_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor, tok_row: torch.Tensor,
+                     positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """A step's new tokens, q [T, H, D] (rows may be strided), each attending its row's keys up to its own
+    position, read in place: token t sees kv_index[tok_row[t], :positions[t] + 1] (its last `window` of them
+    when window > 0) -> [T, H D]. Their K/V must be in the cache already (StepKV.write)."""
+    return torch.ops.tandem.extend_attention(q, cache, layer, kv_index, tok_row, positions, scale, window)
+
+
+def extend_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,
+                         tok_row: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """The specification: every token is a decode row over its own causal keys."""
+    return decode_attention_ref(q, cache, layer, kv_index[tok_row], positions + 1, scale, window).reshape(q.shape[0], -1)

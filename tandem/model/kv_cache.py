@@ -94,17 +94,23 @@ class StepKV:
         self._view = buf.view(b, lk, *shape[1:])
         self._first = layer
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new k, v ([T, KVH, D]) to the cache only (for readers that take every key in place
+        through kv_index); returns them as the cache holds them."""
+        data = self.cache.data
+        if k.dtype != data.dtype:             # a bf16/fp16 cache: round once, the same bits wherever they are read
+            k, v = k.to(data.dtype), v.to(data.dtype)
+        data[self.out_cache_loc, layer, 0] = k
+        data[self.out_cache_loc, layer, 1] = v
+        return k, v
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's new k, v ([T, KVH, D]) to the cache and the view; return keys, values of the layer
         in `dtype` (default k's: the attention's; prefill_act="bf16" asks for bf16 while k, v are written from
         fp32, so the cache rounds them once, whatever its dtype)."""
         dtype = k.dtype if dtype is None else dtype
-        data = self.cache.data
-        if k.dtype != data.dtype:             # a bf16/fp16 cache: round once, write the same bits to both
-            k, v = k.to(data.dtype), v.to(data.dtype)
-        data[self.out_cache_loc, layer, 0] = k
-        data[self.out_cache_loc, layer, 1] = v
+        k, v = self.write(layer, k, v)
         if self.dense:                        # the keys are k itself (rounded as the cache holds it)
             b, lk = self.kv_index.shape
             keys, values = k.view(b, lk, *k.shape[1:]), v.view(b, lk, *v.shape[1:])

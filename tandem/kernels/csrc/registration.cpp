@@ -26,6 +26,8 @@ TORCH_LIBRARY(tandem, m) {
         "int isa=-1, int chunk_keys=-1, int window=0) -> Tensor");
   m.def("decode_attention_qkv_(Tensor qkv, Tensor(a!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
         "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1, int window=0) -> Tensor");
+  m.def("extend_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor tok_row, Tensor positions, "
+        "float scale, int window=0, int isa=-1) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -53,6 +55,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);
   m.impl("decode_attention_qkv_", &tandem::decode_attention_qkv_);
+  m.impl("extend_attention", &tandem::extend_attention);
   m.impl("rms_norm", &tandem::rms_norm);
   m.impl("add_rms_norm_", &tandem::add_rms_norm_);
   m.impl("silu_mul", &tandem::silu_mul);
