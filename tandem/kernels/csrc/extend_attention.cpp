@@ -37,7 +37,7 @@ namespace tandem {
 namespace {
 
 constexpr int64_t NK = 64;        // keys a block
-constexpr int64_t QROWS = 96;     // most query rows (tokens x the G heads of a KV head) of a task, when G <= QROWS
+constexpr int64_t QROWS = 192;    // most query rows (tokens x the G heads of a KV head) of a task, when G <= QROWS
 
 struct ExtArgs {
   const float* q; int64_t q_stride;                  // floats from token t's [H, D] queries to t + 1's
