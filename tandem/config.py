@@ -31,7 +31,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.1     # with kv_cache_tokens None: this fraction of free memory holds the KV cache
     kv_cache_dtype: str = "auto"        # KV element type: "auto" (bfloat16 on CPU with native int8 kernels, else dtype), "float32", "bfloat16", "float16"
-    shared_prefix_attention: bool = True  # rows on one cached prefix read its KV once a step (cascade attention)
+    shared_prefix_attention: bool = True  # decode rows on one cached prefix read its KV once a step (and the torch path's cascade extend)
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
     process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
     poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
