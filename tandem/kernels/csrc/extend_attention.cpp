@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -182,8 +183,8 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   const int64_t ntasks = (int64_t)tasks.size();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), ntasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(floats);
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(a, tasks[t], scratch.data());
+    std::unique_ptr<float[]> scratch(new float[floats]);    // every part is written before it is read: no zeroing
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(a, tasks[t], scratch.get());
   });
   return out;
 }
