@@ -42,8 +42,17 @@ def plain(llm):
     return outputs(llm, PROMPTS, PARAMS)[0]
 
 
+def pin_row_cost(llm, monkeypatch) -> None:
+    """How many tokens a step drafts follows the measured cost of a row (observe_step, from device times): pinned
+    at its floor, so whether steps draft, and so are picked ahead, never depends on this machine's timing (a
+    timing outlier once measured drafting unprofitable, and a count of picks ahead came out 0)."""
+    monkeypatch.setattr(spec_mod, "observe_step", lambda *a, **kw: None)
+    llm.engine.scheduler.row_cost = spec_mod.ROW_COST_RANGE[0]
+
+
 def run_spec(llm, monkeypatch, proposer, loop="overlap", prompts=PROMPTS, params=PARAMS):
     monkeypatch.setattr(spec_mod, "ngram_drafts", proposer)
+    pin_row_cost(llm, monkeypatch)
     configure(llm, loop, True)
     before = counters(llm)
     got = outputs(llm, prompts, params)[0]            # leak-checked
@@ -116,6 +125,7 @@ def test_retraction_and_aborts_with_failed_assumptions(tiny_llama, make_llm, mon
     truth = {tuple(ids): plain[label][0] for label, ids, _ in initial}
     monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle(truth, wrong=0.4))
     llm = make_llm(tiny_llama, kv_cache_tokens=140, poison_future_map=True, speculative_config=SPEC)
+    pin_row_cost(llm, monkeypatch)
     configure(llm, loop, True)
     assert run_script(llm, loop, initial, {}) == plain
     s = llm.engine.scheduler
@@ -140,11 +150,12 @@ def test_penalized_rows_wait_for_host_truth(llm, monkeypatch):
     assert c["syncs"] > 0                       # its drafting steps waited for host truth before the next pick
 
 
-def test_real_model_quoting_picks_ahead():
+def test_real_model_quoting_picks_ahead(monkeypatch):
     """SmolLM2 with the real n-gram proposer in the overlap loop: quoting requests (a whole quote: drafts mostly
     held; a quote cut short, the model going on past it: assumptions fail) give the tokens of speculation off,
     greedy and seeded, with most drafting steps picked ahead."""
     llm = LLM(poison_future_map=True, speculative_config=SPEC)
+    pin_row_cost(llm, monkeypatch)
     try:
         chats = [[{"role": "user", "content": "Repeat this passage exactly:\n\n" + QUOTE}],
                  [{"role": "user", "content": "Repeat this passage exactly:\n\n" + QUOTE[:120]}]]
