@@ -57,6 +57,7 @@
 #include <memory>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace tandem {
@@ -282,10 +283,6 @@ static void write_kv(const float* src, int64_t rs, int64_t off, T* dst, const in
     T* d = dst + loc[b] * slot_stride;
     for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(s[i]);
   }
-}
-
-static at::Tensor as_long(const at::Tensor& t) {        // no dispatch when it already is (the engine's case)
-  return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.to(at::kLong).contiguous();
 }
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,

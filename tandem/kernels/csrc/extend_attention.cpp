@@ -27,11 +27,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace tandem {
@@ -113,10 +113,6 @@ TaskFn task_for(Isa isa) {
   return isa == kAvx512 ? avx512::extend_task<T> : isa == kAvx2 ? avx2::extend_task<T> : scalar::extend_task<T>;
 }
 
-at::Tensor as_long(const at::Tensor& t) {
-  return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.to(at::kLong).contiguous();
-}
-
 }  // namespace
 
 at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
@@ -177,7 +173,7 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int
                                         : task_for<float>(isa);
   const ExtArgs a{q.data_ptr<float>(), T > 1 ? q.stride(0) : H * D, cache.data_ptr(), cache.size(1) * 2 * KVH * D,
                   layer * 2 * KVH * D, idx, Lk, rows, p, H, KVH, D, window, (float)scale, out.data_ptr<float>()};
-  const int64_t max_cols = (std::max(per_task, int64_t(1)) * G + 15) / 16 * 16;
+  const int64_t max_cols = (per_task * G + 15) / 16 * 16;         // a task holds <= per_task tokens
   const int64_t max_keys = *std::max_element(row_end.begin(), row_end.end());
   const size_t floats = (size_t)std::max(scratch_floats(max_cols, D), max_keys);   // the scalar body: scores
   const int64_t ntasks = (int64_t)tasks.size();

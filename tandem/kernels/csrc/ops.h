@@ -7,6 +7,11 @@
 #include <optional>
 
 namespace tandem {
+// An index tensor as contiguous int64 (the attention ops' kv_index, seq_lens, ...): no dispatch when it already is
+// (the engine's case).
+inline at::Tensor as_long(const at::Tensor& t) {
+  return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.to(at::kLong).contiguous();
+}
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                    const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
