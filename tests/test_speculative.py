@@ -29,6 +29,15 @@ def configure(llm, loop: str, on: bool, spec: dict | None = None) -> None:
     llm.engine.config = llm.engine.config.replace(scheduler=loop, speculative_config=(spec or SPEC) if on else None)
 
 
+def pin_row_cost(llm, monkeypatch) -> None:
+    """How many tokens a step drafts depends on the row cost measured from device step times (observe_step): pinned
+    at its prior, so that counts of drafts (and of steps picked ahead) do not follow the machine's load (one failed
+    on a shared CPU; a timing outlier once pushed it to its ceiling, drafting looked unprofitable and a count of
+    picks ahead came out 0)."""
+    monkeypatch.setattr(spec_mod, "observe_step", lambda *a, **kw: None)
+    monkeypatch.setattr(llm.engine.scheduler, "row_cost", spec_mod.ROW_COST)
+
+
 class Oracle:
     """Proposes the plain path's continuation of each prompt (known in advance), corrupting one draft in
     `wrong` of the calls: long accepted runs, and rejections at every draft position."""
@@ -231,10 +240,7 @@ def test_penalties_count_per_accepted_token(spec_llm, monkeypatch, loop):
     unpenalized = outputs(spec_llm, prompts[1:2], [greedy(24, ignore_eos=True, logit_bias=bias)])[0]
     assert unpenalized[0][0] == [7] * 24 and len(set(plain[1][0])) > 2 and len(set(plain[0][0])) > 2
     monkeypatch.setattr(spec_mod, "ngram_drafts", Oracle({tuple(p): o[0] for p, o in zip(prompts, plain)}))
-    # How many drafts pay depends on the row cost measured from device step times; pinned at its prior so that
-    # the count below does not follow the machine's load (it failed once on a shared CPU)
-    monkeypatch.setattr(spec_mod, "observe_step", lambda *a: None)
-    monkeypatch.setattr(spec_llm.engine.scheduler, "row_cost", spec_mod.ROW_COST)
+    pin_row_cost(spec_llm, monkeypatch)
     configure(spec_llm, loop, True)
     before = spec_llm.stats()
     assert outputs(spec_llm, prompts, params)[0] == plain

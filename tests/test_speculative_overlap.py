@@ -11,7 +11,7 @@ import pytest
 import tandem.scheduler.speculative as spec_mod
 from tandem import LLM, SamplingParams
 from test_overlap import run_script
-from test_speculative import QUOTE, SPEC, Oracle, configure, greedy, outputs
+from test_speculative import QUOTE, SPEC, Oracle, configure, greedy, outputs, pin_row_cost
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 PARAMS = [greedy(60, ignore_eos=True),
@@ -40,14 +40,6 @@ def llm(tiny_llama):
 def plain(llm):
     configure(llm, "overlap", False)
     return outputs(llm, PROMPTS, PARAMS)[0]
-
-
-def pin_row_cost(llm, monkeypatch) -> None:
-    """How many tokens a step drafts follows the measured cost of a row (observe_step, from device times): pinned
-    at its floor, so whether steps draft, and so are picked ahead, never depends on this machine's timing (a
-    timing outlier once measured drafting unprofitable, and a count of picks ahead came out 0)."""
-    monkeypatch.setattr(spec_mod, "observe_step", lambda *a, **kw: None)
-    llm.engine.scheduler.row_cost = spec_mod.ROW_COST_RANGE[0]
 
 
 def run_spec(llm, monkeypatch, proposer, loop="overlap", prompts=PROMPTS, params=PARAMS):
