@@ -9,11 +9,11 @@ rounding, tests/test_decode_attention.py), so the figures choose it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from tandem import kernels
+from tandem.bench import interleaved_best
 
 H, KVH, D, LAYERS = 9, 3, 64, 30
 
@@ -51,15 +51,7 @@ def main() -> None:
     print("|---|---|" + "---|" * len(chunks))
     for isa in isas:
         for name, (own, prefix) in batches.items():
-            fs = [case(own, prefix, isa, c, g) for c in chunks]
-            best = [float("inf")] * len(fs)
-            for f in fs:
-                f()
-            for _ in range(args.reps):
-                for i, f in enumerate(fs):
-                    t = time.perf_counter()
-                    f()
-                    best[i] = min(best[i], time.perf_counter() - t)
+            best = interleaved_best([case(own, prefix, isa, c, g) for c in chunks], args.reps)
             print(f"| {kernels.ISA_NAMES[isa]} | {name} | " + " | ".join(f"{1e3 * b:.3f}" for b in best) + " |",
                   flush=True)
 

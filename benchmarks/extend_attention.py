@@ -10,13 +10,12 @@ this CPU has (SDPA's own ISA is whatever torch picks: pass ONEDNN_MAX_CPU_ISA / 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.bench import machine_info, write_json_md
+from tandem.bench import interleaved_best, machine_info, write_json_md
 
 H, KVH, D, LAYERS = 9, 3, 64, 30
 CASES = {"256 new on 768 cached": (1, 256, 768), "256 new on 2,560 cached": (1, 256, 2560),
@@ -64,14 +63,7 @@ def main() -> None:
     for isa in isas:
         for name, shape in CASES.items():
             native, sdpa, flops = case(*shape, isa, g)
-            best = [float("inf")] * 2
-            for f in (native, sdpa):
-                f()
-            for _ in range(args.reps):
-                for i, f in enumerate((native, sdpa)):
-                    t = time.perf_counter()
-                    f()
-                    best[i] = min(best[i], time.perf_counter() - t)
+            best = interleaved_best([native, sdpa], args.reps)
             body = kernels.ISA_NAMES[isa]
             rows.append({"body": body, "chunk": name, "op_ms": best[0] * 1e3, "sdpa_ms": best[1] * 1e3,
                          "op_gflops": flops / best[0] / 1e9})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from typing import Any
 
 
@@ -56,6 +57,20 @@ def write_json_md(path: str, result: dict, md: str) -> None:
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write(md)
     print(md)
+
+
+def interleaved_best(fns: list, reps: int) -> list[float]:
+    """Best wall seconds of each of `fns` over `reps` rounds that run them one after another (after one warm-up
+    call each): a drifting machine slows every candidate of a round alike, so their ratios hold."""
+    best = [float("inf")] * len(fns)
+    for f in fns:
+        f()
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
 
 
 def line(label: str, value: Any, fmt: str = "") -> None:
