@@ -273,6 +273,37 @@ def test_gemma_qwen3_layer_ops_equal_reference(t):
 
 
 @pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("features", [1, 7, 16, 37, 1536])
+def test_gated_activations_every_body(isa, features):
+    """silu_mul and gelu_tanh_mul on every ISA body equal torch's SiLU / tanh GELU times up: widths with and
+    without a last part-register, large and tiny gates (exp's clamps), rows strided; the AVX-512 and AVX2 bodies
+    give the same bits; a row's result is the same bits alone and in a batch."""
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    g = torch.Generator().manual_seed(features)
+    gu = (torch.randn(9, 2 * features + 3, generator=g) * 6)[:, :2 * features]          # rows strided
+    gu[0, :features] = torch.linspace(-120.0, 120.0, features)
+    gate, up = gu[:, :features], gu[:, features:]
+    for op, ref in ((torch.ops.tandem.silu_mul, F.silu(gate) * up),
+                    (torch.ops.tandem.gelu_tanh_mul, F.gelu(gate, approximate="tanh") * up)):
+        got = op(gu, isa)
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-5)
+        assert torch.equal(op(gu[4:5], isa), got[4:5])
+        if isa == 2:
+            assert torch.equal(got, op(gu, 1))
+
+
+def test_gated_activation_argument_checks():
+    for op in (torch.ops.tandem.silu_mul, torch.ops.tandem.gelu_tanh_mul):
+        with pytest.raises(RuntimeError, match="odd feature count"):
+            op(torch.randn(2, 5))
+        with pytest.raises(RuntimeError, match="fp32"):
+            op(torch.randn(2, 4, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="fp32"):
+            op(torch.randn(8))
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
 @pytest.mark.parametrize("vocab", [1, 7, 8, 17, 33, 1000])
 def test_race_argmax_equals_torch(isa, vocab):
     """The sampler's race (noise, divide, subtract, argmax in one pass) equals the torch reference: ties (first

@@ -32,24 +32,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def _silu_mul(gate_up: torch.Tensor, bulk_from: int) -> torch.Tensor:
-    """SiLU(gate) * up of [T, 2I] rows, split as run_rows splits the linears: the rows before bulk_from as their
-    own step would run them (tandem.silu_mul up to small_m() rows, the linears' threshold: rows up to it are
-    treated alone; torch past it, whose vectorized exp beats the op's scalar loop), the rows from it by torch."""
-    def own(g: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tandem.silu_mul(g) if g.shape[0] <= small_m() else bulk(g)
-
-    def bulk(g: torch.Tensor) -> torch.Tensor:
-        gate, up = g.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    if bulk_from >= gate_up.shape[0]:
-        return own(gate_up)
-    if bulk_from == 0:
-        return bulk(gate_up)
-    return torch.cat([own(gate_up[:bulk_from]), bulk(gate_up[bulk_from:])])
-
-
 class LlamaModel:
     """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
@@ -306,7 +288,7 @@ class LlamaModel:
             if c.hidden_act == "gelu_tanh":
                 act = ops.gelu_tanh_mul(gate_up)
             else:
-                act = _silu_mul(gate_up, b0)
+                act = ops.silu_mul(gate_up)
             delta = self._reduce(run_rows(layer["down"], act, b0))
             if c.sandwich_norm:
                 delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)

@@ -2,15 +2,14 @@
 //   rms_norm(x [T, E], w [E], eps) -> w * x / sqrt(mean(x^2) + eps)
 //   add_rms_norm_(x [T, E], delta [T, E], w, eps) -> x += delta (in place, the residual stream), returns
 //       rms_norm(x)
-//   silu_mul(gu [T, 2I]) -> silu(gu[:, :I]) * gu[:, I:]                   ([T, I])
-//   gelu_tanh_mul(gu [T, 2I]) -> gelu_tanh(gu[:, :I]) * gu[:, I:]         ([T, I], GeGLU: gemma)
 //   head_rms_norm_(qkv [T, C], w [heads, D], eps): RMSNorm in place over each of the first `heads` heads of D of
 //       each row, head h by w[h] (QK-norm: q heads by q_norm, then k heads by k_norm)
 //   rope_(qkv [T, C], cos [P, D], sin [P, D], positions [T], heads, D): rotate-half RoPE in place on the
 //       first `heads` heads of D of each row (q then k of the fused qkv projection), at each token's position
 // fp32, rows contiguous. Thread split: at::parallel_for over rows. The loops are plain C++ (the compiler
 // vectorizes them at the baseline ISA); they are memory-light and exist to cut per-op overhead, which a
-// decode step profile showed as the other half of its time.
+// decode step profile showed as the other half of its time. The gated activations (silu_mul, gelu_tanh_mul),
+// whose exp the compiler cannot vectorize, are act_mul.cpp's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -60,46 +59,6 @@ at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta_in, const 
       const float* dr = pd + t * ldd;
       for (int64_t i = 0; i < E; ++i) xr[i] += dr[i];
       norm_row(xr, pw, (float)eps, E, po + t * E);
-    }
-  });
-  return out;
-}
-
-at::Tensor silu_mul(const at::Tensor& gu_in) {
-  at::Tensor gu = gu_in.contiguous();
-  check_rows(gu, "gu");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
-  TORCH_CHECK(gu.size(1) % 2 == 0, "tandem.silu_mul: odd feature count");
-  at::Tensor out = at::empty({T, I}, gu.options());
-  const float* pg = gu.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *g = pg + t * ld, *u = g + I;
-      float* o = po + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
-  return out;
-}
-
-at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
-  at::Tensor gu = gu_in.contiguous();
-  check_rows(gu, "gu");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
-  TORCH_CHECK(gu.size(1) % 2 == 0, "tandem.gelu_tanh_mul: odd feature count");
-  at::Tensor out = at::empty({T, I}, gu.options());
-  const float* pg = gu.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;        // sqrt(2 / pi), as torch's approximate="tanh"
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *g = pg + t * ld, *u = g + I;
-      float* o = po + t * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float x = g[i];
-        o[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
-      }
     }
   });
   return out;

@@ -54,8 +54,8 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);
-at::Tensor silu_mul(const at::Tensor& gu);
-at::Tensor gelu_tanh_mul(const at::Tensor& gu);
+at::Tensor silu_mul(const at::Tensor& gu, int64_t isa = -1);   // isa: -1 the best here; tests force 0-2
+at::Tensor gelu_tanh_mul(const at::Tensor& gu, int64_t isa = -1);
 void head_rms_norm_(const at::Tensor& qkv, const at::Tensor& w, double eps);
 void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
            int64_t heads, int64_t D);

@@ -30,8 +30,8 @@ TORCH_LIBRARY(tandem, m) {
         "float scale, int window=0, int isa=-1) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
+  m.def("silu_mul(Tensor gu, int isa=-1) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gu, int isa=-1) -> Tensor");
   m.def("head_rms_norm_(Tensor(a!) qkv, Tensor w, float eps) -> ()");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int heads, int head_dim) -> ()");
   m.def("race_argmax(Tensor x, Tensor? t=None, Tensor? seeds=None, int isa=-1) -> Tensor");

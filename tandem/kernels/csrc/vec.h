@@ -90,6 +90,7 @@ struct Vec512 {
   TANDEM_AVX512 reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   TANDEM_AVX512 float hsum(reg v) { return _mm512_reduce_add_ps(v); }
   TANDEM_AVX512 reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  TANDEM_AVX512 reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
   TANDEM_AVX512 reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a * b
   TANDEM_AVX512 reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   TANDEM_AVX512 reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
@@ -178,6 +179,7 @@ struct Vec256 {
     return _mm_cvtss_f32(s);
   }
   TANDEM_AVX2 reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  TANDEM_AVX2 reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
   TANDEM_AVX2 reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }     // c - a * b
   TANDEM_AVX2 reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   TANDEM_AVX2 reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
@@ -252,8 +254,11 @@ struct Vec1 {
   using reg = float;
   static constexpr int W = 1;
   static inline reg set1(float v) { return v; }
+  static inline reg load(const float* p) { return *p; }
+  static inline void store(float* p, reg v) { *p = v; }
   static inline reg add(reg a, reg b) { return a + b; }
   static inline reg sub(reg a, reg b) { return a - b; }
+  static inline reg div(reg a, reg b) { return a / b; }
   static inline reg mul(reg a, reg b) { return a * b; }
   static inline reg fma(reg a, reg b, reg c) { return a * b + c; }
   static inline reg fnmadd(reg a, reg b, reg c) { return c - a * b; }
