@@ -263,6 +263,18 @@ void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows
   for (int64_t g = g0; g < g1;) {
     const uint8_t* gp = wp + g * gbytes;
     const int64_t n0 = g * kG, left = g1 - g;
+    // The groups the next iteration takes, requested into L1 now (as many as this one takes: 1, or 2 / 4 for a
+    // row or two of x): the weights stream from memory once a step (a model's are past L3), and the tiles' own
+    // loads left the misses exposed. SmolLM2's 30 layers (66 MB packed), 2 threads, AMD EPYC with AVX-512: 1 row
+    // of x 2.42 -> 1.90 ms a step, 8 rows 5.5 -> 3.3, 32 rows 11.1 -> 10.1, 64 rows 18.7 -> 17.2 (the same calls
+    // on one layer's weights, L3-resident: 1.1 / 2.8 / 8.5 / 15.9). Measured no better: into L2, two or four
+    // iterations ahead, the weights on 2 MB pages.
+    const int64_t take = body == 2 && M == 1 && left >= 4 ? 4 : body == 2 && M == 2 && left >= 2 ? 2 : 1;
+    if (g + take < g1) {
+      const char* pf = (const char*)(gp + take * gbytes);
+      const int64_t lines = (std::min(take, g1 - g - take) * gbytes + 63) / 64;
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+    }
     if (body == 1 && M > 2) {              // AVX2, many rows: each 8-row half of the group (none past N)
       for (int s = 0; s < 2 && n0 + 8 * s < N; ++s) {
         rows_avx2<QT, kAvx2Rows<QT>>(gp, nb, x, 0, M, bias, y, n0 + 8 * s, N, s);
