@@ -38,6 +38,9 @@ p.add_argument("--kv-dtypes", default="bfloat16,float16,float32",
 p.add_argument("--prefill-acts", default="",
                help="also these prefill_act values (comma-separated, e.g. int8,bf16) with every document one "
                     "prefill chunk (the long-prompt path: bf16 GEMM + SDPA, not the decode rows')")
+p.add_argument("--prefill-attentions", default="auto",
+               help="prefill_attention values of the --prefill-acts runs (comma-separated, e.g. fp32,bf16: the "
+                    "native extend op's fp32 or bf16 products)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                              "kl_divergence.json"))
 cli = p.parse_args()
@@ -46,10 +49,11 @@ kernels.available()               # small_m() asks the loaded library which ISA 
 chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, as a decode step does
 
 
-def engine(act: str, kv: str = "auto", prefill_act: str = "auto", prefill_chunk: int = chunk) -> LLM:
+def engine(act: str, kv: str = "auto", prefill_act: str = "auto", prefill_chunk: int = chunk,
+           prefill_attention: str = "auto") -> LLM:
     return LLM(path, kernels_act=act, kv_cache_dtype=kv, device_backend="inline", device_threads=cli.threads,
                max_prefill_tokens=prefill_chunk, kv_cache_tokens=cli.doc_tokens + 256, prefix_cache=False,
-               prefill_act=prefill_act)
+               prefill_act=prefill_act, prefill_attention=prefill_attention)
 
 
 exact = engine("fp32")
@@ -96,11 +100,15 @@ for kv in cli.kv_dtypes.split(","):
                      "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
     llm.shutdown()
 for pa in filter(None, cli.prefill_acts.split(",")):
-    llm = engine("int8", prefill_act=pa, prefill_chunk=cli.doc_tokens)
-    assert llm.engine.runner.executor.model.prefill_bf16 == (pa == "bf16")
-    results[f"tandem int8, bf16 KV, whole-document prefill chunks, prefill_act={pa}"] = summary(
-        [teacher_forced_logprobs(llm, d) for d in docs])
-    llm.shutdown()
+    for attn in cli.prefill_attentions.split(","):
+        llm = engine("int8", prefill_act=pa, prefill_chunk=cli.doc_tokens, prefill_attention=attn)
+        model = llm.engine.runner.executor.model
+        assert model.prefill_bf16 == (pa == "bf16")
+        what = ("bf16 SDPA" if not model.extend_native else
+                "extend op, bf16 products" if model.extend_bf16 else "extend op, fp32")
+        results[f"tandem int8, bf16 KV, whole-document prefill chunks, prefill_act={pa}, "
+                f"prefill_attention={attn} ({what})"] = summary([teacher_forced_logprobs(llm, d) for d in docs])
+        llm.shutdown()
 try:
     from llama_cpp import Llama
     llama = Llama(path, logits_all=True, n_ctx=cli.doc_tokens + cli.greedy_tokens + 64, n_threads=cli.threads,

@@ -111,7 +111,8 @@ class Engine:
         from .speculative.draft import DraftModel
         return DraftModel(sc.model, self.model_config, self.tokenizer, config.max_running_requests,
                           self.runner.num_slots, self.runner.max_context, config.kernels, config.cache_dir,
-                          kernels_act=config.kernels_act, prefill_act=config.prefill_act)
+                          kernels_act=config.kernels_act, prefill_act=config.prefill_act,
+                          prefill_attention=config.prefill_attention)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -126,3 +126,116 @@ def test_engine_matches_the_torch_path(tiny_llama, make_llm, monkeypatch, schedu
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+# ------------------------------------------------------------------------------------ bf16 products (AVX512-BF16)
+bf16_cpu = pytest.mark.skipif(not (kernels.available() and torch.ops.tandem.isa(2) == 2
+                                   and torch.cpu._is_avx512_bf16_supported()), reason="this CPU lacks AVX512-BF16")
+
+
+def _bf16_products_ref(q, cache, layer, kv_index, tok_row, pos, scale, window=0):
+    """What the bf16-products task computes, in float64: scores of the bf16-rounded queries (times scale), their
+    softmax, the output summed from the bf16-rounded probabilities over the fp32 sum of the unrounded ones."""
+    kvh, d = cache.shape[3], cache.shape[4]
+    g = q.shape[1] // kvh
+    out = torch.empty(q.shape[0], q.shape[1], d, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        p = int(pos[t])
+        first = max(0, p + 1 - window) if window else 0
+        kv = cache[kv_index[tok_row[t], first:p + 1], layer].double()            # [n, 2, KVH, D]
+        for i in range(q.shape[1]):
+            qb = (q[t, i] * scale).to(torch.bfloat16).double()
+            s = kv[:, 0, i // g] @ qb
+            e = torch.exp(s - s.max())
+            eb = e.float().to(torch.bfloat16).double()
+            out[t, i] = (eb[:, None] * kv[:, 1, i // g]).sum(0) / e.sum()
+    return out.float().reshape(q.shape[0], -1)
+
+
+@native
+@bf16_cpu
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (8, 8, 32)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_bf16_products_match_their_specification(h, kvh, d, window):
+    """Ragged rows with odd key blocks (a one-token row, a 65-key row, cached prefixes), on a bf16 cache: close to the
+    bf16-products specification, far closer than the fp32 body (which the flag must not run), and within bf16's
+    rounding of the fp32 reference. (Not to fp32 rounding: the op rounds each block's probabilities against the
+    block's running max, the specification against the row's; the two roundings differ by ~2^-9 a term.)"""
+    q, cache, kv_index, tok_row, pos = _case([5, 70, 1, 130], [0, 100, 7, 3], h, kvh, d, torch.bfloat16)
+    got = torch.ops.tandem.extend_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, window, 2, True)
+    fp32 = torch.ops.tandem.extend_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, window, 2, False)
+    spec = _bf16_products_ref(q, cache, 1, kv_index, tok_row, pos, 0.125, window)
+    err, err_fp32 = (got - spec).abs(), (fp32 - spec).abs()
+    assert err.mean() < 0.25 * err_fp32.mean() and err.max() < 5e-3
+    ref = extend_attention_ref(q, cache, 1, kv_index, tok_row, pos, 0.125, window)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-2)
+
+
+@native
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 20)])
+def test_bf16_products_elsewhere_run_the_fp32_body(dtype, d):
+    """An fp32 or fp16 cache, or a head_dim that is not a multiple of 16: the flag changes no bit (and on a CPU
+    without AVX512-BF16 no cache does)."""
+    q, cache, kv_index, tok_row, pos = _case([40, 9], [30, 0], 6, 2, d, dtype)
+    for isa in ISAS:
+        a = torch.ops.tandem.extend_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, isa, True)
+        assert torch.equal(a, torch.ops.tandem.extend_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, isa))
+
+
+def test_prefill_attention_is_checked():
+    from tandem.config import EngineConfig
+    with pytest.raises(ValueError, match="prefill_attention must be"):
+        EngineConfig(prefill_attention="fp16")
+    with pytest.raises(ValueError, match="needs kernels='native' and kernels_act='int8'"):
+        EngineConfig(prefill_attention="bf16", kernels_act="fp32")
+    assert EngineConfig().prefill_attention == "auto" and "prefill_attention" in EngineConfig.help()
+
+
+@native
+def test_prefill_attention_choices(tiny_llama, make_llm, tmp_path_factory, monkeypatch):
+    """auto: bf16 products where the linears round (a quantized GGUF, kernels_act int8), the cache is bf16 and the
+    CPU has AVX512-BF16; "fp32" and the exact mode never; "bf16" where it cannot run is an error, not a silent
+    fp32 run."""
+    from tiny_models import write_tiny_gguf
+    q8 = str(write_tiny_gguf(tmp_path_factory.mktemp("q8x") / "q8.gguf", tiny_llama, quant="Q8_0"))
+    has = torch.ops.tandem.isa(2) == 2 and torch.cpu._is_avx512_bf16_supported() and kernels.isa() == "avx512"
+
+    def extend_bf16(path, **kw):
+        return make_llm(path, device_backend="inline", **kw).engine.runner.executor.model.extend_bf16
+    assert extend_bf16(q8, prefill_act="int8") == has
+    assert not extend_bf16(q8, prefill_act="int8", prefill_attention="fp32")
+    assert not extend_bf16(q8, prefill_act="int8", kv_cache_dtype="float32")
+    assert not extend_bf16(q8, kernels_act="fp32")
+    assert not extend_bf16(tiny_llama)
+    with pytest.raises(ValueError, match="prefill_attention='bf16' needs"):
+        make_llm(q8, device_backend="inline", prefill_act="int8", prefill_attention="bf16", kv_cache_dtype="float32")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with pytest.raises(ValueError, match="prefill_attention='bf16' needs"):
+        make_llm(q8, device_backend="inline", prefill_act="int8", prefill_attention="bf16")
+
+
+@native
+@bf16_cpu
+def test_both_loops_alike_with_bf16_products(tiny_llama, make_llm, tmp_path_factory):
+    """Prompts prefilled in long chunks by the bf16-products op, chunked and mixed with decode rows, on a cached
+    prefix: the serial and overlap loops give the same tokens; and the logprobs stay close to the fp32 op's."""
+    from conftest import run_with
+    from tandem import SamplingParams
+    from tandem.kernels.quant import small_m
+    from tiny_models import write_tiny_gguf
+    q8 = str(write_tiny_gguf(tmp_path_factory.mktemp("q8y") / "q8.gguf", tiny_llama, quant="Q8_0"))
+    prefix = [(7 * i) % 200 + 3 for i in range(150)]
+    prompts = [prefix + [(11 * i + 5 * j) % 250 + 2 for j in range(small_m() + 10 + 7 * i)] for i in range(6)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
+    kw = dict(prefill_act="int8", max_prefill_tokens=2 * small_m() + 60, device_backend="inline")
+    outs = {}
+    for name, extra in (("serial", {}), ("overlap", {}), ("fp32", {"prefill_attention": "fp32"})):
+        llm = make_llm(q8, scheduler="serial" if name == "serial" else "overlap", **kw, **extra)
+        assert llm.engine.runner.executor.model.extend_bf16 == (name != "fp32")
+        llm.generate([prefix + [9]], SamplingParams(max_tokens=1), use_tqdm=False)
+        outs[name] = [o.outputs[0] for o in run_with(llm, llm.engine.config.scheduler, prompts, sp)]
+    assert [o.token_ids for o in outs["serial"]] == [o.token_ids for o in outs["overlap"]]
+    for a, b in zip(outs["overlap"], outs["fp32"]):
+        first_a, first_b = a.logprobs[0], b.logprobs[0]
+        assert first_a.keys() == first_b.keys()
+        assert all(abs(first_a[t] - first_b[t]) < 0.05 for t in first_a)

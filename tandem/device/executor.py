@@ -47,6 +47,7 @@ class ExecutorSpec:
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
     prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
+    prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
@@ -131,7 +132,8 @@ class ModelExecutor:
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
-                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16)
+                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
+                                extend_bf16=self.extend_bf16(rounds, kv_dtype))
         del state
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
         # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
@@ -181,6 +183,24 @@ class ModelExecutor:
         group = self.tp or self.pp
         # Every tp rank and pipeline stage decides alike (a rank on another CPU or with less memory says no for all)
         return bool(group.min_int(int(yes))) if group is not None else yes
+
+    def extend_bf16(self, rounds: bool, kv_dtype: torch.dtype) -> bool:
+        """Does the native extend op (long prefill chunks) take bf16 products (prefill_attention)? "auto": yes
+        where the linears round x to int8 already (rounds, kernels_act="int8"), the KV cache is bf16 and the CPU
+        has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32 rate on an AMD EPYC, benchmarks/extend_attention.py;
+        the KL gate of benchmarks/kl_divergence.py holds, results/extend_bf16.md). The queries and the
+        probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s SDPA."""
+        want = self.spec.prefill_attention
+        if want == "fp32" or self.spec.kernels_act != "int8":
+            return False
+        yes = (rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16 and kernels.available()
+               and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported())
+        group = self.tp or self.pp
+        yes = bool(group.min_int(int(yes))) if group is not None else yes
+        if want == "bf16" and not yes:
+            raise ValueError("prefill_attention='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, "
+                             "native kernels, kernels_act='int8' and a bfloat16 KV cache")
+        return yes
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)

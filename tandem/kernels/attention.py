@@ -51,11 +51,15 @@ def decode_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_in
 
 
 def extend_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor, tok_row: torch.Tensor,
-                     positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, window: int = 0, bf16_products: bool = False
+                     ) -> torch.Tensor:
     """A step's new tokens, q [T, H, D] (rows may be strided), each attending its row's keys up to its own
     position, read in place: token t sees kv_index[tok_row[t], :positions[t] + 1] (its last `window` of them
-    when window > 0) -> [T, H D]. Their K/V must be in the cache already (StepKV.write)."""
-    return torch.ops.tandem.extend_attention(q, cache, layer, kv_index, tok_row, positions, scale, window)
+    when window > 0) -> [T, H D]. Their K/V must be in the cache already (StepKV.write). bf16_products: on a
+    bf16 cache where the CPU has AVX512-BF16 (and head_dim % 16 == 0), the queries (times scale) and the
+    probabilities are rounded to bf16 for the products (vdpbf16ps), sums fp32; elsewhere the fp32 body runs."""
+    return torch.ops.tandem.extend_attention(q, cache, layer, kv_index, tok_row, positions, scale, window, -1,
+                                             bf16_products)
 
 
 def extend_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,

@@ -46,11 +46,14 @@ class LlamaModel:
     prefill_bf16 (prefill_act="bf16"): the layers' quantized linears keep a bf16 copy, and a long prefill chunk
     (more than small_m() tokens: the rows that already attend by SDPA, not as decode rows) runs its linears and
     its attention in bf16 (_bulk_from). Decode rows, verify rows and short chunks keep the int8 kernels.
+    extend_bf16 (prefill_attention, ModelExecutor.extend_bf16): the native extend op of long chunks takes bf16
+    products (queries and probabilities rounded to bf16, fp32 sums) on the bf16 cache.
     """
 
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False) -> None:
+                 native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
+                 extend_bf16: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -134,6 +137,7 @@ class LlamaModel:
         self.extend_dtype = torch.bfloat16 if self.prefill_bf16 else dtype
         # Long chunks attend by the native extend op, but where prefill_bf16 has AMX tiles for its bf16 SDPA
         self.extend_native = native and not (self.prefill_bf16 and torch.cpu._is_amx_tile_supported())
+        self.extend_bf16 = bool(extend_bf16 and self.extend_native)
 
     def _bulk_from(self, t: int, meta: AttentionMeta) -> int:
         """The step's first token whose linears run the bf16 GEMM (prefill_bf16): 0 for a prefill step of more
@@ -348,11 +352,12 @@ class LlamaModel:
         widened, padded copy and no mask. The cascade split is not needed here: the op widens a key block once
         for all of a task's query rows, and a shared prefix's keys stay in cache between rows. Measured on an
         AMD EPYC (AVX-512, no AMX), 2 threads, bf16 cache: 2.3-5x less time than the gather + SDPA it replaces
-        (benchmarks/extend_attention.py). prefill_bf16 (CPUs with AMX) keeps its bf16 SDPA."""
+        (benchmarks/extend_attention.py); extend_bf16: bf16 products, 1.5-1.6x more. prefill_bf16 (CPUs with
+        AMX) keeps its bf16 SDPA."""
         kv = meta.kv
         kv.write(i, k, v)
         return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
-                                self.layers[i]["window"])
+                                self.layers[i]["window"], bf16_products=self.extend_bf16)
 
     def _causal_rows(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      lens: list[int]) -> torch.Tensor:

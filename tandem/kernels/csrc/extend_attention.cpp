@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -35,6 +36,9 @@
 #include "vec.h"
 
 namespace tandem {
+
+bool cpu_has_bf16();
+
 namespace {
 
 constexpr int64_t NK = 64;        // keys a block
@@ -104,6 +108,7 @@ namespace avx512 {
 using V = Vec512;
 constexpr int RK = 6, NQV = 4;
 #include "extend_attention_body.inc"
+#include "extend_attention_bf16.inc"
 }  // namespace avx512
 #undef KERNEL
 
@@ -117,7 +122,8 @@ TaskFn task_for(Isa isa) {
 
 at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& tok_row_in,
-                            const at::Tensor& positions_in, double scale, int64_t window, int64_t isa_req) {
+                            const at::Tensor& positions_in, double scale, int64_t window, int64_t isa_req,
+                            bool bf16_products) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "tandem.extend_attention: q must be fp32 [T, H, D]");
   const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
@@ -168,14 +174,18 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const ExtTask& x, const ExtTask& y) { return x.cost > y.cost; });
   const Isa isa = resolve_isa(isa_req);
-  const TaskFn fn = dt == at::kBFloat16 ? task_for<c10::BFloat16>(isa)
+  // bf16 products (a bf16 cache on a CPU with AVX512-BF16, head_dim a multiple of 16); else the fp32 task
+  const bool dp = bf16_products && dt == at::kBFloat16 && isa == kAvx512 && cpu_has_bf16() && D % 16 == 0;
+  const TaskFn fn = dp                  ? avx512::extend_task_bf16
+                    : dt == at::kBFloat16 ? task_for<c10::BFloat16>(isa)
                     : dt == at::kHalf   ? task_for<c10::Half>(isa)
                                         : task_for<float>(isa);
   const ExtArgs a{q.data_ptr<float>(), T > 1 ? q.stride(0) : H * D, cache.data_ptr(), cache.size(1) * 2 * KVH * D,
                   layer * 2 * KVH * D, idx, Lk, rows, p, H, KVH, D, window, (float)scale, out.data_ptr<float>()};
   const int64_t max_cols = (per_task * G + 15) / 16 * 16;         // a task holds <= per_task tokens
   const int64_t max_keys = *std::max_element(row_end.begin(), row_end.end());
-  const size_t floats = (size_t)std::max(scratch_floats(max_cols, D), max_keys);   // the scalar body: scores
+  const size_t floats = (size_t)std::max({scratch_floats(max_cols, D), avx512::scratch_floats_bf16(max_cols, D),
+                                          max_keys});   // the scalar body: scores
   const int64_t ntasks = (int64_t)tasks.size();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), ntasks), 1, [&](int64_t, int64_t) {

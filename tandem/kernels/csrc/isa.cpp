@@ -42,6 +42,12 @@ bool cpu_has_vnni() {
   return __builtin_cpu_supports("avx512vnni");
 }
 
+// AVX512-BF16 (vdpbf16ps: two bf16 products into each fp32 lane), for extend_attention's bf16-products task.
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+}
+
 // AMX int8 tiles (Sapphire Rapids and later), for qgemm_q8's AMX body: the CPU has AMX-TILE and AMX-INT8, the
 // OS saves the tile state (XCR0 bits 17-18) and grants this process the tile data (Linux arch_prctl
 // ARCH_REQ_XCOMP_PERM, once; the grant is process-wide). TANDEM_ISA, when set, must say "amx" for it: any
