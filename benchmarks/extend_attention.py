@@ -3,7 +3,8 @@ keys from the paged cache (widened to fp32, padded) + ATen's flash SDPA with the
 heads (9 over 3 KV heads, head_dim 64, bf16 cache, 30 layers' slots), on the chunks the workloads of issue 22
 prefill: a 256-token mixed chunk on 768 and 2,560 cached keys (the long workload), a fresh 924-token prompt, 32 rows
 of 24 tokens on one 900-key prefix (shared prefix). Interleaved in one process, best of --reps, for each SIMD body
-this CPU has (SDPA's own ISA is whatever torch picks: pass ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS to cap it).
+this CPU has (SDPA's own ISA is whatever torch picks: pass ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS to cap it),
+and on CPUs with AVX512-BF16 the AVX-512 body's bf16 products (prefill_attention="bf16") beside them.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/extend_attention.py [--threads 2] [--json F]
 """
@@ -39,13 +40,16 @@ def case(rows: int, new: int, cached: int, isa: int, g: torch.Generator):
     def native():
         return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa)
 
+    def native_bf16():
+        return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa, True)
+
     def sdpa():
         kv = cache[kv_index.reshape(-1), 3].float().view(rows, lk, 2, KVH, D)
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         return F.scaled_dot_product_attention(q.view(rows, new, H, D).transpose(1, 2), k, v, attn_mask=mask,
                                               scale=0.125, enable_gqa=True)
     flops = 4 * H * D * rows * new * (cached + new / 2)                       # the causal part only
-    return native, sdpa, flops
+    return native, native_bf16, sdpa, flops
 
 
 def main() -> None:
@@ -59,17 +63,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     isas = [i for i in (1, 2) if i <= torch.ops.tandem.isa(2)]
+    bf16 = torch.cpu._is_avx512_bf16_supported()
     rows, lines = [], ["| body | chunk | extend op, ms | GFLOP/s | gather + SDPA, ms | SDPA / op |", "|---|---|---|---|---|---|"]
     for isa in isas:
+        bodies = [kernels.ISA_NAMES[isa]] + (["avx512, bf16 products"] if isa == 2 and bf16 else [])
         for name, shape in CASES.items():
-            native, sdpa, flops = case(*shape, isa, g)
-            best = interleaved_best([native, sdpa], args.reps)
-            body = kernels.ISA_NAMES[isa]
-            rows.append({"body": body, "chunk": name, "op_ms": best[0] * 1e3, "sdpa_ms": best[1] * 1e3,
-                         "op_gflops": flops / best[0] / 1e9})
-            lines.append(f"| {body} | {name} | {best[0] * 1e3:.2f} | {flops / best[0] / 1e9:.0f} | "
-                         f"{best[1] * 1e3:.2f} | {best[1] / best[0]:.2f}x |")
-            print(lines[-1], flush=True)
+            native, native_bf16, sdpa, flops = case(*shape, isa, g)
+            best = interleaved_best([native, sdpa] + ([native_bf16] if len(bodies) > 1 else []), args.reps)
+            for body, op in zip(bodies, [best[0]] + best[2:]):
+                rows.append({"body": body, "chunk": name, "op_ms": op * 1e3, "sdpa_ms": best[1] * 1e3,
+                             "op_gflops": flops / op / 1e9})
+                lines.append(f"| {body} | {name} | {op * 1e3:.2f} | {flops / op / 1e9:.0f} | "
+                             f"{best[1] * 1e3:.2f} | {best[1] / op:.2f}x |")
+                print(lines[-1], flush=True)
     info = machine_info(args.threads)
     md = ("# Extend attention: the native op against gather + SDPA\n\n"
           f"`benchmarks/extend_attention.py --threads {args.threads}`; CPU: {info['cpu_model']}"

@@ -188,8 +188,9 @@ class ModelExecutor:
         """Does the native extend op (long prefill chunks) take bf16 products (prefill_attention)? "auto": yes
         where the linears round x to int8 already (rounds, kernels_act="int8"), the KV cache is bf16 and the CPU
         has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32 rate on an AMD EPYC, benchmarks/extend_attention.py;
-        the KL gate of benchmarks/kl_divergence.py holds, results/extend_bf16.md). The queries and the
-        probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s SDPA."""
+        the KL gate of benchmarks/kl_divergence.py holds: results/kl_divergence_extend_bf16.md). The queries and
+        the probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s
+        SDPA."""
         want = self.spec.prefill_attention
         if want == "fp32" or self.spec.kernels_act != "int8":
             return False
