@@ -123,8 +123,9 @@ def test_engine_on_a_low_precision_cache(tiny_llama, tmp_path, make_llm, dtype):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
     # prefill_act int8: the fresh prefill (126 tokens, one long chunk) and the cache hits (the last token of each)
-    # then run the same linears; under bf16 long chunks they differ by design (tests/test_prefill_bf16.py).
-    llm = make_llm(gguf, kv_cache_dtype=dtype, prefill_act="int8")
+    # then run the same linears; under bf16 long chunks they differ by design (tests/test_prefill_bf16.py), as
+    # under the extend op's bf16 products (prefill_attention, tests/test_extend_attention.py): fp32 here.
+    llm = make_llm(gguf, kv_cache_dtype=dtype, prefill_act="int8", prefill_attention="fp32")
     runs = []
     for scheduler in ("serial", "overlap", "overlap"):          # the third run is served by the prefix cache
         llm.engine.config = llm.engine.config.replace(scheduler=scheduler)

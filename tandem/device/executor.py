@@ -194,10 +194,12 @@ class ModelExecutor:
         want = self.spec.prefill_attention
         if want == "fp32" or self.spec.kernels_act != "int8":
             return False
-        yes = (rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16 and kernels.available()
-               and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported())
-        group = self.tp or self.pp
-        yes = bool(group.min_int(int(yes))) if group is not None else yes
+        yes = rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16   # alike on every rank
+        if yes:
+            yes = kernels.available() and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
+            group = self.tp or self.pp
+            # Every tp rank and pipeline stage decides alike (a rank on another CPU says no for all)
+            yes = bool(group.min_int(int(yes))) if group is not None else yes
         if want == "bf16" and not yes:
             raise ValueError("prefill_attention='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, "
                              "native kernels, kernels_act='int8' and a bfloat16 KV cache")
