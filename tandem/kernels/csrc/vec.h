@@ -254,11 +254,8 @@ struct Vec1 {
   using reg = float;
   static constexpr int W = 1;
   static inline reg set1(float v) { return v; }
-  static inline reg load(const float* p) { return *p; }
-  static inline void store(float* p, reg v) { *p = v; }
   static inline reg add(reg a, reg b) { return a + b; }
   static inline reg sub(reg a, reg b) { return a - b; }
-  static inline reg div(reg a, reg b) { return a / b; }
   static inline reg mul(reg a, reg b) { return a * b; }
   static inline reg fma(reg a, reg b, reg c) { return a * b + c; }
   static inline reg fnmadd(reg a, reg b, reg c) { return c - a * b; }
