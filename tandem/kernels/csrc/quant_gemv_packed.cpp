@@ -265,10 +265,10 @@ void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows
     const int64_t n0 = g * kG, left = g1 - g;
     // The groups the next iteration takes, requested into L1 now (as many as this one takes: 1, or 2 / 4 for a
     // row or two of x): the weights stream from memory once a step (a model's are past L3), and the tiles' own
-    // loads left the misses exposed. SmolLM2's 30 layers (66 MB packed), 2 threads, AMD EPYC with AVX-512: 1 row
-    // of x 2.42 -> 1.90 ms a step, 8 rows 5.5 -> 3.3, 32 rows 11.1 -> 10.1, 64 rows 18.7 -> 17.2 (the same calls
-    // on one layer's weights, L3-resident: 1.1 / 2.8 / 8.5 / 15.9). Measured no better: into L2, two or four
-    // iterations ahead, the weights on 2 MB pages.
+    // loads left the misses exposed. SmolLM2's 30 layers (66 MB packed), 2 threads, AMD EPYC with AVX-512, against
+    // the build without it: 8 rows of x 5.14 -> 3.09 ms a step, 32 rows 10.2 -> 9.2, 64 rows 17.5 -> 16.9 (the same
+    // calls on one layer's L3-resident weights: 2.6 / 7.7 / 14.9); the AVX2 body 1 row 3.70 -> 1.78, 8 rows 7.3 ->
+    // 5.3, 32 rows 19.2 -> 17.2. Measured no better: into L2, two or four iterations ahead, 2 MB pages.
     const int64_t take = body == 2 && M == 1 && left >= 4 ? 4 : body == 2 && M == 2 && left >= 2 ? 2 : 1;
     if (g + take < g1) {
       const char* pf = (const char*)(gp + take * gbytes);
