@@ -3,9 +3,9 @@
 //   gelu_tanh_mul(gu [T, 2I]) -> gelu_tanh(gu[:, :I]) * gu[:, I:]         ([T, I], GeGLU: gemma)
 // fp32, rows contiguous; thread split over rows.
 //
-// Why SIMD bodies (AVX-512 and AVX2: act_mul_body.inc over vec.h's exp; a plain loop without AVX2): the plain loop called std::exp (or
-// std::tanh) per element, which the compiler cannot vectorize, and took 50 us for 32 rows of SmolLM2's 1,536
-// (aten's F.silu(g) * u: 14 us; 2 threads, AMD EPYC): ~1.5 ms of a 32-row decode step's 27. A row's result depends
+// Why SIMD bodies (AVX-512 and AVX2: act_mul_body.inc over vec.h's exp; a plain loop without AVX2): the plain loop
+// called std::exp (or std::tanh) per element, which the compiler cannot vectorize, and took 50 us for 32 rows of
+// SmolLM2's 1,536 (aten's F.silu(g) * u: 14 us; 2 threads, AMD EPYC): ~1.5 ms of a 32-row decode step's 27. A row's result depends
 // on its own values only (no sums), so it has the same bits in any batch; the AVX-512 and AVX2 bodies run the same
 // lane-wise operations (the same bits); the plain loop differs in the last bits.
 #include <ATen/ATen.h>
@@ -46,7 +46,9 @@ using V = Vec512;
 using RowFn = void (*)(const float*, const float*, float*, int64_t);
 template <bool GELU>
 RowFn row_fn(Isa isa) {
-  return isa == kAvx512 ? avx512::act_mul_row<GELU> : isa == kAvx2 ? avx2::act_mul_row<GELU> : scalar::act_mul_row<GELU>;
+  return isa == kAvx512 ? avx512::act_mul_row<GELU>
+         : isa == kAvx2 ? avx2::act_mul_row<GELU>
+                        : scalar::act_mul_row<GELU>;
 }
 
 at::Tensor act_mul(const at::Tensor& gu_in, bool gelu, int64_t isa_req, const char* name) {
