@@ -31,10 +31,11 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
 
 
 def isa_caps() -> dict[str, str]:
-    """The ISA caps set for this run (TANDEM_ISA=avx2 and oneDNN's / MKL's own, as an AVX2 machine emulated on an
-    AVX-512 one): part of what was measured, so a capped run's results say so."""
-    return {k: os.environ[k] for k in ("TANDEM_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-            if os.environ.get(k)}
+    """The ISA caps set for this run (TANDEM_ISA=avx2 and oneDNN's / MKL's / ATen's own, as an AVX2 machine
+    emulated on an AVX-512 one; a vLLM peer then runs its AVX2 kernel build, vllm_peer.VllmServer.env): part of
+    what was measured, so a capped run's results say so."""
+    return {k: os.environ[k] for k in ("TANDEM_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                                       "ATEN_CPU_CAPABILITY") if os.environ.get(k)}
 
 
 def engine_threads(config) -> int:

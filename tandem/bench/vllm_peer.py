@@ -150,8 +150,13 @@ class VllmServer:
                 *self.extra_args]
 
     def env(self) -> dict[str, str]:
+        """The server's environment: tandem's PYTHONPATH dropped; under TANDEM_ISA=avx2 (the AVX2 emulation,
+        whose oneDNN / MKL / ATen caps the server inherits) the avx2_site shim, so vLLM's own kernels run
+        their AVX2 build too (avx2_site/sitecustomize.py)."""
+        avx2 = os.environ.get("TANDEM_ISA", "").lower() == "avx2"
         return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}", "PYTHONPATH": ""}
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}",
+                "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "avx2_site") if avx2 else ""}
 
     def start(self, timeout_s: float = 900.0) -> "VllmServer":
         import urllib.request
