@@ -41,6 +41,9 @@ p.add_argument("--prefill-acts", default="",
 p.add_argument("--prefill-attentions", default="auto",
                help="prefill_attention values of the --prefill-acts runs (comma-separated, e.g. fp32,bf16: the "
                     "native extend op's fp32 or bf16 products)")
+p.add_argument("--decode-attentions", default="",
+               help="also the bf16-KV int8 run with these decode_attention values (comma-separated, e.g. fp32,bf16: "
+                    "the native decode op's fp32 or bf16 products; the prompt chunks run it, as decode rows do)")
 p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                              "kl_divergence.json"))
 cli = p.parse_args()
@@ -50,10 +53,10 @@ chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, 
 
 
 def engine(act: str, kv: str = "auto", prefill_act: str = "auto", prefill_chunk: int = chunk,
-           prefill_attention: str = "auto") -> LLM:
+           prefill_attention: str = "auto", decode_attention: str = "auto") -> LLM:
     return LLM(path, kernels_act=act, kv_cache_dtype=kv, device_backend="inline", device_threads=cli.threads,
                max_prefill_tokens=prefill_chunk, kv_cache_tokens=cli.doc_tokens + 256, prefix_cache=False,
-               prefill_act=prefill_act, prefill_attention=prefill_attention)
+               prefill_act=prefill_act, prefill_attention=prefill_attention, decode_attention=decode_attention)
 
 
 exact = engine("fp32")
@@ -96,8 +99,16 @@ for kv in cli.kv_dtypes.split(","):
     got = str(llm.engine.runner.executor.kv_cache.data.dtype).removeprefix("torch.")
     assert got == kv, f"asked for a {kv} KV cache, got {got}"
     name = f"tandem int8, {kv} KV" + (" (default)" if getattr(torch, kv) == AUTO_KV_DTYPE else "")
+    name += ", decode op with bf16 products" if llm.engine.runner.executor.model.decode_bf16 else ""
     results[name] = {**summary([teacher_forced_logprobs(llm, d) for d in docs]),
                      "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
+    llm.shutdown()
+for attn in filter(None, cli.decode_attentions.split(",")):
+    llm = engine("int8", "bfloat16", decode_attention=attn)
+    what = "bf16 products" if llm.engine.runner.executor.model.decode_bf16 else "fp32"
+    results[f"tandem int8, bfloat16 KV, decode_attention={attn} ({what})"] = {
+        **summary([teacher_forced_logprobs(llm, d) for d in docs]),
+        "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
     llm.shutdown()
 for pa in filter(None, cli.prefill_acts.split(",")):
     for attn in cli.prefill_attentions.split(","):

@@ -43,6 +43,7 @@ class EngineConfig:
     kernels_act: str = "int8"           # "int8": quantized linears round x to int8 (16-element halves; decode kernels, int8 GEMM on prefill); "fp32": exact mode
     prefill_act: str = "auto"           # long prefill chunks' linears and attention: "auto" (bf16 on CPUs with AMX-BF16, else int8), "bf16", "int8" (with kernels_act="int8")
     prefill_attention: str = "auto"     # the native extend attention of long prefill chunks: "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
+    decode_attention: str = "auto"      # the native decode attention (decode steps, short prompt chunks, verify rows): "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
     tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
     nnodes: int = 1                     # machines the device ranks span: tp_size / nnodes tp ranks or pp_size / nnodes stages on each
@@ -69,11 +70,13 @@ class EngineConfig:
             raise ValueError(f"prefill_act={self.prefill_act!r} needs kernels='native' and kernels_act='int8': "
                              f"the exact mode (kernels_act='fp32') and the torch path keep every linear and "
                              f"attention in fp32")
-        if self.prefill_attention not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"prefill_attention must be 'auto', 'bf16' or 'fp32', got {self.prefill_attention!r}")
-        if self.prefill_attention == "bf16" and (self.kernels_act != "int8" or self.kernels != "native"):
-            raise ValueError("prefill_attention='bf16' needs kernels='native' and kernels_act='int8': the exact mode "
-                             "(kernels_act='fp32') and the torch path attend in fp32")
+        for name in ("prefill_attention", "decode_attention"):
+            value = getattr(self, name)
+            if value not in ("auto", "bf16", "fp32"):
+                raise ValueError(f"{name} must be 'auto', 'bf16' or 'fp32', got {value!r}")
+            if value == "bf16" and (self.kernels_act != "int8" or self.kernels != "native"):
+                raise ValueError(f"{name}='bf16' needs kernels='native' and kernels_act='int8': the exact mode "
+                                 f"(kernels_act='fp32') and the torch path attend in fp32")
         if self.device_backend not in ("auto", "process", "inline"):
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

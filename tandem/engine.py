@@ -112,7 +112,7 @@ class Engine:
         return DraftModel(sc.model, self.model_config, self.tokenizer, config.max_running_requests,
                           self.runner.num_slots, self.runner.max_context, config.kernels, config.cache_dir,
                           kernels_act=config.kernels_act, prefill_act=config.prefill_act,
-                          prefill_attention=config.prefill_attention)
+                          prefill_attention=config.prefill_attention, decode_attention=config.decode_attention)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -48,6 +48,7 @@ class ExecutorSpec:
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
     prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
     prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
+    decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
     tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
@@ -133,7 +134,8 @@ class ModelExecutor:
         self.num_slots = num_slots
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
-                                extend_bf16=self.extend_bf16(rounds, kv_dtype))
+                                extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
+                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim))
         del state
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
         # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
@@ -184,25 +186,38 @@ class ModelExecutor:
         # Every tp rank and pipeline stage decides alike (a rank on another CPU or with less memory says no for all)
         return bool(group.min_int(int(yes))) if group is not None else yes
 
-    def extend_bf16(self, rounds: bool, kv_dtype: torch.dtype) -> bool:
+    def extend_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Does the native extend op (long prefill chunks) take bf16 products (prefill_attention)? "auto": yes
         where the linears round x to int8 already (rounds, kernels_act="int8"), the KV cache is bf16 and the CPU
         has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32 rate on an AMD EPYC, benchmarks/extend_attention.py;
         the KL gate of benchmarks/kl_divergence.py holds: results/kl_divergence_extend_bf16.md). The queries and
         the probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s
         SDPA."""
-        want = self.spec.prefill_attention
+        return self._bf16_products("prefill_attention", rounds, kv_dtype, head_dim % 16 == 0)
+
+    def decode_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Does the native decode op (decode steps, prompt chunks of up to small_m() tokens, verify rows) take
+        bf16 products (decode_attention)? "auto" as extend_bf16, with head_dim % 32 == 0 (1.35x the op's fp32
+        time on 32 rows sharing a 930-token prefix, 1.02-1.1x on unshared rows, which wait on memory; AMD EPYC,
+        results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
+        and the probabilities are rounded to bf16 for the products, every sum stays fp32, and a row's output is
+        still the same bits in any batch (the op's invariant)."""
+        return self._bf16_products("decode_attention", rounds, kv_dtype, head_dim % 32 == 0)
+
+    def _bf16_products(self, option: str, rounds: bool, kv_dtype: torch.dtype, shape_ok: bool) -> bool:
+        want = getattr(self.spec, option)
         if want == "fp32" or self.spec.kernels_act != "int8":
             return False
-        yes = rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16   # alike on every rank
+        yes = rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16 and shape_ok   # alike on every rank
         if yes:
             yes = kernels.available() and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
             group = self.tp or self.pp
             # Every tp rank and pipeline stage decides alike (a rank on another CPU says no for all)
             yes = bool(group.min_int(int(yes))) if group is not None else yes
         if want == "bf16" and not yes:
-            raise ValueError("prefill_attention='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, "
-                             "native kernels, kernels_act='int8' and a bfloat16 KV cache")
+            raise ValueError(f"{option}='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, native "
+                             f"kernels, kernels_act='int8', a bfloat16 KV cache and a head_dim the op takes "
+                             f"(a multiple of {16 if option == 'prefill_attention' else 32})")
         return yes
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:

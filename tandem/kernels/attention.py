@@ -16,13 +16,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index:
 
 def decode_attention_qkv_(qkv: torch.Tensor, cache: torch.Tensor, layer: int, out_cache_loc: torch.Tensor,
                           kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int,
-                          window: int = 0) -> torch.Tensor:
+                          window: int = 0, bf16_products: bool = False) -> torch.Tensor:
     """A decode step's attention in one op: qkv [B, (H + 2 KVH) D] (after RoPE) -> [B, H D]. Row b's K and V
     are first written to cache slot out_cache_loc[b] of `layer`, then its query attends its seq_lens[b] keys
-    (its last `window` of them when window > 0)."""
-    if window:
+    (its last `window` of them when window > 0). bf16_products: scores and values on bf16 pairs (vdpbf16ps)
+    where the op can (a bf16 cache, AVX512-BF16, head_dim % 32 == 0; elsewhere the fp32 products)."""
+    if window or bf16_products:
         return torch.ops.tandem.decode_attention_qkv_(qkv, cache, layer, out_cache_loc, kv_index, seq_lens, scale,
-                                                      heads, -1, -1, window)
+                                                      heads, -1, -1, window, bf16_products)
     return torch.ops.tandem.decode_attention_qkv_(qkv, cache, layer, out_cache_loc, kv_index, seq_lens, scale, heads)
 
 

@@ -48,12 +48,14 @@ class LlamaModel:
     its attention in bf16 (_bulk_from). Decode rows, verify rows and short chunks keep the int8 kernels.
     extend_bf16 (prefill_attention, ModelExecutor.extend_bf16): the native extend op of long chunks takes bf16
     products (queries and probabilities rounded to bf16, fp32 sums) on the bf16 cache.
+    decode_bf16 (decode_attention, ModelExecutor.decode_bf16): the same for the native decode op, wherever it runs
+    (decode rows, short chunks' tokens, verify rows: one op, so a token's attention stays the same bits on each).
     """
 
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
-                 extend_bf16: bool = False) -> None:
+                 extend_bf16: bool = False, decode_bf16: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -138,6 +140,7 @@ class LlamaModel:
         # Long chunks attend by the native extend op, but where prefill_bf16 has AMX tiles for its bf16 SDPA
         self.extend_native = native and not (self.prefill_bf16 and torch.cpu._is_amx_tile_supported())
         self.extend_bf16 = bool(extend_bf16 and self.extend_native)
+        self.decode_bf16 = bool(decode_bf16 and native)
 
     def _bulk_from(self, t: int, meta: AttentionMeta) -> int:
         """The step's first token whose linears run the bf16 GEMM (prefill_bf16): 0 for a prefill step of more
@@ -308,7 +311,7 @@ class LlamaModel:
         return torch.ops.tandem.decode_layer_.default(
             x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, packed, layer["qkv"].bias,
             self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
-            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale)
+            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16)
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    meta: AttentionMeta) -> torch.Tensor:
@@ -385,7 +388,7 @@ class LlamaModel:
         if kv.tok_kv_index is None:                     # once a step, not once a layer
             kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
-                                     self.scale, self.num_heads, self.layers[i]["window"])     # [T, H*D]
+                                     self.scale, self.num_heads, self.layers[i]["window"], self.decode_bf16)  # [T, H*D]
 
     def _decode_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
@@ -393,4 +396,4 @@ class LlamaModel:
         sits at position seq_len - 1."""
         kv = meta.kv
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
-                                     self.scale, self.num_heads, self.layers[i]["window"])     # [B, H*D]
+                                     self.scale, self.num_heads, self.layers[i]["window"], self.decode_bf16)  # [B, H*D]

@@ -32,7 +32,7 @@ class _DraftState:
 class DraftModel:
     def __init__(self, path: str, target_config, target_tokenizer, max_running: int, num_slots: int,
                  max_context: int, kernels: str, cache_dir: str | None = None, kernels_act: str = "int8",
-                 prefill_act: str = "auto", prefill_attention: str = "auto") -> None:
+                 prefill_act: str = "auto", prefill_attention: str = "auto", decode_attention: str = "auto") -> None:
         from ..model.loader import load_tokenizer, resolve_model
         self.path = path
         source = resolve_model(path, cache_dir)
@@ -44,7 +44,7 @@ class DraftModel:
         spec = ExecutorSpec(source=source, device="cpu", dtype="float32", max_running=max_running,
                             max_model_len=max_context, kv_cache_tokens=num_slots, kv_memory_fraction=0.1,
                             kernels=kernels, kernels_act=kernels_act, prefill_act=prefill_act,
-                            prefill_attention=prefill_attention)
+                            prefill_attention=prefill_attention, decode_attention=decode_attention)
         self.executor = ModelExecutor(spec)
         self.kv = KVSlotAllocator(self.executor.num_slots)
         self.rows = ReqRowAllocator(max_running)

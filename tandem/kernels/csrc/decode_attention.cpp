@@ -10,6 +10,9 @@
 //                                           `window` keys, positions [max(0, seq_len - window), seq_len)
 //                                           (those earlier are never read: a local layer's cost is bounded by W)
 //   out      fp32 [B, H, D]                 softmax(q k^T * scale) v over the row's keys
+//   bf16_products                           bf16 cache, AVX512-BF16, D % 32 == 0: the scores and the values as
+//                                           vdpbf16ps on bf16 pairs (decode_attention_bf16.inc; the engine's
+//                                           decode_attention option); elsewhere ignored (the fp32 products)
 //
 // decode_attention_qkv_ is the step's whole attention in one call (issue 17: per layer it replaced two
 // index_put writes, a split, three views, a contiguous copy of q and a reshape, ~25 dispatched torch ops):
@@ -53,14 +56,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
 #include "vec.h"
 
 namespace tandem {
+
+bool cpu_has_bf16();
 
 constexpr int64_t TILE = 32;         // keys scored before their values are accumulated (a multiple of every W)
 constexpr int64_t MIN_CHUNK = 256;   // fewest keys of a split chunk (the batch-invariant split, above)
@@ -87,9 +94,14 @@ struct Scratch {
   std::vector<float> f;                                  // queries [R, H, D], scores [R, H, TILE], ml_own
   std::vector<const float*> in;                          // per KV head: R G query (then probability) rows
   std::vector<float*> out;                               // and their score (then output) rows
+  std::vector<uint16_t> qb;                              // bf16 products: the queries [R, H, D] in bf16
+  std::vector<const uint16_t*> inb;                      // and per KV head its R G rows of them
+  std::vector<uint32_t> pb;                              // and a tile's probabilities [R, H, TILE / 2] in bf16 pairs
+  std::vector<const uint32_t*> inp;                      // and per KV head its R G rows of them
   float* ml_own;                                         // [H, 2] an unsplit row's (max, sum)
   Scratch(int64_t R, int64_t H, int64_t D)
-      : f((size_t)(R * H * (D + TILE) + 2 * H)), in((size_t)(R * H)), out((size_t)(R * H)),
+      : f((size_t)(R * H * (D + TILE) + 2 * H)), in((size_t)(R * H)), out((size_t)(R * H)), qb((size_t)(R * H * D)),
+        inb((size_t)(R * H)), pb((size_t)(R * H * TILE / 2)), inp((size_t)(R * H)),
         ml_own(f.data() + R * H * (D + TILE)) {}
 };
 
@@ -143,7 +155,10 @@ using V = Vec256;
 namespace avx512 {
 using V = Vec512;
 #include "decode_attention_simd.inc"
+#define TANDEM_DECODE_BF16
+#include "decode_attention_bf16.inc"
 #include "decode_attention_body.inc"
+#undef TANDEM_DECODE_BF16
 }  // namespace avx512
 #undef KERNEL
 
@@ -180,7 +195,11 @@ template <typename T>
 static AttendFn attend_for(Isa isa) {
   return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
 }
-static AttendFn pick_attend(Isa isa, at::ScalarType kv) {
+// bf16: the bf16-products body (decode_attention_bf16.inc) where it runs: a bf16 cache, the AVX-512 body on a CPU
+// with AVX512-BF16 and D % 32 == 0; elsewhere the fp32 helpers, bit for bit the op without it.
+static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
+  if (bf16 && kv == at::kBFloat16 && isa == kAvx512 && cpu_has_bf16() && D % 32 == 0)
+    return avx512::attend<c10::BFloat16, true>;
   return kv == at::kBFloat16 ? attend_for<c10::BFloat16>(isa) : kv == at::kHalf ? attend_for<c10::Half>(isa)
                                                                                  : attend_for<float>(isa);
 }
@@ -191,7 +210,7 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv) {
 // chunk_keys: keys per chunk; -1 row_chunk (see the top of the file), 0 never splits, > 0 forces that size
 // (rounded up to whole tiles; for tests).
 static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t isa_req, int64_t chunk_keys,
-                        int64_t window) {
+                        int64_t window, bool bf16_products) {
   const int64_t B = a.B, H = a.H, D = a.D, Lk = a.Lk;
   const int64_t* lens = a.seq_lens;
   TORCH_CHECK(window >= 0, "tandem.decode_attention: window must be >= 0");
@@ -220,7 +239,7 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   }
   std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
   for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
-  const AttendFn attend = pick_attend(resolve_isa(isa_req), kv);
+  const AttendFn attend = pick_attend(resolve_isa(isa_req), kv, bf16_products, D);
   float* pacc = part_acc.get();
   float* pml = part_ml.get();
   // A task's R rows attend its chunk together, tile by tile (decode_attention_body.inc): the chunk's K and V come
@@ -287,7 +306,7 @@ static void write_kv(const float* src, int64_t rs, int64_t off, T* dst, const in
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& seq_lens_in, double scale,
-                            int64_t isa_req, int64_t chunk_keys, int64_t window) {
+                            int64_t isa_req, int64_t chunk_keys, int64_t window, bool bf16_products) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "tandem.decode_attention: q must be fp32 [B, H, D]");
   at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
   at::Tensor kv_index = as_long(kv_index_in), seq_lens = as_long(seq_lens_in);
@@ -300,14 +319,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
                    seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
                    (float)scale, B > 1 ? q.stride(0) : H * D};
   at::Tensor out = at::empty({B, H, D}, q.options());
-  attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window);
+  attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;
 }
 
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer,
                                  const at::Tensor& loc_in, const at::Tensor& kv_index_in,
                                  const at::Tensor& seq_lens_in, double scale, int64_t H, int64_t isa_req,
-                                 int64_t chunk_keys, int64_t window) {
+                                 int64_t chunk_keys, int64_t window, bool bf16_products) {
   TORCH_CHECK(cache.dim() == 5, "tandem.decode_attention_qkv_: cache must be [S + 1, L, 2, KVH, D]");
   const int64_t KVH = cache.size(3), D = cache.size(4), B = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
@@ -331,7 +350,7 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
   const AttnArgs a{src, cache.data_ptr(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                    B, H, KVH, D, kv_index.size(1), 2 * KVH * D, slot_stride, layer, (float)scale, rs};
   at::Tensor out = at::empty({B, H * D}, qkv.options());
-  attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window);
+  attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;
 }
 

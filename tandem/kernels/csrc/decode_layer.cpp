@@ -14,8 +14,8 @@
 //            up to qgemv_packed_rows() rows (the same bits as qlinear_q8)
 //   int8     whether a linear of an integer block type rounds its input to int8 (kernels_act="int8")
 //   returns  fp32 [B, E]         this layer's MLP output (the next layer's delta)
-// The rest as decode_attention_qkv_ (cache, layer, loc, kv_index, seq_lens, scale, heads) and rope_ (cos,
-// sin, positions; RoPE on heads + kv_heads heads of head_dim).
+// The rest as decode_attention_qkv_ (cache, layer, loc, kv_index, seq_lens, scale, heads, bf16_products) and
+// rope_ (cos, sin, positions; RoPE on heads + kv_heads heads of head_dim).
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
@@ -32,7 +32,7 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
                          at::TensorList packed, const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
-                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale) {
+                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, bool bf16_products) {
   TORCH_CHECK((w.size() == 4 || w.size() == 6) && qtypes.size() == w.size() && packed.size() == w.size(),
               "tandem.decode_layer_: w, qtypes and packed are [qkv, o, gate_up, down] or [q, k, v, o, gate_up, down]");
   const int nq = (int)w.size() - 3;                                     // parts of the qkv projection
@@ -69,7 +69,8 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
   at::Tensor attn;
   {
     RECORD_FUNCTION("tandem::decode_attention_qkv_", std::vector<c10::IValue>());
-    attn = decode_attention_qkv_(qkv, cache, layer, loc, kv_index, seq_lens, scale, heads, -1, -1, 0);  // global layers only
+    attn = decode_attention_qkv_(qkv, cache, layer, loc, kv_index, seq_lens, scale, heads, -1, -1, 0,  // global
+                                 bf16_products);                                                   // layers only
   }
   at::Tensor o = lin(attn, nq, std::nullopt);
   {

@@ -23,9 +23,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
-        "int isa=-1, int chunk_keys=-1, int window=0) -> Tensor");
+        "int isa=-1, int chunk_keys=-1, int window=0, bool bf16_products=False) -> Tensor");
   m.def("decode_attention_qkv_(Tensor qkv, Tensor(a!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
-        "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1, int window=0) -> Tensor");
+        "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1, int window=0, "
+        "bool bf16_products=False) -> Tensor");
   m.def("extend_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor tok_row, Tensor positions, "
         "float scale, int window=0, int isa=-1, bool bf16_products=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -39,7 +40,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("decode_layer_(Tensor(a!) x, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] w, "
         "int[] qtypes, Tensor[] packed, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, bool bf16_products=False) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
   m.def("shared_prefix_attention(int on=-1) -> int", &tandem::shared_prefix_attention);
 }
