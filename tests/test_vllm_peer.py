@@ -84,3 +84,21 @@ def test_bench_peers_runs_the_vllm_row(fake_vllm_python, tiny_llama, tmp_path):
     row = {x["engine"]: x for x in r["results"]}["vllm cpu"]
     assert row["skipped"] is None and row["output_tokens_per_s"] > 0 and row["tpot_ms"] is not None
     assert r["sweep"]["engines"]["vllm cpu"][0] > 0
+
+
+def test_avx2_emulation_caps_the_servers_probes(monkeypatch):
+    """Under TANDEM_ISA=avx2 (an AVX2 machine emulated) the server's PYTHONPATH holds the avx2_site shim, which
+    makes torch's CPU-feature probes answer as an AVX2-only CPU (so vLLM loads its AVX2 kernel build); without it
+    the PYTHONPATH is cleared and the probes are the hardware's."""
+    import subprocess
+    server = VllmServer(python=sys.executable, model_dir="unused", threads=2)
+    monkeypatch.delenv("TANDEM_ISA", raising=False)
+    assert server.env()["PYTHONPATH"] == ""
+    monkeypatch.setenv("TANDEM_ISA", "avx2")
+    env = server.env()
+    assert env["PYTHONPATH"].endswith("avx2_site") and os.path.isfile(os.path.join(env["PYTHONPATH"],
+                                                                                   "sitecustomize.py"))
+    probes = ("import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported(), "
+              "torch.cpu._is_amx_tile_supported())")
+    out = subprocess.run([sys.executable, "-c", probes], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
