@@ -197,8 +197,8 @@ class ModelExecutor:
 
     def decode_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Does the native decode op (decode steps, prompt chunks of up to small_m() tokens, verify rows) take
-        bf16 products (decode_attention)? "auto" as extend_bf16, with head_dim % 32 == 0 (1.35x the op's fp32
-        time on 32 rows sharing a 930-token prefix, 1.02-1.1x on unshared rows, which wait on memory; AMD EPYC,
+        bf16 products (decode_attention)? "auto" as extend_bf16, with head_dim % 32 == 0 (1.30x less time than
+        the fp32 op on 32 rows sharing a 930-token prefix, 1.08-1.15x on unshared rows, which wait on memory; AMD EPYC,
         results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
         and the probabilities are rounded to bf16 for the products, every sum stays fp32, and a row's output is
         still the same bits in any batch (the op's invariant)."""
