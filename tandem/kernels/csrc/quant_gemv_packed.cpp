@@ -327,12 +327,18 @@ int packed_body(int64_t isa_req) {
 // body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows; with tile_avx2_rows past 2 rows
 // (1.05-1.5x the 2-row tiles) 1.2-11x the AVX2 GEMM at 3-128 rows and 0.93-1.24x at 256-1024
 // (results/packed_gemv_avx2_rows.md), so on AVX2 it takes every row count, prefill chunks included (kAllRows).
+// On AVX-512 VNNI without AMX (an AMD EPYC, 2 threads, results/packed_gemv_vnni_rows.md) the GEMM runs its VNNI
+// body, and the packed one is 1.08-1.86x it at 256-2048 rows on every shape, 1.02-1.29x at 4096 and 0.89-1.23x at
+// 8192 (the outputs and x no longer stay in cache for either): it takes prefill chunks up to kVnniRows.
 constexpr int64_t kAllRows = int64_t(1) << 40;
+constexpr int64_t kVnniRows = 4096;
+
+bool cpu_has_amx();
 
 int64_t qgemv_packed_rows(int64_t qtype) {
   if (!packable(qtype)) return 0;
   const int body = packed_body(-1);
-  return body == 2 ? 256 : body == 1 ? kAllRows : 0;
+  return body == 2 ? (cpu_has_amx() ? 256 : kVnniRows) : body == 1 ? kAllRows : 0;
 }
 
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
