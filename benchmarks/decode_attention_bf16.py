@@ -8,13 +8,15 @@ Needs AVX512-BF16 (elsewhere the flag runs the fp32 body).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
-from tandem import kernels
-from tandem.bench import interleaved_best, machine_info, write_json_md
-
-H, KVH, D, LAYERS = 9, 3, 64, 30
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_attention_chunks import batch  # noqa: E402
+from tandem import kernels  # noqa: E402
+from tandem.bench import interleaved_best, machine_info, write_json_md  # noqa: E402
 
 BATCHES = {  # name: (own keys of each row, keys of a prefix they all share)
     "64 rows of 100-220 keys (decode workload)": ("random", 64, 100, 220, 0),
@@ -28,14 +30,7 @@ BATCHES = {  # name: (own keys of each row, keys of a prefix they all share)
 def case(spec: tuple, bf16: bool, g: torch.Generator):
     kind, b, lo, hi, prefix = spec
     own = [int(x) for x in torch.randint(lo, hi + 1, (b,), generator=g)] if kind == "random" else [lo] * b
-    longest = max(own)
-    cache = torch.randn(prefix + b * longest + 2, LAYERS, 2, KVH, D, generator=g).to(torch.bfloat16)
-    lens = torch.tensor([prefix + n for n in own])
-    kv_index = torch.zeros(b, prefix + longest, dtype=torch.long)
-    kv_index[:, :prefix] = torch.arange(1, prefix + 1)
-    for r in range(b):
-        kv_index[r, prefix:] = prefix + 1 + r * longest + torch.arange(longest)
-    q = torch.randn(b, H, D, generator=g)
+    q, cache, kv_index, lens = batch(own, prefix, g)
     return lambda: torch.ops.tandem.decode_attention(q, cache, 3, kv_index, lens, 0.125, -1, -1, 0, bf16)
 
 

@@ -18,8 +18,9 @@ from tandem.bench import interleaved_best
 H, KVH, D, LAYERS = 9, 3, 64, 30
 
 
-def case(own: list[int], prefix: int, isa: int, chunk_keys: int, g: torch.Generator):
-    """Rows of `own` keys each after a `prefix` of slots they all share (the radix cache's shared prefix)."""
+def batch(own: list[int], prefix: int, g: torch.Generator):
+    """Rows of `own` keys each after a `prefix` of slots they all share (the radix cache's shared prefix):
+    (q, cache, kv_index, seq_lens) on SmolLM2's heads, a bf16 cache of LAYERS layers."""
     b, longest = len(own), max(own)
     cache = torch.randn(prefix + b * longest + 2, LAYERS, 2, KVH, D, generator=g).to(torch.bfloat16)
     lens = torch.tensor([prefix + n for n in own])
@@ -27,7 +28,12 @@ def case(own: list[int], prefix: int, isa: int, chunk_keys: int, g: torch.Genera
     kv_index[:, :prefix] = torch.arange(1, prefix + 1)
     for r in range(b):
         kv_index[r, prefix:] = prefix + 1 + r * longest + torch.arange(longest)
-    q = torch.randn(b, H, D, generator=g)
+    return torch.randn(b, H, D, generator=g), cache, kv_index, lens
+
+
+def case(own: list[int], prefix: int, isa: int, chunk_keys: int, g: torch.Generator):
+    """The op on batch(own, prefix) with this ISA and chunk size (layer 3)."""
+    q, cache, kv_index, lens = batch(own, prefix, g)
     return lambda: torch.ops.tandem.decode_attention(q, cache, 3, kv_index, lens, 0.125, isa, chunk_keys, 0)
 
 
