@@ -69,8 +69,8 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
   at::Tensor attn;
   {
     RECORD_FUNCTION("tandem::decode_attention_qkv_", std::vector<c10::IValue>());
-    attn = decode_attention_qkv_(qkv, cache, layer, loc, kv_index, seq_lens, scale, heads, -1, -1, 0,  // global
-                                 bf16_products);                                                   // layers only
+    // global layers only (window 0)
+    attn = decode_attention_qkv_(qkv, cache, layer, loc, kv_index, seq_lens, scale, heads, -1, -1, 0, bf16_products);
   }
   at::Tensor o = lin(attn, nq, std::nullopt);
   {
