@@ -193,7 +193,7 @@ class ModelExecutor:
         the KL gate of benchmarks/kl_divergence.py holds: results/kl_divergence_extend_bf16.md). The queries and
         the probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s
         SDPA."""
-        return self._bf16_products("prefill_attention", rounds, kv_dtype, head_dim % 16 == 0)
+        return self._bf16_products("prefill_attention", rounds, kv_dtype, head_dim, 16)
 
     def decode_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
         """Does the native decode op (decode steps, prompt chunks of up to small_m() tokens, verify rows) take
@@ -202,13 +202,15 @@ class ModelExecutor:
         results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
         and the probabilities are rounded to bf16 for the products, every sum stays fp32, and a row's output is
         still the same bits in any batch (the op's invariant)."""
-        return self._bf16_products("decode_attention", rounds, kv_dtype, head_dim % 32 == 0)
+        return self._bf16_products("decode_attention", rounds, kv_dtype, head_dim, 32)
 
-    def _bf16_products(self, option: str, rounds: bool, kv_dtype: torch.dtype, shape_ok: bool) -> bool:
+    def _bf16_products(self, option: str, rounds: bool, kv_dtype: torch.dtype, head_dim: int, multiple: int) -> bool:
+        """extend_bf16 / decode_bf16 for `option`; the op's body needs head_dim a multiple of `multiple`."""
         want = getattr(self.spec, option)
         if want == "fp32" or self.spec.kernels_act != "int8":
             return False
-        yes = rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16 and shape_ok   # alike on every rank
+        yes = (rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16    # alike on every rank
+               and head_dim % multiple == 0)
         if yes:
             yes = kernels.available() and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
             group = self.tp or self.pp
@@ -217,7 +219,7 @@ class ModelExecutor:
         if want == "bf16" and not yes:
             raise ValueError(f"{option}='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, native "
                              f"kernels, kernels_act='int8', a bfloat16 KV cache and a head_dim the op takes "
-                             f"(a multiple of {16 if option == 'prefill_attention' else 32})")
+                             f"(a multiple of {multiple})")
         return yes
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
