@@ -46,7 +46,7 @@ def prefill_tok_s(llm, n: int = 8, n_in: int = 512) -> float:
 
 
 def device_rss_mb(llm) -> float:
-    with open(f"/proc/{llm.engine.runner.proc.pid}/status") as f:
+    with open(f"/proc/{llm.engine.executor.proc.pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return kb / 1024
 

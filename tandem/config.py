@@ -44,13 +44,13 @@ class EngineConfig:
     prefill_act: str = "auto"           # long prefill chunks' linears and attention: "auto" (bf16 on CPUs with AMX-BF16, else int8), "bf16", "int8" (with kernels_act="int8")
     prefill_attention: str = "auto"     # the native extend attention of long prefill chunks: "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
     decode_attention: str = "auto"      # the native decode attention (decode steps, short prompt chunks, verify rows): "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
-    # ---- tensor parallelism and several machines (torch.distributed; tandem/device/tp.py) ----
+    # ---- tensor parallelism and several machines (torch.distributed; tandem/device/parallel/tp.py) ----
     tp_size: int = 1                    # tensor-parallel device ranks (--tp), each with device_threads threads
     nnodes: int = 1                     # machines the device ranks span: tp_size / nnodes tp ranks or pp_size / nnodes stages on each
     node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks or stages
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
     tp_comm: str = "auto"               # tp collectives: "auto" (shared memory when all ranks share a host, else gloo), "gloo"
-    # ---- pipeline parallelism (tandem/device/pp.py, the PP loop in tandem/scheduler/loops.py) ----
+    # ---- pipeline parallelism (tandem/device/parallel/pp.py, the PP loop in tandem/scheduler/loops.py) ----
     pp_size: int = 1                    # pipeline stages (--pp): the layers split into contiguous stages, one device process each
     # ---- speculative decoding (tandem/speculative, tandem/scheduler/speculative.py) ----
     speculative_config: Any = None      # speculative decoding as JSON/dict in vLLM's names, e.g. {"method": "ngram", "num_speculative_tokens": 4}
@@ -100,7 +100,7 @@ class EngineConfig:
 
     def _check_pp(self) -> None:
         """What pipeline stages cannot serve yet is refused here, before anything starts (the layer count is
-        checked once the model is known: device/pp.py check_pp_size)."""
+        checked once the model is known: device/parallel/pp.py check_pp_size)."""
         if self.pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {self.pp_size}")
         if self.pp_size == 1:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStrings
-from .device.ranks import executor_spec, rank_threads
+from .device.ranks import runner_spec, rank_threads
 from .request import Req, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler.loops import LOOPS
@@ -30,7 +30,7 @@ class Engine:
                  poll: Callable[[], None] | None = None) -> None:
         from .model.loader import load_tokenizer, resolve_model
         from .model.shard import check_tp_size
-        from .device.pp import check_pp_size
+        from .device.parallel.pp import check_pp_size
         if config.node_rank > 0:
             raise ValueError(f"node_rank {config.node_rank} runs only device ranks, no engine: start it with "
                              f"`tandem serve --node-rank {config.node_rank} ...`")
@@ -40,10 +40,10 @@ class Engine:
         self.model_name = self.source.name
         check_tp_size(self.model_config, config.tp_size, self.model_name)
         check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name)
-        spec = executor_spec(config, self.source)
+        spec = runner_spec(config, self.source)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
-            from .device.cpu_process import ProcessRunner
+            from .device.process.executor import ProcessExecutor
             cap = config.max_model_len or self.model_config.max_position_embeddings
             if config.kv_cache_tokens is not None:
                 cap = min(cap, config.kv_cache_tokens)
@@ -51,30 +51,30 @@ class Engine:
             step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests + spec.max_draft_rows
             # Prefix-cache hits send their cached slots once; no row's prefix is longer than the context.
             prefix_slots = cap * config.max_running_requests if config.prefix_cache else 0
-            self.runner = ProcessRunner(spec, threads, step_tokens, max_prefix_slots=prefix_slots,
+            self.executor = ProcessExecutor(spec, threads, step_tokens, max_prefix_slots=prefix_slots,
                                         nnodes=config.nnodes, dist_init_addr=config.dist_init_addr)
             self.device_threads = threads
         else:
-            from .device.runner import InlineRunner
-            self.runner = InlineRunner(spec)
+            from .device.executor import InlineExecutor
+            self.executor = InlineExecutor(spec)
         try:
             self.tokenizer = load_tokenizer(self.source)     # while the device process loads the weights
-            self.runner.wait_ready()
+            self.executor.wait_ready()
             drafter = self._drafter(config)
         except BaseException:
-            self.runner.shutdown()
+            self.executor.shutdown()
             raise
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.max_context = self.runner.max_context
+        self.max_context = self.executor.max_context
         self.recorder = Recorder(enabled=True, loop=config.scheduler,
                                  ring_steps=config.trace_ring_steps)
         self._sink = sink
         from .grammar import GrammarCompiler
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.scheduler = Scheduler(config, self.runner, self._emit, self.recorder, poll, self.grammar)
+        self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, self.grammar)
         self.scheduler.max_draft_rows = spec.max_draft_rows
         self.scheduler.max_verify_rows = verify_rows(spec)
         self.scheduler.drafter = drafter
@@ -110,7 +110,7 @@ class Engine:
             return None
         from .speculative.draft import DraftModel
         return DraftModel(sc.model, self.model_config, self.tokenizer, config.max_running_requests,
-                          self.runner.num_slots, self.runner.max_context, config.kernels, config.cache_dir,
+                          self.executor.num_slots, self.executor.max_context, config.kernels, config.cache_dir,
                           kernels_act=config.kernels_act, prefill_act=config.prefill_act,
                           prefill_attention=config.prefill_attention, decode_attention=config.decode_attention)
 
@@ -133,7 +133,7 @@ class Engine:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         if len(prompt_ids) + 1 > self.max_context:    # max_context is already capped by the KV cache
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than this engine can hold "
-                             f"(context {self.max_context}, KV cache {self.runner.num_slots} tokens, "
+                             f"(context {self.max_context}, KV cache {self.executor.num_slots} tokens, "
                              f"one generated token included)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Req(rid=rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids=list(prompt_ids),
@@ -186,7 +186,7 @@ class Engine:
         loop = "pp" if self.config.pp_size > 1 and self.config.scheduler == "overlap" else self.config.scheduler
         yields = contextlib.nullcontext()
         if self.config.resolved_backend() == "process":
-            from .device.cpu_process import host_yields_to_device
+            from .device.process.executor import host_yields_to_device
             yields = host_yields_to_device()       # the device process goes first on the shared cores
         with yields:
             LOOPS[loop](self.scheduler, idle or until_done)
@@ -204,7 +204,7 @@ class Engine:
             finally:
                 if self.scheduler.grammars is not None:
                     self.scheduler.grammars.shutdown()
-                self.runner.shutdown()
+                self.executor.shutdown()
 
     def __del__(self) -> None:
         try:

@@ -1,7 +1,7 @@
 """The offline API: LLM(model, **config).generate(prompts, sampling_params) and .chat(conversations).
 
 LLM(..., dp_size=D) with D > 1 runs D engine processes (the server's replicas and router, see
-tandem/server/offline_pool.py) instead of one in-process engine; the outputs are the same.
+tandem/replicas/offline_pool.py) instead of one in-process engine; the outputs are the same.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class LLM:
                  **config: Any) -> None:
         """`dp_size` engine replicas (each its own engine process, pinned to its share of the cores) picked
         per request by `router` ("least-load" or "cache-aware"); 1: one engine in this process."""
-        from .server.replicas import DataParallel
+        from .replicas.replica_set import DataParallel
         dp = DataParallel(dp_size, router)
         self.config = EngineConfig.from_kwargs(model, **config)
         self.engine: Engine | None = None
@@ -33,7 +33,7 @@ class LLM:
             self.tokenizer = self.engine.tokenizer
         else:
             from .model.loader import load_tokenizer, resolve_model
-            from .server.offline_pool import ReplicaPool
+            from .replicas.offline_pool import ReplicaPool
             self.pool = ReplicaPool(self.config, dp)
             self.tokenizer = load_tokenizer(resolve_model(self.config.model, self.config.cache_dir))
         self._results: dict[str, list[StepOutput]] = {}

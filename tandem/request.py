@@ -122,7 +122,7 @@ class StepOutput:
     error: str | None = None               # set with finish_reason "error": the engine failed this request
     num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache
     # With SamplingParams.logprobs: per new token [its logprob, [[top id, top logprob], ...]]. (Fields are
-    # encoded positionally by server/ipc.py: new ones go last, with a default.)
+    # encoded positionally by replicas/ipc.py: new ones go last, with a default.)
     logprobs: list | None = None
     # With SamplingParams.prompt_logprobs, on the first output: the same for prompt tokens 1.. (token 0 has none)
     prompt_logprobs: list | None = None

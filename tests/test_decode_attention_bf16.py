@@ -157,7 +157,7 @@ def test_decode_attention_choices(tiny_llama, tiny_d32, make_llm, tmp_path_facto
     has = torch.ops.tandem.isa(2) == 2 and torch.cpu._is_avx512_bf16_supported() and kernels.isa() == "avx512"
 
     def decode_bf16(path, **kw):
-        return make_llm(path, device_backend="inline", **kw).engine.runner.executor.model.decode_bf16
+        return make_llm(path, device_backend="inline", **kw).engine.executor.model_runner.model.decode_bf16
     assert decode_bf16(q8) == has
     assert not decode_bf16(q8, decode_attention="fp32")
     assert not decode_bf16(q8, kv_cache_dtype="float32")
@@ -192,7 +192,7 @@ def test_both_loops_alike_with_bf16_decode_products(tiny_d32, make_llm):
     for name, extra in (("serial", {}), ("overlap", {}), ("fp32", {"decode_attention": "fp32"})):
         llm = make_llm(q8, scheduler="serial" if name == "serial" else "overlap", device_backend="inline",
                        max_prefill_tokens=small_m(), **extra)
-        assert llm.engine.runner.executor.model.decode_bf16 == (name != "fp32")
+        assert llm.engine.executor.model_runner.model.decode_bf16 == (name != "fp32")
         llm.generate([prefix + [9]], SamplingParams(max_tokens=1), use_tqdm=False)
         outs[name] = [o.outputs[0] for o in run_with(llm, llm.engine.config.scheduler, prompts, params)]
         if name == "overlap":          # served again, now every prompt from the prefix cache

@@ -201,7 +201,7 @@ def test_prefill_attention_choices(tiny_llama, make_llm, tmp_path_factory, monke
     has = torch.ops.tandem.isa(2) == 2 and torch.cpu._is_avx512_bf16_supported() and kernels.isa() == "avx512"
 
     def extend_bf16(path, **kw):
-        return make_llm(path, device_backend="inline", **kw).engine.runner.executor.model.extend_bf16
+        return make_llm(path, device_backend="inline", **kw).engine.executor.model_runner.model.extend_bf16
     assert extend_bf16(q8, prefill_act="int8") == has
     assert not extend_bf16(q8, prefill_act="int8", prefill_attention="fp32")
     assert not extend_bf16(q8, prefill_act="int8", kv_cache_dtype="float32")
@@ -231,7 +231,7 @@ def test_both_loops_alike_with_bf16_products(tiny_llama, make_llm, tmp_path_fact
     outs = {}
     for name, extra in (("serial", {}), ("overlap", {}), ("fp32", {"prefill_attention": "fp32"})):
         llm = make_llm(q8, scheduler="serial" if name == "serial" else "overlap", **kw, **extra)
-        assert llm.engine.runner.executor.model.extend_bf16 == (name != "fp32")
+        assert llm.engine.executor.model_runner.model.extend_bf16 == (name != "fp32")
         llm.generate([prefix + [9]], SamplingParams(max_tokens=1), use_tqdm=False)
         outs[name] = [o.outputs[0] for o in run_with(llm, llm.engine.config.scheduler, prompts, sp)]
     assert [o.token_ids for o in outs["serial"]] == [o.token_ids for o in outs["overlap"]]

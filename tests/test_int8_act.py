@@ -105,7 +105,7 @@ def test_default_reaches_every_quantized_linear(tmp_path, make_llm, monkeypatch,
     for act in ("int8", "fp32"):
         kw = {} if act == "int8" else {"kernels_act": "fp32"}
         llm = make_llm(path, cache_dir=str(tmp_path / "cache"), device_backend="inline", **kw)
-        model = llm.engine.runner.executor.model
+        model = llm.engine.executor.model_runner.model
         linears = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
         assert all(lin.int8_act == (act == "int8") for lin in linears)
         assert {p.qtype for lin in linears for p in lin.parts} <= INT8_ACT_QTYPES

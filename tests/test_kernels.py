@@ -212,7 +212,7 @@ def test_fused_decode_layers_equal_op_by_op(quant, tmp_path, make_llm, monkeypat
     for act in ("int8", "fp32"):
         llm = make_llm(path, kernels_act=act, cache_dir=str(tmp_path / "cache"), device_backend="inline",
                        prefix_cache=False)
-        layers = llm.engine.runner.executor.model.layers
+        layers = llm.engine.executor.model_runner.model.layers
         assert all("blocks" in layer for layer in layers)
         assert [len(layer["blocks"][0]) for layer in layers[:2]] == ([6, 4] if quant == "Q4_K_M" else [4, 4])
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]

@@ -108,7 +108,7 @@ def test_auto_is_bf16_only_where_the_linears_round(tiny_llama, tmp_path, make_ll
              (gguf, {"kv_cache_dtype": "float16"}, "float16"), (gguf, {"kv_cache_dtype": "float32"}, "float32")]
     for model, kw, want in cases:
         llm = make_llm(model, device_backend="inline", **kw)
-        assert str(llm.engine.runner.executor.kv_cache.data.dtype).removeprefix("torch.") == want, (model, kw)
+        assert str(llm.engine.executor.model_runner.kv_cache.data.dtype).removeprefix("torch.") == want, (model, kw)
 
 
 @native

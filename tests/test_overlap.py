@@ -161,9 +161,9 @@ def test_poison_check_fires_on_unwritten_entry():
 
 
 def test_device_process_crash_is_an_error_not_a_hang(tiny_llama, make_llm):
-    from tandem.device.cpu_process import DeviceProcessError
+    from tandem.device.process.executor import DeviceProcessError
     llm = make_llm(tiny_llama)
-    llm.engine.runner.proc.kill()
+    llm.engine.executor.proc.kill()
     with pytest.raises(DeviceProcessError):
         llm.generate([[5, 6, 7]], greedy(5), use_tqdm=False)
     # The engine is unusable now; reset its books so the fixture's leak check looks at a clean engine.
@@ -179,7 +179,7 @@ def test_device_process_dies_with_its_parent(tiny_llama, tmp_path):
         "import sys, time\n"
         "from tandem import LLM\n"
         f"llm = LLM({tiny_llama!r}, kv_cache_tokens=1024)\n"
-        "print(llm.engine.runner.proc.pid, flush=True)\n"
+        "print(llm.engine.executor.proc.pid, flush=True)\n"
         "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:

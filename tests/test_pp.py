@@ -25,7 +25,7 @@ from server_utils import (ServerProcess, assert_rank_death_is_503, free_port, pr
                           sse_events, wait_gone)
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
-from tandem.device.pp import stage_layers
+from tandem.device.parallel.pp import stage_layers
 from test_overlap import run_script
 
 ENGINE = dict(kv_cache_tokens=4096, max_running_requests=16, device_threads=1, poison_future_map=True)
@@ -97,15 +97,15 @@ def test_a_stage_holds_only_its_layers(three_layers):
 
     import torch
 
-    from tandem.device.executor import ModelExecutor
-    from tandem.device.ranks import executor_spec
+    from tandem.device.model_runner import ModelRunner
+    from tandem.device.ranks import runner_spec
     from tandem.model.loader import resolve_model
     config = EngineConfig(model=three_layers["llama"], kv_cache_tokens=64, max_running_requests=2, device="cpu")
-    spec = executor_spec(config, resolve_model(config.model))
+    spec = runner_spec(config, resolve_model(config.model))
     for stage in (0, 1):
         pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=stage_layers(3, 2, stage),
                              device=torch.device("cpu"), spans_nodes=False)
-        ex = ModelExecutor(spec, pp=pp)
+        ex = ModelRunner(spec, pp=pp)
         assert len(ex.model.layers) == ex.kv_cache.num_layers == ex.kv_cache.data.shape[1] == 2 - stage
         assert (ex.model.embed is not None) == (stage == 0)      # untied embeddings: the head is its own
         assert (ex.model.lm_head is not None) == (ex.model.final_norm is not None) == ex.samples == (stage == 1)
@@ -315,12 +315,12 @@ def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
     try:
         llm = LLM(path, pp_size=pp, nnodes=2, node_rank=0, dist_init_addr=addr, **ENGINE)
         try:
-            assert len(llm.engine.runner.conns) == pp // 2          # node 0 runs only its own stages
+            assert len(llm.engine.executor.conns) == pp // 2          # node 0 runs only its own stages
             depths = watch_depth(llm)
             assert run(llm) == want
             assert max(depths) == pp
             if pp == 2:                                 # node 1 dies: an error on node 0, not a hang
-                from tandem.device.cpu_process import DeviceProcessError
+                from tandem.device.process.executor import DeviceProcessError
                 node1.kill()
                 node1.wait()
                 with pytest.raises(DeviceProcessError):
@@ -342,10 +342,10 @@ def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
 @pytest.mark.parametrize("stage", [0, 1])
 def test_killed_stage_is_an_error_not_a_hang(stage, tiny_llama, make_llm):
     """Stage 0 (its neighbour's recv fails: the error names the stage that died) or the sampling stage."""
-    from tandem.device.cpu_process import DeviceProcessError
+    from tandem.device.process.executor import DeviceProcessError
     llm = make_llm(tiny_llama, pp_size=2, device_threads=1)
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     (runner.proc if stage == 0 else runner.ranks[0]).kill()
     with pytest.raises(DeviceProcessError, match=f"pipeline stage {stage} died"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
@@ -416,4 +416,4 @@ def test_pp_server_streams_offline_tokens_and_sigterm_leaves_nothing(tiny_llama,
 
 
 def test_pp_stage_death_is_503_and_exit_1(tiny_llama, tmp_path):
-    assert_rank_death_is_503(pp_server(tiny_llama, tmp_path), b"tandem.device.device_main", ranks=2)
+    assert_rank_death_is_503(pp_server(tiny_llama, tmp_path), b"tandem.device.process.main", ranks=2)

@@ -70,10 +70,10 @@ def test_auto_and_explicit_choices(tiny_llama, q8_gguf, make_llm):
            and kernels.isa() == "avx512")                       # (TANDEM_ISA=avx2 makes it the AVX2 engine's)
     for kw, want in [({}, amx), ({"prefill_act": "bf16"}, True), ({"prefill_act": "int8"}, False),
                      ({"kernels_act": "fp32"}, False)]:
-        model = make_llm(q8_gguf, device_backend="inline", **kw).engine.runner.executor.model
+        model = make_llm(q8_gguf, device_backend="inline", **kw).engine.executor.model_runner.model
         assert model.prefill_bf16 == want, kw
         assert (model.layers[0]["gate_up"].bf16 is not None) == want, kw
-    assert not make_llm(tiny_llama, device_backend="inline").engine.runner.executor.model.prefill_bf16
+    assert not make_llm(tiny_llama, device_backend="inline").engine.executor.model_runner.model.prefill_bf16
     with pytest.raises(ValueError, match="needs a quantized"):
         make_llm(tiny_llama, device_backend="inline", prefill_act="bf16")
 
@@ -161,7 +161,7 @@ def test_cascade_under_bf16_prefill(q8_gguf, make_llm, monkeypatch):
         llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", shared_prefix_attention=on)
         llm.generate([prefix + [9]], one, use_tqdm=False)                 # the prefix, cached
         got[on] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, one, use_tqdm=False)]
-        sdpa = not llm.engine.runner.executor.model.extend_native
+        sdpa = not llm.engine.executor.model_runner.model.extend_native
     if sdpa:
         assert calls and set(calls) == {torch.bfloat16}                  # the cascade ran, in bf16
     else:
@@ -178,7 +178,7 @@ def test_bf16_prefill_keeps_an_fp32_cache_fp32(q8_gguf, make_llm):
     values (not bf16-rounded ones), while the chunk's attention reads them in bf16."""
     llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", kv_cache_dtype="float32",
                    prefix_cache=False)
-    data = llm.engine.runner.executor.kv_cache.data
+    data = llm.engine.executor.model_runner.kv_cache.data
     assert data.dtype == torch.float32
     data.zero_()                                       # then only the prefill's K/V are non-zero
     llm.generate(_prompts(1, 200, 9), SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -197,8 +197,8 @@ def test_bf16_prefill_on_sliding_window_layers(tmp_path, make_llm):
     runs = {}
     for act in ("int8", "bf16"):
         llm = make_llm(gguf, device_backend="inline", prefill_act=act, prefix_cache=False)
-        assert llm.engine.runner.executor.model.prefill_bf16 == (act == "bf16")
-        assert any(layer["window"] for layer in llm.engine.runner.executor.model.layers)
+        assert llm.engine.executor.model_runner.model.prefill_bf16 == (act == "bf16")
+        assert any(layer["window"] for layer in llm.engine.executor.model_runner.model.layers)
         runs[act] = teacher_forced_logprobs(llm, ids)
     d = divergence(runs["int8"], runs["bf16"])
     assert not runs["bf16"].equal(runs["int8"]) and d.kl_mean < 1e-3 and d.top1_agree > 0.9

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.replicas import DataParallel, split_cores
-from tandem.server.router import BALANCE_ABS_TOKENS, ReplicaLoad, Router, least_loaded
+from tandem.replicas.replica_set import DataParallel, split_cores
+from tandem.replicas.router import BALANCE_ABS_TOKENS, ReplicaLoad, Router, least_loaded
 
 
 def loads(*outstanding: int, dead: tuple[int, ...] = ()) -> list[ReplicaLoad]:
@@ -57,6 +57,6 @@ def test_bad_options_are_clear_errors():
         split_cores([0, 1], 3)
     assert split_cores([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3, 4]]
     from tandem.config import EngineConfig
-    from tandem.server.replicas import replica_cores
+    from tandem.replicas.replica_set import replica_cores
     with pytest.raises(ValueError, match="--nnodes 2 is not supported"):
         replica_cores(EngineConfig(tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:29500"), DataParallel(2))

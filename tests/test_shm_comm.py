@@ -1,4 +1,4 @@
-"""The shared-memory collectives of tp ranks on one host (device/shm_comm.py) against gloo's, in spawned
+"""The shared-memory collectives of tp ranks on one host (device/parallel/shm_collectives.py) against gloo's, in spawned
 processes: all-reduce sums over ragged sizes and dtypes at 2 and 3 ranks (chunked through a small slot too),
 every rank getting the same bits; the logits gather; the fallback to gloo when a rank opts out or sits on
 another host; a peer that dies mid-op raises instead of hanging."""
@@ -52,7 +52,7 @@ def _worker(fn, rank: int, size: int, store: str, errors, *args) -> None:
 
 def _sums(rank: int, size: int, store: str, slot_bytes: int) -> None:
     torch, dist = _init(rank, size, store)
-    from tandem.device import shm_comm
+    from tandem.device.parallel import shm_collectives as shm_comm
     shm_comm.SLOT_BYTES = slot_bytes
     shm = shm_comm.ShmComm.join(rank, size, True)
     assert shm is not None
@@ -99,7 +99,7 @@ def test_ops_larger_than_a_slot_go_in_chunks(tmp_path):
 
 def _fallback(rank: int, size: int, store: str, why: str) -> None:
     torch, dist = _init(rank, size, store)
-    from tandem.device import shm_comm
+    from tandem.device.parallel import shm_collectives as shm_comm
     if why == "other host" and rank == 1:
         shm_comm.host_key = lambda: ("elsewhere",)
     assert shm_comm.ShmComm.join(rank, size, enabled=not (why == "opted out" and rank == 1)) is None
@@ -113,7 +113,7 @@ def test_gloo_stays_when_a_rank_opts_out_or_sits_elsewhere(why, tmp_path):
 
 def _dies(rank: int, size: int, store: str) -> None:
     torch, dist = _init(rank, size, store)
-    from tandem.device import shm_comm
+    from tandem.device.parallel import shm_collectives as shm_comm
     shm = shm_comm.ShmComm.join(rank, size, True, shm_comm.WaitPolicy(yield_s=0.001, check_s=0.01))
     if rank == 1:
         os._exit(0)                             # gone without posting: rank 0 must not wait forever

@@ -55,7 +55,7 @@ def test_tp2_equals_tp1_both_loops(arch, tp_comm, request):
     refs = reference(path, prompts)
     llm = LLM(path, tp_size=2, tp_comm=tp_comm, **ENGINE)
     try:
-        assert llm.engine.runner.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
+        assert llm.engine.executor.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
         for loop in ("serial", "overlap"):
             assert_same(run_with(llm, loop, prompts, GREEDY), refs)
         comm = [d.comm for d in llm.engine.recorder.devices]
@@ -71,7 +71,7 @@ def test_tp3_on_smollm2_equals_tp1(tp_comm, smollm):
     llm = LLM(tp_size=3, device_threads=1, poison_future_map=True, kernels_act="fp32",   # the fixture's mode
               tp_comm=tp_comm)
     try:
-        assert llm.engine.runner.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
+        assert llm.engine.executor.tp_transport == {"auto": "shm", "gloo": "gloo"}[tp_comm]
         for loop in ("serial", "overlap"):
             assert_same(run_with(llm, loop, prompt, SamplingParams(temperature=0, max_tokens=5)), refs)
     finally:
@@ -130,7 +130,7 @@ def test_two_nodes_on_localhost_equal_one(tiny_llama):
     try:
         llm = LLM(tiny_llama, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **ENGINE)
         try:
-            assert llm.engine.runner.tp_transport == "shm"     # two launches, one host: shared memory
+            assert llm.engine.executor.tp_transport == "shm"     # two launches, one host: shared memory
             assert_same(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
             assert_no_leaks(llm)
         finally:
@@ -162,7 +162,7 @@ def test_tp_server_sigterm_leaves_nothing(tiny_llama, tmp_path):
 
 
 def test_tp_rank_death_is_503_not_a_hang(tiny_llama, tmp_path):
-    assert_rank_death_is_503(tp_server(tiny_llama, tmp_path), b"tandem.device.tp_ranks", ranks=1)
+    assert_rank_death_is_503(tp_server(tiny_llama, tmp_path), b"tandem.device.parallel.tp_worker", ranks=1)
 
 
 def test_gguf_blocks_shard_on_block_boundaries_and_dequantize_otherwise():

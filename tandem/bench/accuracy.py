@@ -31,23 +31,23 @@ def real_text(min_chars: int = 40_000) -> list[str]:
 
 @contextlib.contextmanager
 def _capture_prompt_logits(out: list[torch.Tensor]):
-    """Record the full logits [rows, V] of every prompt-logprob piece the executor computes (in order)."""
-    from ..device import executor
-    orig = executor.prompt_logprobs
+    """Record the full logits [rows, V] of every prompt-logprob piece the model runner computes (in order)."""
+    from ..device import model_runner
+    orig = model_runner.prompt_logprobs
 
     def spy(logits, targets, k):
         out.append(logits.float().log_softmax(-1))
         return orig(logits, targets, k)
-    executor.prompt_logprobs = spy
+    model_runner.prompt_logprobs = spy
     try:
         yield
     finally:
-        executor.prompt_logprobs = orig
+        model_runner.prompt_logprobs = orig
 
 
 def teacher_forced_logprobs(llm, ids: list[int]) -> torch.Tensor:
     """log p(. | ids[:i+1]) for i < len(ids) - 1, [len(ids) - 1, V], from an LLM built with
-    device_backend="inline" (the executor in this process)."""
+    device_backend="inline" (the model runner in this process)."""
     from ..sampling_params import SamplingParams
     got: list[torch.Tensor] = []
     with _capture_prompt_logits(got):

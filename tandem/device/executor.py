@@ -1,397 +1,118 @@
-"""The device side of a step: owns weights, KV cache, request table (req_to_token) and FutureMap.
+"""The launch/handle interface between the scheduler and the device side.
 
-It runs inline (CUDA streams, or CPU synchronously) or inside the CPU device process; the code is the same.
+`launch_step(step)` returns at once with a ResultHandle; `handle.wait()` is copy_done.wait() followed by a
+read of the sampled ids. Both loops use it; the serial loop just waits at once.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .. import kernels
-from ..kernels.quant import INT8_ACT_QTYPES, small_m
-from ..model.cascade import SharedPrefix, additive, shared_prefix
-from ..model.kv_cache import AttentionMeta, PagedKVCache
-from ..model.llama import LlamaModel
-from ..model.loader import ModelSource, load_weights
-from ..model.shard import TPLayout, shard_state
-from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
-from ..speculative.verify import accepted_counts, kept_rows, stash_values
-from .future_map import FutureMap
-from .penalties import PenaltyState, apply_logit_bias
-from .step import StepInput, prompt_logprob_targets
-
-PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO_KV_DTYPE = torch.bfloat16   # kv_cache_dtype "auto" where the linears round (ModelExecutor.kv_dtype)
+from .model_runner import RunnerSpec, ModelRunner
+from .step import StepInput
+from .streams import DeviceStreams, Event, now
 
 
-@dataclass(frozen=True)
-class ExecutorSpec:
-    """Everything the device side needs to build itself; plain data, so it crosses a process boundary."""
-    source: ModelSource           # plain data: config, weight files, tokenizer dir
-    device: str
-    dtype: str
-    max_running: int
-    max_model_len: int | None
-    kv_cache_tokens: int | None
-    kv_memory_fraction: float
-    kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16
-    shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
-    poison_future_map: bool = False
-    kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
-    kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
-    prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
-    prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
-    decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
-    tp_size: int = 1              # tensor-parallel ranks (device/tp.py); each executor holds one shard
-    tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
-    max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
-    pp_size: int = 1              # pipeline stages (device/pp.py); each executor holds one stage's layers
+class ResultHandle(Protocol):
+    step_id: int
+    comm_s: float           # the step's seconds in tensor-parallel collectives (0 without tp); after wait()
+    stage_spans: tuple      # pipeline stages: ((stage, busy start, end, seconds in sends), ...); after wait()
 
-    def fingerprint(self) -> dict:
-        """What every tp rank must agree on (paths and the device may differ between machines)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device")}
-        return {**d, "model": self.source.config.to_dict()}
+    def wait(self) -> np.ndarray:
+        """Block until the step's sampled ids are on the host; returns them ([B] int64)."""
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        """(start, end) of the forward on the shared clock; valid after wait()."""
+
+    def send_masks(self, masks: np.ndarray) -> None:
+        """The grammar branch: the step's token masks, after its launch (runners with defers_masks)."""
+
+    def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
+
+    def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The same for the step's n prompt positions (executor.prompt_logprob_targets), after wait()."""
 
 
-def _stage_layer(name: str) -> int | None:
-    """The layer index of a weight named model.layers.<i>. ..., None for the others (embedding, norm, head)."""
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+class Executor(Protocol):
+    num_slots: int
+    max_context: int
+
+    defers_masks: bool      # the grammar branch: a step's token masks may follow its launch
+
+    def wait_ready(self) -> None: ...
+    def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ResultHandle: ...
+    def shutdown(self) -> None: ...
 
 
-def _layer_weights(state: dict) -> int:
-    """Weights of the layers' matrices (the linears prefill_act="bf16" copies)."""
-    return sum(t.numel() for k, t in state.items() if _stage_layer(k) is not None and len(t.shape) == 2)
+class InlineHandle:
+    def __init__(self, step: StepInput, host_tokens: torch.Tensor, copy_done: Event, start: float,
+                 end: float | None, events: tuple | None, logprobs=None, prompt_logprobs=None) -> None:
+        self._logprobs = logprobs          # the executor's Logprobs of this step (device tensors), if asked
+        self._prompt_logprobs = prompt_logprobs
+        self.step_id = step.step_id
+        self._step = step                  # host tensors an in-flight step reads stay alive until it is done
+        self._host_tokens = host_tokens
+        self._copy_done = copy_done
+        self._start, self._end, self._events = start, end, events
+        self._result: np.ndarray | None = None
+        self.comm_s = 0.0
+        self.stage_spans = ()
+
+    def wait(self) -> np.ndarray:
+        if self._result is None:
+            self._copy_done.wait()
+            if self._events is not None:   # CUDA: span from the forward's timing events
+                begin, finish = self._events
+                self._end = self._start + begin.event.elapsed_time(finish.event) / 1e3
+            self._result = self._host_tokens.numpy().astype(np.int64, copy=True)
+            self._step = None
+        return self._result
+
+    @property
+    def device_span(self) -> tuple[float, float]:
+        return self._start, self._end if self._end is not None else self._start
+
+    def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _host_logprobs(self._logprobs, k)
+
+    def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _host_logprobs(self._prompt_logprobs, k)
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def _host_logprobs(lp, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (lp.chosen.cpu().numpy().astype(np.float64), lp.top_ids[:, :k].cpu().numpy(),
+            lp.top[:, :k].cpu().numpy().astype(np.float64))
 
 
-def _decode_split(seq_lens: np.ndarray) -> list[int]:
-    """Where to cut decode rows (sorted by length) in two groups, if that saves over half the padded keys."""
-    n = len(seq_lens)
-    if n < 2:
-        return []
-    cost = np.arange(1, n) * seq_lens[:-1] + (n - np.arange(1, n)) * seq_lens[-1]     # cut before row i
-    i = int(np.argmin(cost))
-    return [i + 1] if 2 * cost[i] < n * seq_lens[-1] else []
+class InlineExecutor:
+    """The executor in the scheduler's process: CUDA streams on a GPU, synchronous on CPU."""
 
+    def __init__(self, spec: RunnerSpec) -> None:
+        self.model_runner = ModelRunner(spec)
+        self.num_slots = self.model_runner.num_slots
+        self.max_context = self.model_runner.max_context
+        self.streams = DeviceStreams(self.model_runner.device)
 
-class ModelExecutor:
-    """tp: this executor is one rank of a tensor-parallel group (device/tp.py): it holds its shard of the
-    weights and KV heads, and only rank 0 samples (run_step returns None on the others).
-    pp: this executor is one pipeline stage (device/pp.py): its layers' weights and KV cache; only the last
-    stage samples (run_step returns None on the others)."""
+    def wait_ready(self) -> None:
+        return None
 
-    def __init__(self, spec: ExecutorSpec, state: dict[str, torch.Tensor] | None = None, tp=None,
-                 pp=None) -> None:
-        self.spec = spec
-        self.config = spec.source.config
-        self.device = torch.device(spec.device) if tp is None and pp is None else (tp or pp).device
-        self.tp, self.pp = tp, pp
-        self.samples = (tp is None or tp.rank == 0) and (pp is None or pp.last)
-        dtype = _DTYPES[spec.dtype]
-        c = self.config
-        from ..kernels import use_native
-        native = use_native(spec.kernels, self.device, dtype)
-        if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the runner's spec
-            check_same((tp or pp).size, "tp rank" if tp is not None else "pipeline stage", "engine options",
-                       spec.fingerprint())
-        if state is None:
-            state = load_weights(spec.source, quantized=native)
-        # Before sharding, so that every tp rank decides alike: do the linears round x to int8 (kv_dtype)?
-        rounds = native and any(getattr(t, "qtype", None) in INT8_ACT_QTYPES for t in state.values())
-        layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)
-        if tp is not None:
-            state = shard_state(state, c, layout)
-        num_layers = c.num_layers if pp is None else len(pp.layers)
-        if pp is not None:                  # a stage keeps its own layers' weights only
-            state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
-        kv_dtype = self.kv_dtype(rounds, dtype)
-        bf16 = self.prefill_bf16(rounds, state)
-        bytes_per_slot = 2 * num_layers * layout.kv_heads * c.head_dim * kv_dtype.itemsize
-        if spec.kv_cache_tokens is not None:
-            num_slots = spec.kv_cache_tokens
-        else:
-            weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
-            free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
-            free -= 2 * _layer_weights(state) if bf16 else 0      # the bf16 copies the model is about to make
-            num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
-            if tp is not None or pp is not None:   # slot ids come from one scheduler: every rank holds them all
-                num_slots = (tp or pp).min_int(num_slots)
-        max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
-        self.max_context = min(max_context, num_slots)
-        self.num_slots = num_slots
-        self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
-                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
-                                extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
-                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim))
-        del state
-        # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
-        # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
-        # step's view must keep the prefix's columns.
-        self._cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not self.model.extend_native
-                         and not any(layer["window"] for layer in self.model.layers))
-        self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
-        # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
-        self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
-                                        device=self.device)
-        self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
-        self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
-        self.last_prompt_logprobs = None  # and of its prompt positions (prompt_logprob_targets)
-        self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
+    defers_masks = False      # it samples within launch_step: grammar masks come with the launch
 
-    def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's element type. "auto": bfloat16 on CPU where the linears already round (native kernels,
-        int8 activations, quantized weights: rounds): half the bytes a decode step reads, and the accuracy gate
-        of benchmarks/kl_divergence.py holds (README). Else the model dtype: the exact mode (kernels_act="fp32")
-        and unquantized weights keep fp32 keys and values (parity with transformers)."""
-        if self.spec.kv_cache_dtype != "auto":
-            return _DTYPES[self.spec.kv_cache_dtype]
-        if rounds and self.spec.kernels_act == "int8" and self.device.type == "cpu":
-            return AUTO_KV_DTYPE
-        return dtype
+    def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> InlineHandle:
+        start = now()
+        with self.streams.forward():
+            begin = self.streams.record(timing=True) if self.streams.cuda else None
+            tokens = self.model_runner.run_step(step, lambda: masks)
+            finish = self.streams.record(timing=True) if self.streams.cuda else None
+        host, copy_done = self.streams.copy_to_host(tokens)
+        lp, plp = self.model_runner.last_logprobs, self.model_runner.last_prompt_logprobs
+        if self.streams.cuda:
+            return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp)
+        return InlineHandle(step, host, copy_done, start, now(), None, lp, plp)
 
-    def prefill_bf16(self, rounds: bool, state: dict) -> bool:
-        """Do long prefill chunks run bf16 GEMMs and bf16 attention (prefill_act, LlamaModel)? "auto": yes on a
-        CPU with AMX-BF16 tiles (torch's oneDNN GEMM runs them: 4x the int8 GEMM's rate at 924 rows, and the
-        KL gate of benchmarks/kl_divergence.py holds, benchmarks/results/prefill_bf16.md) where the linears
-        round already (rounds) and their bf16 copies take at most a quarter of the free memory; int8 elsewhere
-        (AVX2 and AVX-512-only CPUs: not measured faster there)."""
-        act = self.spec.prefill_act
-        if act == "int8" or self.spec.kernels_act != "int8":
-            return False
-        if not rounds or self.device.type != "cpu":
-            if act == "bf16":
-                raise ValueError("prefill_act='bf16' needs a quantized (GGUF) model on the CPU with native kernels "
-                                 "and kernels_act='int8'")
-            return False
-        if act == "bf16":
-            return True
-        # TANDEM_ISA=avx2 (kernels.isa() below AVX-512) caps this choice too, so such a run is the AVX2 engine's
-        yes = (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
-               and kernels.available() and kernels.isa() == "avx512"
-               and 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
-        group = self.tp or self.pp
-        # Every tp rank and pipeline stage decides alike (a rank on another CPU or with less memory says no for all)
-        return bool(group.min_int(int(yes))) if group is not None else yes
-
-    def extend_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the native extend op (long prefill chunks) take bf16 products (prefill_attention)? "auto": yes
-        where the linears round x to int8 already (rounds, kernels_act="int8"), the KV cache is bf16 and the CPU
-        has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32 rate on an AMD EPYC, benchmarks/extend_attention.py;
-        the KL gate of benchmarks/kl_divergence.py holds: results/kl_divergence_extend_bf16.md). The queries and
-        the probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s
-        SDPA."""
-        return self._bf16_products("prefill_attention", rounds, kv_dtype, head_dim, 16)
-
-    def decode_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the native decode op (decode steps, prompt chunks of up to small_m() tokens, verify rows) take
-        bf16 products (decode_attention)? "auto" as extend_bf16, with head_dim % 32 == 0 (1.30x less time than
-        the fp32 op on 32 rows sharing a 930-token prefix, 1.08-1.15x on unshared rows, which wait on memory; AMD EPYC,
-        results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
-        and the probabilities are rounded to bf16 for the products, every sum stays fp32, and a row's output is
-        still the same bits in any batch (the op's invariant)."""
-        return self._bf16_products("decode_attention", rounds, kv_dtype, head_dim, 32)
-
-    def _bf16_products(self, option: str, rounds: bool, kv_dtype: torch.dtype, head_dim: int, multiple: int) -> bool:
-        """extend_bf16 / decode_bf16 for `option`; the op's body needs head_dim a multiple of `multiple`."""
-        want = getattr(self.spec, option)
-        if want == "fp32" or self.spec.kernels_act != "int8":
-            return False
-        yes = (rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16    # alike on every rank
-               and head_dim % multiple == 0)
-        if yes:
-            yes = kernels.available() and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
-            group = self.tp or self.pp
-            # Every tp rank and pipeline stage decides alike (a rank on another CPU says no for all)
-            yes = bool(group.min_int(int(yes))) if group is not None else yes
-        if want == "bf16" and not yes:
-            raise ValueError(f"{option}='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, native "
-                             f"kernels, kernels_act='int8', a bfloat16 KV cache and a head_dim the op takes "
-                             f"(a multiple of {multiple})")
-        return yes
-
-    def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
-
-    @torch.inference_mode()
-    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None) -> torch.Tensor | None:
-        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device (None on a
-        tp rank other than 0: it runs the forward only).
-
-        The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
-        called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
-        the device only the wait for what is left of it."""
-        dev = self.device
-        if self.model.native:     # a process-wide switch of the op: set per step, engines may share a process
-            torch.ops.tandem.shared_prefix_attention(int(self.spec.shared_prefix_attention))
-        rows = self._tensor(step.rows)
-        ext = self._tensor(step.extend_lens)
-        seq = self._tensor(step.seq_lens)
-        reads_ids = self.pp is None or self.pp.first or self.pp.last     # middle stages take hidden states
-        if len(step.stash_rows) and (self.pp is None or self.pp.first):
-            # The FutureMap relay (device/pp.py): ids the last stage sampled, through the host, before the
-            # poison and the gather of this step (the order a single device stashes, poisons and gathers in).
-            self.future_map.stash(self._tensor(step.stash_rows), self._tensor(step.stash_ids))
-        if len(step.poison_rows) and reads_ids:
-            self.future_map.poison(self._tensor(step.poison_rows))
-        b, t = step.batch_size, step.num_tokens
-        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
-        starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
-        positions = (seq - ext)[tok_row] + torch.arange(t, device=dev) - starts[tok_row]   # [T]
-        out_cache_loc = self._tensor(step.out_cache_loc)
-        tok_req_row = rows[tok_row]
-        if len(step.prefix_slots):
-            # Prefix cache hit: the row's leading positions point at KV slots the radix tree owns.
-            plen = self._tensor(step.prefix_lens)
-            p_row = torch.repeat_interleave(rows, plen, output_size=len(step.prefix_slots))
-            p_start = torch.repeat_interleave(torch.cumsum(plen, 0) - plen, plen, output_size=len(step.prefix_slots))
-            p_pos = torch.arange(len(step.prefix_slots), device=dev) - p_start
-            self.req_to_token[p_row, p_pos] = self._tensor(step.prefix_slots, torch.int32)
-        self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
-        input_ids = self._tensor(step.input_ids)
-        if step.use_future.any() and reads_ids:
-            # FutureMap read: decode input ids are the tokens the previous step sampled, gathered on the device.
-            fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
-            input_ids[fut] = self.future_map.gather(tok_req_row[fut])
-        meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
-        plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
-        index = meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])])
-        penalized = self.samples and step.has_penalties
-        if penalized:
-            self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
-        hidden = self.model.final_hidden(input_ids, positions, meta, index)        # [B (+ prompt positions), H]
-        if hidden is None:
-            return None                             # a pipeline stage but the last: sent on to the next
-        self.last_prompt_logprobs = None
-        if plp is not None:
-            self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(plp[1]),
-                                                              int(step.prompt_logprobs.max()))
-        logits = self.model.logits(hidden[:b])                                     # [B, V]
-        if logits is None:
-            return None
-        if penalized:
-            self.penalties.apply(step, rows, logits, input_ids)
-        if len(step.bias_rows):
-            apply_logit_bias(step, logits)
-        if len(step.grammar_rows):
-            apply_token_bitmask(logits, self._tensor(step.grammar_rows),
-                                torch.from_numpy(masks()).to(self.device, non_blocking=True))
-        tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
-                                                        step.draw_seed, dev), native=self.model.native)
-        speculative = bool((step.draft_lens > 0).any())
-        if speculative:
-            heads, acc = accepted_counts(step.draft_lens, tokens, input_ids)      # verify.py's rule
-        if penalized:
-            self.penalties.count_outputs(step, rows, tokens,
-                                         kept_rows(step.draft_lens, heads, acc) if speculative else None)
-        # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
-        self.last_logprobs = None
-        if (step.num_logprobs >= 0).any():
-            self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
-                                          int(step.num_logprobs.max()))
-        # FutureMap write: the next step of these rows reads its input ids from here. A speculating request
-        # keeps the last token of its accepted run (verify.py), written once at its head row.
-        st_rows, st_tokens = rows, tokens
-        if speculative:
-            st_rows, st_tokens = stash_values(step.draft_lens, rows, tokens, heads, acc)
-        self.future_map.stash(st_rows, st_tokens)
-        if self.tp is not None:
-            self.tp.sampled(st_rows, st_tokens)
-        return tokens
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs | None:
-        """Prompt logprobs of N positions (hidden [N, H], targets [N]) in bounded memory: the LM head runs on
-        PROMPT_LOGPROB_ROWS positions at a time and only the chosen and top-k logprobs outlive a piece, never
-        an [N, vocab] tensor (2048 x 49,152 fp32 logits and their log_softmax were 0.8 GB at a time). Under
-        tp every rank runs the pieces (the logits gather is a collective); rank 0 returns them, others None."""
-        parts = []
-        for i in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
-            logits = self.model.logits(hidden[i:i + PROMPT_LOGPROB_ROWS])
-            if logits is not None:
-                parts.append(prompt_logprobs(logits, targets[i:i + PROMPT_LOGPROB_ROWS], k))
-        if not parts:
-            return None
-        return Logprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("chosen", "top_ids", "top")))
-
-    def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:
-        """One attention layout for the step, or one per group of rows: a mixed step's leading one-token
-        rows (decode) and its prefill rows; and decode rows split in two where one padded [B, Lk] layout
-        would cost much more than two. Padded together, every decode row would carry a chunk's Lq query
-        slots (x30 the attention work at 32 decode rows + a 256 chunk), or one 4k-token row's Lk keys
-        (x15 the gather at 16 rows of ~250 tokens). The scheduler puts decode rows first, shortest first."""
-        e, sl = step.extend_lens, step.seq_lens
-        b = len(e)
-        nd = int(np.argmin(e == 1)) if (e != 1).any() else b            # leading rows with one new token
-        last_index = torch.cumsum(ext, 0) - 1                            # [B] flat index of each row's last token
-        bounds = [0] + _decode_split(sl[:nd]) + [nd, b]
-        groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-        if len(groups) == 1:
-            return self._attention_meta(sl, e, rows, ext, seq, positions, out_cache_loc, last_index)
-        parts = []
-        for part, (lo, hi) in enumerate(groups):
-            t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
-            r = slice(lo, hi)
-            parts.append((slice(t0, t1), self._attention_meta(sl[r], e[r], rows[r], ext[r], seq[r], positions[t0:t1],
-                                                              out_cache_loc[t0:t1], None, part=part)))
-        return AttentionMeta(None, None, None, None, last_index, parts)
-
-    def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, ext, seq, positions, out_cache_loc,
-                        last_index, part: int = 0) -> AttentionMeta:
-        dev = self.device
-        b, t = len(ext_np), len(positions)
-        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
-        starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
-        tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
-        lk = int(seq_np.max())
-        lq = int(ext_np.max())
-        k_pos = torch.arange(lk, device=dev)
-        valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
-        kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.kv_cache.pad_slot)  # [B, Lk]
-        has_prefix = bool((seq_np > ext_np).any())
-        # Shared-prefix (cascade) extend: rows on one cached prefix attend it once (model/cascade.py); the
-        # step's view, mask and positions then cover only the keys after it. Only where the token path
-        # (a few tokens, each as a decode row) is not taken, and never with sliding windows (their layers
-        # need the whole layout).
-        p = 0
-        if lq > 1 and has_prefix and self._cascade and (not self.model.native or t > small_m()):
-            p = shared_prefix(kv_index, seq_np - ext_np)
-        kv = self.kv_cache.step_view(kv_index[:, p:], tok_row, positions - p if p else positions, out_cache_loc,
-                                     bool((seq_np - ext_np > p).any()), part)
-        if lq == 1:
-            return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
-        q_col = torch.arange(lq, device=dev)
-        q_pos = (seq - ext)[:, None] + q_col[None, :]                              # [B, Lq]
-        causal = k_pos[None, None, :] <= q_pos[:, :, None]                         # [B, Lq, Lk]
-        # Padded query slots (col >= extend) see every valid key, so no row of the mask is empty.
-        pad = (q_col[None, :] >= ext[:, None])[:, :, None]
-        mask = (causal | pad) & valid[:, None, :]
-        q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
-        if p:       # a padded slot still sees its row's first own key, so no row of the cut mask is empty
-            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.extend_dtype), q_index, (tok_row, tok_col),
-                                 last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
-        return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
-                             fresh=None if has_prefix else ext_np.tolist())
-
-
-def check_same(size: int, who: str, what: str, fingerprint: dict) -> None:
-    """Every rank of the group raises the same clear error when the ranks (tp ranks or pipeline stages, on
-    this machine or others) were started with different options."""
-    every: list = [None] * size
-    dist.all_gather_object(every, fingerprint)
-    for r, fp in enumerate(every):
-        diff = sorted(k for k in set(fp) | set(every[0]) if fp.get(k) != every[0].get(k))
-        if diff:
-            raise ValueError(f"{who} {r} was started with other {what} than {who} 0: {', '.join(diff)} "
-                             f"differ (give every node the same model and engine options)")
+    def shutdown(self) -> None:
+        self.model_runner = None

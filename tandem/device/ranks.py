@@ -1,7 +1,7 @@
 """How device ranks are sized and started: their threads, the spec they build from, their environment, the
 device processes the scheduler launches into (alone, tp rank 0, or every pipeline stage: spawn_device) and
 the process of a tp rank other than 0 (spawn_rank). Below both the engine (which starts rank 0 through the
-ProcessRunner) and the device processes (cpu_process.py starts the other ranks of node 0, tp_ranks.py those
+ProcessExecutor) and the device processes (process/executor.py starts the other ranks of node 0, parallel/tp_worker.py those
 of node R > 0), so the device layer never imports the engine.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..lifeline import child_env
-from .executor import ExecutorSpec
+from .model_runner import RunnerSpec
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ def init_group(info: DistInfo, device, timeout_s: float) -> str:
     return backend
 
 
-def executor_spec(config: EngineConfig, source) -> ExecutorSpec:
+def runner_spec(config: EngineConfig, source) -> RunnerSpec:
     """What every rank builds itself from (the engine's options that reach the device side)."""
-    return ExecutorSpec(
+    return RunnerSpec(
         source=source, device=config.resolved_device(), dtype=config.resolved_dtype(),
         max_running=config.max_running_requests, max_model_len=config.max_model_len,
         kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
@@ -111,17 +111,17 @@ def rank_infos(size: int, nnodes: int, node_rank: int, threads: int, init_method
 
 
 def spawn_device(sock: str, shm_path: str, threads: int, authkey: bytes) -> subprocess.Popen:
-    """`python -m tandem.device.device_main`: a device process the scheduler launches into (alone, tp rank 0,
+    """`python -m tandem.device.process.main`: a device process the scheduler launches into (alone, tp rank 0,
     or a pipeline stage), which connects back to the runner's socket with `authkey` (given on its stdin)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.device_main", sock, shm_path, str(threads)],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.device.process.main", sock, shm_path, str(threads)],
                             env=device_env(threads), stdin=subprocess.PIPE, close_fds=True)
     proc.stdin.write(authkey)
     proc.stdin.close()
     return proc
 
 
-def spawn_rank(spec: ExecutorSpec, info: DistInfo, module: str = "tandem.device.tp_ranks") -> subprocess.Popen:
-    """`python -m tandem.device.tp_ranks` (a tp rank other than 0) or `tandem.device.pp_nodes` (a pipeline
+def spawn_rank(spec: RunnerSpec, info: DistInfo, module: str = "tandem.device.parallel.tp_worker") -> subprocess.Popen:
+    """`python -m tandem.device.parallel.tp_worker` (a tp rank other than 0) or `tandem.device.parallel.pp_stage` (a pipeline
     stage on a node R > 0) with (spec, info) pickled on its stdin."""
     env = device_env(info.threads)
     proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdin=subprocess.PIPE, close_fds=True)

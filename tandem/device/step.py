@@ -69,7 +69,7 @@ class StepInput:
     # Speculative decoding (tandem/speculative/verify.py): k at the head row of a request verifying k drafts
     # (its k draft rows follow it, same table row, host input ids), -1 at a draft row, 0 at a plain row.
     draft_lens: np.ndarray = None     # [B]
-    # Pipeline parallelism (device/pp.py): the FutureMap relay. Rows and the ids the last stage sampled for
+    # Pipeline parallelism (device/parallel/pp.py): the FutureMap relay. Rows and the ids the last stage sampled for
     # them in steps the host has waited for since the last launch; the first stage stashes them first.
     stash_rows: np.ndarray = None     # [R]
     stash_ids: np.ndarray = None      # [R]

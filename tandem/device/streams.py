@@ -3,7 +3,7 @@
 On CUDA: the forward stream waits on the scheduling (current) stream, the copy stream waits on the forward
 stream, and `copy_done` is recorded after the D2H copy into pinned memory, so the host waits only for the
 copy of the batch it processes. On CPU (inline) work is synchronous and every event is already complete;
-the CPU device process gives the same interface across a process boundary (cpu_process.py).
+the CPU device process gives the same interface across a process boundary (process/executor.py).
 """
 from __future__ import annotations
 

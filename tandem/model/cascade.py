@@ -8,7 +8,7 @@ and its part needs no mask (every new token of every row sits after it).
 
 Where: the torch path, and bf16 chunks on CPUs with AMX tiles (prefill_act="bf16"); the native fp32 path attends
 by the extend op (csrc/extend_attention.cpp), which reads every key in place and needs no split.
-The split is chosen by the executor (`shared_prefix`), the math is here; the suffix part is the ordinary
+The split is chosen by the model_runner (`shared_prefix`), the math is here; the suffix part is the ordinary
 padded layout with the prefix's columns cut off. Outputs equal the one-attention path up to fp32 rounding
 (the softmax is summed in two parts), not bit for bit: in the exact mode logprobs agree within 1e-4
 (tests/test_cascade_extend.py); where the linears round activations to int8, such a difference can flip a

@@ -1,5 +1,5 @@
 """The paged KV cache on the device, the per-step view attention reads through (StepKV), and the step's
-attention layout over it (AttentionMeta, built once a step by the executor, read by every layer).
+attention layout over it (AttentionMeta, built once a step by the model_runner, read by every layer).
 
 Layout: one tensor [num_slots + 1, layers, 2 (K, V), KVH, D]. A slot holds every layer's K and V of one token,
 so a step gathers its rows' keys for a group of layers in one index_select of large rows, instead of one

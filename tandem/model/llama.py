@@ -37,18 +37,18 @@ class LlamaModel:
 
     native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
     int8_act: their decode linears quantize activations to int8 blocks (kernels_act="int8").
-    tp: a tensor-parallel rank (device/tp.py): `state` is this rank's shard (model/shard.py); o and down
+    tp: a tensor-parallel rank (device/parallel/tp.py): `state` is this rank's shard (model/shard.py); o and down
     partial sums and the vocab-parallel embedding are all-reduced, the LM head's vocab shards gathered on
     rank 0 (other ranks' forward returns None).
-    pp: a pipeline stage (device/pp.py): only its layers (pp.layers), the embedding on the first stage, the
+    pp: a pipeline stage (device/parallel/pp.py): only its layers (pp.layers), the embedding on the first stage, the
     final norm and LM head on the last; final_hidden receives and sends (hidden, residual) at the stage's ends
     and returns None on every stage but the last.
     prefill_bf16 (prefill_act="bf16"): the layers' quantized linears keep a bf16 copy, and a long prefill chunk
     (more than small_m() tokens: the rows that already attend by SDPA, not as decode rows) runs its linears and
     its attention in bf16 (_bulk_from). Decode rows, verify rows and short chunks keep the int8 kernels.
-    extend_bf16 (prefill_attention, ModelExecutor.extend_bf16): the native extend op of long chunks takes bf16
+    extend_bf16 (prefill_attention, ModelRunner.extend_bf16): the native extend op of long chunks takes bf16
     products (queries and probabilities rounded to bf16, fp32 sums) on the bf16 cache.
-    decode_bf16 (decode_attention, ModelExecutor.decode_bf16): the same for the native decode op, wherever it runs
+    decode_bf16 (decode_attention, ModelRunner.decode_bf16): the same for the native decode op, wherever it runs
     (decode rows, short chunks' tokens, verify rows: one op, so a token's attention stays the same bits on each).
     """
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..device.runner import ResultHandle
+from ..device.executor import ResultHandle
 from ..grammar import GrammarCompiler, mask_words
 from ..request import Req
 from .batch import Batch
@@ -83,7 +83,7 @@ def launch_masks(s: "Scheduler", batch: Batch) -> np.ndarray | None:
     """The masks to send with the launch, or None when they follow it (batch.masks_pending)."""
     if not len(batch.step.grammar_rows):
         return None
-    if s.result_queue and not s.runner.defers_masks:
+    if s.result_queue and not s.executor.defers_masks:
         s.process_pending()                   # this runner samples at launch: host truth first
     if not s.result_queue:
         return masks(s, batch)

@@ -24,7 +24,7 @@ them was waited for. Penalized and draft-model requests, and those whose runs se
 a step, a wait only the host's share of one), are not picked on an assumption: a drafting step of theirs is
 processed before the next pick, so it runs serially, like a grammar row's mask in the inline runner.
 
-The PP loop (pp_size P > 1, device/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
+The PP loop (pp_size P > 1, device/parallel/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
 per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
 in-flight micro-batch, but for a started prefill's next chunk (the chunked pipeline: it samples nothing, and
 stages run micro-batches in launch order), and it takes at most 1/P of the decoding requests (pick.py). So a
@@ -33,7 +33,7 @@ request waits for its micro-batch k to be processed before it decodes again, whi
     row; host state of a request never lags: no token dropped);
   - the tokens sampled for micro-batch k reach the first stage's FutureMap before any micro-batch that needs
     them launches: the last stage samples, the host waits for k, and the runner relays k's ids with the next
-    launch (cpu_process.ProcessRunner.launch_step), stashed before that step's gather;
+    launch (ProcessExecutor.launch_step), stashed before that step's gather;
   - memory is freed only when no in-flight micro-batch can still read it (Scheduler.finish states why).
 The serial loop also serves pp_size > 1 (each step processed before the next launch); with pp_size 1 the
 serial and overlap loops run as they always did.

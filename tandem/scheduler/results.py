@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .. import faults
-from ..device.runner import ResultHandle
+from ..device.executor import ResultHandle
 from ..device.step import prompt_logprob_targets
 from ..device.streams import now
 from ..request import Req, StepOutput

@@ -1,6 +1,6 @@
 """The scheduler: all request state and memory bookkeeping of the engine (host side only).
 
-The device side (weights, KV cache, request table, FutureMap) sits behind `runner`; the scheduler sends it
+The device side (weights, KV cache, request table, FutureMap) sits behind `executor`; the scheduler sends it
 index arrays through launch_step and reads sampled ids back through result handles.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import faults
 from ..config import EngineConfig
-from ..device.runner import ModelRunner, ResultHandle
+from ..device.executor import Executor, ResultHandle
 from ..memory.kv_allocator import KVSlotAllocator
 from ..memory.radix_cache import RadixCache
 from ..memory.req_table import ReqRowAllocator
@@ -35,16 +35,16 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, sink: Callable[[list[StepOutput]], None],
+    def __init__(self, config: EngineConfig, executor: Executor, sink: Callable[[list[StepOutput]], None],
                  recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
                  grammar_compiler=None) -> None:
         self.config = config
         self.grammars = Grammars(grammar_compiler) if grammar_compiler is not None else None
         self.poll = poll                    # pulls new messages (e.g. from ZMQ) into the inbox
-        self.runner = runner
+        self.executor = executor
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
-        self.kv = KVSlotAllocator(runner.num_slots)
+        self.kv = KVSlotAllocator(executor.num_slots)
         self.cache = RadixCache() if config.prefix_cache else None
         self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
         self.prefix_hits = 0                # of those, tokens whose KV the cache held
@@ -125,7 +125,7 @@ class Scheduler:
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         masks = grammar.launch_masks(self, batch)
         self.recorder.launched(batch)
-        return self.runner.launch_step(batch.step, masks)
+        return self.executor.launch_step(batch.step, masks)
 
     def process_oldest(self) -> None:
         """Pop the oldest result handle from the result queue and process its batch; then the next batch is

@@ -54,7 +54,7 @@ MAX_VERIFY_ROWS = 64
 def verify_rows(spec) -> int:
     """Rows a verify step of this engine may carry: MAX_VERIFY_ROWS, capped on the native CPU kernels where the
     quantized linears stop treating each row as alone, so a verify step computes every row as the plain step
-    does. spec: the engine's ExecutorSpec."""
+    does. spec: the engine's RunnerSpec."""
     if spec.max_draft_rows == 0 or spec.kernels != "native" or not str(spec.device).startswith("cpu"):
         return MAX_VERIFY_ROWS
     from .. import kernels

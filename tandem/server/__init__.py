@@ -1,6 +1,6 @@
-"""The OpenAI-compatible server: an HTTP frontend process and an engine process, joined by ZMQ.
+"""The OpenAI-compatible server: the HTTP frontend process, over engine replicas joined by ZMQ.
 
-cli.py (`tandem serve`) -> replicas.py (--dp: D engines and router.py) -> client.py (spawns engine_proc.py,
-routes its outputs) -> openai_api.py (FastAPI), with protocol.py (request/response shapes), frontend.py
-(tokens <-> text), ipc.py (messages), metrics.py.
+cli.py (`tandem serve`) -> the replicas (tandem/replicas: D engine processes, their clients and the router)
+-> openai_api.py (FastAPI), with protocol.py (request/response shapes), frontend.py (tokens <-> text),
+errors.py, limits.py, metrics.py, lifecycle.py (signals, drain) and tools.py (tool calling).
 """

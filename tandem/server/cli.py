@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..cli import add_engine_args, engine_config
 from ..config import EngineConfig
-from .replicas import DataParallel, add_dp_args, dp_options, replica_cores
+from ..replicas.replica_set import DataParallel, add_dp_args, dp_options, replica_cores
 
 GRACEFUL_S = 5
 ENGINE_FAILURE_GRACE_S = 30.0
@@ -68,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     replica_cores(config, options.dp)              # a --dp the cores cannot take is a clear error, here
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
-        from ..device.tp_ranks import run_node
+        from ..device.parallel.tp_worker import run_node
         return run_node(config)
     try:
         return asyncio.run(run_server(config, options))
@@ -102,8 +102,8 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
     from .limits import ServerLimits
     from .metrics import ServerMetrics
     from .openai_api import build_app
-    from .replicas import ReplicaSet, replica_clients
-    from .router import Router
+    from ..replicas.replica_set import ReplicaSet, replica_clients
+    from ..replicas.router import Router
 
     client = ReplicaSet(replica_clients(config, options.dp), Router(options.dp.size, options.dp.router),
                         options.health_timeout_s)

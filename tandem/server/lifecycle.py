@@ -7,7 +7,7 @@ in-flight request with a 503 (an SSE error event + [DONE] for streams), stop the
 folders, exit 0. During start-up a signal cancels the start. A second signal skips uvicorn's graceful wait.
 
 Engine failure (with --exit-on-engine-failure, the default). A replica that dies has already failed its own
-requests with 503 (client.py). The server then:
+requests with 503 (replicas/engine_client.py). The server then:
   1. stops accepting: new requests get 503 + Retry-After, /health is 503, the listener stays open;
   2. lets the other replicas' in-flight requests finish, for at most `grace_s` (--engine-failure-grace);
   3. ends whatever is left with a 503 (error event + [DONE] for streams): never a cut connection;
@@ -22,7 +22,7 @@ import logging
 import signal
 
 from ..device.streams import now
-from .replicas import ReplicaSet
+from ..replicas.replica_set import ReplicaSet
 
 log = logging.getLogger("tandem.server")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)

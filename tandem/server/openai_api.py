@@ -25,13 +25,13 @@ from ..device.streams import now
 from ..request import StepOutput
 from . import protocol as P
 from . import tools
-from .client import EngineError, RequestStream
+from ..replicas.engine_client import EngineError, RequestStream
 from .errors import error, sse, stream_error, validation_error
 from .frontend import Frontend, TextStream
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .replicas import ReplicaSet
+from ..replicas.replica_set import ReplicaSet
 from .tools import ToolPlan
 
 DONE = "data: [DONE]\n\n"

@@ -1,6 +1,6 @@
 """The draft-model proposer: a smaller model with the target's tokenizer proposes k tokens per drafting request.
 
-It runs in the scheduler's process on its own executor (own weights, KV cache and request table; the CPU, fp32),
+It runs in the scheduler's process on its own model_runner (own weights, KV cache and request table; the CPU, fp32),
 so the target's device process is untouched. Per request it keeps the ids whose KV its cache holds; a proposal
 first extends over what is new since (the tokens the target accepted, at least the last one), then decodes k - 1
 more. Its draws are coupled to the target's: draft j of a request is sampled with the request's temperature /
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..device.executor import ExecutorSpec, ModelExecutor
+from ..device.model_runner import RunnerSpec, ModelRunner
 from ..device.step import StepInput
 from ..memory.kv_allocator import KVSlotAllocator
 from ..memory.req_table import ReqRowAllocator
@@ -41,14 +41,14 @@ class DraftModel:
                              f"differs from the target's ({target_config.vocab_size})")
         if load_tokenizer(source).get_vocab() != target_tokenizer.get_vocab():
             raise ValueError("speculative_config: the draft model's tokenizer differs from the target's")
-        spec = ExecutorSpec(source=source, device="cpu", dtype="float32", max_running=max_running,
+        spec = RunnerSpec(source=source, device="cpu", dtype="float32", max_running=max_running,
                             max_model_len=max_context, kv_cache_tokens=num_slots, kv_memory_fraction=0.1,
                             kernels=kernels, kernels_act=kernels_act, prefill_act=prefill_act,
                             prefill_attention=prefill_attention, decode_attention=decode_attention)
-        self.executor = ModelExecutor(spec)
-        self.kv = KVSlotAllocator(self.executor.num_slots)
+        self.model_runner = ModelRunner(spec)
+        self.kv = KVSlotAllocator(self.model_runner.num_slots)
         self.rows = ReqRowAllocator(max_running)
-        self.max_context = self.executor.max_context
+        self.max_context = self.model_runner.max_context
         self.state: dict[Req, _DraftState] = {}
         self._steps = 0
         self.step_s: float | None = None        # EMA of one draft step's wall time (the adaptive rule's draft cost)
@@ -94,7 +94,7 @@ class DraftModel:
 
     def _run(self, plan: list, j: int) -> np.ndarray:
         """Step j of a proposal: j = 0 extends each row over its new tokens, j > 0 decodes draft j (the token
-        the previous step sampled, read from the draft executor's FutureMap)."""
+        the previous step sampled, read from the draft model_runner's FutureMap)."""
         ids, locs, ext, seq, fut, pos = [], [], [], [], [], []
         for req, st, fill, keep, k in plan:
             n = len(fill) + j
@@ -128,7 +128,7 @@ class DraftModel:
             draw_seed=draw_seeds(np.array([r.seed for r in reqs], np.int64), np.array(pos, np.int64)),
             poison_rows=np.zeros(0, np.int64), bias_rows=np.array(bias[0], np.int64),
             bias_ids=np.array(bias[1], np.int64), bias_vals=np.array(bias[2], np.float64))
-        out = self.executor.run_step(step).cpu().numpy()
+        out = self.model_runner.run_step(step).cpu().numpy()
         dt = time.perf_counter() - t
         self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
         return out

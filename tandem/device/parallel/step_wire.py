@@ -1,5 +1,5 @@
 """A step's packed words on the wire between device ranks: the tp step broadcast (tp.py) and, for pipeline
-stages on another machine (pp_nodes.py), the step forwarded stage to stage. One layout for both.
+stages on another machine (parallel/pp_stage.py), the step forwarded stage to stage. One layout for both.
 
 A message is [header | up to INLINE payload words] in one transfer and the rest of a longer payload (a
 prefill) in a second: each gloo call costs ~0.2 ms on loopback, and a decode step of 64 rows is ~1,550 words.
@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .step import StepInput
+from ..step import StepInput
 
 QUIT, STEP, NOOP = 0, 1, 2
 KEEPALIVE_S = 60.0          # an idle sender (tp rank 0, pp's last node-0 stage) sends a NOOP this often

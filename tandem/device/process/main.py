@@ -1,6 +1,6 @@
-"""The device process's side of cpu_process.py: `python -m tandem.device.device_main` (ranks.spawn_device)
-connects back to the runner, builds the executor (alone, tp rank 0 or a pipeline stage) and runs every step
-the runner launches, reading it from the shared buffers and writing the sampled ids back (cpu_process.py says
+"""The device process's side of process/executor.py: `python -m tandem.device.process.main` (ranks.spawn_device)
+connects back to the runner, builds the model_runner (alone, tp rank 0 or a pipeline stage) and runs every step
+the runner launches, reading it from the shared buffers and writing the sampled ids back (process/executor.py says
 how, and why a process rather than a thread).
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from multiprocessing.connection import Client
 
 import numpy as np
 
-from ..lifeline import die_with_parent
-from ..trace.device_profile import DeviceProfile
-from . import step_wire
-from .ranks import rank_device
-from .shared_buffers import SharedBuffers, write_results
-from .step import StepInput
-from .streams import now
+from ...lifeline import die_with_parent
+from ...trace.device_profile import DeviceProfile
+from ..parallel import step_wire
+from ..ranks import rank_device
+from .buffers import SharedBuffers, write_results
+from ..step import StepInput
+from ..streams import now
 
 _LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
 _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives;
@@ -60,19 +60,19 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     try:
         spec, sizes, dist = conn.recv()
         buffers = SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
-        from .executor import ModelExecutor
+        from ..model_runner import ModelRunner
         if dist is not None and spec.pp_size > 1:      # a pipeline stage: its layers, p2p to its neighbours
-            from .pp import PPGroup
+            from ..parallel.pp import PPGroup
             pp = PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
         elif dist is not None:             # tp rank 0: join the group, then broadcast every step to it
-            from .tp import TPGroup
+            from ..parallel.tp import TPGroup
             tp = TPGroup(dist, rank_device(spec.device, dist))
-        executor = ModelExecutor(spec, tp=tp, pp=pp)
+        model_runner = ModelRunner(spec, tp=tp, pp=pp)
         profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
-        send(pickle.dumps(("ready", (executor.num_slots, executor.max_context,
+        send(pickle.dumps(("ready", (model_runner.num_slots, model_runner.max_context,
                                      tp.transport if tp is not None else None))))
         if pp is not None and pp.relay:    # the last stage is on another node: its results come through here
-            from .pp_nodes import ResultRelay
+            from ..parallel.pp_stage import ResultRelay
             relay = ResultRelay(pp, buffers, lambda sid, t0: send(_DONE.pack(b"D", sid, t0, now(), 0.0)),
                                 lambda: send(pickle.dumps(("error", (traceback.format_exc(),)))))
             relay.start()
@@ -121,15 +121,15 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
                 pp.send_step(step_wire.STEP, step_id, step, buffers.ints[buf], buffers.floats[buf])
             b = step.batch_size
             with profile.step(b, step.num_tokens) if profile is not None else contextlib.nullcontext():
-                tokens = executor.run_step(step, masks_of(step, buf))
+                tokens = model_runner.run_step(step, masks_of(step, buf))
                 if pp is not None:          # this stage's own span: from its input in hand (the trace's pipeline)
                     send(_DONE.pack(b"S", step_id, start if pp.first else pp.recv_done, now(), pp.comm_s))
                 if tokens is None:          # a pipeline stage but the last: its hidden states went on
                     if relay is not None and len(step.grammar_rows):
                         relay.send_masks(masks_of(step, buf)())      # to the last stage, on another node
                     continue
-                write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, executor.last_logprobs,
-                              executor.last_prompt_logprobs)
+                write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, model_runner.last_logprobs,
+                              model_runner.last_prompt_logprobs)
             send(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
     except _SchedulerGone:
         if link is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import runtime_files
+from ... import runtime_files
 
 SLOT_BYTES = 4 << 20        # a rank's part of one op: [2048, 576] fp32 prefill activations in 2 chunks
 _LINE = 8                   # int64 words per rank's flag (one cache line: ranks never write the same line)

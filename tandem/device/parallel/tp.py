@@ -13,7 +13,7 @@ An idle rank 0 sends a no-op every step_wire.KEEPALIVE_S, so the other ranks' co
 fires for a peer that is stuck or unreachable; a peer that dies closes its connections and the next
 collective fails at once (DeviceProcessError on the scheduler's side, never a hang).
 
-Ranks on one host run the all-reduces and the logits gather through shared memory (device/shm_comm.py,
+Ranks on one host run the all-reduces and the logits gather through shared memory (device/parallel/shm_collectives.py,
 15-30x cheaper a call than gloo over loopback); the step broadcast stays on gloo, whose receive blocks an idle rank
 without spinning. tp_comm "gloo" keeps every collective on gloo.
 """
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from . import step_wire
-from .ranks import DistInfo, init_group
-from .shm_comm import ShmComm
-from .step import StepInput
+from ..ranks import DistInfo, init_group
+from .shm_collectives import ShmComm
+from ..step import StepInput
 
 log = logging.getLogger(__name__)
 

@@ -92,7 +92,7 @@ class EngineClient:
         self._rx.bind(out_addr)
         # Spawned from the main thread: PR_SET_PDEATHSIG in the child follows this thread's life.
         cpus = [",".join(map(str, self.cpus))] if self.cpus else []
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.server.engine_proc", in_addr, out_addr, *cpus],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.replicas.engine_proc", in_addr, out_addr, *cpus],
                                      stdin=subprocess.PIPE, start_new_session=True, close_fds=True, env=child_env())
         self.proc.stdin.write(pickle.dumps(self.config))
         self.proc.stdin.close()

@@ -27,7 +27,7 @@ from typing import Callable
 from ..config import EngineConfig
 from ..request import StepOutput
 from . import ipc
-from .client import EngineClient, EngineError, RequestStream
+from .engine_client import EngineClient, EngineError, RequestStream
 from .router import ROUTERS, ReplicaLoad, Router
 
 

@@ -1,15 +1,15 @@
 """Pipeline stages on several machines (`--pp N --nnodes M`): N / M stages on each node, node 0's first.
 
-Node 0 runs the scheduler, the server and stages 0 .. N/M - 1 as device processes beside it (cpu_process.py,
+Node 0 runs the scheduler, the server and stages 0 .. N/M - 1 as device processes beside it (process/executor.py,
 reading each step from the shared buffers). On node R > 0, `tandem serve --node-rank R` starts that node's
-stages (run_node in tp_ranks.py); each is `python -m tandem.device.pp_nodes` and runs stage_main:
+stages (run_node in parallel/tp_worker.py); each is `python -m tandem.device.parallel.pp_stage` and runs stage_main:
   recv the step's words from the stage before -> pass them on (a later stage) -> its layers (the hidden
   states follow the words on the same link) -> the last stage samples and sends its results to the relay.
 The relay is node 0's last stage: ResultRelay, a thread there, receives each step's results over a group of
 the two ranks, writes them into the step's out buffer and sends the "done" the runner waits for. Grammar masks
 go the other way over a second group (send_masks / recv_masks), after the relay's own forward.
 
-Idle: node 0's stage before the boundary sends a no-op every step_wire.KEEPALIVE_S (device_main.py), passed along to the
+Idle: node 0's stage before the boundary sends a no-op every step_wire.KEEPALIVE_S (process/main.py), passed along to the
 last stage, which answers the relay with one, so no receive's timeout fires while the engine waits for
 requests. A quit is passed the same way. A stage that dies breaks its neighbours' links: they fail at once,
 node 0's runner names the failure (503 for the requests, as with tp), node R's stages exit 1.
@@ -25,12 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..lifeline import die_with_parent
-from ..sampler import MAX_LOGPROBS
+from ...lifeline import die_with_parent
+from ...sampler import MAX_LOGPROBS
 from . import step_wire
 from .pp import PPGroup
-from .ranks import rank_device
-from .shared_buffers import write_results
+from ..ranks import rank_device
+from ..process.buffers import write_results
 
 _RESULT = 5                 # result header: kind, step id, out words, logprob words, rows
 
@@ -38,7 +38,7 @@ _RESULT = 5                 # result header: kind, step id, out words, logprob w
 def send_results(pp: PPGroup, kind: int, step_id: int = 0, b: int = 0, tokens: torch.Tensor | None = None,
                  lp=None, plp=None) -> None:
     """The last stage (on another node): the step's sampled ids and logprobs to the relay, laid out as the
-    out buffer holds them (shared_buffers.py), only the words written."""
+    out buffer holds them (process/buffers.py), only the words written."""
     n = n_lp = 0
     if tokens is not None:
         n = b if lp is None and plp is None else (b + (0 if plp is None else len(plp.chosen))) * (1 + MAX_LOGPROBS)
@@ -112,11 +112,11 @@ def stage_main() -> int:
     spec, info = pickle.loads(sys.stdin.buffer.read())
     torch.set_num_threads(info.threads)
     pp = PPGroup(info, rank_device(spec.device, info), spec.source.config.num_layers)
-    from ..grammar.compiler import mask_words
-    from .executor import ModelExecutor
+    from ...grammar.compiler import mask_words
+    from ..model_runner import ModelRunner
     width = mask_words(spec.source.config.vocab_size)
     try:
-        executor = ModelExecutor(spec, pp=pp)
+        model_runner = ModelRunner(spec, pp=pp)
         with torch.inference_mode():
             while True:
                 kind, step_id, step, ints, floats = pp.recv_step()
@@ -131,10 +131,10 @@ def stage_main() -> int:
                 if pp.passes_step:
                     pp.send_step(step_wire.STEP, step_id, step, ints, floats)
                 masks = (lambda: recv_masks(pp, len(step.grammar_rows), width)) if pp.last else None
-                tokens = executor.run_step(step, masks)
+                tokens = model_runner.run_step(step, masks)
                 if tokens is not None:
-                    send_results(pp, step_wire.STEP, step_id, step.batch_size, tokens, executor.last_logprobs,
-                                 executor.last_prompt_logprobs)
+                    send_results(pp, step_wire.STEP, step_id, step.batch_size, tokens, model_runner.last_logprobs,
+                                 model_runner.last_prompt_logprobs)
     finally:
         pp.close()
 

@@ -21,9 +21,9 @@ before that step's poison and gather. The PP loop (scheduler/loops.py) launches 
 requests whose previous micro-batch was processed, so what it gathers has been relayed. Middle stages read
 no ids.
 
-Stages on other machines (`--nnodes M`, pp_size / M stages on each; device/pp_nodes.py): node 0's stages read
+Stages on other machines (`--nnodes M`, pp_size / M stages on each; device/parallel/pp_stage.py): node 0's stages read
 the step from the shared buffers as above; a stage on node R > 0 has no scheduler beside it, so it receives
-the step's packed words from the stage before it (device/step_wire.py), ahead of the hidden states, and passes
+the step's packed words from the stage before it (device/parallel/step_wire.py), ahead of the hidden states, and passes
 them on. The last stage sends its results (sampled ids, logprobs) back to node 0's last stage, the **relay**,
 over a group of those two ranks; a thread there writes them into the out buffer and sends the "done"; the
 relay sends the grammar masks the other way over a second such group.
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from . import step_wire
-from .ranks import DistInfo, init_group
-from .streams import now
+from ..ranks import DistInfo, init_group
+from ..streams import now
 
 TIMEOUT_S = 600.0          # rendezvous of all stages, and any single send or recv
 
@@ -98,7 +98,7 @@ class PPGroup(step_wire.WireControl):
         self._post(x)
 
     def send_step(self, kind: int, step_id: int = 0, step=None, ints=None, floats=None) -> None:
-        """Pass a step's words (or a no-op / quit) on to the next stage, on another node (step_wire.py)."""
+        """Pass a step's words (or a no-op / quit) on to the next stage, on another node (parallel/step_wire.py)."""
         self._flush()
         payload, words = step_wire.step_payload(step, ints, floats) if step is not None else (None, (0, 0, 0))
         step_wire.send_words(self._post, self.device, kind, step_id, payload, words)

@@ -1,6 +1,6 @@
 """The engine process: the scheduler loop and the model, fed over ZMQ by the frontend.
 
-Started by the frontend as `python -m tandem.server.engine_proc IN_ADDR OUT_ADDR [CPUS]` with the pickled
+Started by the frontend as `python -m tandem.replicas.engine_proc IN_ADDR OUT_ADDR [CPUS]` with the pickled
 EngineConfig on stdin; CPUS ("0,1") pins it, and so its device process, to those cores (a data-parallel
 replica's share, see replicas.py). It dies with its parent (PR_SET_PDEATHSIG); it runs in a session of its
 own, so a terminal's Ctrl-C reaches only the frontend, which stops it in order (Shutdown: abort all, then exit).
@@ -144,7 +144,7 @@ def main(in_addr: str, out_addr: str, cpus: str | None = None) -> int:
     try:
         proc = EngineProc(config, rx, tx)
         e = proc.engine
-        proc.send(ipc.Ready(e.model_name, min(e.max_context, e.runner.num_slots), e.model_config.vocab_size,
+        proc.send(ipc.Ready(e.model_name, min(e.max_context, e.executor.num_slots), e.model_config.vocab_size,
                             os.getpid()))
         e.run(proc.idle)
     except BaseException as exc:

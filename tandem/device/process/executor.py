@@ -6,13 +6,13 @@ socket; the step's index arrays travel through shared memory (double-buffered: t
 rewritten only at launch k+2, after the host has processed step k). Sampled ids come back through shared
 memory, and the "done" message is the copy_done event the scheduler waits on.
 
-The process (device_main.py) is started with `python -m tandem.device.device_main` (not multiprocessing's spawn, which
+The process (process/main.py) is started with `python -m tandem.device.process.main` (not multiprocessing's spawn, which
 re-imports the user's __main__), dies with its parent (socket EOF and PR_SET_PDEATHSIG), and a crash in it
 surfaces in the scheduler as DeviceProcessError, never a hang.
 
-With tp_size > 1 this process is tp rank 0 (device/tp.py): the runner also starts this node's other ranks
-(device/tp_ranks.py) and watches every one of them; a rank that dies fails the step (DeviceProcessError).
-With pp_size > 1 the runner starts one such process per pipeline stage (device/pp.py): every stage reads the
+With tp_size > 1 this process is tp rank 0 (device/parallel/tp.py): the runner also starts this node's other ranks
+(device/parallel/tp_worker.py) and watches every one of them; a rank that dies fails the step (DeviceProcessError).
+With pp_size > 1 the runner starts one such process per pipeline stage (device/parallel/pp.py): every stage reads the
 step from the shared buffers (one slot per micro-batch in flight), only the last one writes the sampled ids
 and sends "done", and the runner relays those ids to the first stage with the next launch.
 """
@@ -30,16 +30,16 @@ from multiprocessing.connection import Listener, wait
 
 import numpy as np
 
-from .. import runtime_files
-from ..grammar.compiler import mask_words
-from ..sampler import MAX_BIASES, MAX_LOGPROBS
-from . import step as step_mod
-from .executor import ExecutorSpec
-from .ranks import rank_infos, spawn_device, spawn_rank
-from .shared_buffers import SharedBuffers, read_logprobs
-from .step import StepInput
-from .device_main import _DONE, _LAUNCH
-from .streams import now
+from ... import runtime_files
+from ...grammar.compiler import mask_words
+from ...sampler import MAX_BIASES, MAX_LOGPROBS
+from .. import step as step_mod
+from ..model_runner import RunnerSpec
+from ..ranks import rank_infos, spawn_device, spawn_rank
+from .buffers import SharedBuffers, read_logprobs
+from ..step import StepInput
+from .main import _DONE, _LAUNCH
+from ..streams import now
 
 
 @contextlib.contextmanager
@@ -77,7 +77,7 @@ class DeviceProcessError(RuntimeError):
 
 
 class ProcessHandle:
-    def __init__(self, runner: "ProcessRunner", step: StepInput, buf: int) -> None:
+    def __init__(self, runner: "ProcessExecutor", step: StepInput, buf: int) -> None:
         self.step_id = step.step_id
         self._runner, self._buf, self._b = runner, buf, step.batch_size
         self._result: np.ndarray | None = None
@@ -96,7 +96,7 @@ class ProcessHandle:
             *span, self.comm_s = self._runner._wait_done(self.step_id)  # copy_done.wait()
             self._span = tuple(span)
             self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
-            if self._rows is not None:     # the next launch relays them to the first stage (device/pp.py)
+            if self._rows is not None:     # the next launch relays them to the first stage (device/parallel/pp.py)
                 self._runner.relay.update(zip(self._rows.tolist(), self._result.tolist()))
                 self.stage_spans = self._runner.stage_spans(self.step_id)
         return self._result
@@ -117,8 +117,8 @@ class ProcessHandle:
         return self._span
 
 
-class ProcessRunner:
-    def __init__(self, spec: ExecutorSpec, device_threads: int, max_tokens_per_step: int,
+class ProcessExecutor:
+    def __init__(self, spec: RunnerSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0, max_prefix_slots: int = 0, nnodes: int = 1,
                  dist_init_addr: str | None = None) -> None:
         b = spec.max_running + spec.max_draft_rows      # batch rows a step may carry (draft rows included)
@@ -144,7 +144,7 @@ class ProcessRunner:
         # pp: one device process per stage (self.proc the first, self.ranks the others, in stage order once
         # they connect, as self.conns).
         # pp over several nodes: this node's stages here (the first pp_size / nnodes), the others started by
-        # `tandem serve --node-rank R` there (device/pp_nodes.py).
+        # `tandem serve --node-rank R` there (device/parallel/pp_stage.py).
         pp_init = f"tcp://{dist_init_addr}" if nnodes > 1 else f"file://{self._tmp}/pp-store"
         self._stages = rank_infos(spec.pp_size, nnodes, 0, device_threads, pp_init) if spec.pp_size > 1 else [None]
         procs = [spawn_device(sock, shm_path, device_threads, authkey) for _ in self._stages]
@@ -260,7 +260,7 @@ class ProcessRunner:
     def _decode(self, msg: bytes, sender: int):
         if msg[:1] in b"DS":
             kind, step_id, start, end, comm = _DONE.unpack(msg)
-            if kind == b"S":                # a pipeline stage's own span of a step (device_main.py)
+            if kind == b"S":                # a pipeline stage's own span of a step (process/main.py)
                 self._stages_of.setdefault(step_id, {})[sender] = (sender, start, end, comm)
                 return ("stage", step_id)
             return ("done", step_id, start, end, comm)

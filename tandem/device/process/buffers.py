@@ -1,12 +1,12 @@
-"""The shared-memory buffers between the scheduler's runner and the device process (cpu_process.py): a step's
+"""The shared-memory buffers between the scheduler's runner and the device process (process/executor.py): a step's
 index arrays go in, sampled ids, logprobs and grammar masks go through them, in one file in /dev/shm, so a
 launch is only a short socket message."""
 from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime_files
-from ..sampler import MAX_LOGPROBS
+from ... import runtime_files
+from ...sampler import MAX_LOGPROBS
 
 
 class SharedBuffers:
