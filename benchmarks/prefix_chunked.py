@@ -155,7 +155,8 @@ def _ttft(eng, short, long=None) -> tuple[float, list]:
     (the long prompt's first chunk) is launched. Also the device spans of the run."""
     stamps: dict[str, float] = {}
     added: list[float] = []
-    s = eng.scheduler
+    import tandem.scheduler.loops as loops
+    from tandem.scheduler.launch import launch_step
 
     def sink(outputs):
         t = time.perf_counter()
@@ -163,8 +164,8 @@ def _ttft(eng, short, long=None) -> tuple[float, list]:
             if o.new_token_ids:
                 stamps.setdefault(o.rid, t)
 
-    def launch(batch):
-        handle = type(s).launch_step(s, batch)
+    def launch(s, batch):
+        handle = launch_step(s, batch)
         if not added:
             added.append(time.perf_counter())
             eng.add_request(short, bounded=False)
@@ -178,12 +179,12 @@ def _ttft(eng, short, long=None) -> tuple[float, list]:
             added.append(time.perf_counter())
             eng.add_request(short, bounded=False)
         else:
-            s.launch_step = launch                  # instance attribute: the loop calls s.launch_step(batch)
+            loops.launch_step = launch              # the loops call loops.launch_step(s, batch)
             eng.add_request(long, bounded=False)
         eng.run()
     finally:
         eng._sink = old
-        s.__dict__.pop("launch_step", None)
+        loops.launch_step = launch_step
     return stamps[short.rid] - added[0], list(eng.recorder.devices)
 
 

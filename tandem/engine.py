@@ -18,8 +18,10 @@ from .device.ranks import runner_spec, rank_threads
 from .request import Req, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler.loops import LOOPS
+from .scheduler.grammar import Grammars
 from .scheduler.scheduler import Scheduler
 from .scheduler.speculative import verify_rows
+from .speculative.state import Speculation
 from .trace.recorder import Recorder
 
 MAX_IDLE_SPINS = 10_000
@@ -74,10 +76,10 @@ class Engine:
         self._sink = sink
         from .grammar import GrammarCompiler
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, self.grammar)
-        self.scheduler.max_draft_rows = spec.max_draft_rows
-        self.scheduler.max_verify_rows = verify_rows(spec)
-        self.scheduler.drafter = drafter
+        speculation = Speculation(max_draft_rows=spec.max_draft_rows, max_verify_rows=verify_rows(spec),
+                                  drafter=drafter)
+        self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, Grammars(self.grammar),
+                                   speculation)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -94,11 +96,11 @@ class Engine:
         speculative_config may be switched off, or to one whose draft rows fit the buffers sized at start."""
         sc = config.speculative_config
         if hasattr(self, "scheduler") and sc is not None and sc.method == "draft_model" and \
-                (self.scheduler.drafter is None or sc.model != self.scheduler.drafter.path):
+                (self.scheduler.spec.drafter is None or sc.model != self.scheduler.spec.drafter.path):
             raise ValueError("speculative_config: a draft model is loaded at start; start the engine with it")
-        if hasattr(self, "scheduler") and sc is not None and sc.extra_rows > self.scheduler.max_draft_rows:
+        if hasattr(self, "scheduler") and sc is not None and sc.extra_rows > self.scheduler.spec.max_draft_rows:
             raise ValueError(f"speculative_config needs {sc.extra_rows} draft rows a step; this engine was started "
-                             f"with room for {self.scheduler.max_draft_rows} (start it with that config)")
+                             f"with room for {self.scheduler.spec.max_draft_rows} (start it with that config)")
         self._config = config
         if hasattr(self, "scheduler"):
             self.scheduler.config = config
@@ -151,11 +153,11 @@ class Engine:
         """Queue a validated request. `bounded`: refuse past max_waiting_requests (the server's 503)."""
         if bounded and len(self.scheduler.waiting) + len(self.scheduler.inbox) >= self.config.max_waiting_requests:
             raise OverflowError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
-        self.scheduler.inbox.append(("add", req))
+        self.scheduler.add(req)
         return req.rid
 
     def abort(self, rid: str) -> None:
-        self.scheduler.inbox.append(("abort", rid))
+        self.scheduler.abort(rid)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:

@@ -4,14 +4,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from .speculative.ngram import NgramIndex
+from .speculative.state import SpecState
 
 
 class ReqStatus(enum.Enum):
@@ -60,22 +57,7 @@ class Req:
     sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
     grammar: object | None = None          # GrammarMatcher of a structured-output request, once compiled
     prompt_lp: list | None = None          # prompt logprobs gathered over the prefill chunks, until sent
-    # Speculative decoding (scheduler/speculative.py): EMAs of accepted drafts and of draft trials per verified
-    # run (their ratio estimates a draft's acceptance; the prior 0.6), and decode steps since it last drafted.
-    spec_acc: float = 0.6
-    spec_trials: float = 1.0
-    spec_skipped: int = 0
-    spec_probe_gap: int = 16               # steps without drafts before a probe draft (doubles while probes fail)
-    spec_probing: bool = False             # its current draft is a probe
-    # The overlap loop's assumption (scheduler/speculative.py): one entry per output token its launched but
-    # unprocessed steps sample (len == num_launched - len(output_ids)), the token assumed there (a draft, or the
-    # n-gram's continuation after the last draft), -1 where nothing is assumed. fill_ids() + spec_guess is the
-    # text a step picked now continues, if every in-flight run is accepted whole.
-    spec_guess: list[int] = field(default_factory=list)
-    ngram: NgramIndex | None = None        # its n-gram index (speculative/ngram.py), built at its first proposal
-    spec_hold: float = 1.0                 # EMA of its drafting runs that held what a pick ahead assumes
-    spec_stale: bool = False               # its FutureMap row holds a dropped step's token: the next head row
-                                           # takes its last token from the host
+    spec: SpecState = field(default_factory=SpecState)   # the speculative branch's state (speculative/state.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

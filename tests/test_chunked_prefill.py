@@ -6,7 +6,9 @@ import random
 
 import pytest
 
+import tandem.scheduler.loops as loops
 from tandem import SamplingParams
+from tandem.scheduler.launch import launch_step
 from test_overlap import greedy, run_script
 
 LOOPS = ("serial", "overlap")
@@ -36,16 +38,15 @@ def test_chunked_equals_unchunked_and_mixed_equals_separate(tiny_llama, make_llm
             assert run_script(chunked, loop, initial, events) == ref, (mixed, loop)
 
 
-def test_mixed_steps_carry_decode_rows(tiny_llama, make_llm):
+def test_mixed_steps_carry_decode_rows(tiny_llama, make_llm, monkeypatch):
     llm = make_llm(tiny_llama, max_prefill_tokens=64, mixed_prefill_tokens=8)
     kinds = []
-    old = llm.engine.scheduler.launch_step
 
-    def launch(batch):
+    def launch(s, batch):
         kinds.append((batch.num_decode, batch.num_tokens - batch.num_decode))
-        return old(batch)
+        return launch_step(s, batch)
 
-    llm.engine.scheduler.launch_step = launch
+    monkeypatch.setattr(loops, "launch_step", launch)
     out = run_script(llm, "overlap", [("run", [5, 6, 7], greedy(12, ignore_eos=True))],
                      {2: [("add", "long", _prompt(1, 40), greedy(3, ignore_eos=True))]})
     mixed = [k for k in kinds if k[0] and k[1]]
@@ -62,7 +63,7 @@ def test_chunked_with_prefix_cache_hit(tiny_qwen2, make_llm):
     for loop in LOOPS:
         assert run_script(llm, loop, reqs, {2: [("add",) + r for r in more]}) == \
             run_script(off, loop, reqs, {2: [("add",) + r for r in more]})
-    assert llm.engine.scheduler.prefix_hits >= 3 * CHUNK
+    assert llm.engine.scheduler.memory.prefix_hits >= 3 * CHUNK
 
 
 def test_abort_and_retraction_mid_prefill(tiny_llama, make_llm):
@@ -133,7 +134,7 @@ def test_short_arrival_goes_before_the_next_chunk(tiny_llama, make_llm, loop):
     # alone in the next step (it waits for the chunk in flight only), the long prompt stands aside once, and
     # the outputs are those of the requests run alone.
     llm = make_llm(tiny_llama, prefix_cache=False, max_prefill_tokens=CHUNK, mixed_prefill_tokens=CHUNK)
-    eng, s = llm.engine, llm.engine.scheduler
+    eng = llm.engine
     long_ids, short_ids, params = _prompt(1, 4 * CHUNK), _prompt(2, 5), greedy(4, ignore_eos=True)
     alone = {label: run_script(llm, loop, [(label, ids, params)], {})[label]
              for label, ids in (("long", long_ids), ("short", short_ids))}
@@ -141,9 +142,9 @@ def test_short_arrival_goes_before_the_next_chunk(tiny_llama, make_llm, loop):
     long, short = eng.make_request(long_ids, params), eng.make_request(short_ids, params)
     steps, out = [], {}
 
-    def launch(batch):
+    def launch(s, batch):
         steps.append(sorted("long" if r is long else "short" for r in batch.reqs))
-        handle = type(s).launch_step(s, batch)
+        handle = launch_step(s, batch)
         if len(steps) == 1:
             eng.add_request(short)
         return handle
@@ -152,13 +153,13 @@ def test_short_arrival_goes_before_the_next_chunk(tiny_llama, make_llm, loop):
         for o in outputs:
             out.setdefault(o.rid, []).extend(o.new_token_ids)
 
-    old, eng._sink, s.launch_step = eng._sink, sink, launch
+    old, eng._sink, loops.launch_step = eng._sink, sink, launch
     try:
         eng.add_request(long)
         eng.run()
     finally:
         eng._sink = old
-        del s.launch_step
+        loops.launch_step = launch_step
     assert steps[0] == ["long"] and steps[1] == ["short"] and "long" in steps[2], steps   # then a mixed step
     assert out[long.rid] == alone["long"][0] and out[short.rid] == alone["short"][0]
 
@@ -167,21 +168,21 @@ def test_long_arrival_does_not_make_a_started_prefill_stand_aside(tiny_llama, ma
     # An arrival that does not fit the step whole queues behind the started prefill (no round robin of
     # half-prefilled prompts in a burst).
     llm = make_llm(tiny_llama, prefix_cache=False, max_prefill_tokens=CHUNK, mixed_prefill_tokens=CHUNK)
-    eng, s = llm.engine, llm.engine.scheduler
+    eng = llm.engine
     first, second = (eng.make_request(_prompt(i, 3 * CHUNK), greedy(2, ignore_eos=True)) for i in (3, 4))
     steps = []
 
-    def launch(batch):
+    def launch(s, batch):
         steps.append([r is first for r in batch.reqs])
-        handle = type(s).launch_step(s, batch)
+        handle = launch_step(s, batch)
         if len(steps) == 1:
             eng.add_request(second)
         return handle
 
-    s.launch_step = launch
+    loops.launch_step = launch
     try:
         eng.add_request(first)
         eng.run()
     finally:
-        del s.launch_step
+        loops.launch_step = launch_step
     assert steps[:3] == [[True], [True], [True]], steps                # first's 3 chunks, then second's

@@ -119,7 +119,7 @@ def test_hit_on_a_prefix_another_request_is_decoding(tiny_llama, make_llm, loop)
             seen.setdefault(o.rid, o.num_cached_tokens)
         eng.scheduler.audit_kv()                 # ownership is a partition at every step
         if not added:
-            assert eng.scheduler.cache.protected_size == len(prefix) + 1     # a's prompt, shared at launch
+            assert eng.scheduler.memory.cache.protected_size == len(prefix) + 1     # a's prompt, shared at launch
             eng.add_request(b)
             added.append(b)
 
@@ -167,6 +167,6 @@ def test_retraction_with_shared_prefix_hits_on_reprefill(tiny_llama, make_llm):
     ref = run_script(off, "serial", initial, {})
     s = llm.engine.scheduler
     for loop in LOOPS:
-        retractions, hits = s.retractions, s.prefix_hits
+        retractions, hits = s.retractions, s.memory.prefix_hits
         assert run_script(llm, loop, initial, {}) == ref
-        assert s.retractions > retractions and s.prefix_hits > hits
+        assert s.retractions > retractions and s.memory.prefix_hits > hits

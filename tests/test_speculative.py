@@ -13,6 +13,7 @@ import random
 import pytest
 
 import tandem.scheduler.speculative as spec_mod
+import tandem.speculative.state as spec_state
 from conftest import assert_no_leaks
 from tandem import LLM, SamplingParams
 from test_overlap import run_script
@@ -34,8 +35,8 @@ def pin_row_cost(llm, monkeypatch) -> None:
     at its prior, so that counts of drafts (and of steps picked ahead) do not follow the machine's load (one failed
     on a shared CPU; a timing outlier once pushed it to its ceiling, drafting looked unprofitable and a count of
     picks ahead came out 0)."""
-    monkeypatch.setattr(spec_mod, "observe_step", lambda *a, **kw: None)
-    monkeypatch.setattr(llm.engine.scheduler, "row_cost", spec_mod.ROW_COST)
+    monkeypatch.setattr(llm.engine.scheduler.spec, "observe_step", lambda *a, **kw: None)
+    monkeypatch.setattr(llm.engine.scheduler.spec, "row_cost", spec_state.ROW_COST)
 
 
 class Oracle:
@@ -50,7 +51,7 @@ class Oracle:
     def __call__(self, req, k: int, lo: int, hi: int) -> list[int]:
         """Stands in for scheduler/speculative.py's ngram_drafts: drafts for req's text (truth + assumed tail)."""
         self.calls += 1
-        tokens = req.fill_ids() + req.spec_guess
+        tokens = req.fill_ids() + req.spec.guess
         for prompt, out in self.truth.items():
             if tuple(tokens[:len(prompt)]) != prompt:
                 continue
@@ -310,24 +311,25 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     """k: the j-th draft only while p^j beats its row's cost at this batch size; 0 (with probes) when it never
     does; never past max_tokens."""
     from tandem.request import Req
-    s = spec_llm.engine.scheduler
+    s = spec_llm.engine.scheduler.spec
     configure(spec_llm, "serial", True)
-    s.row_cost = spec_mod.ROW_COST           # the initial row cost (the engine measures its own as it runs)
+    cfg = spec_llm.engine.config.speculative_config
+    s.row_cost = spec_state.ROW_COST           # the initial row cost (the engine measures its own as it runs)
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
-    req.spec_acc, req.spec_trials = 0.8, 1.0
-    assert spec_mod.draft_len(s, req, 1) == 4
-    assert spec_mod.draft_len(s, req, 8) == 1                          # 0.8^2 < one row's cost at 8 requests
-    req.spec_acc = 0.3
-    assert spec_mod.draft_len(s, req, 1) == 1 and spec_mod.draft_len(s, req, 8) == 0
-    req.spec_acc, req.spec_skipped = 0.05, 0
-    ks = [spec_mod.draft_len(s, req, 1) for _ in range(2 * spec_mod.PROBE_EVERY)]
+    req.spec.acc, req.spec.trials = 0.8, 1.0
+    assert s.draft_len(cfg, req, 1) == 4
+    assert s.draft_len(cfg, req, 8) == 1                          # 0.8^2 < one row's cost at 8 requests
+    req.spec.acc = 0.3
+    assert s.draft_len(cfg, req, 1) == 1 and s.draft_len(cfg, req, 8) == 0
+    req.spec.acc, req.spec.skipped = 0.05, 0
+    ks = [s.draft_len(cfg, req, 1) for _ in range(2 * spec_state.PROBE_EVERY)]
     assert ks.count(1) == 2 and set(ks) == {0, 1}                     # probes only
-    spec_mod.settle(s, req, 1, 0)                                     # a failed probe doubles the gap
-    ks = [spec_mod.draft_len(s, req, 1) for _ in range(2 * spec_mod.PROBE_EVERY)]
-    assert ks.count(1) == 1 and req.spec_probe_gap == 2 * spec_mod.PROBE_EVERY
-    req.spec_acc = 0.95
+    s.settle(req, 1, 0)                                     # a failed probe doubles the gap
+    ks = [s.draft_len(cfg, req, 1) for _ in range(2 * spec_state.PROBE_EVERY)]
+    assert ks.count(1) == 1 and req.spec.probe_gap == 2 * spec_state.PROBE_EVERY
+    req.spec.acc = 0.95
     req.output_ids = [5] * 98
-    assert spec_mod.draft_len(s, req, 1) == 1                         # one output left after this step's own
+    assert s.draft_len(cfg, req, 1) == 1                         # one output left after this step's own
 
 
 def test_adaptive_k_prices_the_draft_model_step(spec_llm):
@@ -335,18 +337,19 @@ def test_adaptive_k_prices_the_draft_model_step(spec_llm):
     draft a tenth of the target still drafts where acceptance is high, one as costly as the target never does."""
     from types import SimpleNamespace
     from tandem.request import Req
-    s = spec_llm.engine.scheduler
+    s = spec_llm.engine.scheduler.spec
     configure(spec_llm, "serial", True)
-    s.row_cost = spec_mod.ROW_COST
+    cfg = spec_llm.engine.config.speculative_config
+    s.row_cost = spec_state.ROW_COST
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
-    req.spec_acc, req.spec_trials = 0.9, 1.0
-    assert spec_mod.draft_len(s, req, 1) == 4 and spec_mod.draft_len(s, req, 8) == 3     # 0.9^3 > 0.67 at 8
+    req.spec.acc, req.spec.trials = 0.9, 1.0
+    assert s.draft_len(cfg, req, 1) == 4 and s.draft_len(cfg, req, 8) == 3     # 0.9^3 > 0.67 at 8
     s.drafter, s.decode_step_s = SimpleNamespace(step_s=0.001), 0.010
     try:
-        assert spec_mod.draft_cost(s) == pytest.approx(0.1)
-        assert spec_mod.draft_len(s, req, 1) == 4                      # 0.9^4 = 0.66 > 0.2 + 0.1
-        assert spec_mod.draft_len(s, req, 8) == 2                      # 0.9^3 = 0.73 < 0.67 + 0.1
+        assert s.draft_cost() == pytest.approx(0.1)
+        assert s.draft_len(cfg, req, 1) == 4                      # 0.9^4 = 0.66 > 0.2 + 0.1
+        assert s.draft_len(cfg, req, 8) == 2                      # 0.9^3 = 0.73 < 0.67 + 0.1
         s.drafter.step_s = 0.010
-        assert spec_mod.draft_len(s, req, 1) == 0                      # a draft step costs a whole target step
+        assert s.draft_len(cfg, req, 1) == 0                      # a draft step costs a whole target step
     finally:
         s.drafter, s.decode_step_s = None, None

@@ -191,7 +191,7 @@ def test_draft_model_equal_to_target_accepts_everything(tiny_llama, other_tiny_l
                     assert_logprobs_close(a, b)
             rates.setdefault(name, (after["spec_accepted_tokens"] - before["spec_accepted_tokens"])
                              / max(1, after["spec_draft_tokens"] - before["spec_draft_tokens"]))
-        drafter = llm.engine.scheduler.drafter
+        drafter = llm.engine.scheduler.spec.drafter
         assert not drafter.state and drafter.kv.available() == drafter.kv.num_slots
         assert drafter.rows.available() == drafter.rows.size
     assert rates["same"] > 0.9 and rates["random"] < 0.2, rates

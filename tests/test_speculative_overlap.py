@@ -20,8 +20,8 @@ PARAMS = [greedy(60, ignore_eos=True),
 
 def counters(llm) -> dict:
     s, st = llm.engine.scheduler, llm.stats()
-    return {"ahead": s.spec_ahead_drafts, "dropped": s.spec_ahead_dropped, "syncs": st["spec_syncs"],
-            "runs": sum(s.spec_accepted_hist.values()), "drafted": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"]}
+    return {"ahead": s.spec.stats.ahead_drafts, "dropped": s.spec.stats.ahead_dropped, "syncs": st["spec_syncs"],
+            "runs": sum(s.spec.stats.accepted_hist.values()), "drafted": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"]}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -123,7 +123,7 @@ def test_retraction_and_aborts_with_failed_assumptions(tiny_llama, make_llm, mon
     s = llm.engine.scheduler
     assert s.retractions > 0 and llm.stats()["spec_accepted_tokens"] > 0
     if loop == "overlap":
-        assert s.spec_ahead_drafts > 0 and s.spec_ahead_dropped > 0
+        assert s.spec.stats.ahead_drafts > 0 and s.spec.stats.ahead_dropped > 0
     aborted = run_script(llm, loop, initial, {4: [("abort", "r1")]})
     toks, reason = aborted["r1"]
     assert reason == "abort" and toks == plain["r1"][0][:len(toks)]

@@ -1,4 +1,4 @@
-"""A picked batch: the requests of one step and the StepInput sent to the device."""
+"""A picked batch: the requests of one step and the StepInput sent to the device; a prefill chunk of one row."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,3 +37,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return self.step.num_tokens
+
+
+@dataclass
+class Chunk:
+    """One prefill row: positions [start, start + n) of the request's fill ids."""
+    req: Req
+    start: int
+    n: int
+    last: bool            # ends the fill: only this chunk samples

@@ -4,7 +4,7 @@ grammar's state after every token before it.
 Invariant (stated in loops.py beside the loops): a batch's token masks are computed when every step
 launched before it has been processed, i.e. at its launch when the result queue is empty (serial loop, or
 an overlap step with nothing in flight), else when it becomes the oldest unprocessed batch. The forward is
-never delayed by a mask: the device runs it at once and only its sampling waits for the masks (a runner
+never delayed by a mask: the device runs it at once and only its sampling waits for the masks (an executor
 that cannot defer them, the inline one, gets host truth first instead).
 
 Grammars compile off the loop, on a worker thread; a request waits in the queue until its grammar is ready,
@@ -13,17 +13,15 @@ without holding back the requests behind it.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
 
 from ..device.executor import ResultHandle
 from ..grammar import GrammarCompiler, mask_words
 from ..request import Req
+from ..trace.recorder import Recorder
 from .batch import Batch
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 
 class GrammarError(RuntimeError):
@@ -31,7 +29,9 @@ class GrammarError(RuntimeError):
 
 
 class Grammars:
-    """Compiles requests' grammars on a worker thread and tracks those still compiling."""
+    """The grammar branch's manager: compiles requests' grammars on a worker thread, tracks those still compiling,
+    and computes a batch's token masks from its rows' grammar state (when: launch.py and results.py, by the rule
+    above)."""
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
@@ -42,8 +42,8 @@ class Grammars:
     def submit(self, req: Req) -> None:
         self.compiling[req] = self._pool.submit(self.compiler.matcher, req.params.structured_outputs)
 
-    def collect(self, s: "Scheduler") -> None:
-        """Attach the compiled grammars (a failed compile fails its request alone)."""
+    def collect(self, fail: Callable[[Req, BaseException], None]) -> None:
+        """Attach the compiled grammars (a failed compile fails its request alone: `fail`)."""
         for req, fut in [(r, f) for r, f in self.compiling.items() if f.done()]:
             del self.compiling[req]
             if req.finished:
@@ -51,7 +51,7 @@ class Grammars:
             try:
                 req.grammar = fut.result()
             except Exception as e:
-                s.fail(req, e)
+                fail(req, e)
 
     def ready(self, req: Req) -> bool:
         return req not in self.compiling
@@ -59,43 +59,29 @@ class Grammars:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def masks(self, batch: Batch, recorder: Recorder) -> np.ndarray:
+        """[G, W] int32 token bitmasks of the batch's grammar rows from their grammars' current state. A request
+        that already finished (it rides in this batch, one-step lag) gets an all-allowing mask: its token is
+        dropped."""
+        rows = batch.step.grammar_rows
+        out = np.full((len(rows), self.words), -1, np.int32)
+        with recorder.span("mask", batch.step_id):
+            for i, r in enumerate(rows):
+                req = batch.reqs[r]
+                if not req.finished:
+                    req.grammar.fill_mask(out[i])
+        return out
+
+    def send_pending(self, batch: Batch, handle: ResultHandle, recorder: Recorder) -> None:
+        """Called when `batch` is the oldest unprocessed one: its rows' grammars are current, send its masks."""
+        if batch.masks_pending:
+            batch.masks_pending = False
+            handle.send_masks(self.masks(batch, recorder))
+
 
 def grammar_rows(reqs: list[Req]) -> np.ndarray:
     """Batch rows whose sampling a grammar masks."""
     return np.array([i for i, r in enumerate(reqs) if r.grammar is not None], np.int64)
-
-
-def masks(s: "Scheduler", batch: Batch) -> np.ndarray:
-    """[G, W] int32 token bitmasks of the batch's grammar rows from their grammars' current state. A request
-    that already finished (it rides in this batch, one-step lag) gets an all-allowing mask: its token is
-    dropped."""
-    rows = batch.step.grammar_rows
-    out = np.full((len(rows), s.grammars.words), -1, np.int32)
-    with s.recorder.span("mask", batch.step_id):
-        for i, r in enumerate(rows):
-            req = batch.reqs[r]
-            if not req.finished:
-                req.grammar.fill_mask(out[i])
-    return out
-
-
-def launch_masks(s: "Scheduler", batch: Batch) -> np.ndarray | None:
-    """The masks to send with the launch, or None when they follow it (batch.masks_pending)."""
-    if not len(batch.step.grammar_rows):
-        return None
-    if s.result_queue and not s.executor.defers_masks:
-        s.process_pending()                   # this runner samples at launch: host truth first
-    if not s.result_queue:
-        return masks(s, batch)
-    batch.masks_pending = True
-    return None
-
-
-def send_pending_masks(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
-    """Called when `batch` is the oldest unprocessed one: its rows' grammars are current, send its masks."""
-    if batch.masks_pending:
-        batch.masks_pending = False
-        handle.send_masks(masks(s, batch))
 
 
 def accept(req: Req, token: int) -> bool:

@@ -11,7 +11,7 @@ The grammar branch (structured output, scheduler/grammar.py) changes only *when 
 sent*: the mask of a row depends on the token its previous step sampled. Rule: a batch's masks are computed
 once every step launched before it has been processed. In the serial loop that is always at launch. In the
 overlap loop batch k+1 is launched at once (its forward runs while the host works) and its masks follow
-right after batch k is processed (Scheduler.process_oldest); the device waits for them only before
+right after batch k is processed (results.process_oldest); the device waits for them only before
 sampling. A runner that samples within its launch (the inline one) processes batch k first instead.
 
 The speculative branch (scheduler/speculative.py) changes *what a pick assumes*: batch k+1 is picked while
@@ -42,8 +42,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .launch import launch_step
 from .pick import pick_batch
-from .results import process_results
+from .results import process_oldest, process_pending, process_results
 from .scheduler import Scheduler
 
 
@@ -57,7 +58,7 @@ def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
             batch = pick_batch(s)
         if batch is not None:
             with rec.span("launch", batch.step_id):
-                handle = s.launch_step(batch)
+                handle = launch_step(s, batch)
             with rec.span("process", batch.step_id):
                 process_results(s, batch, handle)
         else:
@@ -75,14 +76,14 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
         with rec.span("pick"):
             batch = pick_batch(s)                     # host state lags one step (drafts: assumed accepted)
         if batch is not None and batch.needs_previous:
-            s.process_pending()
+            process_pending(s)
         if batch is not None:
             with rec.span("launch", batch.step_id):
-                queue.append((batch, s.launch_step(batch)))
+                queue.append((batch, launch_step(s, batch)))
         # At most one result pending: process batch k-1 while the device runs batch k, or flush it at once
         # when nothing was scheduled (no result waits for new traffic).
         if len(queue) > 1 or (batch is None and queue):
-            s.process_oldest()
+            process_oldest(s)
         elif batch is None:
             rec.drop_since(mark)
             if not idle():
@@ -100,14 +101,14 @@ def event_loop_pp(s: Scheduler, idle: Callable[[], bool]) -> None:
             with rec.span("pick"):
                 batch = pick_batch(s)                 # only requests in no in-flight micro-batch
         if batch is not None and batch.needs_previous:
-            s.process_pending()
+            process_pending(s)
         if batch is not None:
             with rec.span("launch", batch.step_id):
-                queue.append((batch, s.launch_step(batch)))
+                queue.append((batch, launch_step(s, batch)))
         # Up to `depth` micro-batches in flight: process the oldest once the pipeline is full, or when nothing
         # more could be picked (its requests wait for it; no result waits for new traffic).
         if len(queue) >= depth or (batch is None and queue):
-            s.process_oldest()
+            process_oldest(s)
         elif batch is None:
             rec.drop_since(mark)
             if not idle():

@@ -1,7 +1,9 @@
-"""Process results: the only place sampled tokens become host truth.
+"""Process results: the only place sampled tokens become host truth, and the result queue's drain.
 
-Waits on the step's copy_done, appends tokens, checks stops (one stop-check path for both loops), frees
-finished requests and emits outputs.
+process_results waits on the step's copy_done, appends tokens, checks stops (stop.py: one stop check for both
+loops), settles verified runs (Speculation), frees finished requests and emits outputs. process_oldest pops the
+result queue; process_pending is the "process the previous result first" hook that pick and launch call when
+they need host truth.
 """
 from __future__ import annotations
 
@@ -14,13 +16,32 @@ from .. import faults
 from ..device.executor import ResultHandle
 from ..device.step import prompt_logprob_targets
 from ..device.streams import now
-from ..request import Req, StepOutput
+from ..request import StepOutput
 from ..speculative.verify import accepted_counts
-from . import grammar, speculative
 from .batch import Batch
+from .grammar import accept
+from .stop import check_stop
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+
+
+def process_oldest(s: "Scheduler") -> None:
+    """Pop the oldest result handle from the result queue and process its batch; then the next batch is the
+    oldest, its grammar rows are current and its pending token masks go out (grammar.py)."""
+    batch, handle = s.result_queue.popleft()
+    if s.grammars is not None:
+        s.grammars.send_pending(batch, handle, s.recorder)
+    with s.recorder.span("process", batch.step_id):
+        process_results(s, batch, handle)
+    if s.result_queue and s.grammars is not None:
+        s.grammars.send_pending(*s.result_queue[0], s.recorder)
+
+
+def process_pending(s: "Scheduler") -> None:
+    """The "process the previous result first" hook: bring host state up to date with the device."""
+    while s.result_queue:
+        process_oldest(s)
 
 
 def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
@@ -52,9 +73,10 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         if k > 0:
             # A verified run (speculative.py): s_0..s_a are kept.
             accepted = runs[i]
-            speculative.settle(s, req, k, accepted)
+            s.spec.settle(req, k, accepted)
             run = toks[i:i + accepted + 1]
-        speculative.follow(s, req, k, run)    # the later in-flight steps' assumption; the rejected drafts' KV
+        # the later in-flight steps' assumption; the rejected drafts' KV
+        s.spec.follow(req, k, run, [b for b, _ in s.result_queue], s.memory.free_slots)
         kept: list[int] = []
         reason = None
         try:
@@ -65,7 +87,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
                 if req.first_token_time is None:
                     req.first_token_time = t
                 reason = check_stop(req, tok)
-                if reason is None and req.grammar is not None and grammar.accept(req, tok):
+                if reason is None and req.grammar is not None and accept(req, tok):
                     reason = "stop"            # the grammar is complete (the JSON closed)
                 if reason is not None:
                     break
@@ -83,11 +105,10 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
                                   prompt_logprobs=prompt_lp))
     if s.config.speculative_config is not None and not batch.is_prefill:
         start, end = handle.device_span      # what a draft row and a draft model step cost is priced against this
-        speculative.observe_step(s, batch.step.draft_lens, end - start)
-        if s.drafter is not None:
-            s.decode_step_s = (end - start) if s.decode_step_s is None else 0.8 * s.decode_step_s + 0.2 * (end - start)
+        s.spec.observe_step(batch.step.draft_lens, end - start)
+        s.spec.observe_decode(end - start)
     if batch.release:
-        s.kv.free(batch.release)       # this step, the last that could touch them, has been waited for
+        s.memory.free_slots(batch.release)      # this step, the last that could touch them, has been waited for
         batch.release = []
     s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s, handle.stage_spans)
     s.emit(outputs)
@@ -126,23 +147,3 @@ def collect_prompt_logprobs(batch: Batch, handle: ResultHandle) -> None:
             req.prompt_lp = []
         req.prompt_lp.extend(_entries(lp, o, o + n, kr))
         o += n
-
-
-def check_stop(req: Req, tok: int) -> str | None:
-    """EOS (unless ignore_eos), stop token ids, stop strings, then max_tokens / context length. Below
-    min_tokens only the length counts (the device forbids EOS and the stop ids there; stop strings are
-    ignored, as in vLLM, but the stop checker still reads every token)."""
-    p = req.params
-    early = len(req.output_ids) < p.min_tokens
-    if tok in req.eos_token_ids and not p.ignore_eos and not early:
-        return "stop"
-    if tok in p.stop_token_ids and not early:
-        return "stop"
-    if req.stop_checker is not None:
-        cut = req.stop_checker.add(tok)
-        if cut is not None and not early:
-            req.text = cut
-            return "stop"
-    if len(req.output_ids) >= req.max_new_tokens():
-        return "length"
-    return None

@@ -34,7 +34,7 @@ class NgramIndex:
     """propose_ngram's rule over one request's text, kept up to date as the text grows.
 
     The text is host truth (prompt + outputs: append-only, tandem/request.py) plus a tail the overlap loop only
-    assumes (Req.spec_guess, rewritten or dropped at every step). Truth's windows enter per-n dicts (n-gram ->
+    assumes (Req.spec.guess, rewritten or dropped at every step). Truth's windows enter per-n dicts (n-gram ->
     start of its most recent occurrence) once a token follows them; the few windows that end inside the assumed
     tail are more recent than all of those and are scanned first. Memory: one dict entry per token and n
     (~0.5 KB a token at n = 1..4; a token's bf16 KV on SmolLM2 is 23 KB)."""

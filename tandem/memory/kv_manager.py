@@ -1,0 +1,165 @@
+"""KVCacheManager: the host's bookkeeping of the device's KV memory, owned by the scheduler.
+
+It holds the KV slot free list, the radix prefix cache, the request-table rows and the prefix-cache counters,
+and moves slots between them: admission matches a cached prefix, a step allocates slots (evicting cached leaves
+only when the free list runs short), and a leaving request's KV goes to the cache or the free list. It never
+looks at steps in flight: the scheduler decides *when* memory may be released (Scheduler.finish states why that
+is safe under the one-step lag) and calls release then.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..request import Req
+from .kv_allocator import KVSlotAllocator
+from .radix_cache import RadixCache
+from .req_table import ReqRowAllocator
+
+
+class KVCacheManager:
+    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool) -> None:
+        self.kv = KVSlotAllocator(num_slots)
+        self.cache = RadixCache() if prefix_cache else None
+        self.rows = ReqRowAllocator(max_rows)
+        self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0                # of those, tokens whose KV the cache held
+        self._freed_rows: list[int] = []
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.num_slots
+
+    # ---- admission -----------------------------------------------------------------------------------------
+    def match_prefix(self, req: Req) -> int:
+        """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
+        The last token is always computed: its logits sample the next token. Returns the hit length."""
+        req.cached_len = 0
+        if self.cache is not None and req.params.prompt_logprobs is None:   # those need every prompt position
+            fill = req.fill_ids()
+            slots, node = self.cache.match_prefix(fill[:-1])
+            self.cache.lock(node)
+            req.slots, req.cached_len, req.cache_node = slots, len(slots), node
+        req.filled = req.cached_len
+        return req.cached_len
+
+    def unmatch(self, req: Req) -> None:
+        """Undo match_prefix for a request that was not admitted after all."""
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.slots, req.cached_len, req.cache_node, req.filled = [], 0, None, 0
+
+    def admit(self, req: Req, n: int, cached: int) -> None:
+        """Give an admitted request its n uncached slots and count its prefix lookup."""
+        req.slots = req.slots + self.alloc_slots(n)
+        self.prefix_queries += len(req.fill_ids())
+        self.prefix_hits += cached
+
+    # ---- slots ---------------------------------------------------------------------------------------------
+    def alloc_slots(self, n: int) -> list[int]:
+        """n free KV slots, evicting unlocked prefix-cache leaves (LRU) only when the free list runs short."""
+        short = n - self.kv.available()
+        if short > 0 and self.cache is not None:
+            self.kv.free(self.cache.evict(short))
+        return self.kv.alloc(n)
+
+    def free_slots(self, slots: list[int]) -> None:
+        self.kv.free(slots)
+
+    def available(self) -> int:
+        """KV slots a step may get: free, plus cached but unlocked (evictable on demand)."""
+        return self.kv.available() + (self.cache.evictable_size if self.cache is not None else 0)
+
+    def reset_prefix_cache(self) -> None:
+        """Free every unlocked cached prefix (vLLM's reset_prefix_cache): a benchmark that repeats one workload
+        measures each round's prefill cold, not the previous round's cache hits."""
+        if self.cache is not None:
+            self.kv.free(self.cache.evict(self.cache.evictable_size))
+
+    # ---- leaving -------------------------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Free a leaving request's KV slots (to the prefix cache or the free list) and its row."""
+        if req.slots:
+            if self.cache is not None:
+                self._cache_kv(req)
+            else:
+                self.kv.free(req.slots)
+            req.slots = []
+        req.filled = 0
+        if req.row:
+            self.rows.free(req.row)
+            self._freed_rows.append(req.row)
+            req.row = 0
+
+    def _cache_kv(self, req: Req) -> None:
+        """Hand a leaving request's KV to the prefix cache (finish, abort or retraction).
+
+        Cached: positions [0, n), n = min(filled, len(fill_ids) - 1) (at least what the tree already holds
+        for it), whose writing step has been launched and whose token the host knows; slots of prefill
+        chunks never launched are freed. Never the last token: the last sampled one has no KV yet, and a
+        request that finished in batch k-1 but rides in batch k writes its extra token's KV at slot
+        slots[n]: that slot is freed, not cached (it also keeps the tree the same under both loops).
+        Every reader of a cached slot is launched after this point, so after the step that wrote it.
+        """
+        fill = req.fill_ids()
+        n = max(min(req.filled, len(fill) - 1), req.cached_len)
+        held = self.cache.insert(fill[:n], req.slots[:n])
+        # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
+        # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
+        self.kv.free(req.slots[req.cached_len:max(held, req.cached_len)] + req.slots[n:])
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = None, 0
+
+    def cache_prefill(self, req: Req) -> None:
+        """Share a running request's prompt KV as soon as the step that writes it is picked, so requests
+        admitted in later steps hit it (requests sharing a system prompt need not wait for a finish).
+
+        Safe because the picked step is launched before any later step is picked: every reader of these
+        slots is launched after their writer (not in the same step: a step gathers keys before it writes).
+        The request's lock moves to the new leaf. Skipped when the tree has meanwhile got KV of its own for
+        these tokens (a batch mate with the same prefix): the request keeps its copy, and the finish path
+        frees it."""
+        if self.cache is None or req.filled <= req.cached_len:
+            return
+        ids = req.fill_ids()[:req.filled]
+        if len(self.cache.match_prefix(ids)[0]) != req.cached_len:
+            return
+        self.cache.insert(ids, req.slots[:req.filled])
+        slots, node = self.cache.match_prefix(ids)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, len(slots)
+
+    def take_freed_rows(self) -> list[int]:
+        """Rows freed since the last call (the next launch may poison their FutureMap rows)."""
+        rows, self._freed_rows = self._freed_rows, []
+        return rows
+
+    # ---- checks and stats ----------------------------------------------------------------------------------
+    def audit(self, live: Iterable[Req], pending_release: Iterable[int]) -> None:
+        """Debug check: every KV slot is free, held by a live request, owned by the tree, or waiting to be
+        released once an in-flight step is waited for (pending_release), exactly once."""
+        owned = list(self.kv._free)
+        if self.cache is not None:
+            owned += self.cache.all_slots()
+        for req in live:
+            owned += req.slots[req.cached_len:]
+        owned += list(pending_release)
+        assert sorted(owned) == list(range(self.kv.num_slots)), "KV slot ownership is not a partition"
+
+    def stats(self) -> dict:
+        cached = self.cache.total_size if self.cache is not None else 0
+        evictable = self.cache.evictable_size if self.cache is not None else 0
+        return {
+            "total_kv_slots": self.kv.num_slots,
+            "free_kv_slots": self.kv.available(),
+            "cached_kv_slots": cached,          # owned by the prefix cache (locked or not)
+            "evictable_kv_slots": evictable,    # cached and unlocked: available to new steps
+            "total_req_rows": self.rows.size,
+            "free_req_rows": self.rows.available(),
+            "kv_usage": 1.0 - self.available() / self.kv.num_slots,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+        }
+
