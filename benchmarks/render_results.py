@@ -1,6 +1,12 @@
-"""RESULTS.md and throughput_vs_concurrency.png from the JSON files benchmarks/run_all.py writes.
+"""benchmarks/RESULTS.md, today's headline against each peer, rendered from the JSON files under
+benchmarks/results/; and, for benchmarks/run_all.py, its sweep page (results/run_all.md) and
+throughput_vs_concurrency.png.
 
-A section whose JSON is missing (not run yet, or its command failed) is rendered as a placeholder.
+    python3 benchmarks/render_results.py        # rewrites benchmarks/RESULTS.md (standard library only)
+
+Every figure of RESULTS.md is read from a JSON file that RUNS names. RUNS adds only what those files do not
+record: the peer's version, the date and the CPU flags, each quoted from the run's note beside its JSON. A JSON
+that is missing is an error, not a blank row: the headline never loses a figure silently.
 """
 from __future__ import annotations
 
@@ -8,6 +14,9 @@ import glob
 import json
 import os
 import re
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 PENDING = "_Not measured yet: run `.venv/bin/python benchmarks/run_all.py`._"
 PLOT = "throughput_vs_concurrency.png"
@@ -173,7 +182,160 @@ def grammar_section(g: dict | None) -> list[str]:
                     "device idle serial", "device idle overlap", "host ms/step (serial)", "device ms/step"], rows)]
 
 
-def render(out: str, res: str) -> str:
+# ---- the headline page (RESULTS.md) --------------------------------------------------------------------------
+
+VLLM_WORKLOADS = (("decode", "decode 64 x 32 -> 128"),
+                  ("shared-prefix", "shared prefix 32 x (900 + 24) -> 32"),
+                  ("multi-turn", "multi-turn 16 x 4 turns (128 new tokens a turn -> 32)"),
+                  ("long", "long 8 x 1000-4000 -> 64"))
+EPYC_FLAGS = ("avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16 avx512_vbmi2 avx512_vp2intersect "
+              "avx_vnni").split()          # lscpu of the AMD EPYC, as prefix_vs_vllm_epyc512_final.md quotes it
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+             "amx_tile", "amx_int8", "amx_bf16")     # the flags tandem's kernels dispatch on
+VLLM = "vLLM CPU 0.32.0"
+RUNS = (
+    {"run": "A", "kind": "vllm", "peer": f"{VLLM} (AVX-512)", "json": "prefix_vs_vllm_epyc512_final.json",
+     "note": "prefix_vs_vllm_epyc512_final.md", "date": "2026-12-04", "flags": EPYC_FLAGS,
+     "command": ".venv/bin/python benchmarks/prefix_vs_vllm.py --vllm-python VENV/bin/python --rounds 3 "
+                "--json benchmarks/results/prefix_vs_vllm_epyc512_final.json"},
+    {"run": "B", "kind": "vllm", "peer": f"{VLLM}, both on AVX2 code (emulated)",
+     "json": "prefix_vs_vllm_epyc_avx2_faithful.json", "note": "prefix_vs_vllm_epyc_avx2_faithful.md",
+     "date": "2026-12-04", "flags": EPYC_FLAGS,
+     "command": ".venv/bin/python benchmarks/prefix_vs_vllm.py --vllm-python VENV/bin/python --rounds 2 "
+                "--json benchmarks/results/prefix_vs_vllm_epyc_avx2_faithful.json"},
+    {"run": "C", "kind": "batch", "peer": "llama.cpp batched at 64 (llama-cpp-python 0.3.36, GGML_NATIVE)",
+     "json": "batch_vs_llamacpp_epyc512_final.json", "note": "prefix_vs_vllm_epyc512_final.md",
+     "date": "2026-12-04", "flags": EPYC_FLAGS},
+    {"run": "D", "kind": "kl", "peer": "llama.cpp (llama-cpp-python 0.3.36), same GGUF",
+     "json": "kl_divergence_decode_bf16.json", "peer_json": "kl_divergence_extend_bf16.json",
+     "note": "kl_divergence_decode_bf16.md", "date": "2026-12-04",
+     "tandem_row": "tandem int8, bfloat16 KV (default), decode op with bf16 products",
+     "command": ".venv/bin/python benchmarks/kl_divergence.py --kv-dtypes bfloat16 --decode-attentions fp32,bf16 "
+                "--out benchmarks/results/kl_divergence_decode_bf16.json",
+     "peer_command": ".venv/bin/python benchmarks/kl_divergence.py --kv-dtypes bfloat16 --prefill-acts int8 "
+                     "--prefill-attentions fp32,bf16 --out benchmarks/results/kl_divergence_extend_bf16.json"},
+)
+
+
+def need(res: str, name: str) -> dict:
+    data = load(res, name)
+    if data is None:
+        raise SystemExit(f"render_results: {os.path.join(res, name)} is missing; the headline needs it")
+    return data
+
+
+def vllm_rows(run: dict, data: dict) -> list[list[str]]:
+    rows = []
+    for key, what in VLLM_WORKLOADS:
+        w = data["workloads"][key]
+        med = w["median_wall_s"]
+        ratio = med["vllm"] / med["tandem"]
+        assert abs(ratio - w["tandem_over_vllm"]) < 1e-9, (run["json"], key)
+        n = len(w["rounds"]["tandem"])
+        rows.append([run["peer"], f"{what}: wall s, median of {n} interleaved rounds", f"{med['tandem']:.2f} s",
+                     f"{med['vllm']:.2f} s", f"**{w['tandem_over_vllm']:.2f}x**", run["run"]])
+    return rows
+
+
+def batch_rows(run: dict, data: dict) -> list[list[str]]:
+    med = {k: statistics.median(v) for k, v in data["output_tok_s"].items()}
+    n = len(data["output_tok_s"]["tandem"])
+    return [[run["peer"], f"64 x 32 -> 128: output tok/s, median of {n} interleaved rounds",
+             f"{med['tandem']:.1f}", f"{med['llama.cpp']:.1f}", f"**{med['tandem'] / med['llama.cpp']:.2f}x**",
+             run["run"]]]
+
+
+def kl_rows(run: dict, data: dict, peer: dict) -> list[list[str]]:
+    ours, theirs = data["results"][run["tandem_row"]], peer["results"]["llama.cpp"]
+    assert ours["tokens"] == theirs["tokens"] and data["model"] == peer["model"], "KL rows of different texts"
+    return [[run["peer"], (f"KL divergence from fp32 (tandem's exact mode), mean nats over {ours['tokens']:,} "
+                           f"positions of real text, {data['model']}: lower is better"),
+             f"{ours['kl_mean']:.6f}", f"{theirs['kl_mean']:.6f}",
+             f"**{ours['kl_mean'] / theirs['kl_mean']:.2f}x** its divergence", run["run"]]]
+
+
+def cpu_text(run: dict, data: dict) -> str:
+    m = data["machine"]
+    have = set(m.get("flags") or run["flags"])
+    flags = [f for f in ISA_FLAGS if f in have]
+    text = (f"{m['cpu_model']}, {m['nproc']} vCPUs, {m['threads']} threads; " + " ".join(flags)
+            + ("" if any(f.startswith("amx") for f in flags) else "; no AMX"))
+    caps = m.get("isa_caps")
+    return text + (f"; capped to AVX2 ({', '.join(f'`{k}={v}`' for k, v in caps.items())})" if caps else "")
+
+
+def command_text(run: dict, data: dict) -> str:
+    caps = data["machine"].get("isa_caps") or {}
+    text = "`" + " ".join([f"{k}={v}" for k, v in caps.items()] + [run.get("command") or data["command"]]) + "`"
+    if run.get("peer_command"):
+        text += f"; llama.cpp's row, same text and file: `{run['peer_command']}`"
+    return text
+
+
+def data_links(run: dict) -> str:
+    names = [run["json"]] + ([run["peer_json"]] if run.get("peer_json") else [])
+    return ", ".join(f"[{n}](results/{n})" for n in names) + f", note: [{run['note']}](results/{run['note']})"
+
+
+def headline(res: str) -> tuple[list[list[str]], list[list[str]]]:
+    """The headline rows (one per figure) and the runs they come from (command, date, CPU, data)."""
+    rows, runs = [], []
+    for run in RUNS:
+        data = need(res, run["json"])
+        if run["kind"] == "vllm":
+            rows += vllm_rows(run, data)
+        elif run["kind"] == "batch":
+            rows += batch_rows(run, data)
+        else:
+            rows += kl_rows(run, data, need(res, run["peer_json"]))
+        runs.append([run["run"], command_text(run, data), run["date"], cpu_text(run, data),
+                     data_links(run)])
+    return rows, runs
+
+
+OPEN_GAP = ("**The open gap.** Every row above is on SmolLM2-135M. On a real 1.5B-parameter Q4_K_M GGUF file tandem "
+            "decodes 1.27-1.32x *slower* than llama.cpp's `llama-bench` (held-out runs, not committed as JSON here, "
+            "so not rendered from one).")
+
+
+def render_headline(out: str, res: str) -> str:
+    rows, runs = headline(res)
+    vllm_dtype = need(res, RUNS[0]["json"])["vllm_command"]
+    dtype = vllm_dtype[vllm_dtype.index("--dtype") + 1]
+    md = ["# tandem: results today", "",
+          "Regenerate this page from the JSON files it names: `python3 benchmarks/render_results.py`.", "",
+          ("Every row is tandem against a peer on the same machine and the same model file: SmolLM2-135M-Instruct "
+           "Q4_1 GGUF (tandem's default, `LLM()`), tandem in its default configuration, vLLM on the same weights "
+           f"dequantized ({dtype}, prefix caching on). The throughput rows run both engines in interleaved rounds "
+           "(the order alternating) on the same token-id prompts, greedy. Ratio: how many times faster tandem is "
+           "(the peer's wall time over tandem's, or tandem's output tok/s over the peer's); for the KL row, "
+           "tandem's divergence over the peer's."), "",
+          "## Headline", "",
+          *table(["peer", "what was measured", "tandem", "peer", "ratio", "run"], rows), "",
+          "## Runs", "",
+          ("`VENV`: the vLLM CPU venv of [docs/performance.md](../docs/performance.md#peers-vllm-cpu-and-llamacpp); "
+           "the AVX2 rows cap both engines to their AVX2 code on the same CPU (the instruction mix of an AVX2 "
+           "machine, not its clocks or memory bandwidth)."), "",
+          *table(["run", "command", "date", "CPU", "data"], runs), "",
+          OPEN_GAP, "",
+          "## Everything else", "",
+          ("Each figure's note (linked above) says what the run measured and where the time goes. Every earlier "
+           "measurement, per kernel, per issue and per machine (Intel Xeon with AMX, AVX2-only AMD EPYC, the "
+           "AVX-512 EPYC), with the older RESULTS.md page as it stood, is kept in "
+           "[results/HISTORY.md](results/HISTORY.md); `benchmarks/run_all.py` renders its own sweep (offline, "
+           "peers, roofline, serving, soak) into [results/run_all.md](results/run_all.md). How to run the peers and the benchmarks: "
+           "[docs/performance.md](../docs/performance.md).")]
+    path = os.path.join(out, "RESULTS.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+# ---- benchmarks/run_all.py's sweep page (results/run_all.md) ------------------------------------------------
+
+def render_sweep(out: str, res: str) -> str:
+    """results/run_all.md (and the plot beside RESULTS.md) from the JSON files run_all.py writes."""
     run = load(res, "run.json")
     off = {loop: load(res, f"offline_{loop}.json") for loop in ("overlap", "serial")}
     peers, roof = load(res, "peers.json"), load(res, "roofline.json")
@@ -181,7 +343,7 @@ def render(out: str, res: str) -> str:
              for p in glob.glob(os.path.join(res, "serve_c*.json"))}
     llama = {int(re.search(r"serve_c(\d+)\.json$", p).group(1)): load(res, os.path.basename(p))
              for p in glob.glob(os.path.join(res, "llamacpp_serve_c*.json"))}
-    md = ["# tandem benchmark results", ""]
+    md = ["# benchmarks/run_all.py: the sweep", ""]
     if run:
         md += [(f"Generated by `benchmarks/run_all.py` on {run['date']} in {run['minutes']:.0f} minutes; rerun it "
                 f"to regenerate this file (`--render` rewrites it from `benchmarks/results/*.json`)."),
@@ -210,14 +372,23 @@ def render(out: str, res: str) -> str:
         md += [("tandem serve over HTTP at `--max-concurrency c`; every engine's offline API at batch (running "
                 "cap) c, on max(4, c) prompts each."), ""]
         md += table(["engine"] + [f"c={x}" for x in xs], [[n] + [fmt(v) for v in ys] for n, ys in lines.items()])
-        md += ["", f"![output tokens/s vs concurrency]({PLOT})"]
+        md += ["", f"![output tokens/s vs concurrency](../{PLOT})"]
     else:
         md += [PENDING]
-    for extra in sorted(glob.glob(os.path.join(res, "*.md"))):    # sections measured by hand, kept verbatim
-        with open(extra) as f:
-            md += ["", f.read().rstrip("\n")]
-    path = os.path.join(out, "RESULTS.md")
+    path = os.path.join(res, "run_all.md")
     with open(path, "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def render(out: str, res: str) -> None:
+    """What run_all.py calls: its sweep page, then the headline page (only for the repository's own folder: a
+    smoke run elsewhere has none of the headline's JSON files)."""
+    render_sweep(out, res)
+    if os.path.abspath(out) == HERE:
+        render_headline(HERE, os.path.join(HERE, "results"))
+
+
+if __name__ == "__main__":
+    render_headline(HERE, os.path.join(HERE, "results"))

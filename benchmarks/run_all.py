@@ -1,12 +1,13 @@
-"""Regenerate benchmarks/RESULTS.md and benchmarks/throughput_vs_concurrency.png from one run.
+"""The sweep: benchmarks/results/run_all.md and benchmarks/throughput_vs_concurrency.png from one run, then
+benchmarks/RESULTS.md (the headline page, render_results.py) re-rendered.
 
     .venv/bin/python benchmarks/run_all.py             # the full run: about 30 minutes on 2 quiet cores
-    .venv/bin/python benchmarks/run_all.py --render    # only rewrite RESULTS.md from <out>/results/*.json
+    .venv/bin/python benchmarks/run_all.py --render    # only rewrite both pages from <out>/results/*.json
 
 Runs, in order: `tandem bench offline` (overlap, serial), `tandem bench peers` (with a concurrency sweep of
 every engine through its offline API), `tandem bench roofline`, then starts `tandem serve`, waits for
 /health and runs `tandem bench serve --max-concurrency c` for each c. Every command writes JSON under
-<out>/results/; RESULTS.md is rendered from those files only. Workload options scale it down for a smoke run.
+<out>/results/; run_all.md is rendered from those files only. Workload options scale it down for a smoke run.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def free_port() -> int:
 
 
 def shown_paths(text: str) -> str:
-    """Commands as recorded in RESULTS.md: paths relative to the repository (no machine's own folders)."""
+    """Commands as recorded in results/run_all.md: paths relative to the repository (no machine's own folders)."""
     return text.replace(ROOT + os.sep, "")
 
 
@@ -48,7 +49,7 @@ def run(cmd: list[str], commands: list[str]) -> None:
     commands.append(shown)
     print(f"\n$ {shown}", flush=True)
     if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
-        print(f"(failed: {shown}; its section of RESULTS.md stays empty)", flush=True)
+        print(f"(failed: {shown}; its section of results/run_all.md stays empty)", flush=True)
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300.0, path: str = "/health") -> None:
@@ -158,8 +159,8 @@ def machine(engine: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--render", action="store_true", help="only rewrite RESULTS.md from the JSON files")
-    ap.add_argument("--out", default=HERE, help="folder of RESULTS.md, the plot and results/")
+    ap.add_argument("--render", action="store_true", help="only rewrite run_all.md and RESULTS.md from the JSON files")
+    ap.add_argument("--out", default=HERE, help="folder of RESULTS.md, the plot and results/ (run_all.md)")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1 GGUF")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=32)

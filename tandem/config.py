@@ -17,11 +17,11 @@ class EngineConfig:
     device: str = "auto"                # "auto" (cuda if present), "cpu", "cuda"
     device_backend: str = "auto"        # "process": CPU device process (real overlap); "inline": same process
     dtype: str = "auto"                 # fp32 on CPU (bf16 matmul is slow there); bf16/fp16 selectable on CUDA
-    device_threads: int | None = None   # torch threads of the device process; None: measured default (see README)
+    device_threads: int | None = None   # torch threads of the device process; None: measured default (docs/design.md)
     max_running_requests: int = 128     # rows of the request table (plus padding row 0)
     max_prefill_tokens: int = 2048      # hard prefill token budget per step: longer prompts are prefilled in chunks
     enable_mixed_chunk: bool = True     # a prefill step also carries the running requests' decode tokens
-    # Prefill budget of a step that carries decode rows. Measured (benchmarks/RESULTS.md, SmolLM2, 2 cores): a
+    # Prefill budget of a step that carries decode rows. Measured (results/prefix_chunked.md, SmolLM2, 2 cores): a
     # mixed step costs 2.0x / 3.1x / 4.8x a decode step of 16 streams at 32 / 64 / 128 tokens; 32 keeps their
     # p99 ITL within 2x p50 while a 4k prompt is admitted, but trickles a burst of long prompts in at 32 a step
     # (a 12 x 924-token burst took 2.1x longer at 256 than prefill-first). 256 is the throughput-side default.

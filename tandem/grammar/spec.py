@@ -4,7 +4,7 @@ grammar, json_object), turned into the grammar text llguidance compiles.
 llguidance was chosen over xgrammar by install weight and fit for CPU: it is one wheel with no dependencies
 (xgrammar pulls in triton, ~1 GB on Linux x86_64 and useless on CPU), builds its tokenizer view in ~0.5 s,
 makes a matcher for a JSON schema in ~1 ms and a token mask over SmolLM2's 49k vocabulary in a few ms
-(measured here; see README), and takes JSON schemas, regexes and Lark (GBNF converted) natively.
+(measured here; docs/serving.md), and takes JSON schemas, regexes and Lark (GBNF converted) natively.
 """
 from __future__ import annotations
 
