@@ -21,7 +21,7 @@ from .scheduler.loops import LOOPS
 from .scheduler.grammar import Grammars
 from .scheduler.scheduler import Scheduler
 from .scheduler.speculative import verify_rows
-from .speculative.state import Speculation
+from .speculative.speculation import Speculation
 from .trace.recorder import Recorder
 
 MAX_IDLE_SPINS = 10_000

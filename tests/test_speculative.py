@@ -13,7 +13,7 @@ import random
 import pytest
 
 import tandem.scheduler.speculative as spec_mod
-import tandem.speculative.state as spec_state
+import tandem.speculative.speculation as speculation
 from conftest import assert_no_leaks
 from tandem import LLM, SamplingParams
 from test_overlap import run_script
@@ -36,7 +36,7 @@ def pin_row_cost(llm, monkeypatch) -> None:
     on a shared CPU; a timing outlier once pushed it to its ceiling, drafting looked unprofitable and a count of
     picks ahead came out 0)."""
     monkeypatch.setattr(llm.engine.scheduler.spec, "observe_step", lambda *a, **kw: None)
-    monkeypatch.setattr(llm.engine.scheduler.spec, "row_cost", spec_state.ROW_COST)
+    monkeypatch.setattr(llm.engine.scheduler.spec, "row_cost", speculation.ROW_COST)
 
 
 class Oracle:
@@ -314,7 +314,7 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     s = spec_llm.engine.scheduler.spec
     configure(spec_llm, "serial", True)
     cfg = spec_llm.engine.config.speculative_config
-    s.row_cost = spec_state.ROW_COST           # the initial row cost (the engine measures its own as it runs)
+    s.row_cost = speculation.ROW_COST           # the initial row cost (the engine measures its own as it runs)
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
     req.spec.acc, req.spec.trials = 0.8, 1.0
     assert s.draft_len(cfg, req, 1) == 4
@@ -322,11 +322,11 @@ def test_adaptive_k_follows_acceptance_and_batch(spec_llm):
     req.spec.acc = 0.3
     assert s.draft_len(cfg, req, 1) == 1 and s.draft_len(cfg, req, 8) == 0
     req.spec.acc, req.spec.skipped = 0.05, 0
-    ks = [s.draft_len(cfg, req, 1) for _ in range(2 * spec_state.PROBE_EVERY)]
+    ks = [s.draft_len(cfg, req, 1) for _ in range(2 * speculation.PROBE_EVERY)]
     assert ks.count(1) == 2 and set(ks) == {0, 1}                     # probes only
     s.settle(req, 1, 0)                                     # a failed probe doubles the gap
-    ks = [s.draft_len(cfg, req, 1) for _ in range(2 * spec_state.PROBE_EVERY)]
-    assert ks.count(1) == 1 and req.spec.probe_gap == 2 * spec_state.PROBE_EVERY
+    ks = [s.draft_len(cfg, req, 1) for _ in range(2 * speculation.PROBE_EVERY)]
+    assert ks.count(1) == 1 and req.spec.probe_gap == 2 * speculation.PROBE_EVERY
     req.spec.acc = 0.95
     req.output_ids = [5] * 98
     assert s.draft_len(cfg, req, 1) == 1                         # one output left after this step's own
@@ -340,7 +340,7 @@ def test_adaptive_k_prices_the_draft_model_step(spec_llm):
     s = spec_llm.engine.scheduler.spec
     configure(spec_llm, "serial", True)
     cfg = spec_llm.engine.config.speculative_config
-    s.row_cost = spec_state.ROW_COST
+    s.row_cost = speculation.ROW_COST
     req = Req("r", [1, 2, 3], greedy(100), seed=0, max_len=1000)
     req.spec.acc, req.spec.trials = 0.9, 1.0
     assert s.draft_len(cfg, req, 1) == 4 and s.draft_len(cfg, req, 8) == 3     # 0.9^3 > 0.67 at 8

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tandem.speculative import state as spec
-from tandem.speculative.state import SpecState, Speculation
+from tandem.speculative import speculation as spec
+from tandem.speculative.speculation import Speculation
+from tandem.speculative.state import SpecState
 
 
 def _sched() -> Speculation:

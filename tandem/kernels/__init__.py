@@ -5,50 +5,8 @@ path, with a log line, where it cannot be built. EngineConfig.kernels selects "n
 """
 from __future__ import annotations
 
-import logging
+from .library import ISA_NAMES, available, isa, unavailable_reason, use_native
+from .quant import NATIVE_QTYPES, QuantWeight, qlinear
 
-import torch
-
-log = logging.getLogger(__name__)
-
-_loaded: bool | None = None
-_error: str | None = None
-ISA_NAMES = ("scalar", "avx2", "avx512")
-
-
-def available() -> bool:
-    """True once torch.ops.tandem is loaded (building it first if needed); never raises."""
-    global _loaded, _error
-    if _loaded is None:
-        try:
-            from .build import build
-            torch.ops.load_library(build())
-            _loaded = True
-        except Exception as e:  # no compiler, a failed build: the torch path still works
-            _loaded, _error = False, str(e).splitlines()[0] if str(e) else type(e).__name__
-            log.warning("tandem native kernels unavailable (%s); using the torch path", _error)
-    return _loaded
-
-
-def use_native(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on this device runs the native ops ("native" asked, CPU, fp32, library loaded)."""
-    if kernels != "native":
-        return False
-    if device.type != "cpu" or dtype != torch.float32:
-        log.info("native kernels are CPU fp32 only; %s %s uses the torch path", device.type, dtype)
-        return False
-    return available()
-
-
-def unavailable_reason() -> str | None:
-    return _error
-
-
-def isa(requested: int = -1) -> str:
-    """The body the ops run here: 'avx512', 'avx2' or 'scalar' (TANDEM_ISA caps it)."""
-    return ISA_NAMES[torch.ops.tandem.isa(requested)]
-
-
-from .quant import NATIVE_QTYPES, QuantWeight, qlinear  # noqa: E402
-
-__all__ = ["available", "use_native", "unavailable_reason", "isa", "NATIVE_QTYPES", "QuantWeight", "qlinear"]
+__all__ = ["available", "use_native", "unavailable_reason", "isa", "ISA_NAMES", "NATIVE_QTYPES", "QuantWeight",
+           "qlinear"]

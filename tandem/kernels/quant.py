@@ -96,7 +96,7 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], by the native op where it is loaded."""
-        from . import available
+        from .library import available
         if available():
             return torch.ops.tandem.dequantize(self.data, self.qtype, self.k)
         return dequantize_ref(self.data, self.qtype, self.k)
@@ -174,7 +174,7 @@ def packed_rows(qtype: int) -> int:
     2048 rows).
     0: no copy is made for this type here."""
     if qtype not in _packed_rows:
-        from . import available
+        from .library import available
         _packed_rows[qtype] = torch.ops.tandem.qgemv_packed_rows(qtype) if available() else 0
     return _packed_rows[qtype]
 _gemm_rows: dict[int, int] = {}

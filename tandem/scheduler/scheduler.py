@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..device.executor import Executor, ResultHandle
 from ..memory.kv_manager import KVCacheManager
 from ..request import Req, ReqStatus, StepOutput
-from ..speculative.state import Speculation
+from ..speculative.speculation import Speculation
 from ..trace.recorder import Recorder
 from .batch import Batch
 from .grammar import Grammars

@@ -1,5 +1,5 @@
 """The speculative-decoding branch of the scheduler: which decode rows draft (pick batch), and when a pick may
-assume an in-flight run; how a verified run becomes host truth is Speculation's (tandem/speculative/state.py),
+assume an in-flight run; how a verified run becomes host truth is Speculation's (tandem/speculative/speculation.py),
 called from process results.
 
 A speculating request's k drafts ride as k extra decode rows right after its own (StepInput.draft_lens); the
@@ -16,7 +16,7 @@ where no entry is -1 (else host truth is fetched first: propose). Processing ste
 appended, like a finished request riding in a step), r is back at host truth and picked from it again at once, its
 next head row taking its last token from the host (the FutureMap row holds the dropped row's token: spec.stale).
 
-KV invariant (enforced in Speculation.follow, tandem/speculative/state.py): the slots of rejected drafts and of
+KV invariant (enforced in Speculation.follow, tandem/speculative/speculation.py): the slots of rejected drafts and of
 dropped rows are freed only when no in-flight step can still touch them: after the last in-flight step of r was
 waited for (Batch.release, freed in process_results), or at once when the step just processed was r's last one
 launched.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from ..request import Req
 from ..speculative.ngram import NgramIndex
-from ..speculative.state import MAX_PROBE_GAP, MAX_VERIFY_ROWS, left
+from ..speculative.speculation import MAX_PROBE_GAP, MAX_VERIFY_ROWS, left
 from .results import process_pending
 
 if TYPE_CHECKING:
