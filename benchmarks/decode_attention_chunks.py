@@ -2,7 +2,7 @@
 (9 over 3 KV heads, head_dim 64, bf16 cache, 30 layers' slots): the op with chunk_keys = -1 (the built
 policy) next to forced chunk sizes, on the batches a server meets, interleaved in one process, best of
 --reps. A chunk size changes the summation order only (every size is exact to the reference within fp32
-rounding, tests/test_decode_attention.py), so the figures choose it.
+rounding, tests/kernels/test_decode_attention.py), so the figures choose it.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/decode_attention_chunks.py [--threads 2]
 """

@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from overlap import run_once  # noqa: E402
 
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from tandem import LLM, SamplingParams
-    from tiny_models import make_tiny_model
+    from tests.helpers.tiny_models import make_tiny_model
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(32)] for _ in range(args.requests)]
     report = {}

@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_kernels import blocks  # noqa: E402
-from test_quant_types import weights  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.kernels.test_kernels import blocks  # noqa: E402
+from tests.kernels.test_quant_types import weights  # noqa: E402
 
 from tandem import kernels  # noqa: E402
 from tandem.kernels.quant import K_QUANTS  # noqa: E402

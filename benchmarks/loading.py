@@ -52,9 +52,9 @@ def load_once(model: str, kernels: str, cache: str) -> dict:
 
 def write_q4km(out: str) -> None:
     """The default model's weights (dequantized) written as write_tiny_gguf's Q4_K_M mix, with its tokenizer."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from safetensors.torch import save_file
-    from tiny_models import write_tiny_gguf
+    from tests.helpers.tiny_models import write_tiny_gguf
 
     from tandem.bench.vllm_peer import hf_config_dict
     from tandem.model.loader import load_weights, resolve_model

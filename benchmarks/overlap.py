@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def steady_decode(devices) -> dict:
@@ -57,7 +57,7 @@ def workload(name: str, tmp: str):
     if name == "smollm":
         model, n, in_len, out_len = None, 64, 32, 128
     else:
-        from tiny_models import make_tiny_model
+        from tests.helpers.tiny_models import make_tiny_model
         # A small vocabulary keeps the LM head from dominating: the forward costs about the host's work.
         model = make_tiny_model(os.path.join(tmp, "hostheavy"), "llama", hidden_size=128, intermediate_size=256,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)

@@ -1,7 +1,7 @@
 """The int8 GEMV on repacked weights (tandem.qgemv_packed) against the row layout's ops it replaces, on SmolLM2's
 linear shapes: qlinear_q8 (qgemv_q8 up to 16 rows with VNNI, the AVX2 decode body on AVX2) and qgemm_q8 (the GEMM,
 AMX where the CPU has it), all on the same random weights and x, interleaved, best of --reps. The three give the
-same bits (tests/test_qgemv_packed.py), so the figures choose qgemv_packed_rows() only.
+same bits (tests/kernels/test_qgemv_packed.py), so the figures choose qgemv_packed_rows() only.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/packed_gemv.py [--threads 1] [--rows 1,2,...]
     TANDEM_ISA=avx2 ... (the AVX2 bodies)        writes benchmarks/results/packed_gemv[_TAG].json
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_qgemm import _weight  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.kernels.test_qgemm import _weight  # noqa: E402
 
 from tandem import kernels  # noqa: E402
 from tandem.kernels.quant import Q4_1, Q8_0  # noqa: E402

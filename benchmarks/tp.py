@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.bench.datasets import random_requests  # noqa: E402
@@ -37,7 +37,7 @@ SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_
 
 
 def build_model(folder: str) -> str:
-    from tiny_models import make_tiny_model, write_tiny_gguf
+    from tests.helpers.tiny_models import make_tiny_model, write_tiny_gguf
     path = os.path.join(folder, "llama-135m-8h-q4_1.gguf")
     if not os.path.exists(path):
         hf = make_tiny_model(os.path.join(folder, "hf"), "llama", **SHAPE)

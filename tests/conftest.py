@@ -1,25 +1,10 @@
 """Shared fixtures: tiny random models built by transformers, engines that are checked for leaks."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from tiny_models import make_tiny_model  # noqa: E402
-
-
-def assert_no_leaks(llm) -> None:
-    """After a run every KV slot is free or owned, unlocked, by the prefix cache, and every request row is
-    back in its free list; stats() agrees with a walk over the allocator, the requests and the tree."""
-    s = llm.stats()
-    assert s["free_kv_slots"] + s["evictable_kv_slots"] == s["total_kv_slots"], s
-    assert s["cached_kv_slots"] == s["evictable_kv_slots"], s       # nothing locked
-    llm.engine.scheduler.audit_kv()
-    assert s["free_req_rows"] == s["total_req_rows"], s
-    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -65,14 +50,6 @@ def smollm():
     llm.shutdown()
 
 
-def run_with(llm, scheduler: str, prompts, params, **kw):
-    """Run one generate call through the given loop on the same engine."""
-    llm.engine.config = llm.engine.config.replace(scheduler=scheduler)
-    outs = llm.generate(prompts, params, use_tqdm=False, **kw)
-    assert_no_leaks(llm)
-    return outs
-
-
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama):
     """One engine on the tiny Llama for a module (tests switch loops per run); leak-checked at the end."""
@@ -86,7 +63,7 @@ def tiny_llm(tiny_llama):
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     """`tandem serve` on the tiny Llama for a module, served as "tiny"; it must exit 0 at the end."""
-    from server_utils import ServerProcess
+    from tests.helpers.server_utils import ServerProcess
     srv = ServerProcess(["--model", tiny_llama, "--kv-cache-tokens", "8192", "--device-threads", "1",
                          "--served-model-name", "tiny"], str(tmp_path_factory.mktemp("log") / "server.log"))
     yield srv

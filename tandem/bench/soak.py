@@ -4,7 +4,7 @@ A seeded mix of valid completions and chats (streamed or not, greedy or sampled)
 mid-stream or give up early, hostile inputs that must be refused with a 4xx, and requests that a fault
 injected into the engine fails (TANDEM_INJECT_FAULT, tandem/faults.py). Every answer is checked against
 what its kind allows; anything else is listed in `unexpected`. The test suite runs a short version
-(tests/test_chaos.py); the bench runs a long one and reports memory before and after.
+(tests/server/test_chaos.py); the bench runs a long one and reports memory before and after.
 
   tandem bench soak --requests 3000 --concurrency 32 --json soak.json
 """

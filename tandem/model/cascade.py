@@ -11,7 +11,7 @@ by the extend op (csrc/extend_attention.cpp), which reads every key in place and
 The split is chosen by the model_runner (`shared_prefix`), the math is here; the suffix part is the ordinary
 padded layout with the prefix's columns cut off. Outputs equal the one-attention path up to fp32 rounding
 (the softmax is summed in two parts), not bit for bit: in the exact mode logprobs agree within 1e-4
-(tests/test_cascade_extend.py); where the linears round activations to int8, such a difference can flip a
+(tests/model/test_cascade_extend.py); where the linears round activations to int8, such a difference can flip a
 rounding and move a logprob as much as a prefix-cache hit does (~0.1 on SmolLM2 with random-token prompts,
 measured). `shared_prefix_attention=False` turns it off. The decode op's sharing
 (csrc/decode_attention_shared.inc) is the bit-exact one, for decode rows.

@@ -2,7 +2,7 @@
 // calls (norms, the four quantized linears, RoPE, the fused K/V write + attention, SiLU x up) made from C++,
 // so a batch-1 step of a 30-layer model dispatches 30 ops for its layers instead of ~270. Each call is the
 // same function the op of that name runs, on the same tensors, so the result is bit for bit the op-by-op
-// layer's (tests/test_kernels.py compares them). Each call runs in a profiler scope named as its op, so a
+// layer's (tests/kernels/test_kernels.py compares them). Each call runs in a profiler scope named as its op, so a
 // torch.profiler table (benchmarks/decode_profile.py) still splits the layer by op; the scopes cost a flag
 // check when no profiler runs.
 //

@@ -13,7 +13,7 @@
 //   Q6_K, Q3_K, Q2_K: the unsigned q (0..63, 0..7, 0..3) of each 16-weight sub-block u = one half, scale s_u:
 //     y = sum_u s_u dx_u (sum_i q_i xq_i) - c_u sx_u, c_u = 32 s_u (Q6_K), 4 s_u (Q3_K), dmin m_u (Q2_K)
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
-// the result differs from the fp32-activation kernel by the rounding of x (tests/test_int8_act.py bounds it,
+// the result differs from the fp32-activation kernel by the rounding of x (tests/kernels/test_int8_act.py bounds it,
 // benchmarks/kl_divergence.py measures it against llama.cpp's own).
 // Weights: the QuantWeight rows of quant_gemm.cpp. Q4 / Q5 (and Q4_K / Q5_K) activations are stored in the
 // nibble order of the weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds

@@ -12,7 +12,7 @@
 // are reduced exactly and transposed at once (reduce4), four such groups' 128-bit lanes transposed again
 // (lanes4), so each half's 16 rows' exact sums sit in one register, and the fp32 chain runs half after half
 // with lanes over the rows: f = fma(float(isum_u), dx_u dw_u, f), then (Q4_1, Q4_K) f = fma(sxh_u, mh_u, f); y = f +
-// bias: qgemm_q8's operands and order (its scalar tile_scalar), so tests/test_qgemm.py asserts equality.
+// bias: qgemm_q8's operands and order (its scalar tile_scalar), so tests/kernels/test_qgemm.py asserts equality.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -1,0 +1,21 @@
+"""Checks on engines shared by the tests: the leak audit every fixture ends with, a run through a chosen loop."""
+from __future__ import annotations
+
+
+def assert_no_leaks(llm) -> None:
+    """After a run every KV slot is free or owned, unlocked, by the prefix cache, and every request row is
+    back in its free list; stats() agrees with a walk over the allocator, the requests and the tree."""
+    s = llm.stats()
+    assert s["free_kv_slots"] + s["evictable_kv_slots"] == s["total_kv_slots"], s
+    assert s["cached_kv_slots"] == s["evictable_kv_slots"], s       # nothing locked
+    llm.engine.scheduler.audit_kv()
+    assert s["free_req_rows"] == s["total_req_rows"], s
+    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+
+
+def run_with(llm, scheduler: str, prompts, params, **kw):
+    """Run one generate call through the given loop on the same engine."""
+    llm.engine.config = llm.engine.config.replace(scheduler=scheduler)
+    outs = llm.generate(prompts, params, use_tqdm=False, **kw)
+    assert_no_leaks(llm)
+    return outs

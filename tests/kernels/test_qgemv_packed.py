@@ -1,0 +1,103 @@
+"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.qgemv_packed; Q4_0, Q4_1, Q8_0 with
+AVX-512 VNNI): its rows equal qgemm_q8's bit for bit at any row count, so a model that runs it for its decode and
+verify steps gives the same tokens and logprobs as one that does not. Bad inputs are refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.kernels.test_qgemm import _weight
+from tests.kernels.test_quant_types import whole
+
+from tandem import kernels
+from tandem.kernels.quant import Q4_0, Q4_1, Q4_K, Q8_0, packed_rows, small_m
+
+pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q4_1) == 0,
+                                reason="needs the native kernels on a CPU with AVX2")
+BODIES = [1] + ([2] if torch.ops.tandem.isa(-1) == 2 else [])     # AVX2, and AVX-512 VNNI where it is here
+TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+T = torch.ops.tandem
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m, n, k", [(1, 13, 224), (3, 25, 576), (5, 40, 608), (16, 33, 1536), (7, 16, 32),
+                                     (2, 17, 96), (9, 3, 160), (1, 100, 64), (2, 70, 64), (4, 65, 128),
+                                     (1, 64, 576), (6, 1, 32), (203, 45, 96), (64, 24, 1536)])
+def test_packed_gemv_equals_the_gemm_bit_for_bit(name, m, n, k):
+    """Any rows of x (the one-row tiles of 4 groups, two-row tiles of 2, 4-row tiles; AVX2's many-row tiles of
+    5 / 6 rows and their narrower last ones, a group's second 8 rows full, partial or past N), N off the 16-row
+    groups and the 4-group tiles, zero halves, large and small values, with and without bias."""
+    qtype = TYPES[name]
+    k = whole(k, qtype)
+    q = _weight(n, k, qtype, seed=m + n)
+    x, bias = torch.randn(m, k) * 3, torch.randn(n)
+    x[0, : k // 2] = 0
+    if m > 1:
+        x[1] *= 1e-3
+    packed = T.pack_gemv(q.data, qtype, k)
+    for b in (None, bias):
+        gemm = T.qgemm_q8(x, q.data, qtype, k, b)
+        for isa in BODIES:
+            assert torch.equal(T.qgemv_packed(x, packed, qtype, k, n, b, isa), gemm), isa
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(name):
+    qtype = TYPES[name]
+    k = whole(608, qtype)
+    q = _weight(37, k, qtype, seed=3)
+    packed = T.pack_gemv(q.data, qtype, k)
+    x, bias = torch.randn(40, k), torch.randn(37)
+    full = T.qgemm_q8(x, q.data, qtype, k, bias)
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
+        for isa in BODIES:
+            assert torch.equal(T.qgemv_packed(x[:m], packed, qtype, k, 37, bias, isa), full[:m]), (m, isa)
+        # qlinear_q8 runs the GEMM's arithmetic where qgemv_q8_rows says so (AVX-512 VNNI: Q4_1, Q8_0); elsewhere
+        # (Q4_0; Q4_1 and Q8_0 on AVX2) its own body, another fp32 order: the packed copy unifies them.
+        if T.qgemv_q8_rows(qtype) > 0:
+            assert torch.equal(T.qlinear_q8(x[:m], q.data, qtype, k, bias), full[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(T.qgemv_packed(x[39:], packed, qtype, k, 37, bias), full[39:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_qlinear_runs_the_packed_copy_with_the_same_bits():
+    """QLinear makes the copy for int8 activations only, runs it up to packed_rows() rows and the row layout's
+    ops past them: every row count gives the GEMM's bits, as without the copy where the row layout's GEMV runs
+    the GEMM's arithmetic (qgemv_q8_rows; not the AVX2 body of Q4_1)."""
+    from tandem.model.linear import QLinear
+    q = _weight(50, 576, Q4_1, seed=5)
+    lin, exact = QLinear(q, int8_act=True), QLinear(q, int8_act=False)
+    assert lin.packed is not None and lin.packed_rows == packed_rows(Q4_1) >= 16 and exact.packed is None
+    assert QLinear(_weight(20, 256, Q4_K, seed=1), int8_act=True).packed is None      # not a packed type
+    plain = QLinear(q, int8_act=True)
+    plain.packed_rows = 0
+    x = torch.randn(40, 576)
+    for m in (1, 5, 16, 17, 40):
+        assert torch.equal(lin(x[:m]), T.qgemm_q8(x[:m], q.data, Q4_1, 576, None)), m
+        if T.qgemv_q8_rows(Q4_1) > 0 or m > small_m():
+            assert torch.equal(lin(x[:m]), plain(x[:m])), m
+
+
+def test_refusals():
+    q = _weight(20, 256, Q4_K, seed=0)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1 or Q8_0"):
+        T.pack_gemv(q.data, Q4_K, 256)
+    q = _weight(20, 64, Q8_0, seed=0)
+    packed = T.pack_gemv(q.data, Q8_0, 64)
+    assert packed.shape == (2, 2 * (512 + 32))
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        T.pack_gemv(q.data[:, :10].contiguous(), Q8_0, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        T.pack_gemv(q.data, Q8_0, 48)
+    with pytest.raises(RuntimeError, match="for N = 40"):
+        T.qgemv_packed(torch.randn(1, 64), packed, Q8_0, 64, 40)
+    with pytest.raises(RuntimeError, match="x must be fp32"):
+        T.qgemv_packed(torch.randn(1, 32), packed, Q8_0, 64, 20)
+    with pytest.raises(RuntimeError, match="needs AVX2"):                    # isa 0: the scalar cap
+        T.qgemv_packed(torch.randn(1, 64), packed, Q8_0, 64, 20, None, 0)
+    with pytest.raises(RuntimeError, match="bias must be fp32"):
+        T.qgemv_packed(torch.randn(1, 64), packed, Q8_0, 64, 20, torch.randn(3))
+    assert T.qgemv_packed(torch.randn(0, 64), packed, Q8_0, 64, 20).shape == (0, 20)

@@ -1,0 +1,57 @@
+"""The server on the real default model (SmolLM2-135M-Instruct): chat and completions through the official
+openai client, streamed and not, equal to the offline LLM's greedy output.
+"""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.server_utils import ServerProcess
+
+KV = 4096
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from tandem import LLM, SamplingParams
+    llm = LLM(None, kv_cache_tokens=KV)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        return {"chat": llm.chat(CHAT, greedy, use_tqdm=False)[0],
+                "completion": llm.generate([PROMPT], greedy, use_tqdm=False)[0],
+                "name": llm.engine.model_name}
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(reference, tmp_path_factory):
+    srv = ServerProcess(["--kv-cache-tokens", str(KV)], str(tmp_path_factory.mktemp("log") / "server.log"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_real_model_chat_and_completion(server, reference):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120,
+                           http_client=httpx.Client(trust_env=False))
+    name = client.models.list().data[0].id
+    assert name == reference["name"]
+
+    ref = reference["chat"]
+    out = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].message.content == ref.text
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    stream = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+
+    ref = reference["completion"]
+    out = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].text == ref.text
+    stream = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == ref.text
+    client.close()
