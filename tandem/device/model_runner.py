@@ -1,6 +1,7 @@
-"""The device side of a step: owns weights, KV cache, request table (req_to_token) and FutureMap.
+"""ModelRunner, the device side of a step: owns weights, KV cache, request table (req_to_token) and FutureMap.
 
-It runs inline (CUDA streams, or CPU synchronously) or inside the CPU device process; the code is the same.
+An Executor calls it inline (InlineExecutor: CUDA streams, or CPU synchronously) or inside the CPU device process
+(process/main.py); the code is the same.
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ class RunnerSpec:
     prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
     prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
     decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
-    tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model_runner holds one shard
+    tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model runner holds one shard
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
-    pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model_runner holds one stage's layers
+    pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""
@@ -99,10 +100,10 @@ class _StepTensors(NamedTuple):
 
 
 class ModelRunner:
-    """tp: this model_runner is one rank of a tensor-parallel group (device/parallel/tp.py): it holds its shard of the
+    """tp: this model runner is one rank of a tensor-parallel group (device/parallel/tp.py): it holds its shard of the
     weights and KV heads, and only rank 0 samples (run_step returns None on the others).
-    pp: this model_runner is one pipeline stage (device/parallel/pp.py): its layers' weights and KV cache; only the last
-    stage samples (run_step returns None on the others)."""
+    pp: this model runner is one pipeline stage (device/parallel/pp.py): its layers' weights and KV cache; only the
+    last stage samples (run_step returns None on the others)."""
 
     def __init__(self, spec: RunnerSpec, state: dict[str, torch.Tensor] | None = None, tp=None,
                  pp=None) -> None:
@@ -115,7 +116,7 @@ class ModelRunner:
         c = self.config
         from ..kernels import use_native
         native = use_native(spec.kernels, self.device, dtype)
-        if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the runner's spec
+        if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the executor's spec
             check_same((tp or pp).size, "tp rank" if tp is not None else "pipeline stage", "engine options",
                        spec.fingerprint())
         if state is None:
