@@ -1,4 +1,5 @@
-"""The launch/handle interface between the scheduler and the device side.
+"""The launch/handle interface between the scheduler and the device side: the Executor the scheduler calls
+(InlineExecutor here, ProcessExecutor in process/executor.py) and the ResultHandle of each step.
 
 `launch_step(step)` returns at once with a ResultHandle; `handle.wait()` is copy_done.wait() followed by a
 read of the sampled ids. Both loops use it; the serial loop just waits at once.
@@ -28,13 +29,13 @@ class ResultHandle(Protocol):
         """(start, end) of the forward on the shared clock; valid after wait()."""
 
     def send_masks(self, masks: np.ndarray) -> None:
-        """The grammar branch: the step's token masks, after its launch (runners with defers_masks)."""
+        """The grammar branch: the step's token masks, after its launch (executors with defers_masks)."""
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
 
     def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The same for the step's n prompt positions (executor.prompt_logprob_targets), after wait()."""
+        """The same for the step's n prompt positions (step.prompt_logprob_targets), after wait()."""
 
 
 class Executor(Protocol):
@@ -51,7 +52,7 @@ class Executor(Protocol):
 class InlineHandle:
     def __init__(self, step: StepInput, host_tokens: torch.Tensor, copy_done: Event, start: float,
                  end: float | None, events: tuple | None, logprobs=None, prompt_logprobs=None) -> None:
-        self._logprobs = logprobs          # the executor's Logprobs of this step (device tensors), if asked
+        self._logprobs = logprobs          # the model runner's Logprobs of this step (device tensors), if asked
         self._prompt_logprobs = prompt_logprobs
         self.step_id = step.step_id
         self._step = step                  # host tensors an in-flight step reads stay alive until it is done
@@ -89,7 +90,8 @@ def _host_logprobs(lp, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class InlineExecutor:
-    """The executor in the scheduler's process: CUDA streams on a GPU, synchronous on CPU."""
+    """The executor in the scheduler's process: its model runner runs each step on CUDA streams on a GPU,
+    synchronously on CPU."""
 
     def __init__(self, spec: RunnerSpec) -> None:
         self.model_runner = ModelRunner(spec)

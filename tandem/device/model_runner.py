@@ -1,13 +1,14 @@
-"""The device side of a step: owns weights, KV cache, request table (req_to_token) and FutureMap.
+"""ModelRunner, the device side of a step: owns weights, KV cache, request table (req_to_token) and FutureMap.
 
-It runs inline (CUDA streams, or CPU synchronously) or inside the CPU device process; the code is the same.
+An Executor calls it inline (InlineExecutor: CUDA streams, or CPU synchronously) or inside the CPU device process
+(process/main.py); the code is the same.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -49,10 +50,10 @@ class RunnerSpec:
     prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
     prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
     decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
-    tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model_runner holds one shard
+    tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model runner holds one shard
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
-    pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model_runner holds one stage's layers
+    pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""
@@ -87,11 +88,22 @@ def _decode_split(seq_lens: np.ndarray) -> list[int]:
     return [i + 1] if 2 * cost[i] < n * seq_lens[-1] else []
 
 
+class _StepTensors(NamedTuple):
+    """What _prepare gives the forward and the sampler: one step's inputs on the device."""
+    rows: torch.Tensor                  # [B] request-table row of each batch row
+    positions: torch.Tensor             # [T]
+    input_ids: torch.Tensor             # [T] host ids, and the FutureMap's where use_future
+    meta: AttentionMeta
+    index: torch.Tensor                 # [B (+ prompt positions)] flat tokens whose hidden states the head reads
+    plp: tuple[np.ndarray, np.ndarray] | None    # prompt_logprob_targets(step)
+    penalized: bool                     # this model runner samples and some row has penalties
+
+
 class ModelRunner:
-    """tp: this model_runner is one rank of a tensor-parallel group (device/parallel/tp.py): it holds its shard of the
+    """tp: this model runner is one rank of a tensor-parallel group (device/parallel/tp.py): it holds its shard of the
     weights and KV heads, and only rank 0 samples (run_step returns None on the others).
-    pp: this model_runner is one pipeline stage (device/parallel/pp.py): its layers' weights and KV cache; only the last
-    stage samples (run_step returns None on the others)."""
+    pp: this model runner is one pipeline stage (device/parallel/pp.py): its layers' weights and KV cache; only the
+    last stage samples (run_step returns None on the others)."""
 
     def __init__(self, spec: RunnerSpec, state: dict[str, torch.Tensor] | None = None, tp=None,
                  pp=None) -> None:
@@ -104,7 +116,7 @@ class ModelRunner:
         c = self.config
         from ..kernels import use_native
         native = use_native(spec.kernels, self.device, dtype)
-        if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the runner's spec
+        if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the executor's spec
             check_same((tp or pp).size, "tp rank" if tp is not None else "pipeline stage", "engine options",
                        spec.fingerprint())
         if state is None:
@@ -228,11 +240,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None) -> torch.Tensor | None:
         """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device (None on a
-        tp rank other than 0: it runs the forward only).
+        tp rank other than 0 and on a pipeline stage but the last: they run the forward only).
 
         The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
         called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
         the device only the wait for what is left of it."""
+        inputs = self._prepare(step)
+        logits = self._forward(step, inputs)
+        if logits is None:
+            return None
+        tokens, accepted = self._sample(step, inputs, logits, masks)
+        self._stash(step, inputs.rows, tokens, accepted)
+        return tokens
+
+    def _prepare(self, step: StepInput) -> _StepTensors:
+        """The step's inputs on the device, from its host index arrays: the request table written (prefix hits,
+        new slots), the FutureMap relayed, poisoned and read, the attention layout, the penalties' input ids."""
         dev = self.device
         if self.model.native:     # a process-wide switch of the op: set per step, engines may share a process
             torch.ops.tandem.shared_prefix_attention(int(self.spec.shared_prefix_attention))
@@ -271,16 +294,29 @@ class ModelRunner:
         penalized = self.samples and step.has_penalties
         if penalized:
             self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
-        hidden = self.model.final_hidden(input_ids, positions, meta, index)        # [B (+ prompt positions), H]
+        return _StepTensors(rows, positions, input_ids, meta, index, plp, penalized)
+
+    def _forward(self, step: StepInput, inputs: _StepTensors) -> torch.Tensor | None:
+        """The layers, then the LM head: the prompt positions' logprobs (in pieces) and the rows' logits [B, V].
+        None where this model runner does not sample: a pipeline stage but the last (its hidden states went on
+        to the next) or a tp rank other than 0 (the logits gather ends on rank 0)."""
+        b = step.batch_size
+        # [B (+ prompt positions), H]: each row's last token, then the prompt positions whose logprobs were asked
+        hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index)
         if hidden is None:
             return None                             # a pipeline stage but the last: sent on to the next
         self.last_prompt_logprobs = None
-        if plp is not None:
-            self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(plp[1]),
+        if inputs.plp is not None:
+            self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]),
                                                               int(step.prompt_logprobs.max()))
-        logits = self.model.logits(hidden[:b])                                     # [B, V]
-        if logits is None:
-            return None
+        return self.model.logits(hidden[:b])                                       # [B, V]
+
+    def _sample(self, step: StepInput, inputs: _StepTensors, logits: torch.Tensor,
+                masks: Callable[[], np.ndarray] | None) -> tuple[torch.Tensor, tuple | None]:
+        """Penalties, logit biases and grammar masks on the logits in place, then one token per row [B], the
+        speculative rows' accepted counts (heads, acc) or None, the penalties' output counts and the logprobs
+        of the rows that ask. The masks are waited for only here, after the forward."""
+        rows, input_ids, penalized = inputs.rows, inputs.input_ids, inputs.penalized
         if penalized:
             self.penalties.apply(step, rows, logits, input_ids)
         if len(step.bias_rows):
@@ -289,27 +325,30 @@ class ModelRunner:
             apply_token_bitmask(logits, self._tensor(step.grammar_rows),
                                 torch.from_numpy(masks()).to(self.device, non_blocking=True))
         tokens = sample(logits, SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p,
-                                                        step.draw_seed, dev), native=self.model.native)
-        speculative = bool((step.draft_lens > 0).any())
-        if speculative:
-            heads, acc = accepted_counts(step.draft_lens, tokens, input_ids)      # verify.py's rule
+                                                        step.draw_seed, self.device), native=self.model.native)
+        accepted = None
+        if (step.draft_lens > 0).any():
+            accepted = accepted_counts(step.draft_lens, tokens, input_ids)         # verify.py's rule: (heads, acc)
         if penalized:
             self.penalties.count_outputs(step, rows, tokens,
-                                         kept_rows(step.draft_lens, heads, acc) if speculative else None)
+                                         kept_rows(step.draft_lens, *accepted) if accepted is not None else None)
         # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
         self.last_logprobs = None
         if (step.num_logprobs >= 0).any():
             self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
                                           int(step.num_logprobs.max()))
-        # FutureMap write: the next step of these rows reads its input ids from here. A speculating request
-        # keeps the last token of its accepted run (verify.py), written once at its head row.
+        return tokens, accepted
+
+    def _stash(self, step: StepInput, rows: torch.Tensor, tokens: torch.Tensor, accepted: tuple | None) -> None:
+        """FutureMap write: the next step of these rows reads its input ids from here, on the device (no host
+        trip). A speculating request keeps the last token of its accepted run (verify.py), written once at its
+        head row. The other tp ranks stash the same with the next step's broadcast."""
         st_rows, st_tokens = rows, tokens
-        if speculative:
-            st_rows, st_tokens = stash_values(step.draft_lens, rows, tokens, heads, acc)
+        if accepted is not None:
+            st_rows, st_tokens = stash_values(step.draft_lens, rows, tokens, *accepted)
         self.future_map.stash(st_rows, st_tokens)
         if self.tp is not None:
             self.tp.sampled(st_rows, st_tokens)
-        return tokens
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs | None:
         """Prompt logprobs of N positions (hidden [N, H], targets [N]) in bounded memory: the LM head runs on

@@ -1,8 +1,8 @@
 """How device ranks are sized and started: their threads, the spec they build from, their environment, the
 device processes the scheduler launches into (alone, tp rank 0, or every pipeline stage: spawn_device) and
-the process of a tp rank other than 0 (spawn_rank). Below both the engine (which starts rank 0 through the
-ProcessExecutor) and the device processes (process/executor.py starts the other ranks of node 0, parallel/tp_worker.py those
-of node R > 0), so the device layer never imports the engine.
+the process of a tp rank other than 0 (spawn_rank). Below both the engine (its ProcessExecutor,
+process/executor.py, starts rank 0 and the other ranks of node 0) and the device processes
+(parallel/tp_worker.py starts those of node R > 0), so the device layer never imports the engine.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def rank_infos(size: int, nnodes: int, node_rank: int, threads: int, init_method
 
 def spawn_device(sock: str, shm_path: str, threads: int, authkey: bytes) -> subprocess.Popen:
     """`python -m tandem.device.process.main`: a device process the scheduler launches into (alone, tp rank 0,
-    or a pipeline stage), which connects back to the runner's socket with `authkey` (given on its stdin)."""
+    or a pipeline stage), which connects back to the executor's socket with `authkey` (given on its stdin)."""
     proc = subprocess.Popen([sys.executable, "-m", "tandem.device.process.main", sock, shm_path, str(threads)],
                             env=device_env(threads), stdin=subprocess.PIPE, close_fds=True)
     proc.stdin.write(authkey)
@@ -121,8 +121,8 @@ def spawn_device(sock: str, shm_path: str, threads: int, authkey: bytes) -> subp
 
 
 def spawn_rank(spec: RunnerSpec, info: DistInfo, module: str = "tandem.device.parallel.tp_worker") -> subprocess.Popen:
-    """`python -m tandem.device.parallel.tp_worker` (a tp rank other than 0) or `tandem.device.parallel.pp_stage` (a pipeline
-    stage on a node R > 0) with (spec, info) pickled on its stdin."""
+    """`python -m tandem.device.parallel.tp_worker` (a tp rank other than 0) or `tandem.device.parallel.pp_stage`
+    (a pipeline stage on a node R > 0) with (spec, info) pickled on its stdin."""
     env = device_env(info.threads)
     proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdin=subprocess.PIPE, close_fds=True)
     proc.stdin.write(pickle.dumps((spec, info)))

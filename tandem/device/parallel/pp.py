@@ -15,7 +15,7 @@ The residual travels because the native layers defer the residual add into the n
 `delta`): sending both keeps every row's arithmetic the same as with one stage.
 
 FutureMap relay: the last stage samples and stashes into its own FutureMap (its penalties read input ids);
-the first stage's FutureMap learns the sampled ids through the host: the runner keeps the ids of every
+the first stage's FutureMap learns the sampled ids through the host: the executor keeps the ids of every
 result it has waited for and sends them with the next launch (StepInput.stash_rows / stash_ids), stashed
 before that step's poison and gather. The PP loop (scheduler/loops.py) launches a micro-batch only with
 requests whose previous micro-batch was processed, so what it gathers has been relayed. Middle stages read

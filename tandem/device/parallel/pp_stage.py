@@ -6,13 +6,13 @@ stages (run_node in parallel/tp_worker.py); each is `python -m tandem.device.par
   recv the step's words from the stage before -> pass them on (a later stage) -> its layers (the hidden
   states follow the words on the same link) -> the last stage samples and sends its results to the relay.
 The relay is node 0's last stage: ResultRelay, a thread there, receives each step's results over a group of
-the two ranks, writes them into the step's out buffer and sends the "done" the runner waits for. Grammar masks
+the two ranks, writes them into the step's out buffer and sends the "done" the executor waits for. Grammar masks
 go the other way over a second group (send_masks / recv_masks), after the relay's own forward.
 
-Idle: node 0's stage before the boundary sends a no-op every step_wire.KEEPALIVE_S (process/main.py), passed along to the
-last stage, which answers the relay with one, so no receive's timeout fires while the engine waits for
-requests. A quit is passed the same way. A stage that dies breaks its neighbours' links: they fail at once,
-node 0's runner names the failure (503 for the requests, as with tp), node R's stages exit 1.
+Idle: node 0's stage before the boundary sends a no-op every step_wire.KEEPALIVE_S (process/main.py), passed
+along to the last stage, which answers the relay with one, so no receive's timeout fires while the engine waits
+for requests. A quit is passed the same way. A stage that dies breaks its neighbours' links: they fail at once,
+node 0's executor names the failure (503 for the requests, as with tp), node R's stages exit 1.
 """
 from __future__ import annotations
 

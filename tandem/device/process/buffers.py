@@ -1,6 +1,6 @@
-"""The shared-memory buffers between the scheduler's runner and the device process (process/executor.py): a step's
-index arrays go in, sampled ids, logprobs and grammar masks go through them, in one file in /dev/shm, so a
-launch is only a short socket message."""
+"""The shared-memory buffers between the ProcessExecutor (process/executor.py, in the scheduler's process) and
+the device process (process/main.py): a step's index arrays go in, sampled ids, logprobs and grammar masks go
+through them, in one file in /dev/shm, so a launch is only a short socket message."""
 from __future__ import annotations
 
 import numpy as np

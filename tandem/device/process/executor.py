@@ -1,4 +1,5 @@
-"""The CPU device process: owns weights, KV cache and FutureMap, and runs steps while the scheduler works.
+"""ProcessExecutor: the executor of the CPU device process, whose model runner owns weights, KV cache and
+FutureMap and runs steps while the scheduler works.
 
 Measured on this 2-core machine (ARCHITECTURE.md section 5), a worker thread gives no real overlap because
 the GIL convoys the forward's Python between ops; a process does. A launch is a 17-byte message over a unix
@@ -6,15 +7,16 @@ socket; the step's index arrays travel through shared memory (double-buffered: t
 rewritten only at launch k+2, after the host has processed step k). Sampled ids come back through shared
 memory, and the "done" message is the copy_done event the scheduler waits on.
 
-The process (process/main.py) is started with `python -m tandem.device.process.main` (not multiprocessing's spawn, which
-re-imports the user's __main__), dies with its parent (socket EOF and PR_SET_PDEATHSIG), and a crash in it
+The process (process/main.py) is started with `python -m tandem.device.process.main` (not multiprocessing's spawn,
+which re-imports the user's __main__), dies with its parent (socket EOF and PR_SET_PDEATHSIG), and a crash in it
 surfaces in the scheduler as DeviceProcessError, never a hang.
 
-With tp_size > 1 this process is tp rank 0 (device/parallel/tp.py): the runner also starts this node's other ranks
-(device/parallel/tp_worker.py) and watches every one of them; a rank that dies fails the step (DeviceProcessError).
-With pp_size > 1 the runner starts one such process per pipeline stage (device/parallel/pp.py): every stage reads the
-step from the shared buffers (one slot per micro-batch in flight), only the last one writes the sampled ids
-and sends "done", and the runner relays those ids to the first stage with the next launch.
+With tp_size > 1 the device process is tp rank 0 (device/parallel/tp.py): the executor also starts this node's
+other ranks (device/parallel/tp_worker.py) and watches every one of them; a rank that dies fails the step
+(DeviceProcessError). With pp_size > 1 the executor starts one such process per pipeline stage
+(device/parallel/pp.py): every stage reads the step from the shared buffers (one slot per micro-batch in flight),
+only the last one writes the sampled ids and sends "done", and the executor relays those ids to the first stage
+with the next launch.
 """
 from __future__ import annotations
 
@@ -77,39 +79,39 @@ class DeviceProcessError(RuntimeError):
 
 
 class ProcessHandle:
-    def __init__(self, runner: "ProcessExecutor", step: StepInput, buf: int) -> None:
+    def __init__(self, executor: "ProcessExecutor", step: StepInput, buf: int) -> None:
         self.step_id = step.step_id
-        self._runner, self._buf, self._b = runner, buf, step.batch_size
+        self._executor, self._buf, self._b = executor, buf, step.batch_size
         self._result: np.ndarray | None = None
-        self._rows = step.rows if runner.pp_size > 1 else None    # the FutureMap relay's rows
+        self._rows = step.rows if executor.pp_size > 1 else None    # the FutureMap relay's rows
         self._span = (0.0, 0.0)
         self.comm_s = 0.0          # the step's time in tp collectives (after wait())
         self.stage_spans: tuple = ()   # pp: each of this node's stages' (stage, busy start, end, send seconds)
 
     def send_masks(self, masks: np.ndarray) -> None:
         """The grammar branch: the token masks of this step's grammar rows, once the host has them."""
-        self._runner._write_masks(self._buf, masks)
-        self._runner._send(_LAUNCH.pack(b"M", self.step_id, self._buf))
+        self._executor._write_masks(self._buf, masks)
+        self._executor._send(_LAUNCH.pack(b"M", self.step_id, self._buf))
 
     def wait(self) -> np.ndarray:
         if self._result is None:
-            *span, self.comm_s = self._runner._wait_done(self.step_id)  # copy_done.wait()
+            *span, self.comm_s = self._executor._wait_done(self.step_id)  # copy_done.wait()
             self._span = tuple(span)
-            self._result = self._runner.buffers.outs[self._buf][:self._b].copy()
+            self._result = self._executor.buffers.outs[self._buf][:self._b].copy()
             if self._rows is not None:     # the next launch relays them to the first stage (device/parallel/pp.py)
-                self._runner.relay.update(zip(self._rows.tolist(), self._result.tolist()))
-                self.stage_spans = self._runner.stage_spans(self.step_id)
+                self._executor.relay.update(zip(self._rows.tolist(), self._result.tolist()))
+                self.stage_spans = self._executor.stage_spans(self.step_id)
         return self._result
 
     def logprobs(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(chosen [B], top ids [B, k], top logprobs [B, k]) after wait(), for a step whose rows asked."""
-        return read_logprobs(self._runner.buffers.outs[self._buf], self._runner.buffers.lp_outs[self._buf],
+        return read_logprobs(self._executor.buffers.outs[self._buf], self._executor.buffers.lp_outs[self._buf],
                               self._b, k)
 
     def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same for the step's n prompt positions (prompt_logprob_targets), after wait()."""
         o = self._b * (1 + MAX_LOGPROBS)
-        return read_logprobs(self._runner.buffers.outs[self._buf][o:], self._runner.buffers.lp_outs[self._buf][o:],
+        return read_logprobs(self._executor.buffers.outs[self._buf][o:], self._executor.buffers.lp_outs[self._buf][o:],
                               n, k)
 
     @property

@@ -1,7 +1,7 @@
 """The device process's side of process/executor.py: `python -m tandem.device.process.main` (ranks.spawn_device)
-connects back to the runner, builds the model_runner (alone, tp rank 0 or a pipeline stage) and runs every step
-the runner launches, reading it from the shared buffers and writing the sampled ids back (process/executor.py says
-how, and why a process rather than a thread).
+connects back to the ProcessExecutor, builds the model runner (alone, tp rank 0 or a pipeline stage) and runs every
+step the executor launches, reading it from the shared buffers and writing the sampled ids back (process/executor.py
+says how, and why a process rather than a thread).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Client
+from typing import Callable
 
 import numpy as np
 
@@ -32,7 +33,7 @@ _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, 
 class _SchedulerGone(Exception):
     """The scheduler's end of the connection closed (it exited or was killed): the device process exits quietly.
 
-    Raised by every send or receive on that connection in device_main, so a kill that lands while a step runs
+    Raised by every send or receive on that connection in this module, so a kill that lands while a step runs
     (its "done" then meets a broken pipe) ends the process the same way as one that lands while it waits."""
 
 
@@ -45,28 +46,126 @@ def _scheduler_link():
         raise _SchedulerGone() from e
 
 
+def _sender(conn) -> Callable[[bytes], None]:
+    """Sends one message to the scheduler; a lock, as the pp result relay's thread sends on conn too."""
+    lock = threading.Lock()
+
+    def send(msg: bytes) -> None:
+        with lock, _scheduler_link():
+            conn.send_bytes(msg)
+    return send
+
+
+def _error_message() -> bytes:
+    """The traceback being handled, as the "error" the executor raises as DeviceProcessError."""
+    return pickle.dumps(("error", (traceback.format_exc(),)))
+
+
+def _join_group(spec, dist) -> tuple:
+    """(tp, pp): this process's group, joined before the model runner is built on it (and closed by device_main
+    even when that fails): a pipeline stage (its layers, p2p to its neighbours), tp rank 0 (it broadcasts every
+    step to the group) or neither (alone)."""
+    if dist is not None and spec.pp_size > 1:
+        from ..parallel.pp import PPGroup
+        return None, PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
+    if dist is not None:
+        from ..parallel.tp import TPGroup
+        return TPGroup(dist, rank_device(spec.device, dist)), None
+    return None, None
+
+
+class _StepLoop:
+    """Runs every step the executor launches, until it says quit (b"Q")."""
+
+    def __init__(self, conn, send: Callable[[bytes], None], buffers: SharedBuffers, model_runner, tp, pp, relay,
+                 profile, link) -> None:
+        self.conn, self.send, self.buffers, self.model_runner = conn, send, buffers, model_runner
+        self.tp, self.pp, self.relay, self.profile, self.link = tp, pp, relay, profile, link
+        self.early: set[int] = set()              # steps whose mask message came before they were run
+        self.later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
+
+    def run(self) -> None:
+        while True:
+            with _scheduler_link():
+                idle = self.link is not None and not self.later and not self.conn.poll(step_wire.KEEPALIVE_S)
+                msg = b"" if idle else self.later.popleft() if self.later else self.conn.recv_bytes()
+            if idle:
+                self.link.keepalive()            # idle: the other ranks' collective timeout must not fire
+            elif not self.handle(msg):
+                return
+
+    def handle(self, msg: bytes) -> bool:
+        """One message: a launch, the masks of a step not yet run, or the quit (then False)."""
+        start = now()           # the device span: from the launch message in hand to the ids written back
+        if msg == b"Q":
+            if self.link is not None:
+                self.link.quit()
+            return False
+        kind, step_id, buf = _LAUNCH.unpack(msg)
+        if kind == b"M":                # the masks of a step not yet run (it is next)
+            self.early.add(step_id)
+        else:
+            self.launched(step_id, buf, start)
+        return True
+
+    def launched(self, step_id: int, buf: int, start: float) -> None:
+        """A launched step: pass it on (tp ranks, the relay, the next stage on another node), run it, write its results
+        and send "done" (a pipeline stage also its own span)."""
+        buffers, tp, pp, relay = self.buffers, self.tp, self.pp, self.relay
+        step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
+        if pp is not None:
+            pp.comm_s = 0.0
+        if tp is not None:
+            tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
+        if relay is not None:
+            relay.expect(step_id, buf, start)
+        if self.link is pp and pp is not None:       # the next stage is on another node: the step goes first
+            pp.send_step(step_wire.STEP, step_id, step, buffers.ints[buf], buffers.floats[buf])
+        b = step.batch_size
+        with self.profile.step(b, step.num_tokens) if self.profile is not None else contextlib.nullcontext():
+            tokens = self.model_runner.run_step(step, self.masks_of(step, buf))
+            if pp is not None:          # this stage's own span: from its input in hand (the trace's pipeline)
+                self.send(_DONE.pack(b"S", step_id, start if pp.first else pp.recv_done, now(), pp.comm_s))
+            if tokens is None:          # a pipeline stage but the last: its hidden states went on
+                if relay is not None and len(step.grammar_rows):
+                    relay.send_masks(self.masks_of(step, buf)())      # to the last stage, on another node
+                return
+            write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, self.model_runner.last_logprobs,
+                          self.model_runner.last_prompt_logprobs)
+        self.send(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
+
+    def masks_of(self, step: StepInput, buf: int) -> Callable[[], np.ndarray]:
+        """The step's masks() for the model runner's run_step: it reads the messages that come meanwhile, until
+        the step's masks are written (a later launch waits in `later`)."""
+        def wait() -> np.ndarray:
+            # The grammar branch: the forward is done; sampling waits for the host's masks.
+            while not step.mask_ready and step.step_id not in self.early:
+                with _scheduler_link():
+                    msg = self.conn.recv_bytes()
+                if msg[:1] == b"M":
+                    self.early.add(_LAUNCH.unpack(msg)[1])
+                else:
+                    self.later.append(msg)
+            self.early.discard(step.step_id)
+            return self.buffers.masks[buf][:len(step.grammar_rows)]
+        return wait
+
+
 def device_main(sock: str, shm_path: str, threads: int) -> None:
+    """Connect back to the executor, build the model runner, report ready, then run the step loop. A closed
+    connection ends the process quietly; any other failure goes to the executor as "error" first."""
     die_with_parent()
     import torch
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
     tp = pp = profile = relay = None
-    lock = threading.Lock()           # the pp result relay's thread sends on conn too
-
-    def send(msg: bytes) -> None:
-        with lock, _scheduler_link():
-            conn.send_bytes(msg)
+    send = _sender(conn)
     try:
         spec, sizes, dist = conn.recv()
         buffers = SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
         from ..model_runner import ModelRunner
-        if dist is not None and spec.pp_size > 1:      # a pipeline stage: its layers, p2p to its neighbours
-            from ..parallel.pp import PPGroup
-            pp = PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
-        elif dist is not None:             # tp rank 0: join the group, then broadcast every step to it
-            from ..parallel.tp import TPGroup
-            tp = TPGroup(dist, rank_device(spec.device, dist))
+        tp, pp = _join_group(spec, dist)
         model_runner = ModelRunner(spec, tp=tp, pp=pp)
         profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
         send(pickle.dumps(("ready", (model_runner.num_slots, model_runner.max_context,
@@ -74,70 +173,17 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         if pp is not None and pp.relay:    # the last stage is on another node: its results come through here
             from ..parallel.pp_stage import ResultRelay
             relay = ResultRelay(pp, buffers, lambda sid, t0: send(_DONE.pack(b"D", sid, t0, now(), 0.0)),
-                                lambda: send(pickle.dumps(("error", (traceback.format_exc(),)))))
+                                lambda: send(_error_message()))
             relay.start()
         link = tp if tp is not None else pp if pp is not None and pp.passes_step else None   # keeps peers awake
-        early: set[int] = set()              # steps whose mask message came before they were run
-        later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
-
-        def masks_of(step: StepInput, buf: int):
-            def wait() -> np.ndarray:
-                # The grammar branch: the forward is done; sampling waits for the host's masks.
-                while not step.mask_ready and step.step_id not in early:
-                    with _scheduler_link():
-                        msg = conn.recv_bytes()
-                    if msg[:1] == b"M":
-                        early.add(_LAUNCH.unpack(msg)[1])
-                    else:
-                        later.append(msg)
-                early.discard(step.step_id)
-                return buffers.masks[buf][:len(step.grammar_rows)]
-            return wait
-
-        while True:
-            with _scheduler_link():
-                idle = link is not None and not later and not conn.poll(step_wire.KEEPALIVE_S)
-                msg = b"" if idle else later.popleft() if later else conn.recv_bytes()
-            if idle:
-                link.keepalive()            # idle: the other ranks' collective timeout must not fire
-                continue
-            start = now()           # the device span: from the launch message in hand to the ids written back
-            if msg == b"Q":
-                if link is not None:
-                    link.quit()
-                return
-            kind, step_id, buf = _LAUNCH.unpack(msg)
-            if kind == b"M":                # the masks of a step not yet run (it is next)
-                early.add(step_id)
-                continue
-            step = StepInput.unpack(step_id, buffers.ints[buf], buffers.floats[buf])
-            if pp is not None:
-                pp.comm_s = 0.0
-            if tp is not None:
-                tp.send_step(step_id, step, buffers.ints[buf], buffers.floats[buf])
-            if relay is not None:
-                relay.expect(step_id, buf, start)
-            if link is pp and pp is not None:       # the next stage is on another node: the step goes first
-                pp.send_step(step_wire.STEP, step_id, step, buffers.ints[buf], buffers.floats[buf])
-            b = step.batch_size
-            with profile.step(b, step.num_tokens) if profile is not None else contextlib.nullcontext():
-                tokens = model_runner.run_step(step, masks_of(step, buf))
-                if pp is not None:          # this stage's own span: from its input in hand (the trace's pipeline)
-                    send(_DONE.pack(b"S", step_id, start if pp.first else pp.recv_done, now(), pp.comm_s))
-                if tokens is None:          # a pipeline stage but the last: its hidden states went on
-                    if relay is not None and len(step.grammar_rows):
-                        relay.send_masks(masks_of(step, buf)())      # to the last stage, on another node
-                    continue
-                write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, model_runner.last_logprobs,
-                              model_runner.last_prompt_logprobs)
-            send(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
+        _StepLoop(conn, send, buffers, model_runner, tp, pp, relay, profile, link).run()
     except _SchedulerGone:
         if link is not None:
             link.quit(quiet=True)
         return                              # the scheduler is gone: exit with it (the other ranks too)
     except BaseException:
         try:
-            send(pickle.dumps(("error", (traceback.format_exc(),))))
+            send(_error_message())
         except _SchedulerGone:
             pass
         raise
