@@ -80,7 +80,7 @@ SETTINGS = [  # (name, temperature, top_p, top_k, min_p)
 
 path = str(assemble())
 source = resolve_model(path)
-executor = ex.ModelRunner(runner_spec(EngineConfig(model=path, device="cpu", kv_cache_tokens=4096,
+model_runner = ex.ModelRunner(runner_spec(EngineConfig(model=path, device="cpu", kv_cache_tokens=4096,
                                                        max_running_requests=16), source))
 vocab = source.config.vocab_size
 prompt = load_tokenizer(source).encode(PROMPT)[:128]
@@ -125,7 +125,7 @@ def step_input(b: int, decode: np.ndarray | None = None, setting=SETTINGS[0], lo
 
 
 captured: dict = {}
-model_logits, sample_fn = executor.model.logits, ex.sample
+model_logits, sample_fn = model_runner.model.logits, ex.sample
 
 
 def capture_logits(x):
@@ -144,34 +144,34 @@ def kept_by_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> lis
     return ((probs.cumsum(-1) - probs) < top_p).sum(-1).tolist()
 
 
-executor.model.logits, ex.sample = capture_logits, capture_sample
+model_runner.model.logits, ex.sample = capture_logits, capture_sample
 results: dict = {"model": os.path.basename(path), "vocab": vocab, "threads": cli.threads, "clock": cli.clock,
                  "sampler": os.path.basename(cli.sampler) if cli.sampler else "tandem", "prompt_tokens": ctx,
                  "cpu": platform.processor() or platform.machine(), "batches": {}}
 for b in cli.batch:
-    first = executor.run_step(step_input(b)).numpy()       # greedy: each row's next token
+    first = model_runner.run_step(step_input(b)).numpy()       # greedy: each row's next token
     rng = np.random.default_rng(0)
     mask = rng.integers(-2 ** 31, 2 ** 31, size=(b, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
     rows_out = []
     for setting in SETTINGS:
         step = step_input(b, first, setting)
-        total = best_ms(lambda: executor.run_step(step))
+        total = best_ms(lambda: model_runner.run_step(step))
         hidden, logits = captured["hidden"], captured["logits"]
         s = SamplingBatch.from_host(step.temperature, step.top_p, step.top_k, step.min_p, step.draw_seed,
                                     torch.device("cpu"))
         row = {"setting": setting[0], "step_ms": total,
                "lm_head_ms": best_ms(lambda: model_logits(hidden)),
-               "sample_ms": best_ms(lambda: sampler.sample(logits, s, native=executor.model.native))}
+               "sample_ms": best_ms(lambda: sampler.sample(logits, s, native=model_runner.model.native))}
         if setting[2] < 1.0:
             row["top_p_kept"] = kept_by_top_p(logits, setting[1], setting[2])
         rows_out.append(row)
     step = step_input(b, first, SETTINGS[1], logprobs_k=20)
     t = torch.from_numpy(step.temperature).float()
     tokens = torch.zeros(b, dtype=torch.int64)
-    lp = {"step_ms": best_ms(lambda: executor.run_step(step)),
+    lp = {"step_ms": best_ms(lambda: model_runner.run_step(step)),
           "logprobs_ms": best_ms(lambda: sampler.logprobs(captured["logits"], t, tokens, 20))}
     step = step_input(b, first, SETTINGS[1], grammar=True)
-    gm = {"step_ms": best_ms(lambda: executor.run_step(step, lambda: mask))}
+    gm = {"step_ms": best_ms(lambda: model_runner.run_step(step, lambda: mask))}
     mask_t, grows = torch.from_numpy(mask), torch.arange(b)
     gm["mask_ms"] = best_ms(lambda: sampler.apply_token_bitmask(captured["logits"].clone(), grows, mask_t))
     results["batches"][str(b)] = {"settings": rows_out, "logprobs_20": lp, "grammar_mask": gm}

@@ -1,4 +1,4 @@
-"""The engine: model source, device runner and scheduler, driven by the loop the config names.
+"""The engine: model source, device executor and scheduler, driven by the loop the config names.
 
 The offline LLM API and the server's engine process both drive this class.
 """

@@ -12,7 +12,7 @@ sent*: the mask of a row depends on the token its previous step sampled. Rule: a
 once every step launched before it has been processed. In the serial loop that is always at launch. In the
 overlap loop batch k+1 is launched at once (its forward runs while the host works) and its masks follow
 right after batch k is processed (results.process_oldest); the device waits for them only before
-sampling. A runner that samples within its launch (the inline one) processes batch k first instead.
+sampling. An executor that samples within its launch (the inline one) processes batch k first instead.
 
 The speculative branch (scheduler/speculative.py) changes *what a pick assumes*: batch k+1 is picked while
 batch k still verifies drafts, assuming each of its runs is accepted whole with the n-gram's continuation as
@@ -22,7 +22,7 @@ request's rows in every later in-flight batch are dropped (like a finished reque
 picked again from host truth, and their KV slots are freed only once the last in-flight batch that may touch
 them was waited for. Penalized and draft-model requests, and those whose runs seldom hold (a failed pick costs
 a step, a wait only the host's share of one), are not picked on an assumption: a drafting step of theirs is
-processed before the next pick, so it runs serially, like a grammar row's mask in the inline runner.
+processed before the next pick, so it runs serially, like a grammar row's mask in the inline executor.
 
 The PP loop (pp_size P > 1, device/parallel/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
 per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
@@ -32,7 +32,7 @@ request waits for its micro-batch k to be processed before it decodes again, whi
   - a request is in at most one in-flight micro-batch that samples for it (its last prefill chunk or a decode
     row; host state of a request never lags: no token dropped);
   - the tokens sampled for micro-batch k reach the first stage's FutureMap before any micro-batch that needs
-    them launches: the last stage samples, the host waits for k, and the runner relays k's ids with the next
+    them launches: the last stage samples, the host waits for k, and the executor relays k's ids with the next
     launch (ProcessExecutor.launch_step), stashed before that step's gather;
   - memory is freed only when no in-flight micro-batch can still read it (Scheduler.finish states why).
 The serial loop also serves pp_size > 1 (each step processed before the next launch); with pp_size 1 the
