@@ -159,7 +159,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
-    tp = pp = profile = relay = None
+    tp = pp = profile = relay = link = None
     send = _sender(conn)
     try:
         spec, sizes, dist = conn.recv()
