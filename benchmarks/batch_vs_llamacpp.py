@@ -1,6 +1,6 @@
 """tandem (default config, overlap loop) against llama.cpp batched (64 sequences in one llama_batch, the same GGUF)
 on 64 x 32 -> 128, greedy, interleaved rounds alternating which goes first: issue 22's "vs llama.cpp batched
-at 64 >= 2x". Needs llama-cpp-python in the venv (see README).
+at 64 >= 2x". Needs llama-cpp-python in the venv (see docs/performance.md).
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/batch_vs_llamacpp.py [--rounds 2]
 """

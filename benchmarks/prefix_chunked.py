@@ -13,7 +13,7 @@ itl: 16 streams (32 in -> 160 out) are decoding when a 4000-token prompt arrives
   step (enable_mixed_chunk off, max_prefill_tokens 8192), as before chunked prefill. One engine, the
   configurations switched between runs (the scheduler reads its config live), in interleaved rounds; also
   the median mixed step over the median decode-only step of each run, from the device spans.
-decode: 64 x 32 -> 128 (the RESULTS.md offline workload) with the cache and mixed steps on vs off.
+decode: 64 x 32 -> 128 (the offline workload of benchmarks/results/run_all.md) with the cache and mixed steps on vs off.
 behind: a 32-token request arrives just after a 4000-token prompt's first chunk is launched (idle engine,
   default config): its TTFT against one chunk step (the first step: the long prompt's first 2048 tokens, in
   flight when it arrives) plus its own prefill (its TTFT on an idle engine, same round).

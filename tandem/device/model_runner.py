@@ -166,7 +166,7 @@ class ModelRunner:
     def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type. "auto": bfloat16 on CPU where the linears already round (native kernels,
         int8 activations, quantized weights: rounds): half the bytes a decode step reads, and the accuracy gate
-        of benchmarks/kl_divergence.py holds (README). Else the model dtype: the exact mode (kernels_act="fp32")
+        of benchmarks/kl_divergence.py holds (docs/performance.md). Else the model dtype: the exact mode (kernels_act="fp32")
         and unquantized weights keep fp32 keys and values (parity with transformers)."""
         if self.spec.kv_cache_dtype != "auto":
             return _DTYPES[self.spec.kv_cache_dtype]

@@ -44,7 +44,7 @@ def num_params(c) -> int:
 def default_device_threads(params: int | None = None) -> int:
     """Torch threads of the CPU device process.
 
-    Measured on 2 cores (benchmarks/overlap.py, README): SmolLM2-135M decodes 1.8x faster with both cores in
+    Measured on 2 cores (benchmarks/overlap.py, docs/design.md): SmolLM2-135M decodes 1.8x faster with both cores in
     the forward (the scheduler needs ~1 ms per ~190 ms step), while a small model whose host work is about
     half its forward runs as fast with one core left to the scheduler, and overlaps fully (1.4 % device idle
     against 29 % with two threads). So: every core for models above SMALL_MODEL_PARAMS, one core less below.

@@ -67,7 +67,7 @@ def test_other_constraints(llm, spec, check, loop):
         assert o.finish_reason == "stop" and check(o.text), o.text
 
 
-def test_greedy_json_on_the_inline_runner(tiny_llama, make_llm):
+def test_greedy_json_on_the_inline_executor(tiny_llama, make_llm):
     """A runner that samples at launch gets its masks with the launch (host truth first)."""
     inline = make_llm(tiny_llama, device_backend="inline")
     params = SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": SCHEMA})
