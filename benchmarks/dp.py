@@ -3,7 +3,7 @@
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/dp.py [--rounds 3] [--num-prompts 128]
 
-Writes benchmarks/results/dp.md (a hand-measured section, linked from benchmarks/results/HISTORY.md) and
+Writes benchmarks/results/dp.md (a hand-measured section, linked from docs/parallelism.md) and
 the JSON of each run under benchmarks/results/dp/.
 """
 from __future__ import annotations
