@@ -11,8 +11,8 @@ import torch
 
 from tandem import SamplingParams
 from tandem.kernels.quant import NATIVE_QTYPES, Q4_K, Q5_0, Q6_K, Q8_0, QuantWeight
-from tandem.model import gguf_loader
-from tandem.model.gguf_file import GGUFError, GGUFFile
+from tandem.model.gguf import weights as gguf_loader
+from tandem.model.gguf.file import GGUFError, GGUFFile
 from tandem.model.loader import default_model_path, load_weights, resolve_model
 
 SMALL_CACHE = 5 << 20          # config + SmolLM2's tokenizer files: ~3.4 MB

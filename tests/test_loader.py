@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.model import gguf_loader
+from tandem.model.gguf import weights as gguf_loader
 from tandem.model.config import ModelConfig
 from tandem.model.loader import (default_model_path, expected_weight_shapes, load_tokenizer, load_weights,
                                  resolve_model)

@@ -45,7 +45,7 @@ def smollm2_tokenizer(cache_dir: str | None = None):
 def skip_gguf_tokenizer_build(monkeypatch, cache_dir: str | None = None) -> None:
     """Give synthetic GGUF files (written with_tokenizer=False) SmolLM2's tokenizer instead of building one
     from their metadata. The tokenizer is taken first: its own first build must not meet the patch."""
-    from tandem.model import gguf_loader
+    from tandem.model.gguf import weights as gguf_loader
 
     tok = smollm2_tokenizer(cache_dir)
     monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",

@@ -102,7 +102,7 @@ def resolve_model(model: str | None = None, cache_dir: str | None = None) -> Mod
     if not path.endswith(".gguf"):
         raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face "
                          f"directory with config.json and *.safetensors")
-    from .gguf_loader import cached_gguf_dir
+    from .gguf.weights import cached_gguf_dir
 
     d = cached_gguf_dir(path, cache_dir or default_cache_dir())
     with open(os.path.join(d, "config.json")) as f:
@@ -157,7 +157,7 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
     from safetensors.torch import load_file
 
     if source.gguf_file is not None:
-        from .gguf_loader import gguf_weights
+        from .gguf.weights import gguf_weights
         sd = gguf_weights(source.gguf_file, source.config, quantized=quantized)
         if quantized or (dtype == torch.float32 and str(device) == "cpu"):
             return sd

@@ -22,9 +22,9 @@ import torch
 
 from gguf.constants import GGMLQuantizationType
 
-from .config import ModelConfig
-from .gguf_config import dequantize_f32, get_field, gguf_to_hf_name, read_gguf_config, unpermute_qk
-from .gguf_file import GGUFError, GGUFFile  # noqa: F401  (GGUFError: what a broken file raises)
+from ..config import ModelConfig
+from .config import dequantize_f32, get_field, gguf_to_hf_name, read_gguf_config, unpermute_qk
+from .file import GGUFError, GGUFFile  # noqa: F401  (GGUFError: what a broken file raises)
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     views against copies, 2.39 s against 2.93 s warm to ready, device RSS 517 MB (290 anonymous) against 540 (452),
     peak 541 MB against 756; the mapped pages are clean and shared with the page cache (and other processes that
     map the file: dp replicas, tp ranks)."""
-    from ..kernels.quant import QuantWeight
-    from .loader import expected_weight_shapes
+    from ...kernels.quant import QuantWeight
+    from ..loader import expected_weight_shapes
 
     shapes = expected_weight_shapes(config)
     out: dict = {}
@@ -99,7 +99,7 @@ def gguf_weights(path: str, config: ModelConfig, quantized: bool = False) -> dic
     """The state dict, straight from the GGUF file. quantized (the native kernels): matrices of a type in
     NATIVE_QTYPES (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay GGUF blocks, the
     rest fp32; otherwise (the torch reference) everything is dequantized in memory, by gguf-py."""
-    from ..kernels.quant import NATIVE_QTYPES
+    from ...kernels.quant import NATIVE_QTYPES
 
     reader = GGUFFile(path)
     if not quantized:

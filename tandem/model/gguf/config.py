@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from .config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
+from ..config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
