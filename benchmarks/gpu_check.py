@@ -71,7 +71,8 @@ def check_parity(llm, hf, max_tokens: int) -> dict:
 
 def check_loops(llm, out_dir: str, requests: int, max_tokens: int, input_len: int, rounds: int) -> dict:
     """Serial vs overlap tokens/s and device idle, and the trace folder of each loop's last round."""
-    from tandem.trace.export import summarize, write_trace_dir
+    from tandem.trace.export import write_trace_dir
+    from tandem.trace.summary import summarize
     from tandem.trace.run import Workload, trace_loops
     workload = Workload(requests, max_tokens, input_len)
     recs, tps = trace_loops(llm, workload, rounds)

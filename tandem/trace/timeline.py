@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .export import Recording, idle_gaps  # noqa: E402
+from .recording import Recording, idle_gaps  # noqa: E402
 
 MAX_WINDOW_STEPS = 12
 HOST_COLORS = {"recv": "#94a3b8", "pick": "#64748b", "launch": "#2563eb", "process": "#7c3aed",

@@ -45,10 +45,10 @@ def smollm2_tokenizer(cache_dir: str | None = None):
 def skip_gguf_tokenizer_build(monkeypatch, cache_dir: str | None = None) -> None:
     """Give synthetic GGUF files (written with_tokenizer=False) SmolLM2's tokenizer instead of building one
     from their metadata. The tokenizer is taken first: its own first build must not meet the patch."""
-    from tandem.model import gguf_loader
+    from tandem.model.gguf import cache as gguf_cache
 
     tok = smollm2_tokenizer(cache_dir)
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer",
+    monkeypatch.setattr(gguf_cache, "build_gguf_tokenizer",
                         lambda path, out_dir, reader, config: tok.save_pretrained(out_dir))
 
 

@@ -74,8 +74,8 @@ def test_tiny_arch_parity_both_loops(arch, source, kernels, tmp_path_factory, tm
 def test_config_switches_from_hf_and_gguf(tmp_path_factory):
     """What each architecture's file says reaches ModelConfig the same way from both sources."""
     from tandem.model.config import ModelConfig
-    from tandem.model.gguf_file import GGUFFile
-    from tandem.model.gguf_loader import read_gguf_config
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
     for arch in TINY_ARCHS:
         m = tiny(arch, tmp_path_factory)
         import json

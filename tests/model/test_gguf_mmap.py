@@ -11,8 +11,9 @@ import torch
 
 from tandem import SamplingParams
 from tandem.kernels.quant import NATIVE_QTYPES, Q4_K, Q5_0, Q6_K, Q8_0, QuantWeight
-from tandem.model import gguf_loader
-from tandem.model.gguf_file import GGUFError, GGUFFile
+from tandem.model.gguf import weights as gguf_weights
+from tandem.model.gguf.config import gguf_to_hf_name, unpermute_qk
+from tandem.model.gguf.file import GGUFError, GGUFFile
 from tandem.model.loader import default_model_path, load_weights, resolve_model
 
 SMALL_CACHE = 5 << 20          # config + SmolLM2's tokenizer files: ~3.4 MB
@@ -33,12 +34,12 @@ def fp32_reference(path: str, config) -> dict:
 
     out = {}
     for t in gguf.GGUFReader(path).tensors:
-        name = gguf_loader.gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name)
         a = dequantize(t.data, t.tensor_type).reshape(tuple(int(s) for s in reversed(t.shape)))
         if config.architecture == "llama" and ".q_proj." in name:
-            a = gguf_loader.unpermute_qk(a, config.num_heads)
+            a = unpermute_qk(a, config.num_heads)
         elif config.architecture == "llama" and ".k_proj." in name:
-            a = gguf_loader.unpermute_qk(a, config.num_kv_heads)
+            a = unpermute_qk(a, config.num_kv_heads)
         out[name] = torch.from_numpy(np.array(a, dtype=np.float32))
     return out
 
@@ -85,7 +86,7 @@ def test_kept_rows_are_views_of_the_map(q4_k_m_file, tmp_path):
     reader = GGUFFile(q4_k_m_file)
     lo = reader._map.ctypes.data
     hi = lo + reader._map.size
-    state = gguf_loader.gguf_state_dict(reader, src.config, keep=NATIVE_QTYPES)
+    state = gguf_weights.gguf_state_dict(reader, src.config, keep=NATIVE_QTYPES)
 
     def mapped(t: torch.Tensor) -> bool:
         return lo <= t.data_ptr() < hi
@@ -126,6 +127,6 @@ def test_progress_bar_for_large_files(q4_k_m_file, tmp_path, monkeypatch, capsys
     src = resolve_model(q4_k_m_file, cache_dir=str(tmp_path / "cache"))
     load_weights(src, quantized=True)
     assert "loading" not in capsys.readouterr().err                            # small and quick: no bar
-    monkeypatch.setattr(gguf_loader, "LARGE_FILE_BYTES", 0)
+    monkeypatch.setattr(gguf_weights, "LARGE_FILE_BYTES", 0)
     load_weights(src, quantized=True)
     assert "loading tiny-q4_k_m.gguf" in capsys.readouterr().err

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.model import gguf_loader
 from tandem.model.config import ModelConfig
-from tandem.model.loader import (default_model_path, expected_weight_shapes, load_tokenizer, load_weights,
-                                 resolve_model)
+from tandem.model.gguf import cache as gguf_cache
+from tandem.model.loader import default_model_path, load_tokenizer, load_weights, resolve_model
+from tandem.model.weights import expected_weight_shapes
 from tests.helpers.tiny_models import llama3_rope_freqs, make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
 
@@ -125,7 +125,7 @@ def test_gguf_cache_hit(gguf_source, cache_dir, monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("cache miss: GGUF metadata written again")
-    monkeypatch.setattr(gguf_loader, "cache_gguf_metadata", boom)
+    monkeypatch.setattr(gguf_cache, "cache_gguf_metadata", boom)
     src = resolve_model(default_model_path(), cache_dir=cache_dir)
     assert src == gguf_source
     assert os.stat(os.path.join(entry, "config.json")).st_mtime_ns == mtime
@@ -182,17 +182,17 @@ def test_gguf_unsupported_architecture(tiny_dirs, tmp_path, fast_gguf_tokenizer)
 def test_gguf_cache_write_is_atomic(tiny_dirs, tmp_path, fast_gguf_tokenizer, monkeypatch):
     path = write_tiny_gguf(tmp_path / "a.gguf", tiny_dirs["llama"], with_tokenizer=False)
     cache = tmp_path / "cache"
-    real_save = gguf_loader.build_gguf_tokenizer
+    real_save = gguf_cache.build_gguf_tokenizer
 
     def crash(*a, **k):
         real_save(*a, **k)
         raise KeyboardInterrupt("crash mid-write")
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer", crash)
+    monkeypatch.setattr(gguf_cache, "build_gguf_tokenizer", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(path, cache_dir=str(cache))
     assert not [n for n in os.listdir(cache) if n.startswith("gguf-")]
     assert not [n for n in os.listdir(cache) if n.startswith(".tmp-")]
-    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer", real_save)
+    monkeypatch.setattr(gguf_cache, "build_gguf_tokenizer", real_save)
     src = resolve_model(path, cache_dir=str(cache))
     assert len(load_weights(src)) == len(expected_weight_shapes(src.config))
 

@@ -260,8 +260,9 @@ def test_trace_shows_the_pipeline(tiny_llama, tmp_path):
     report.html their table."""
     import json
 
-    from tandem.trace.export import summarize, write_trace_dir
+    from tandem.trace.export import write_trace_dir
     from tandem.trace.run import Workload, trace_loops
+    from tandem.trace.summary import summarize
     llm = LLM(tiny_llama, pp_size=2, device_threads=1, kv_cache_tokens=4096)
     try:
         recs, tps = trace_loops(llm, Workload(requests=8, max_tokens=8, input_len=16))

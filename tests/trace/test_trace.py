@@ -13,7 +13,8 @@ import struct
 
 import pytest
 
-from tandem.trace.export import Recording, idle_gaps, iterations, speedup_check, step_rows
+from tandem.trace.recording import Recording, idle_gaps, iterations, step_rows
+from tandem.trace.summary import speedup_check
 from tandem.trace.recorder import DeviceSpan
 
 NODES = ("Pick batch", "Launch step", "Result queue", "Process results", "Device forward", "FutureMap")
@@ -112,7 +113,7 @@ def test_every_loop_records_warm_and_prefills_cold(traced):
 
 
 def test_a_speedup_above_its_bound_is_flagged():
-    from tandem.trace.export import summarize
+    from tandem.trace.summary import summarize
     serial, overlap = fake_recording("serial"), fake_recording("overlap")
     assert summarize([serial, overlap])["overlap_speedup_check"] == "ok"
     slow = dataclasses.replace(serial, summary={**serial.summary, "tokens_per_s": serial.summary["tokens_per_s"] / 3})
@@ -223,7 +224,8 @@ def test_iterations_attribute_host_work_to_the_launched_step():
 
 
 def test_report_and_trace_from_hand_made_spans(tmp_path):
-    from tandem.trace.export import summarize, write_trace_dir
+    from tandem.trace.export import write_trace_dir
+    from tandem.trace.summary import summarize
     recs = [fake_recording("serial"), fake_recording("overlap")]
     paths = write_trace_dir(str(tmp_path), recs, summarize(recs), "fake")
     assert set(os.listdir(tmp_path)) == {"summary.json", "trace.json", "timeline.png", "report.html"}

@@ -1,8 +1,8 @@
 """A llama.cpp GGUF file's metadata as tandem's ModelConfig, and its tensor names as Hugging Face's.
 
 What each architecture's keys mean (llama, mistral, qwen2, qwen3, gemma3) and what llama.cpp leaves out of
-the file (gemma3's layer pattern and local RoPE base) live here; gguf_loader.py reads the weights and caches
-the config and tokenizer.
+the file (gemma3's layer pattern and local RoPE base) live here; weights.py reads the weights and the tokenizer,
+cache.py caches the config and tokenizer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from .config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
+from ..config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
