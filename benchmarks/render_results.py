@@ -325,11 +325,7 @@ def render_headline(out: str, res: str) -> str:
            "[results/HISTORY.md](results/HISTORY.md); `benchmarks/run_all.py` renders its own sweep (offline, "
            "peers, roofline, serving, soak) into [results/run_all.md](results/run_all.md). How to run the peers and the benchmarks: "
            "[docs/performance.md](../docs/performance.md).")]
-    path = os.path.join(out, "RESULTS.md")
-    with open(path, "w") as f:
-        f.write("\n".join(md) + "\n")
-    print(f"wrote {path}")
-    return path
+    return write_page(os.path.join(out, "RESULTS.md"), md)
 
 
 # ---- benchmarks/run_all.py's sweep page (results/run_all.md) ------------------------------------------------
@@ -375,7 +371,10 @@ def render_sweep(out: str, res: str) -> str:
         md += ["", f"![output tokens/s vs concurrency](../{PLOT})"]
     else:
         md += [PENDING]
-    path = os.path.join(res, "run_all.md")
+    return write_page(os.path.join(res, "run_all.md"), md)
+
+
+def write_page(path: str, md: list[str]) -> str:
     with open(path, "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"wrote {path}")
