@@ -323,7 +323,8 @@ def render_headline(out: str, res: str) -> str:
            "measurement, per kernel, per issue and per machine (Intel Xeon with AMX, AVX2-only AMD EPYC, the "
            "AVX-512 EPYC), with the older RESULTS.md page as it stood, is kept in "
            "[results/HISTORY.md](results/HISTORY.md); `benchmarks/run_all.py` renders its own sweep (offline, "
-           "peers, roofline, serving, soak) into [results/run_all.md](results/run_all.md). How to run the peers and the benchmarks: "
+           "peers, roofline, serving, soak) into [results/run_all.md](results/run_all.md). How to run the peers and "
+           "the benchmarks: "
            "[docs/performance.md](../docs/performance.md).")]
     return write_page(os.path.join(out, "RESULTS.md"), md)
 
