@@ -19,7 +19,7 @@
 // Work: tasks of (a run of up to QROWS / G tokens of one row, one KV head), longest first from one counter. A task
 // holds its queries transposed and visits its keys in blocks of NK: each block's K and V rows are widened once into
 // fp32 scratch for all the task's query rows (G heads x its tokens), its scores and output update are small GEMMs
-// (extend_attention_body.inc), with the online softmax of flash attention between them. Blocks past a task's last
+// (extend_attention_simd.inc), with the online softmax of flash attention between them. Blocks past a task's last
 // token are never read (causal), nor, with a window, blocks before its first token's window.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -99,7 +99,7 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
 namespace avx2 {
 using V = Vec256;
 constexpr int RK = 6, NQV = 2;
-#include "extend_attention_body.inc"
+#include "extend_attention_simd.inc"
 }  // namespace avx2
 #undef KERNEL
 
@@ -107,7 +107,7 @@ constexpr int RK = 6, NQV = 2;
 namespace avx512 {
 using V = Vec512;
 constexpr int RK = 6, NQV = 4;
-#include "extend_attention_body.inc"
+#include "extend_attention_simd.inc"
 #include "extend_attention_bf16.inc"
 }  // namespace avx512
 #undef KERNEL

@@ -44,8 +44,8 @@
 // however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
-// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc, with the
-// vector helpers of vec.h and quant_gemm_ext.inc) equal it up to summation order. The dequantized weights are
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (qlinear_simd.inc, with the
+// vector helpers of vec.h and vec_ext.inc) equal it up to summation order. The dequantized weights are
 // bit-identical (d * q + m unfused, as gguf-py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -168,7 +168,7 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 }
 }  // namespace scalar
 
-#include "quant_gemm_ext.inc"
+#include "vec_ext.inc"
 
 #define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
 namespace avx2 {
@@ -176,7 +176,7 @@ using V = Vec256;
 using VE = Vec256Ext;
 constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
 constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
-#include "quant_gemm_simd.inc"
+#include "qlinear_simd.inc"
 }  // namespace avx2
 #undef KERNEL
 
@@ -186,7 +186,7 @@ using V = Vec512;
 using VE = Vec512Ext;
 constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
 constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
-#include "quant_gemm_simd.inc"
+#include "qlinear_simd.inc"
 }  // namespace avx512
 #undef KERNEL
 

@@ -1,6 +1,6 @@
 // The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
 // of x of a decode step or a speculative verify step (up to qgemv_packed_rows()), each output computed by qgemm_q8's operations in qgemm_q8's
-// order (quant_gemm_i8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
+// order (qgemm_q8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
 //
 // Why another layout: qgemv_q8 reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
 // load), so each vpdpbusd leaves 4-product partials of one row that must be summed across lanes and transposed
