@@ -17,6 +17,16 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1,
               "tandem: ", name, " must be fp32 [rows, features] with contiguous rows");
 }
+// A linear's tensors as its bodies read them (qlinear, qlinear_q8, qgemm_q8, qgemv_q8, qgemv_packed): x and the
+// bias contiguous (bias undefined: none), y = fp32 [M, N] for the output, not yet written.
+struct LinearIo {
+  at::Tensor x, bias, y;
+};
+inline LinearIo linear_io(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N) {
+  LinearIo io{x.contiguous(), bias.has_value() ? bias->contiguous() : at::Tensor(), at::Tensor()};
+  io.y = at::empty({io.x.size(0), N}, io.x.options());
+  return io;
+}
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                    const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,

@@ -355,11 +355,8 @@ int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
 at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                     const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.qgemm_q8", x_in, w, qtype, K, bias_in);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const Isa isa = resolve_isa(isa_req);
   const bool mn = has_min(qtype);

@@ -389,11 +389,8 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
               "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
   TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
               "tandem.qgemv_packed: bias must be fp32 [N]");
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, N);
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xs;

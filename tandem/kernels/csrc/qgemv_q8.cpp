@@ -284,11 +284,8 @@ at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   const int body = gemv_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.qgemv_q8 needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(qtype != kQ5_0 || body == 2, "tandem.qgemv_q8: Q5_0 needs AVX-512 VNNI (the AVX2 body has no Q5_0)");
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32, nh = 2 * nb, row_bytes = w.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per xg blocks (a step's: 4
   // VNNI, 2 AVX2): elements 0-15 of each, then 16-31 (blocks past nb zero). Padded by a step so the last

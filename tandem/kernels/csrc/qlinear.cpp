@@ -52,6 +52,7 @@
 
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace tandem {
@@ -208,11 +209,8 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
   check_weight(w, qtype, K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
               "tandem.qlinear: x must be fp32 [M, ", K, "]");
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   Isa isa = resolve_isa(isa_req);
   GemmRows fn = isa == kAvx512 ? avx512::gemm_rows : isa == kAvx2 ? avx2::gemm_rows : scalar::gemm_rows;

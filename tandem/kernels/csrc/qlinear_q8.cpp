@@ -297,11 +297,8 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   if (const int64_t gv = qgemv_q8_rows_isa(qtype, isa_req); gv > 0)
     return x_in.size(0) <= gv ? qgemv_q8(x_in, w, qtype, K, bias_in, isa_req)
                               : qgemm_q8(x_in, w, qtype, K, bias_in, isa_req);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32;
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   Isa isa = resolve_isa(isa_req);
   if (isa == kAvx512 && !cpu_has_vnni()) isa = kAvx2;       // AVX-512 without VNNI: the AVX2 body
