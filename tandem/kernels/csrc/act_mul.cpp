@@ -29,19 +29,8 @@ void act_mul_row(const float* g, const float* u, float* o, int64_t n) {
 }
 }  // namespace scalar
 
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-#include "act_mul_simd.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-#include "act_mul_simd.inc"
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "act_mul_simd.inc"
+#include "simd_namespaces.inc"
 
 using RowFn = void (*)(const float*, const float*, float*, int64_t);
 template <bool GELU>

@@ -142,24 +142,8 @@ static void value_block(float* const* acc, const float* const* p, int64_t nq, co
 #include "decode_attention_task.inc"
 }  // namespace scalar
 
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-#include "decode_attention_simd.inc"
-#include "decode_attention_task.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-#include "decode_attention_simd.inc"
-#define TANDEM_DECODE_BF16
-#include "decode_attention_bf16.inc"
-#include "decode_attention_task.inc"
-#undef TANDEM_DECODE_BF16
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "decode_attention_simd.inc"      // its helpers, then the task over them
+#include "simd_namespaces.inc"
 
 // out[i] = sum_c exp(m_c - M) acc_c[i] / sum_c exp(m_c - M) l_c over a row's n chunks, M = max_c m_c, for
 // the H query heads. acc: [n, H, D] and ml: [n, H, 2] (the row's chunks); out: [H, D].

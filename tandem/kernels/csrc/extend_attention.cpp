@@ -93,24 +93,8 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
 }
 }  // namespace scalar
 
-// Register tiles: RK rows of A x NQV vectors of query columns (AVX-512: 24 accumulators + 4 B + 1 broadcast of
-// its 32 registers; AVX2: 12 + 2 + 1 of 16).
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-constexpr int RK = 6, NQV = 2;
-#include "extend_attention_simd.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-constexpr int RK = 6, NQV = 4;
-#include "extend_attention_simd.inc"
-#include "extend_attention_bf16.inc"
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "extend_attention_simd.inc"      // AVX-512: with extend_attention_bf16.inc's task
+#include "simd_namespaces.inc"
 
 using TaskFn = void (*)(const ExtArgs&, const ExtTask&, float*);
 template <typename T>

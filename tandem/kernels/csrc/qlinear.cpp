@@ -50,6 +50,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -171,25 +172,8 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 
 #include "vec_ext.inc"
 
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-using VE = Vec256Ext;
-constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
-constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
-#include "qlinear_simd.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-using VE = Vec512Ext;
-constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
-constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
-#include "qlinear_simd.inc"
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "qlinear_simd.inc"
+#include "simd_namespaces.inc"
 
 using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
 using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*, float*);

@@ -3,7 +3,7 @@
 // Each ISA is a struct of static inline functions over one register type (Vec512: 16 fp32 lanes,
 // Vec256: 8 lanes). Every function carries its own target attribute, so this header compiles at the
 // baseline (x86-64) and nothing here runs unless best_isa() said the CPU has it. The SIMD kernel bodies
-// are written once over `V` and included inside `#pragma GCC target` regions (see qlinear.cpp).
+// are written once over `V` and compiled once per ISA with its target attribute (simd_namespaces.inc).
 // Vec1 is the same interface over one plain float, for scalar bodies that share a polynomial with the SIMD
 // ones. exp and log (vec_math.inc) are written once and included into each of the three structs.
 #pragma once
