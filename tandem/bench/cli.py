@@ -95,13 +95,8 @@ def _vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-log", default="vllm_server.log", metavar="FILE", help="where the vLLM server logs")
 
 
-def add_parser(subparsers) -> None:
+def _offline_parser(sub) -> None:
     from ..cli import add_engine_args
-    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak, speculative",
-                                  description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = bench.add_subparsers(dest="bench_command", required=True)
-
     p = sub.add_parser("offline", help="offline throughput of LLM.generate (like sglang.bench_offline_throughput)")
     _workload_args(p)
     p.add_argument("--dataset", choices=("random", "shared-prefix", "long", "multi-turn"), default="random",
@@ -113,6 +108,8 @@ def add_parser(subparsers) -> None:
     add_engine_args(p)
     p.set_defaults(func=_runner(_offline))
 
+
+def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="time any OpenAI-compatible server (metrics of vllm bench serve)")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (the client adds /v1/completions)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
@@ -125,6 +122,9 @@ def add_parser(subparsers) -> None:
     _workload_args(p)
     p.set_defaults(func=_runner(_serve))
 
+
+def _peers_parser(sub) -> None:
+    from ..cli import add_engine_args
     p = sub.add_parser("peers", help="tandem vs transformers vs llama.cpp vs vLLM CPU on the same prompts, in one run",
                        description="Output tokens/s of tandem (overlap, serial), transformers (generate, "
                                    "generate_batch), llama.cpp (single, batched) and vLLM CPU (optional: "
@@ -144,6 +144,8 @@ def add_parser(subparsers) -> None:
     add_engine_args(p)
     p.set_defaults(func=_runner(_peers))
 
+
+def _soak_parser(sub) -> None:
     p = sub.add_parser("soak", help="bounded chaos run against a fresh `tandem serve` (issue: no request can "
                                     "hurt the service)",
                        description="Starts `tandem serve` with a fault injected for one kind of request, sends a "
@@ -157,15 +159,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     p.set_defaults(func=_runner(_soak))
 
+
+def _speculative_parser(sub) -> None:
+    from .speculative import add_args as speculative_args
     p = sub.add_parser("speculative", help="n-gram speculative decoding: single-stream TPOT vs tandem without it "
                                            "and llama.cpp (plain, prompt lookup), acceptance, 64-request throughput",
                        description="Quoting, code editing, multi-turn quoting and open-ended workloads, greedy, one "
                                    "stream at a time (tandem/bench/speculative.py).")
-    from .speculative import add_args as speculative_args
     speculative_args(p)
     p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     p.set_defaults(func=_runner(_speculative))
 
+
+def _roofline_parser(sub) -> None:
+    from ..cli import add_engine_args
     p = sub.add_parser("roofline", help="fp32 GEMM and memory-bandwidth bounds next to tandem's decode tokens/s",
                        description="Times the model's decode GEMMs and this machine's memory bandwidth, and "
                                    "prints the implied bound on decode tokens/s per batch size next to tandem's "
@@ -179,3 +186,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     add_engine_args(p)
     p.set_defaults(func=_runner(_roofline))
+
+
+def add_parser(subparsers) -> None:
+    """`tandem bench` and its subcommands, in the order --help lists them."""
+    bench = subparsers.add_parser("bench", help="benchmarks: offline, serve, peers, roofline, soak, speculative",
+                                  description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    for add in (_offline_parser, _serve_parser, _peers_parser, _soak_parser, _speculative_parser, _roofline_parser):
+        add(sub)

@@ -99,6 +99,95 @@ def throughput(llm: LLM, spec: dict, on: bool, num: int, in_len: int, out_len: i
     return num * out_len / (time.perf_counter() - t)
 
 
+TANDEM_RUNS = {"tandem spec off": ("overlap", False), "tandem spec overlap": ("overlap", True),
+               "tandem spec serial": ("serial", True), ALWAYS_AHEAD: ("overlap", True)}     # peer: (loop, speculating)
+
+
+def llama_peers(path: str, threads: int, spec: dict) -> tuple[dict, dict]:
+    """llama.cpp plain and with its prompt-lookup draft, by peer name; or why they are skipped."""
+    peers: dict = {}
+    skipped: dict = {}
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        kw = dict(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+        peers["llama.cpp plain"] = Llama(**kw)
+        peers["llama.cpp prompt lookup"] = Llama(**kw, draft_model=LlamaPromptLookupDecoding(
+            max_ngram_size=spec.get("prompt_lookup_max", 4), num_pred_tokens=spec.get("num_speculative_tokens", 4)))
+    except ImportError as e:
+        skipped["llama.cpp"] = f"{type(e).__name__}: {e}"
+    return peers, skipped
+
+
+def tandem_run(llm: LLM, peer: str, ids: list[int], args: argparse.Namespace) -> tuple[float, dict]:
+    """One TPOT run of a tandem peer (TANDEM_RUNS) on a fresh recorder; ALWAYS_AHEAD drops the hold for it."""
+    loop, on = TANDEM_RUNS[peer]
+    spec = args.speculative_config
+    llm.engine.config = llm.engine.config.replace(scheduler=loop, speculative_config=spec if on else None)
+    llm.engine.recorder.clear()
+    hold = spec_mod.AHEAD_MIN_HOLD
+    spec_mod.AHEAD_MIN_HOLD = 0.0 if peer == ALWAYS_AHEAD else hold
+    try:
+        return tandem_tpot(llm, ids, args.output_len, args.stop_at_eos)
+    finally:
+        spec_mod.AHEAD_MIN_HOLD = hold
+
+
+def workload_rounds(llm: LLM, peers: dict, name: str, ids: list[int], args: argparse.Namespace, res: dict) -> None:
+    """args.rounds of every tandem peer and then every llama.cpp peer on one workload, into res: tpot (seconds
+    per peer), and for the speculating runs spec_stats, device idle (idle, idle_off: the same loop without
+    speculation, the reference for the idle goal) and loops (idle, steps, picks ahead per run)."""
+    tandem_tpot(llm, ids, 4)                       # warm the prefix cache the same way for every tandem run
+    for _ in range(args.rounds):
+        for peer, (_, on) in TANDEM_RUNS.items():
+            t, delta = tandem_run(llm, peer, ids, args)
+            res["tpot"].setdefault(name, {}).setdefault(peer, []).append(t)
+            if peer == "tandem spec overlap":
+                res["spec_stats"][name] = delta
+                res["idle"][name] = device_idle(llm)
+            if peer == "tandem spec off":
+                res["idle_off"][name] = device_idle(llm)
+            if on:
+                res["loops"].setdefault(name, {})[peer] = {
+                    "device_idle": device_idle(llm), "ahead": delta.get("spec_ahead_drafts", 0),
+                    "dropped": delta.get("spec_ahead_dropped", 0),
+                    "decode_steps": sum(1 for d in llm.engine.recorder.devices if not d.is_prefill)}
+        for peer, model in peers.items():
+            res["tpot"][name].setdefault(peer, []).append(llama_tpot(model, ids, args.output_len, args.stop_at_eos))
+
+
+def draft_model_runs(args: argparse.Namespace, prompts: dict, tpot: dict) -> dict:
+    """--draft-model: each workload's TPOT with method draft_model (into tpot) and its spec stats delta."""
+    from ..model.loader import default_model_path
+    draft_stats: dict[str, dict] = {}
+    if not args.draft_model:
+        return draft_stats
+    spec = args.speculative_config
+    path = default_model_path() if args.draft_model == "self" else args.draft_model
+    dspec = {"method": "draft_model", "model": path, "num_speculative_tokens": spec.get("num_speculative_tokens", 4)}
+    dllm = LLM(device_threads=args.threads, speculative_config=dspec)
+    try:
+        for name, ids in prompts.items():
+            tandem_tpot(dllm, ids, 4)
+            t, delta = tandem_tpot(dllm, ids, args.output_len, args.stop_at_eos)
+            tpot[name]["tandem draft model"] = [t]
+            draft_stats[name] = delta
+    finally:
+        dllm.shutdown()
+    return draft_stats
+
+
+def throughputs(llm: LLM, spec: dict, requests: int) -> dict:
+    """Output tokens/s of `requests` x 32 -> 128, speculation off and on, twice each (none for 0 requests)."""
+    tp = {}
+    if requests:
+        vocab = llm.engine.model_config.vocab_size
+        throughput(llm, spec, False, 8, 32, 8, vocab)  # warm-up
+        for on in (False, True, False, True):
+            tp.setdefault("on" if on else "off", []).append(throughput(llm, spec, on, requests, 32, 128, vocab))
+    return tp
+
+
 def bench_speculative(args: argparse.Namespace) -> dict:
     """The whole run; args: threads, output_len, rounds, throughput_requests, speculative_config (dict)."""
     spec = args.speculative_config
@@ -106,78 +195,20 @@ def bench_speculative(args: argparse.Namespace) -> dict:
     tok = llm.tokenizer
     prompts = {name: tok.encode(llm.apply_chat_template(m), add_special_tokens=False) for name, m in WORKLOADS.items()}
     from ..model.loader import default_model_path
-    path = default_model_path()
-    peers: dict = {}
-    skipped: dict = {}
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        kw = dict(model_path=path, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-        peers["llama.cpp plain"] = Llama(**kw)
-        peers["llama.cpp prompt lookup"] = Llama(**kw, draft_model=LlamaPromptLookupDecoding(
-            max_ngram_size=spec.get("prompt_lookup_max", 4), num_pred_tokens=spec.get("num_speculative_tokens", 4)))
-    except ImportError as e:
-        skipped["llama.cpp"] = f"{type(e).__name__}: {e}"
-    n = args.output_len
-    tpot: dict[str, dict[str, list[float]]] = {}
-    spec_stats: dict[str, dict] = {}
-    idle: dict[str, float] = {}
-    idle_off: dict[str, float] = {}          # the same loop without speculation: the reference for the idle goal
-    tandem_runs = {"tandem spec off": ("overlap", False), "tandem spec overlap": ("overlap", True),
-                   "tandem spec serial": ("serial", True), ALWAYS_AHEAD: ("overlap", True)}
-    loops: dict[str, dict[str, dict]] = {}          # per workload and speculating run: idle, steps, picks ahead
-    hold = spec_mod.AHEAD_MIN_HOLD
+    peers, skipped = llama_peers(default_model_path(), args.threads, spec)
+    res: dict[str, dict] = {"tpot": {}, "spec_stats": {}, "idle": {}, "idle_off": {}, "loops": {}}
     for name, ids in prompts.items():
-        tandem_tpot(llm, ids, 4)                       # warm the prefix cache the same way for every tandem run
-        for _ in range(args.rounds):
-            for peer, (loop, on) in tandem_runs.items():
-                llm.engine.config = llm.engine.config.replace(scheduler=loop, speculative_config=spec if on else None)
-                llm.engine.recorder.clear()
-                spec_mod.AHEAD_MIN_HOLD = 0.0 if peer == ALWAYS_AHEAD else hold
-                try:
-                    t, delta = tandem_tpot(llm, ids, n, args.stop_at_eos)
-                finally:
-                    spec_mod.AHEAD_MIN_HOLD = hold
-                tpot.setdefault(name, {}).setdefault(peer, []).append(t)
-                if peer == "tandem spec overlap":
-                    spec_stats[name] = delta
-                    idle[name] = device_idle(llm)
-                if peer == "tandem spec off":
-                    idle_off[name] = device_idle(llm)
-                if on:
-                    loops.setdefault(name, {})[peer] = {
-                        "device_idle": device_idle(llm), "ahead": delta.get("spec_ahead_drafts", 0),
-                        "dropped": delta.get("spec_ahead_dropped", 0),
-                        "decode_steps": sum(1 for d in llm.engine.recorder.devices if not d.is_prefill)}
-            for peer, model in peers.items():
-                tpot[name].setdefault(peer, []).append(llama_tpot(model, ids, n, args.stop_at_eos))
-        print(name, {k: round(1e3 * statistics.median(v), 2) for k, v in tpot[name].items()}, flush=True)
-    draft_stats: dict[str, dict] = {}
-    if args.draft_model:
-        path = default_model_path() if args.draft_model == "self" else args.draft_model
-        dspec = {"method": "draft_model", "model": path, "num_speculative_tokens": spec.get("num_speculative_tokens", 4)}
-        dllm = LLM(device_threads=args.threads, speculative_config=dspec)
-        try:
-            for name, ids in prompts.items():
-                tandem_tpot(dllm, ids, 4)
-                t, delta = tandem_tpot(dllm, ids, n, args.stop_at_eos)
-                tpot[name]["tandem draft model"] = [t]
-                draft_stats[name] = delta
-        finally:
-            dllm.shutdown()
-    tp = {}
-    if args.throughput_requests:
-        vocab = llm.engine.model_config.vocab_size
-        throughput(llm, spec, False, 8, 32, 8, vocab)  # warm-up
-        for on in (False, True, False, True):
-            tp.setdefault("on" if on else "off", []).append(
-                throughput(llm, spec, on, args.throughput_requests, 32, 128, vocab))
+        workload_rounds(llm, peers, name, ids, args, res)
+        print(name, {k: round(1e3 * statistics.median(v), 2) for k, v in res["tpot"][name].items()}, flush=True)
+    draft_stats = draft_model_runs(args, prompts, res["tpot"])
+    tp = throughputs(llm, spec, args.throughput_requests)
     llm.shutdown()
-    return {"output_len": n, "stop_at_eos": args.stop_at_eos, "threads": args.threads, "speculative_config": spec, "rounds": args.rounds,
+    return {"output_len": args.output_len, "stop_at_eos": args.stop_at_eos, "threads": args.threads,
+            "speculative_config": spec, "rounds": args.rounds,
             "throughput_requests": args.throughput_requests, "skipped": skipped,
-            "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in tpot.items()},
-            "spec_stats": spec_stats, "device_idle_overlap": idle,
-            "device_idle_overlap_off": idle_off, "loops": loops, "draft_model": args.draft_model,
+            "tpot_ms": {w: {k: 1e3 * statistics.median(v) for k, v in d.items()} for w, d in res["tpot"].items()},
+            "spec_stats": res["spec_stats"], "device_idle_overlap": res["idle"],
+            "device_idle_overlap_off": res["idle_off"], "loops": res["loops"], "draft_model": args.draft_model,
             "draft_stats": draft_stats,
             "throughput_tok_s": {k: statistics.median(v) for k, v in tp.items()}}
 

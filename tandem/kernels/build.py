@@ -20,7 +20,8 @@ import tempfile
 log = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("isa.cpp", "quant_gemm.cpp", "quant_gemm_q8.cpp", "quant_gemm_i8.cpp", "quant_gemv_i8.cpp", "quant_gemv_packed.cpp", "decode_attention.cpp", "extend_attention.cpp", "norm.cpp", "act_mul.cpp", "sample.cpp",
+SOURCES = ("isa.cpp", "qlinear.cpp", "qlinear_q8.cpp", "qgemm_q8.cpp", "qgemv_q8.cpp", "qgemv_packed.cpp",
+           "decode_attention.cpp", "extend_attention.cpp", "rms_norm.cpp", "rope.cpp", "act_mul.cpp", "race_argmax.cpp",
            "decode_layer.cpp", "registration.cpp")
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-psabi",
          "-Wno-maybe-uninitialized")

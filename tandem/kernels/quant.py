@@ -16,7 +16,7 @@ Q4_1's time per weight); Q5_K rows likewise as [headers][qh u32 a sub-block][qs 
 sub-block then being a Q5_1 block. Their 6-bit / int8 sub-block scales are decoded once per row and call.
 F16 / BF16 rows are the GGUF's halves, read by the same kernels as blocks of 32 (half the bytes of fp32).
 Rows are whole blocks along K, so permuting or concatenating rows (llama's q/k un-permutation, the fused qkv
-and gate_up) works on the bytes as on a dense matrix. See csrc/quant_gemm.cpp for the block formats.
+and gate_up) works on the bytes as on a dense matrix. See csrc/qlinear.cpp for the block formats.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ _packed_rows: dict[int, int] = {}
 def packed_rows(qtype: int) -> int:
     """Rows of x up to which a linear with a repacked copy of its weight (tandem.pack_gemv, made at load for
     Q4_0 / Q4_1 / Q8_0 with int8 activations) runs tandem.qgemv_packed, the GEMM's bits at 2-2.7x the row
-    layout's GEMV (csrc/quant_gemv_packed.cpp says where it was measured): 256 with AVX-512 VNNI and AMX (past
+    layout's GEMV (csrc/qgemv_packed.cpp says where it was measured): 256 with AVX-512 VNNI and AMX (past
     it the GEMM's AMX tiles); 4096 with VNNI and no AMX (1.08-1.86x the GEMM's VNNI body up to 2048 rows, prefill
     chunks too); with AVX2 every row count (2^40: its many-row tile is level with or ahead of the AVX2 GEMM up to
     2048 rows).
@@ -283,7 +283,7 @@ def _half(b: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """K-quant super-blocks (GGUF layout, csrc/quant_gemm.cpp) -> fp32 [N, K]."""
+    """K-quant super-blocks (GGUF layout, csrc/qlinear.cpp) -> fp32 [N, K]."""
     n, ns = data.shape[0], k // 256
     raw = data.reshape(n, ns, BLOCK_BYTES[qtype])
     b = raw.int()

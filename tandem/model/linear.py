@@ -45,7 +45,7 @@ class QLinear:
     With int8 activations a one-part Q4_0 / Q4_1 / Q8_0 weight also gets a repacked copy (`packed`, as many bytes
     again: the row layout stays for longer prefill chunks, the embedding and the exact mode) for up to
     packed_rows() rows of x, where tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's
-    GEMV (decode and speculative verify steps; csrc/quant_gemv_packed.cpp)."""
+    GEMV (decode and speculative verify steps; csrc/qgemv_packed.cpp)."""
 
     def __init__(self, weight: "QuantWeight | list[QuantWeight]", bias: torch.Tensor | None = None,
                  int8_act: bool = False) -> None:

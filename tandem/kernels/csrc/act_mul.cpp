@@ -3,7 +3,7 @@
 //   gelu_tanh_mul(gu [T, 2I]) -> gelu_tanh(gu[:, :I]) * gu[:, I:]         ([T, I], GeGLU: gemma)
 // fp32, rows contiguous; thread split over rows.
 //
-// Why SIMD bodies (AVX-512 and AVX2: act_mul_body.inc over vec.h's exp; a plain loop without AVX2): the plain loop
+// Why SIMD bodies (AVX-512 and AVX2: act_mul_simd.inc over vec.h's exp; a plain loop without AVX2): the plain loop
 // called std::exp (or std::tanh) per element, which the compiler cannot vectorize, and took 50 us for 32 rows of
 // SmolLM2's 1,536 (aten's F.silu(g) * u: 14 us; 2 threads, AMD EPYC): ~1.5 ms of a 32-row decode step's 27. A row's result depends
 // on its own values only (no sums), so it has the same bits in any batch; the AVX-512 and AVX2 bodies run the same
@@ -29,19 +29,8 @@ void act_mul_row(const float* g, const float* u, float* o, int64_t n) {
 }
 }  // namespace scalar
 
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-#include "act_mul_body.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-#include "act_mul_body.inc"
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "act_mul_simd.inc"
+#include "simd_namespaces.inc"
 
 using RowFn = void (*)(const float*, const float*, float*, int64_t);
 template <bool GELU>

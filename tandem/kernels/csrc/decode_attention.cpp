@@ -33,7 +33,7 @@
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
 // Thread split: over tasks (row, chunk of its keys; or up to MAX_SHARED_ROWS rows' same chunk of shared slots,
-// attended together: decode_attention_shared.inc), by count or from one counter (attend_rows). A task keeps per
+// attended together: shared_prefix_attention.inc), by count or from one counter (attend_rows). A task keeps per
 // query head a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A
 // row whose keys are one chunk writes its normalized output at once; otherwise each chunk leaves its partial
 // [H, D] and (max, sum) per head, and the task that finishes a row's last chunk merges them in chunk order with
@@ -88,7 +88,7 @@ struct AttnArgs {
   int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
 };
 
-// A thread's working memory for attend (decode_attention_body.inc) over tasks of up to R rows.
+// A thread's working memory for attend (decode_attention_task.inc) over tasks of up to R rows.
 struct Scratch {
   std::vector<float> f;                                  // queries [R, H, D], scores [R, H, TILE], ml_own
   std::vector<const float*> in;                          // per KV head: R G query (then probability) rows
@@ -139,27 +139,11 @@ static void value_block(float* const* acc, const float* const* p, int64_t nq, co
   for (int64_t c = 0; c < nq; ++c)
     for (int64_t j = 0; j < n; ++j) axpy(acc[c], p[c][j], v[j], D);
 }
-#include "decode_attention_body.inc"
+#include "decode_attention_task.inc"
 }  // namespace scalar
 
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-#include "decode_attention_simd.inc"
-#include "decode_attention_body.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-#include "decode_attention_simd.inc"
-#define TANDEM_DECODE_BF16
-#include "decode_attention_bf16.inc"
-#include "decode_attention_body.inc"
-#undef TANDEM_DECODE_BF16
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "decode_attention_simd.inc"      // its helpers, then the task over them
+#include "simd_namespaces.inc"
 
 // out[i] = sum_c exp(m_c - M) acc_c[i] / sum_c exp(m_c - M) l_c over a row's n chunks, M = max_c m_c, for
 // the H query heads. acc: [n, H, D] and ml: [n, H, 2] (the row's chunks); out: [H, D].
@@ -203,7 +187,7 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
                                                                                  : attend_for<float>(isa);
 }
 
-#include "decode_attention_shared.inc"
+#include "shared_prefix_attention.inc"
 
 // Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart); kv: the cache's dtype.
 // chunk_keys: keys per chunk; -1 row_chunk (see the top of the file), 0 never splits, > 0 forces that size
@@ -241,7 +225,7 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   const AttendFn attend = pick_attend(resolve_isa(isa_req), kv, bf16_products, D);
   float* pacc = part_acc.get();
   float* pml = part_ml.get();
-  // A task's R rows attend its chunk together, tile by tile (decode_attention_body.inc): the chunk's K and V come
+  // A task's R rows attend its chunk together, tile by tile (decode_attention_task.inc): the chunk's K and V come
   // from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are the
   // bits it gets alone. R is at most MAX_SHARED_ROWS, so the rows' states stay in cache (a tile-by-tile order
   // over all of a chunk's rows was 1.6x slower at 1,000 rows, whose states no longer fit). A row's chunks that

@@ -19,7 +19,7 @@
 // Work: tasks of (a run of up to QROWS / G tokens of one row, one KV head), longest first from one counter. A task
 // holds its queries transposed and visits its keys in blocks of NK: each block's K and V rows are widened once into
 // fp32 scratch for all the task's query rows (G heads x its tokens), its scores and output update are small GEMMs
-// (extend_attention_body.inc), with the online softmax of flash attention between them. Blocks past a task's last
+// (extend_attention_simd.inc), with the online softmax of flash attention between them. Blocks past a task's last
 // token are never read (causal), nor, with a window, blocks before its first token's window.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,24 +93,8 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
 }
 }  // namespace scalar
 
-// Register tiles: RK rows of A x NQV vectors of query columns (AVX-512: 24 accumulators + 4 B + 1 broadcast of
-// its 32 registers; AVX2: 12 + 2 + 1 of 16).
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-constexpr int RK = 6, NQV = 2;
-#include "extend_attention_body.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-constexpr int RK = 6, NQV = 4;
-#include "extend_attention_body.inc"
-#include "extend_attention_bf16.inc"
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "extend_attention_simd.inc"      // AVX-512: with extend_attention_bf16.inc's task
+#include "simd_namespaces.inc"
 
 using TaskFn = void (*)(const ExtArgs&, const ExtTask&, float*);
 template <typename T>

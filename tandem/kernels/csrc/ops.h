@@ -12,6 +12,21 @@ namespace tandem {
 inline at::Tensor as_long(const at::Tensor& t) {
   return t.scalar_type() == at::kLong && t.is_contiguous() ? t : t.to(at::kLong).contiguous();
 }
+// An op's fp32 [rows, features] input whose rows are contiguous (the row ops: norms, RoPE).
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1,
+              "tandem: ", name, " must be fp32 [rows, features] with contiguous rows");
+}
+// A linear's tensors as its bodies read them (qlinear, qlinear_q8, qgemm_q8, qgemv_q8, qgemv_packed): x and the
+// bias contiguous (bias undefined: none), y = fp32 [M, N] for the output, not yet written.
+struct LinearIo {
+  at::Tensor x, bias, y;
+};
+inline LinearIo linear_io(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N) {
+  LinearIo io{x.contiguous(), bias.has_value() ? bias->contiguous() : at::Tensor(), at::Tensor()};
+  io.y = at::empty({io.x.size(0), N}, io.x.options());
+  return io;
+}
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                    const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
@@ -24,7 +39,7 @@ at::Tensor qgemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int
 // bodies (other types, or a CPU without AVX2). _isa: for an ISA request as qlinear_q8's.
 int64_t qgemv_q8_rows(int64_t qtype);
 int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa);
-// The int8 GEMV on weights repacked at load (quant_gemv_packed.cpp): the layout, the op, and the rows of x up
+// The int8 GEMV on weights repacked at load (qgemv_packed.cpp): the layout, the op, and the rows of x up
 // to which a model runs it where it holds the packed copy (0: not this type or CPU).
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,

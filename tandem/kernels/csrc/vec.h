@@ -3,7 +3,7 @@
 // Each ISA is a struct of static inline functions over one register type (Vec512: 16 fp32 lanes,
 // Vec256: 8 lanes). Every function carries its own target attribute, so this header compiles at the
 // baseline (x86-64) and nothing here runs unless best_isa() said the CPU has it. The SIMD kernel bodies
-// are written once over `V` and included inside `#pragma GCC target` regions (see quant_gemm.cpp).
+// are written once over `V` and compiled once per ISA with its target attribute (simd_namespaces.inc).
 // Vec1 is the same interface over one plain float, for scalar bodies that share a polynomial with the SIMD
 // ones. exp and log (vec_math.inc) are written once and included into each of the three structs.
 #pragma once
@@ -95,6 +95,15 @@ struct Vec512 {
   TANDEM_AVX512 reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   TANDEM_AVX512 reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   TANDEM_AVX512 float hmax(reg v) { return _mm512_reduce_max_ps(v); }
+  // 32-bit integer lanes (the sampler's counter-based hash, race_noise_simd.inc).
+  using ireg = __m512i;
+  TANDEM_AVX512 ireg iset1(uint32_t v) { return _mm512_set1_epi32((int)v); }
+  TANDEM_AVX512 ireg iota_i() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  TANDEM_AVX512 ireg iadd(ireg a, ireg b) { return _mm512_add_epi32(a, b); }
+  TANDEM_AVX512 ireg imul(ireg a, ireg b) { return _mm512_mullo_epi32(a, b); }          // the low 32 bits
+  TANDEM_AVX512 ireg ixor(ireg a, ireg b) { return _mm512_xor_si512(a, b); }
+  TANDEM_AVX512 ireg ishr(ireg a, int n) { return _mm512_srli_epi32(a, n); }            // logical
+  TANDEM_AVX512 reg to_float(ireg a) { return _mm512_cvtepi32_ps(a); }                  // signed lanes
   TANDEM_AVX512 reg round(reg v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   TANDEM_AVX512 reg ldexp(reg v, reg n) { return _mm512_scalef_ps(v, n); }       // v 2^n, n integral
   TANDEM_AVX512 reg zero_below(reg x, reg lo, reg v) {                          // x < lo ? 0 : v
@@ -189,6 +198,15 @@ struct Vec256 {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // 32-bit integer lanes, as Vec512's.
+  using ireg = __m256i;
+  TANDEM_AVX2 ireg iset1(uint32_t v) { return _mm256_set1_epi32((int)v); }
+  TANDEM_AVX2 ireg iota_i() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  TANDEM_AVX2 ireg iadd(ireg a, ireg b) { return _mm256_add_epi32(a, b); }
+  TANDEM_AVX2 ireg imul(ireg a, ireg b) { return _mm256_mullo_epi32(a, b); }
+  TANDEM_AVX2 ireg ixor(ireg a, ireg b) { return _mm256_xor_si256(a, b); }
+  TANDEM_AVX2 ireg ishr(ireg a, int n) { return _mm256_srli_epi32(a, n); }
+  TANDEM_AVX2 reg to_float(ireg a) { return _mm256_cvtepi32_ps(a); }
   TANDEM_AVX2 reg round(reg v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   TANDEM_AVX2 reg ldexp(reg v, reg n) {     // v 2^n for integral n in [-126, 127]: n + 127 is 2^n's exponent field
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

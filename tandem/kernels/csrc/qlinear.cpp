@@ -44,14 +44,16 @@
 // however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
-// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (quant_gemm_simd.inc, with the
-// vector helpers of vec.h and quant_gemm_ext.inc) equal it up to summation order. The dequantized weights are
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (qlinear_simd.inc, with the
+// vector helpers of vec.h and vec_ext.inc) equal it up to summation order. The dequantized weights are
 // bit-identical (d * q + m unfused, as gguf-py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace tandem {
@@ -168,27 +170,10 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 }
 }  // namespace scalar
 
-#include "quant_gemm_ext.inc"
+#include "vec_ext.inc"
 
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX2)))
-namespace avx2 {
-using V = Vec256;
-using VE = Vec256Ext;
-constexpr int NR = 4, MR = 2;     // tiled: 8 accumulators + 4 weight registers of 16
-constexpr int FR = 4, FUSED_M = 1;  // fused: 4 accumulators, 4 x, 4 weight registers
-#include "quant_gemm_simd.inc"
-}  // namespace avx2
-#undef KERNEL
-
-#define KERNEL __attribute__((target(TANDEM_TARGET_AVX512)))
-namespace avx512 {
-using V = Vec512;
-using VE = Vec512Ext;
-constexpr int NR = 4, MR = 4;     // tiled: 16 accumulators + 4 weight registers of 32
-constexpr int FR = 4, FUSED_M = 4;  // fused: 16 accumulators, 8 x, 2 weight registers + the level table
-#include "quant_gemm_simd.inc"
-}  // namespace avx512
-#undef KERNEL
+#define TANDEM_SIMD_BODY "qlinear_simd.inc"
+#include "simd_namespaces.inc"
 
 using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
 using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*, float*);
@@ -208,11 +193,8 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
   check_weight(w, qtype, K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
               "tandem.qlinear: x must be fp32 [M, ", K, "]");
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   Isa isa = resolve_isa(isa_req);
   GemmRows fn = isa == kAvx512 ? avx512::gemm_rows : isa == kAvx2 ? avx2::gemm_rows : scalar::gemm_rows;

@@ -1,27 +1,22 @@
-// Small fused ops of a decoder layer, one pass over each row instead of ~5-10 torch calls:
+// RMSNorm ops of a decoder layer, one pass over each row instead of ~5-10 torch calls:
 //   rms_norm(x [T, E], w [E], eps) -> w * x / sqrt(mean(x^2) + eps)
 //   add_rms_norm_(x [T, E], delta [T, E], w, eps) -> x += delta (in place, the residual stream), returns
 //       rms_norm(x)
 //   head_rms_norm_(qkv [T, C], w [heads, D], eps): RMSNorm in place over each of the first `heads` heads of D of
 //       each row, head h by w[h] (QK-norm: q heads by q_norm, then k heads by k_norm)
-//   rope_(qkv [T, C], cos [P, D], sin [P, D], positions [T], heads, D): rotate-half RoPE in place on the
-//       first `heads` heads of D of each row (q then k of the fused qkv projection), at each token's position
 // fp32, rows contiguous. Thread split: at::parallel_for over rows. The loops are plain C++ (the compiler
 // vectorizes them at the baseline ISA); they are memory-light and exist to cut per-op overhead, which a
-// decode step profile showed as the other half of its time. The gated activations (silu_mul, gelu_tanh_mul),
-// whose exp the compiler cannot vectorize, are act_mul.cpp's.
+// decode step profile showed as the other half of its time. RoPE is rope.cpp's; the gated activations (silu_mul,
+// gelu_tanh_mul), whose exp the compiler cannot vectorize, are act_mul.cpp's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <tuple>
 
-namespace tandem {
+#include "ops.h"
 
-static void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1,
-              "tandem: ", name, " must be fp32 [rows, features] with contiguous rows");
-}
+namespace tandem {
 
 static void norm_row(const float* x, const float* w, float eps, int64_t E, float* out) {
   float ss = 0.f;
@@ -78,34 +73,6 @@ void head_rms_norm_(const at::Tensor& qkv, const at::Tensor& w_in, double eps) {
         float* x = px + t * ld + h * D;
         norm_row(x, pw + h * D, (float)eps, D, x);               // in place: norm_row reads x before writing
       }
-  });
-}
-
-void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-           int64_t heads, int64_t D) {
-  check_rows(qkv, "qkv");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "tandem.rope_: cos/sin must be contiguous [positions, D]");
-  TORCH_CHECK(heads * D <= qkv.size(1) && D % 2 == 0, "tandem.rope_: heads * D exceeds the row");
-  // Already int64 (the engine's case): no aten::to dispatch, 30 a decode step.
-  at::Tensor pos = positions.scalar_type() == at::kLong ? positions.contiguous() : positions.to(at::kLong).contiguous();
-  const int64_t T = qkv.size(0), ld = qkv.stride(0), half = D / 2, P = cos.size(0);
-  float* px = qkv.data_ptr<float>();
-  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "tandem.rope_: position out of range");
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *c = pc + pp[t] * D, *s = ps + pp[t] * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x = px + t * ld + h * D;
-        for (int64_t i = 0; i < half; ++i) {     // x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
-          const float a = x[i], b = x[i + half];
-          x[i] = a * c[i] - b * s[i];
-          x[i + half] = b * c[i + half] + a * s[i + half];
-        }
-      }
-    }
   });
 }
 

@@ -21,7 +21,7 @@
 // the same exact values, so the gap to the float64 specification is of the same size (tests/kernels/test_qgemm.py).
 // Measured (one thread, AMD EPYC with AVX-512 VNNI, SmolLM2's shapes): 1.6-2.1x MKL's fp32 GEMM plus the
 // dequantization at 128-512 rows; the AVX2 body 1.1-3x MKL past 16 rows on an AVX2-only Zen 3 (quant.py). End
-// to end, 16 prompts x 1000 tokens prefill in 1.41x less time. The micro-kernels: quant_gemm_i8_tiles.inc.
+// to end, 16 prompts x 1000 tokens prefill in 1.41x less time. The micro-kernels: qgemm_q8_tiles.inc.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -44,7 +44,7 @@ enum : int64_t {
 };
 
 #include "k_scales.inc"
-#include "quant_gemm_ext.inc"
+#include "vec_ext.inc"
 
 constexpr int kTok = 16;              // tokens of a tile: the int32 lanes of one AVX-512 register
 constexpr int kRows = 12;             // weight rows of a tile: 12 int32 and 12 fp32 accumulators of the kernel
@@ -60,7 +60,7 @@ __attribute__((target("sse4.1,f16c"))) void row_k_scales(int64_t qt, const uint8
 }
 
 // One QuantWeight row -> q [K] signed quants in natural order, dw / mh [2 nb] per half (mh only with a min).
-// The formats are quant_gemm.cpp's (regrouped rows, quant.py's docstring); sc: scratch of 4 nb floats.
+// The formats are qlinear.cpp's (regrouped rows, quant.py's docstring); sc: scratch of 4 nb floats.
 void unpack_row(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, float* dw, float* mh, float* sc) {
   // (q null: the scales only, the quants having come from unpack_quants_avx2.)
   if (qt == kQ2_K || qt == kQ3_K || qt == kQ6_K) {
@@ -283,8 +283,8 @@ XTiles tile_x(const float* x, int64_t M, int64_t K, bool signed_x) {
   return t;
 }
 
-#include "quant_gemm_i8_tiles.inc"
-#include "quant_gemm_i8_amx.inc"
+#include "qgemm_q8_tiles.inc"
+#include "qgemm_q8_amx.inc"
 
 // The GEMM over weight tiles W (WTile: kRows interleaved rows for the scalar, AVX2 and VNNI micro-kernels;
 // WTileAmx: 16 natural-order rows for the AMX one). fn: out [W::kR][kTok] += the halves [u0, u1) of the tile's
@@ -355,11 +355,8 @@ int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
 at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                     const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.qgemm_q8", x_in, w, qtype, K, bias_in);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const Isa isa = resolve_isa(isa_req);
   const bool mn = has_min(qtype);

@@ -15,7 +15,7 @@
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
 // the result differs from the fp32-activation kernel by the rounding of x (tests/kernels/test_int8_act.py bounds it,
 // benchmarks/kl_divergence.py measures it against llama.cpp's own).
-// Weights: the QuantWeight rows of quant_gemm.cpp. Q4 / Q5 (and Q4_K / Q5_K) activations are stored in the
+// Weights: the QuantWeight rows of qlinear.cpp. Q4 / Q5 (and Q4_K / Q5_K) activations are stored in the
 // nibble order of the weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds
 // the g blocks' elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted
 // (Q5: the fifth bits added from qh), lines up with two loads of x. Q8_0, Q2_K, Q3_K and Q6_K activations stay
@@ -31,7 +31,7 @@
 
 namespace tandem {
 
-#include "quant_gemm_ext.inc"
+#include "vec_ext.inc"
 
 bool cpu_has_vnni();
 
@@ -52,7 +52,7 @@ constexpr bool natural_order(int64_t qtype) { return qtype == kQ8_0 || is_k16(qt
 constexpr int64_t k16_bytes(int64_t qtype) { return qtype == kQ2_K ? 84 : qtype == kQ3_K ? 110 : 210; }
 
 // The unsigned q of element i < 32 of 32-weight block j < 8 of a Q2_K / Q3_K / Q6_K super-block (h = j / 4,
-// t = j % 4; element 128 h + 32 t + i of the super-block, quant_gemm.cpp's formats), and its offset:
+// t = j % 4; element 128 h + 32 t + i of the super-block, qlinear.cpp's formats), and its offset:
 // the weight is s_u (q - offset) (Q2_K: d sc_u q - dmin m_u, offset 0 and the min apart).
 inline int k16_q(int64_t qtype, const uint8_t* blk, int j, int i) {
   const int h = j / 4, t = j % 4;
@@ -236,7 +236,7 @@ T512 inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbus
 T512 inline __m128i dot(__m128i acc, __m128i u, __m128i s) { return _mm_dpbusd_epi32(acc, u, s); }
 #define TGT T512
 #define Q8_GROUP4 1
-#include "quant_gemm_q8_simd.inc"
+#include "qlinear_q8_simd.inc"
 #undef Q8_GROUP4
 #undef TGT
 }  // namespace avx512
@@ -251,7 +251,7 @@ T256 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
 }
 #define TGT T256
 #define Q8_GROUP4 0
-#include "quant_gemm_q8_simd.inc"
+#include "qlinear_q8_simd.inc"
 #undef Q8_GROUP4
 #undef TGT
 }  // namespace avx2
@@ -292,16 +292,13 @@ void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, i
 at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                       const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.qlinear_q8", x_in, w, qtype, K, bias_in);
-  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0 with VNNI): the GEMM's arithmetic at every row count (quant_gemv_i8.cpp),
+  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0 with VNNI): the GEMM's arithmetic at every row count (qgemv_q8.cpp),
   // so a row's output is the same bits at any M and in any step; the bodies below otherwise.
   if (const int64_t gv = qgemv_q8_rows_isa(qtype, isa_req); gv > 0)
     return x_in.size(0) <= gv ? qgemv_q8(x_in, w, qtype, K, bias_in, isa_req)
                               : qgemm_q8(x_in, w, qtype, K, bias_in, isa_req);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32;
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   Isa isa = resolve_isa(isa_req);
   if (isa == kAvx512 && !cpu_has_vnni()) isa = kAvx2;       // AVX-512 without VNNI: the AVX2 body

@@ -69,34 +69,18 @@ void scores_scalar(const Row& r, float* s) {
   for (int64_t j = 0; j < r.V; ++j) s[j] = value(r, j);
 }
 
+#define TANDEM_SIMD_BODY "race_noise_simd.inc"            // avx2::log_noise, avx512::log_noise
+#include "simd_namespaces.inc"
+
 // ---- AVX-512 ----
 #define T512 __attribute__((target(TANDEM_TARGET_AVX512)))
-T512 inline __m512i mix16(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)kMul1));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)kMul2));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-T512 inline __m512 log_noise16(const Row& r, int64_t j) {
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int)j), iota);
-  x = _mm512_add_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)kGolden)), _mm512_set1_epi32((int)r.k0));
-  x = mix16(_mm512_xor_si512(mix16(x), _mm512_set1_epi32((int)r.k1)));
-  __m512i bits = _mm512_add_epi32(_mm512_srli_epi32(x, 8), _mm512_set1_epi32(1));
-  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(1.f / 16777216.f));
-  __m512 E = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), Vec512::log(v)), _mm512_set1_ps(FLT_MIN));
-  return Vec512::log(E);
-}
-
 T512 void scores_avx512(const Row& r, float* s) {
   const __m512 t = _mm512_set1_ps(r.t);
   for (int64_t j = 0; j < r.V; j += 16) {
     __mmask16 m = r.V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (r.V - j)) - 1);
     __m512 v = _mm512_maskz_loadu_ps(m, r.x + j);
     if (r.div) v = _mm512_div_ps(v, t);
-    if (r.noise) v = _mm512_sub_ps(v, log_noise16(r, j));
+    if (r.noise) v = _mm512_sub_ps(v, avx512::log_noise(r, j));
     _mm512_mask_storeu_ps(s + j, m, v);
   }
 }
@@ -124,31 +108,13 @@ T512 int64_t first_max_avx512(const float* s, int64_t V) {
 
 // ---- AVX2 ----
 #define T256 __attribute__((target(TANDEM_TARGET_AVX2)))
-T256 inline __m256i mix8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)kMul1));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)kMul2));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-T256 inline __m256 log_noise8(const Row& r, int64_t j) {
-  __m256i x = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  x = _mm256_add_epi32(_mm256_mullo_epi32(x, _mm256_set1_epi32((int)kGolden)), _mm256_set1_epi32((int)r.k0));
-  x = mix8(_mm256_xor_si256(mix8(x), _mm256_set1_epi32((int)r.k1)));
-  __m256i bits = _mm256_add_epi32(_mm256_srli_epi32(x, 8), _mm256_set1_epi32(1));
-  __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(1.f / 16777216.f));
-  __m256 E = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), Vec256::log(v)), _mm256_set1_ps(FLT_MIN));
-  return Vec256::log(E);
-}
-
 T256 void scores_avx2(const Row& r, float* s) {
   const __m256 t = _mm256_set1_ps(r.t);
   const int64_t body = r.V / 8 * 8;
   for (int64_t j = 0; j < body; j += 8) {
     __m256 v = _mm256_loadu_ps(r.x + j);
     if (r.div) v = _mm256_div_ps(v, t);
-    if (r.noise) v = _mm256_sub_ps(v, log_noise8(r, j));
+    if (r.noise) v = _mm256_sub_ps(v, avx2::log_noise(r, j));
     _mm256_storeu_ps(s + j, v);
   }
   for (int64_t j = body; j < r.V; ++j) s[j] = value(r, j);

@@ -1,6 +1,6 @@
 // The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
 // of x of a decode step or a speculative verify step (up to qgemv_packed_rows()), each output computed by qgemm_q8's operations in qgemm_q8's
-// order (quant_gemm_i8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
+// order (qgemm_q8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
 //
 // Why another layout: qgemv_q8 reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
 // load), so each vpdpbusd leaves 4-product partials of one row that must be summed across lanes and transposed
@@ -389,11 +389,8 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
               "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
   TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
               "tandem.qgemv_packed: bias must be fp32 [N]");
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, N);
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xs;

@@ -1,6 +1,6 @@
 // The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K, Q8_0 and, VNNI only, Q5_0; an AVX-512 VNNI body here,
-// an AVX2 one in quant_gemv_i8_avx2.inc): for a few rows of x, each
-// output computed by qgemm_q8's operations in qgemm_q8's order (quant_gemm_i8.cpp's header), so its rows are
+// an AVX2 one in qgemv_q8_avx2.inc): for a few rows of x, each
+// output computed by qgemm_q8's operations in qgemm_q8's order (qgemm_q8.cpp's header), so its rows are
 // bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
 // decode kernel qlinear_q8 scales 4-product partials per lane instead, so its rows differ from the GEMM's in
 // the last bits, and in the int8 mode those bits grow into ~0.01-0.07 of a logprob over 30 layers).
@@ -249,7 +249,7 @@ void group_all(const Group& g, const XRows& x, int64_t M, const float* bias, flo
   }
 }
 
-#include "quant_gemv_i8_avx2.inc"
+#include "qgemv_q8_avx2.inc"
 
 // The body qgemv_q8 runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
 int gemv_body(int64_t isa_req) {
@@ -284,11 +284,8 @@ at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   const int body = gemv_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.qgemv_q8 needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(qtype != kQ5_0 || body == 2, "tandem.qgemv_q8: Q5_0 needs AVX-512 VNNI (the AVX2 body has no Q5_0)");
-  at::Tensor x = x_in.contiguous();
-  at::Tensor bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32, nh = 2 * nb, row_bytes = w.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per xg blocks (a step's: 4
   // VNNI, 2 AVX2): elements 0-15 of each, then 16-31 (blocks past nb zero). Padded by a step so the last
