@@ -3,7 +3,7 @@
 (32 x (900 + 24) -> 32, the shared-prefix workload; the prefix is served once first so the radix cache holds it).
 
 Each workload runs in a fresh process with torch.profiler inside the device process (TANDEM_DEVICE_PROFILE,
-tandem/trace/device_profile.py) over the decode steps after the first 8; the families are decode_profile.py's.
+tandem/device/profile.py) over the decode steps after the first 8; the families are decode_profile.py's.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/batch_profile.py [--tag start|end] [--kernels-act int8]
 writes benchmarks/results/batch_profile_TAG.{json,md}.

@@ -4,7 +4,7 @@ host side (scheduler, IPC) around the device step, at 128 and 2,000 tokens of co
 Two runs per context, each one request of `--out` greedy tokens on the default model:
 - plain: TPOT from the scheduler's side (t(1 + O) - t(1)) / O and the device span of each decode step (from
   the trace), so host + IPC = TPOT - device span;
-- profiled: torch.profiler inside the device process (TANDEM_DEVICE_PROFILE, tandem/trace/device_profile.py)
+- profiled: torch.profiler inside the device process (TANDEM_DEVICE_PROFILE, tandem/device/profile.py)
   gives each op family's share of the device step; "Python + dispatch" is the device step outside every op's
   own time (the profiler's own cost included: an upper bound); the plain step minus the profiled ops' time
   is a lower bound (the profiler slows the ops too).

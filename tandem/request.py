@@ -8,13 +8,35 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .sampling_params import SamplingParams
-from .speculative.state import SpecState
 
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class SpecState:
+    """One request's state in the speculative branch (tandem/speculative/speculation.py and
+    tandem/scheduler/speculative.py read and write it)."""
+    # EMAs of accepted drafts and of draft trials per verified run (their ratio estimates a draft's acceptance;
+    # the prior 0.6), and decode steps since it last drafted.
+    acc: float = 0.6
+    trials: float = 1.0
+    skipped: int = 0
+    probe_gap: int = 16                    # steps without drafts before a probe draft (speculation.PROBE_EVERY;
+                                           # doubles while probes fail)
+    probing: bool = False                  # its current draft is a probe
+    # The overlap loop's assumption (scheduler/speculative.py): one entry per output token its launched but
+    # unprocessed steps sample (len == num_launched - len(output_ids)), the token assumed there (a draft, or the
+    # n-gram's continuation after the last draft), -1 where nothing is assumed. fill_ids() + guess is the text a
+    # step picked now continues, if every in-flight run is accepted whole.
+    guess: list[int] = field(default_factory=list)
+    ngram: object | None = None            # its NgramIndex (speculative/ngram.py), built at its first proposal
+    hold: float = 1.0                      # EMA of its drafting runs that held what a pick ahead assumes
+    stale: bool = False                    # its FutureMap row holds a dropped step's token: the next head row
+                                           # takes its last token from the host
 
 
 @dataclass(eq=False)
@@ -57,7 +79,7 @@ class Req:
     sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
     grammar: object | None = None          # GrammarMatcher of a structured-output request, once compiled
     prompt_lp: list | None = None          # prompt logprobs gathered over the prefill chunks, until sent
-    spec: SpecState = field(default_factory=SpecState)   # the speculative branch's state (speculative/state.py)
+    spec: SpecState = field(default_factory=SpecState)   # the speculative branch's state of this request
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
 

@@ -22,7 +22,7 @@ from ..model.llama import LlamaModel
 from ..model.loader import ModelSource, load_weights
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
-from ..speculative.verify import accepted_counts, kept_rows, stash_values
+from .verify import accepted_counts, kept_rows, stash_values
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .step import StepInput, prompt_logprob_targets

@@ -66,7 +66,7 @@ class StepInput:
     bias_rows: np.ndarray = None      # [L]
     bias_ids: np.ndarray = None       # [L]
     bias_vals: np.ndarray = None      # [L] float
-    # Speculative decoding (tandem/speculative/verify.py): k at the head row of a request verifying k drafts
+    # Speculative decoding (tandem/device/verify.py): k at the head row of a request verifying k drafts
     # (its k draft rows follow it, same table row, host input ids), -1 at a draft row, 0 at a plain row.
     draft_lens: np.ndarray = None     # [B]
     # Pipeline parallelism (device/parallel/pp.py): the FutureMap relay. Rows and the ids the last stage sampled for

@@ -15,7 +15,7 @@ from ..config import EngineConfig
 from ..device.streams import now
 from ..request import StepOutput
 from .engine_client import EngineError
-from .replica_set import DataParallel, ReplicaSet, replica_clients, replica_cores
+from .replica_set import MEANS, DataParallel, ReplicaSet, replica_clients, replica_cores
 from .router import Router
 
 UNBOUNDED_WAITING = 1 << 30      # offline, every prompt is queued at once (the server's 503 bound does not apply)
@@ -62,7 +62,6 @@ class ReplicaPool:
 
     def stats(self) -> dict:
         """The replicas' engine stats, summed (kv_usage and device_idle_fraction: their mean)."""
-        from ..server.metrics import MEANS
         reps = [s for s, _, _ in self.replicas.replica_stats()]
         keys = {k for s in reps for k in s}
         return {k: sum(s.get(k, 0) for s in reps) / (len(reps) if k in MEANS else 1) for k in sorted(keys)}

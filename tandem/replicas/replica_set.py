@@ -31,6 +31,9 @@ from .engine_client import EngineClient, EngineError, RequestStream
 from .router import ROUTERS, ReplicaLoad, Router
 
 
+MEANS = {"kv_usage", "device_idle_fraction"}      # fractions: the replicas' value is their mean, not their sum
+
+
 # ---- data-parallel options (kept apart from EngineConfig: a replica is an engine with its own config) -------
 @dataclass(frozen=True)
 class DataParallel:

@@ -17,7 +17,7 @@ from ..device.executor import ResultHandle
 from ..device.step import prompt_logprob_targets
 from ..device.streams import now
 from ..request import StepOutput
-from ..speculative.verify import accepted_counts
+from ..device.verify import accepted_counts
 from .batch import Batch
 from .grammar import accept
 from .stop import check_stop

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from ..request import StepOutput
 from ..speculative.config import MAX_SPECULATIVE_TOKENS
 from ..replicas.engine_client import RequestStream
+from ..replicas.replica_set import MEANS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -25,7 +26,6 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                7.5, 10.0, 20.0, 40.0, 80.0)
 
 # gauge name -> (engine stats key, help)
-MEANS = {"kv_usage", "device_idle_fraction"}      # fractions: the server's value is the mean over live replicas
 GAUGES = {
     "tandem:num_requests_running": ("num_running", "Requests in the running batch."),
     "tandem:num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),

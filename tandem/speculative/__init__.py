@@ -1,7 +1,8 @@
-"""Speculative decoding: proposers (n-gram prompt lookup) and the config that selects them.
+"""Speculative decoding: proposers (n-gram prompt lookup, a draft model), the config that selects them, and
+the branch's engine-wide state and rules (speculation.py: Speculation).
 
-The scheduler side (which rows draft, how a verified run is accepted) lives in tandem/scheduler/speculative.py;
-the device side (the FutureMap write of the last accepted token) in tandem/device/model_runner.py.
+Which rows draft lives in tandem/scheduler/speculative.py; the acceptance rule of a verified run, shared by the
+device (the FutureMap write of the last accepted token) and process results, in tandem/device/verify.py.
 """
 from .config import SpeculativeConfig
 

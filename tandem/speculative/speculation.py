@@ -1,6 +1,7 @@
 """The speculative branch's engine-wide state and the rules over it alone: Speculation, which the Scheduler is
-given: its limits, the drafter, what a row and a draft cost (measured as the engine runs), its counts, and how a
-verified run is settled against what later in-flight steps assumed (follow).
+given: its limits, the drafter, what a row and a draft cost (measured as the engine runs), its counts (SpecStats),
+and how a verified run is settled against what later in-flight steps assumed (follow). A request's own state is
+Req.spec (SpecState, tandem/request.py).
 
 Which rows draft, and picking on the overlap loop's assumption, is the scheduler's side of the branch
 (tandem/scheduler/speculative.py, whose docstring states the assumption and the KV invariant that follow
@@ -11,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .state import PROBE_EVERY, SpecStats
 
 if TYPE_CHECKING:
     from ..request import Req
     from .config import SpeculativeConfig
 
+PROBE_EVERY = 16          # a request whose drafts do not pay drafts one token again after this many steps,
 EMA_WEIGHT = 0.3          # weight of the newest verified run in a request's acceptance estimate
-MAX_PROBE_GAP = 256       # a probe's gap (PROBE_EVERY) doubles up to this (a probe in the overlap loop costs a sync)
+MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a probe in the overlap loop costs a sync)
 # Cost of one more row in a decode step, as a fraction of a one-row step, until the engine has measured it
 # (observe_step): measured on SmolLM2-135M Q4_1, 2 cores, serial loop, verify steps of one request whose drafts are
 # all rejected, with the row layout's GEMV: 4 drafts cost 1.82x a plain step, 8 drafts 2.52x (0.20 and 0.19 a
@@ -32,6 +33,28 @@ ROW_COST_RANGE = (0.02, 1.0)     # a measured sample is clipped to this (a share
 # engine caps this by it), and SiLU x up the native op up to the same.
 MAX_VERIFY_ROWS = 64
 
+
+
+@dataclass
+class SpecStats:
+    """Engine-wide counts of the speculative branch (Scheduler.stats reports them)."""
+    draft_tokens: int = 0                  # drafts verified
+    accepted_tokens: int = 0               # of those, accepted
+    accepted_hist: dict[int, int] = field(default_factory=dict)    # verified runs by their accepted drafts
+    ahead_drafts: int = 0                  # drafting picks made while the request's previous step was in flight
+    ahead_dropped: int = 0                 # picks ahead whose assumption failed (their rows dropped)
+    syncs: int = 0                         # picks that first waited for host truth (not assumable)
+
+    def as_stats(self) -> dict:
+        return {
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_ahead_drafts": self.ahead_drafts,
+            "spec_ahead_dropped": self.ahead_dropped,
+            "spec_syncs": self.syncs,
+            # verified runs that accepted a drafts, one flat key per a (replicas' stats are summed key by key)
+            **{f"spec_accepted_len_{a}": n for a, n in sorted(self.accepted_hist.items())},
+        }
 
 def acceptance(req: "Req") -> float:
     """Estimated chance that a draft is accepted given the ones before it were: accepted drafts over draft

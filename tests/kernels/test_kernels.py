@@ -127,7 +127,7 @@ def test_use_native_falls_back(monkeypatch):
     assert kernels.use_native("native", torch.device("cpu"), torch.float32)
     assert not kernels.use_native("torch", torch.device("cpu"), torch.float32)
     assert not kernels.use_native("native", torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels.library, "_loaded", False)     # the loaded flag lives in library.py
     assert not kernels.use_native("native", torch.device("cpu"), torch.float32)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.speculative import speculation as spec
 from tandem.speculative.speculation import Speculation
-from tandem.speculative.state import SpecState
+from tandem.request import SpecState
 
 
 def _sched() -> Speculation:

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ...lifeline import die_with_parent
-from ...trace.device_profile import DeviceProfile
+from ..profile import DeviceProfile
 from ..parallel import step_wire
 from ..ranks import rank_device
 from .buffers import SharedBuffers, write_results
@@ -167,7 +167,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         from ..model_runner import ModelRunner
         tp, pp = _join_group(spec, dist)
         model_runner = ModelRunner(spec, tp=tp, pp=pp)
-        profile = DeviceProfile.from_env()         # benchmarks only (trace/device_profile.py)
+        profile = DeviceProfile.from_env()         # benchmarks only (device/profile.py)
         send(pickle.dumps(("ready", (model_runner.num_slots, model_runner.max_context,
                                      tp.transport if tp is not None else None))))
         if pp is not None and pp.relay:    # the last stage is on another node: its results come through here
