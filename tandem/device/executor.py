@@ -11,7 +11,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .model_runner import RunnerSpec, ModelRunner
+from .model_runner import ModelRunner
+from .runner_spec import RunnerSpec
 from .step import StepInput
 from .streams import DeviceStreams, Event, now
 

@@ -5,9 +5,7 @@ An Executor calls it inline (InlineExecutor: CUDA streams, or CPU synchronously)
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -19,46 +17,18 @@ from ..kernels.quant import INT8_ACT_QTYPES, small_m
 from ..model.cascade import SharedPrefix, additive, shared_prefix
 from ..model.kv_cache import AttentionMeta, PagedKVCache
 from ..model.llama import LlamaModel
-from ..model.loader import ModelSource, load_weights
+from ..model.loader import load_weights
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .verify import accepted_counts, kept_rows, stash_values
 from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
+from .runner_spec import RunnerSpec
 from .step import StepInput, prompt_logprob_targets
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_KV_DTYPE = torch.bfloat16   # kv_cache_dtype "auto" where the linears round (ModelRunner.kv_dtype)
-
-
-@dataclass(frozen=True)
-class RunnerSpec:
-    """Everything the device side needs to build itself; plain data, so it crosses a process boundary."""
-    source: ModelSource           # plain data: config, weight files, tokenizer dir
-    device: str
-    dtype: str
-    max_running: int
-    max_model_len: int | None
-    kv_cache_tokens: int | None
-    kv_memory_fraction: float
-    kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16
-    shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
-    poison_future_map: bool = False
-    kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
-    kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
-    prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
-    prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
-    decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
-    tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model runner holds one shard
-    tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
-    max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
-    pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
-
-    def fingerprint(self) -> dict:
-        """What every tp rank must agree on (paths and the device may differ between machines)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device")}
-        return {**d, "model": self.source.config.to_dict()}
 
 
 def _stage_layer(name: str) -> int | None:

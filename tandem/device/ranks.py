@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..lifeline import child_env
-from .model_runner import RunnerSpec
+from .runner_spec import RunnerSpec
 
 
 @dataclass(frozen=True)

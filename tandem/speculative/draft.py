@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..device.model_runner import RunnerSpec, ModelRunner
+from ..device.model_runner import ModelRunner
+from ..device.runner_spec import RunnerSpec
 from ..device.step import StepInput
 from ..memory.kv_allocator import KVSlotAllocator
 from ..memory.req_table import ReqRowAllocator

@@ -23,6 +23,8 @@ import pytest
 from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.server_utils import (ServerProcess, assert_rank_death_is_503, free_port, process_tree, runtime_dirs,
                                         sse_events, wait_gone)
+import tandem.scheduler.loops as loops
+import tandem.scheduler.results as results
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.device.parallel.pp import stage_layers
@@ -46,20 +48,22 @@ class Depths(list):
     chunked = 0
 
 
-def watch_depth(llm) -> Depths:
+def watch_depth(llm, monkeypatch) -> Depths:
     """Record the depths, and check the PP loop's first invariant each time: a request rides in at most one
     in-flight micro-batch that samples for it (its other rows there are non-final prefill chunks)."""
     s, depths = llm.engine.scheduler, Depths()
-    oldest = s.process_oldest
+    oldest = results.process_oldest
 
-    def process_oldest() -> None:
-        depths.append(len(s.result_queue))
-        sampling = [id(r) for b, _ in s.result_queue for r, kept in zip(b.reqs, b.samples) if kept]
-        assert len(sampling) == len(set(sampling)), "a request sampled in two in-flight micro-batches"
-        ids = [id(r) for b, _ in s.result_queue for r in set(b.reqs)]
-        depths.chunked += len(ids) - len(set(ids))
-        oldest()
-    s.process_oldest = process_oldest
+    def process_oldest(sched) -> None:
+        if sched is s:
+            depths.append(len(s.result_queue))
+            sampling = [id(r) for b, _ in s.result_queue for r, kept in zip(b.reqs, b.samples) if kept]
+            assert len(sampling) == len(set(sampling)), "a request sampled in two in-flight micro-batches"
+            ids = [id(r) for b, _ in s.result_queue for r in set(b.reqs)]
+            depths.chunked += len(ids) - len(set(ids))
+        oldest(sched)
+    monkeypatch.setattr(results, "process_oldest", process_oldest)     # process_pending's calls
+    monkeypatch.setattr(loops, "process_oldest", process_oldest)       # the loops' calls
     return depths
 
 
@@ -112,7 +116,7 @@ def test_a_stage_holds_only_its_layers(three_layers):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-q8_0"])
-def test_pp2_and_pp3_equal_pp1(arch, three_layers):
+def test_pp2_and_pp3_equal_pp1(arch, three_layers, monkeypatch):
     path, ps = three_layers[arch], prompts()
     ref = LLM(path, **ENGINE)
     try:
@@ -122,7 +126,7 @@ def test_pp2_and_pp3_equal_pp1(arch, three_layers):
     for pp in (2, 3):
         llm = LLM(path, pp_size=pp, **ENGINE)
         try:
-            depths = watch_depth(llm)
+            depths = watch_depth(llm, monkeypatch)
             for loop in ("overlap", "serial"):          # "overlap" runs the PP loop when pp_size > 1
                 for name, p in (("greedy", GREEDY), ("seeded", SEEDED)):
                     assert outputs(llm, loop, ps, p) == refs[name], (pp, loop, name)
@@ -188,7 +192,7 @@ def test_smollm2_two_three_and_five_stages_equal_one():
     assert got[2] == got[1] and got[3] == got[1] and got[5] == got[1]
 
 
-def test_chunked_pipeline_equals_pp1(three_layers):
+def test_chunked_pipeline_equals_pp1(three_layers, monkeypatch):
     """Prompts of 200-460 tokens in chunks of 64: a prompt's next chunk is launched while its previous one
     is still on a later stage, and the tokens are PP 1's."""
     ps = [[9 + (13 * i + 7 * j) % 30000 for j in range(200 + 130 * i)] for i in range(3)] + prompts(3)
@@ -200,28 +204,28 @@ def test_chunked_pipeline_equals_pp1(three_layers):
         ref.shutdown()
     llm = LLM(three_layers["llama-q8_0"], pp_size=3, **engine)
     try:
-        depths = watch_depth(llm)
+        depths = watch_depth(llm, monkeypatch)
         assert outputs(llm, "overlap", ps, GREEDY) == want
         assert depths.chunked > 0                     # one prompt's chunks were in two micro-batches at once
     finally:
         llm.shutdown()
 
 
-def test_retraction_with_micro_batches_in_flight(tiny_llama, make_llm):
+def test_retraction_with_micro_batches_in_flight(tiny_llama, make_llm, monkeypatch):
     """A KV cache too small for all requests: PP 2 retracts (host truth first: every micro-batch in flight
     is processed) and resumes them, with the outputs of a cache that holds them all, and no leak."""
     ps = [[7 + i] * (20 + 3 * i) for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     big = [o.token_ids for o in make_llm(tiny_llama, kv_cache_tokens=8192).generate(ps, params, use_tqdm=False)]
     small = make_llm(tiny_llama, pp_size=2, kv_cache_tokens=300, device_threads=1)
-    depths = watch_depth(small)
+    depths = watch_depth(small, monkeypatch)
     for loop in ("overlap", "serial"):
         assert outputs(small, loop, ps, params) == big
         assert small.engine.scheduler.retractions > 0
     assert max(depths) == 2
 
 
-def test_aborts_with_micro_batches_in_flight(tiny_llama, make_llm):
+def test_aborts_with_micro_batches_in_flight(tiny_llama, make_llm, monkeypatch):
     """Aborts arrive while both micro-batches are in flight: the aborted requests end at once or when their
     micro-batch is processed, the others keep their tokens, nothing leaks (run_script checks)."""
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -229,7 +233,7 @@ def test_aborts_with_micro_batches_in_flight(tiny_llama, make_llm):
     one = make_llm(tiny_llama)
     full = run_script(one, "overlap", initial, {})
     llm = make_llm(tiny_llama, pp_size=2, device_threads=1)
-    depths = watch_depth(llm)
+    depths = watch_depth(llm, monkeypatch)
     out = run_script(llm, "overlap", initial, {4: [("abort", "b")], 7: [("abort", "c"), ("abort", "f")]})
     assert max(depths) == 2
     for label in "ade":
@@ -284,7 +288,7 @@ def test_trace_shows_the_pipeline(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
+def test_two_nodes_on_localhost_equal_one(pp, tmp_path, monkeypatch):
     """Node 1 is a separate `tandem serve --node-rank 1` launch holding the later half of the stages (the last
     one samples there: its results come back through node 0's last stage, the grammar masks go to it); PP 4
     also passes the step from stage to stage on node 1. Q8_0 blocks in the int8 mode: logprobs are equal."""
@@ -317,7 +321,7 @@ def test_two_nodes_on_localhost_equal_one(pp, tmp_path):
         llm = LLM(path, pp_size=pp, nnodes=2, node_rank=0, dist_init_addr=addr, **ENGINE)
         try:
             assert len(llm.engine.executor.conns) == pp // 2          # node 0 runs only its own stages
-            depths = watch_depth(llm)
+            depths = watch_depth(llm, monkeypatch)
             assert run(llm) == want
             assert max(depths) == pp
             if pp == 2:                                 # node 1 dies: an error on node 0, not a hang

@@ -36,7 +36,7 @@ from ... import runtime_files
 from ...grammar.compiler import mask_words
 from ...sampler import MAX_BIASES, MAX_LOGPROBS
 from .. import step as step_mod
-from ..model_runner import RunnerSpec
+from ..runner_spec import RunnerSpec
 from ..ranks import rank_infos, spawn_device, spawn_rank
 from .buffers import SharedBuffers, read_logprobs
 from ..step import StepInput

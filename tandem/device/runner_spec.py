@@ -1,0 +1,37 @@
+"""RunnerSpec: everything a ModelRunner needs to build itself (model_runner.py), as plain data, so that it
+crosses a process boundary (the device process, tp ranks, pipeline stages) and ranks can compare it."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..model.loader import ModelSource
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything the device side needs to build itself; plain data, so it crosses a process boundary."""
+    source: ModelSource           # plain data: config, weight files, tokenizer dir
+    device: str
+    dtype: str
+    max_running: int
+    max_model_len: int | None
+    kv_cache_tokens: int | None
+    kv_memory_fraction: float
+    kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16
+    shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
+    poison_future_map: bool = False
+    kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
+    kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
+    prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
+    prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
+    decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
+    tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model runner holds one shard
+    tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
+    max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
+    pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
+
+    def fingerprint(self) -> dict:
+        """What every tp rank must agree on (paths and the device may differ between machines)."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device")}
+        return {**d, "model": self.source.config.to_dict()}
