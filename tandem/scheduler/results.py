@@ -54,6 +54,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     collect_prompt_logprobs(batch, handle)
     draft_lens = batch.step.draft_lens
     runs = _accepted_runs(batch, tokens) if batch.speculative else {}
+    later = [b for b, _ in s.result_queue]          # the steps launched after this one, still in flight
     toks = tokens.tolist()
     for i, (req, tok, keep) in enumerate(zip(batch.reqs, toks, batch.samples)):
         if draft_lens[i] < 0:
@@ -68,15 +69,14 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             s.end(req, "abort")
             continue
         if not keep:
-            continue            # a non-final prefill chunk: its sampled token is discarded (see _make_batch)
+            continue            # a non-final prefill chunk: its sampled token is discarded (see make_batch)
         run, k = [tok], int(draft_lens[i])
         if k > 0:
             # A verified run (speculative.py): s_0..s_a are kept.
             accepted = runs[i]
             s.spec.settle(req, k, accepted)
             run = toks[i:i + accepted + 1]
-        # the later in-flight steps' assumption; the rejected drafts' KV
-        s.spec.follow(req, k, run, [b for b, _ in s.result_queue], s.memory.free_slots)
+        s.spec.follow(req, k, run, later, s.memory.free_slots)   # what later steps assumed; rejected drafts' KV
         kept: list[int] = []
         reason = None
         try:
