@@ -10,9 +10,7 @@ from typing import Iterable
 
 from .recorder import Recorder
 from .recording import Recording, idle_gaps
-from .report import write_report
 from .summary import summarize
-from .timeline import plot_timelines
 
 HOST_NAMES = {"recv": "recv", "pick": "pick batch", "launch": "launch step", "process": "process results",
               "wait": "wait copy_done", "mask": "grammar masks",
@@ -88,6 +86,8 @@ def write_json(path: str, obj: dict) -> None:
 
 def write_trace_dir(out_dir: str, recs: list[Recording], summary: dict, title: str) -> dict[str, str]:
     """Write summary.json, trace.json, timeline.png and report.html into out_dir; returns their paths."""
+    from .report import write_report          # matplotlib loads only where a folder is written
+    from .timeline import plot_timelines
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name)
              for name in ("summary.json", "trace.json", "timeline.png", "report.html")}
