@@ -49,7 +49,7 @@ class RadixCache:
             child = node.children.get(ids[i])
             if child is None:
                 break
-            n = _common(child.key, ids, i)
+            n = common_prefix(child.key, ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = tick
@@ -79,7 +79,7 @@ class RadixCache:
                 node.children[ids[i]] = leaf
                 self.evictable_size += len(leaf.slots)
                 return i
-            n = _common(child.key, ids, i)
+            n = common_prefix(child.key, ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = tick
@@ -141,7 +141,8 @@ class RadixCache:
         return out
 
 
-def _common(key: list[int], ids: list[int], start: int) -> int:
+def common_prefix(key: list[int], ids: list[int], start: int = 0) -> int:
+    """How many leading tokens of `key` equal those of ids[start:]."""
     n, m = 0, min(len(key), len(ids) - start)
     while n < m and key[n] == ids[start + n]:
         n += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..memory.radix_cache import common_prefix
 from ..request import Req, ReqStatus
 from .batch import Batch, Chunk
 from .make_batch import make_batch
@@ -91,7 +92,8 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         cached = s.memory.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         n = len(fill) - cached                    # tokens this prefill computes
         mates = [c.req for c in chunks] + (started if aside else [])
-        if s.memory.cache is not None and any(_shared(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE for m in mates):
+        if s.memory.cache is not None and any(common_prefix(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE
+                                              for m in mates):
             # A batch mate computes the same uncached prefix in this step: wait one step and hit its KV
             # (a burst of requests behind one system prompt computes it once, not once per step's admission).
             s.memory.unmatch(req)
@@ -145,12 +147,6 @@ def _continue_started(started: list[Req], chunks: list[Chunk], budget: int) -> i
         tokens += n
     return tokens
 
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n, m = 0, min(len(a), len(b))
-    while n < m and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def pick_decode(s: "Scheduler") -> Batch | None:

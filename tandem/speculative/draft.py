@@ -18,6 +18,7 @@ from ..device.model_runner import ModelRunner
 from ..device.runner_spec import RunnerSpec
 from ..device.step import StepInput
 from ..memory.kv_allocator import KVSlotAllocator
+from ..memory.radix_cache import common_prefix
 from ..memory.req_table import ReqRowAllocator
 from ..request import Req
 from ..sampler import draw_seeds
@@ -72,7 +73,7 @@ class DraftModel:
                 continue
             if st is None:
                 st = self.state[req] = _DraftState(self.rows.alloc())
-            keep = _shared(st.ids, fill[:-1])           # positions whose KV still holds the right tokens
+            keep = common_prefix(st.ids, fill[:-1])     # positions whose KV still holds the right tokens
             need = len(fill) + kmax - 1 - len(st.slots)    # the new tokens' and the kmax - 1 drafts' positions
             if need > self.kv.available():
                 continue
@@ -133,10 +134,3 @@ class DraftModel:
         dt = time.perf_counter() - t
         self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
         return out
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n, m = 0, min(len(a), len(b))
-    while n < m and a[n] == b[n]:
-        n += 1
-    return n
