@@ -9,6 +9,8 @@ memory-bound limit is bandwidth / weight bytes, in fp32 and, for a GGUF model, i
 step reads (quantized_bytes: the blocks kept as they are, other types dequantized to fp32 at load, the
 LM head once, the embedding one row a token, so not counted). tandem's decode tokens/s at the same b comes from the
 difference of two offline runs (output_len and 1 token: prefill cancels out) through the overlap loop.
+For a GGUF model the batch-1 bound is also given as issue 46 defines it: the bytes a step reads (blocks and KV)
+over the read bandwidth of a sum on the engine's threads (read_bandwidth), with tandem's TPOT as a ratio to it.
 """
 from __future__ import annotations
 
@@ -79,6 +81,21 @@ def memory_bandwidth(megabytes: int = 256, min_s: float = 0.2) -> float:
     return 2 * src.numel() * FP32 / time_call(lambda: dst.copy_(src), min_s)
 
 
+def read_bandwidth(megabytes: int = 1024, min_s: float = 0.5) -> float:
+    """Bytes per second read by a sum over a tensor far past the caches, on torch's threads (set them to the
+    engine's): the rate a decode step's weight stream can reach at best."""
+    src = torch.ones(megabytes * 2 ** 20 // FP32)
+    return src.numel() * FP32 / time_call(lambda: src.sum(), min_s)
+
+
+def decode_bytes_per_token(model_path: str, mc, context: int, kv_bytes: int = 2) -> dict:
+    """Bytes one batch-1 decode step reads: every matrix of the GGUF as its blocks (the embedding only as the
+    tied head; its lookup is one row), plus the KV cache at `context` tokens (kv_bytes an element)."""
+    q = quantized_bytes(model_path, mc.tie_word_embeddings) or {"total": 0}
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * kv_bytes
+    return {"weights": q["total"], "kv": kv, "total": q["total"] + kv}
+
+
 def tandem_decode_tps(llm, batch: int, input_len: int, output_len: int, seed: int) -> float:
     """Decode tokens/s of `batch` requests run together: b (O - 1) / (t(O tokens) - t(1 token))."""
     vocab = llm.engine.model_config.vocab_size
@@ -128,15 +145,25 @@ def bench_roofline(args) -> dict:
         mc = llm.engine.model_config
         out = roofline(mc, args.batch_sizes, args.input_len, args.output_len, args.bandwidth_mb, args.min_seconds)
         from ..model.loader import resolve_model
-        q = quantized_bytes(resolve_model(config.model, cache_dir=config.cache_dir).gguf_file, mc.tie_word_embeddings)
+        gguf_file = resolve_model(config.model, cache_dir=config.cache_dir).gguf_file
+        q = quantized_bytes(gguf_file, mc.tie_word_embeddings)
         if q is not None:
             out["quantized_bytes"] = q
             out["memory_bound_batch1_tokens_per_s_quantized"] = out["memory_bandwidth_gb_s"] * 1e9 / q["total"]
+            # The bound of a batch-1 step: the bytes it reads over the read bandwidth of the engine's threads
+            out["read_bandwidth_gb_s"] = read_bandwidth(args.bandwidth_mb * 4, args.min_seconds) / 1e9
+            kv_bytes = 4 if config.kv_cache_dtype == "float32" or config.kernels_act == "fp32" else 2   # "auto": bf16
+            step = decode_bytes_per_token(gguf_file, mc, args.input_len + args.output_len // 2, kv_bytes)
+            out["bytes_per_token"] = step
+            out["bound_tpot_ms"] = 1e3 * step["total"] / (out["read_bandwidth_gb_s"] * 1e9)
         warm_up(llm)
         for row in out["batches"]:
             tps = tandem_decode_tps(llm, row["batch_size"], args.input_len, args.output_len, args.seed)
             row["tandem_decode_tokens_per_s"] = tps
             row["percent_of_bound"] = 100.0 * tps / row["bound_tokens_per_s"]
+            if row["batch_size"] == 1 and "bound_tpot_ms" in out:
+                out["tpot_ms"] = 1e3 / tps
+                out["tpot_vs_bound"] = out["tpot_ms"] / out["bound_tpot_ms"]
         name = llm.engine.model_name
     finally:
         llm.shutdown()
@@ -155,6 +182,13 @@ def print_roofline(out: dict) -> None:
         parts = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in q["by_type"].items())
         print(f"GGUF blocks a native decode step reads: {q['total'] / 1e6:.1f} MB ({parts}) -> batch-1 limit "
               f"{out['memory_bound_batch1_tokens_per_s_quantized']:.1f} tok/s")
+    if "bound_tpot_ms" in out:
+        b = out["bytes_per_token"]
+        line = (f"decode bound: {b['total'] / 1e6:.1f} MB a token ({b['weights'] / 1e6:.1f} weights, {b['kv'] / 1e6:.2f} "
+                f"KV) / read bandwidth {out['read_bandwidth_gb_s']:.1f} GB/s = {out['bound_tpot_ms']:.2f} ms")
+        if "tpot_ms" in out:
+            line += f"; tandem TPOT {out['tpot_ms']:.2f} ms = {out['tpot_vs_bound']:.2f}x the bound"
+        print(line)
     names = list(out["shapes"])
     print(f"{'batch':>5s} " + " ".join(f"{n:>8s}" for n in names) + "  (ms per call)"
           f" {'step ms':>8s} {'GFLOP/s':>8s} {'bound tok/s':>11s} {'tandem tok/s':>12s} {'% bound':>7s}")

@@ -18,6 +18,7 @@ from ..model.cascade import SharedPrefix, additive, shared_prefix
 from ..model.kv_cache import AttentionMeta, PagedKVCache
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
+from .heap import release_load_memory
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .verify import accepted_counts, kept_rows, stash_values
@@ -119,6 +120,7 @@ class ModelRunner:
                                 extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
                                 decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim))
         del state
+        release_load_memory()                # each weight held once: what loading read or copied goes back
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
         # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
         # step's view must keep the prefix's columns.

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, packed_rows, qlinear, small_m
 
 
+ALL_ROWS = 1 << 40   # qgemv_packed_rows() of a type whose packed copy takes every row count
 SMALL_M = 64        # rows up to which a CPU linear runs as a bmm over row blocks of the weight
 ROW_BLOCKS = 8
 
@@ -42,10 +43,12 @@ class QLinear:
     A list of weights is a fused linear whose parts have different types (Q4_K_M files keep attn_v in Q6_K
     beside Q4_K q/k): each part runs on its own blocks and the outputs are concatenated.
 
-    With int8 activations a one-part Q4_0 / Q4_1 / Q8_0 weight also gets a repacked copy (`packed`, as many bytes
-    again: the row layout stays for longer prefill chunks, the embedding and the exact mode) for up to
-    packed_rows() rows of x, where tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's
-    GEMV (decode and speculative verify steps; csrc/qgemv_packed.cpp)."""
+    With int8 activations, weights of a type tandem.pack_gemv interleaves (Q4_0 / Q4_1 / Q8_0, and the K-quants
+    Q4_K / Q6_K of Q4_K_M files) get a repacked copy per part (`packed`) for up to packed_rows() rows of x, where
+    tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's GEMV (decode and speculative
+    verify steps; csrc/qgemv_packed.cpp). For Q4_0 / Q4_1 / Q8_0 the row layout stays beside it (as many bytes
+    again) for longer prefill chunks; the K-quants' packed copy takes every row count, so release_rows() lets
+    the row layout go and the model holds each weight once (issue 46: a 1.12 GB file took 1.87 GB)."""
 
     def __init__(self, weight: "QuantWeight | list[QuantWeight]", bias: torch.Tensor | None = None,
                  int8_act: bool = False) -> None:
@@ -56,9 +59,32 @@ class QLinear:
         q8 = int8_act and w.qtype in INT8_ACT_QTYPES
         self._few = (small_m() if len(self.parts) == 1 else -1,
                      (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
-        self.packed_rows = packed_rows(w.qtype) if q8 and len(self.parts) == 1 else 0
-        self.packed = torch.ops.tandem.pack_gemv(w.data, w.qtype, w.k) if self.packed_rows else None
+        # Packed parts run up to the rows every part's type allows (all parts packable, or none packed).
+        rows = {packed_rows(p.qtype) if int8_act and p.qtype in INT8_ACT_QTYPES else 0 for p in self.parts}
+        self.packed_rows = rows.pop() if len(rows) == 1 else 0
+        self.packed_parts = [torch.ops.tandem.pack_gemv(p.data, p.qtype, p.k) if self.packed_rows else None
+                             for p in self.parts]
         self.bf16: torch.Tensor | None = None       # the dequantized weight in bf16 (make_bf16), for bulk()
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The one part's packed copy (None: several parts, or none)."""
+        return self.packed_parts[0] if len(self.parts) == 1 else None
+
+    @property
+    def holds_rows(self) -> bool:
+        """Whether the row layout is still held (release_rows() drops it where the packed copy serves all)."""
+        return all(p.data.shape[1] > 0 for p in self.parts)
+
+    def release_rows(self) -> None:
+        """Drop the row layout where the packed copy serves every row count (K-quants): the parts keep their
+        type and shape over empty rows. Call it after make_bf16(), which dequantizes the rows."""
+        if self.packed_rows < ALL_ROWS:
+            return
+        self.parts = [QuantWeight(torch.empty((p.data.shape[0], 0), dtype=torch.uint8), p.qtype, p.k)
+                      for p in self.parts]
+        w = self.parts[0]
+        self._few = (-1, None, w.data, w.qtype, w.k)
 
     def make_bf16(self) -> None:
         """Keep a bf16 copy of the dequantized weight (2 bytes a weight) for bulk() (prefill_act="bf16")."""
@@ -75,7 +101,12 @@ class QLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, op, data, qtype, k = self._few
         if x.shape[0] <= self.packed_rows:              # the repacked copy: the same bits as the ops below
-            return torch.ops.tandem.qgemv_packed.default(x, self.packed, qtype, k, data.shape[0], self.bias)
+            if len(self.parts) == 1:
+                return torch.ops.tandem.qgemv_packed.default(x, self.packed_parts[0], qtype, k, data.shape[0],
+                                                             self.bias)
+            y = torch.cat([torch.ops.tandem.qgemv_packed.default(x, pk, p.qtype, p.k, p.data.shape[0], None)
+                           for p, pk in zip(self.parts, self.packed_parts)], dim=-1)
+            return y if self.bias is None else y + self.bias
         if x.shape[0] <= rows:                          # one part, in-kernel rows: straight to the op
             return op(x, data, qtype, k, self.bias)
         if len(self.parts) == 1:

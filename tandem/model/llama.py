@@ -104,8 +104,6 @@ class LlamaModel:
         if c.rope_local_theta and c.sliding_window:
             self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
         self.int8_act = int8_act
-        if native and tp is None:
-            self._plan_decode_layer_ops()
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
         self.prefill_bf16 = bool(prefill_bf16 and native)
@@ -113,6 +111,11 @@ class LlamaModel:
             for k in ("qkv", "o", "gate_up", "down"):
                 if isinstance(layer[k], QLinear):
                     layer[k].make_bf16()
+        for lin in [self.lm_head, *(layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))]:
+            if isinstance(lin, QLinear):
+                lin.release_rows()          # after the bf16 copies: each weight held once (packed K-quants)
+        if native and tp is None:
+            self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
         # Attention of a long prefill chunk (SDPA, cascade) computes in this dtype (cascade masks are made in it)
         self.extend_dtype = torch.bfloat16 if self.prefill_bf16 else dtype
         # Long chunks attend by the native extend op, but where prefill_bf16 has AMX tiles for its bf16 SDPA
@@ -157,7 +160,7 @@ class LlamaModel:
             if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
                     and all(len(lin.parts) == 1 for lin in lins[1:])):
                 parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
-                packed = [lin.packed if lin.packed is not None else _NONE for lin in lins for _ in lin.parts]
+                packed = [pk if pk is not None else _NONE for lin in lins for pk in lin.packed_parts]
                 layer["blocks"] = ([p.data for p in parts], [p.qtype for p in parts], packed)
 
     def _bulk_from(self, t: int, meta: AttentionMeta) -> int:

@@ -130,3 +130,27 @@ def test_progress_bar_for_large_files(q4_k_m_file, tmp_path, monkeypatch, capsys
     monkeypatch.setattr(gguf_weights, "LARGE_FILE_BYTES", 0)
     load_weights(src, quantized=True)
     assert "loading tiny-q4_k_m.gguf" in capsys.readouterr().err
+
+
+def test_a_k_quant_model_keeps_each_weight_once(tmp_path, monkeypatch, make_llm):
+    """Q4_K / Q6_K linears with int8 activations keep the packed copy alone (the row layout released): what the
+    model holds for its matrices is the file's bytes, once (issue 46: a 1.12 GB file took 1.87 GB)."""
+    from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
+
+    from tandem.kernels.quant import packed_rows
+    from tandem.model.linear import QLinear
+    if packed_rows(Q4_K) == 0:
+        pytest.skip("no packed GEMV body on this CPU")
+    skip_gguf_tokenizer_build(monkeypatch)
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
+    path = write_tiny_gguf(tmp_path / "tiny-q4_k_m.gguf", hf_dir, quant="Q4_K_M", with_tokenizer=False)
+    llm = make_llm(path, cache_dir=str(tmp_path / "cache"), device_backend="inline")
+    model = llm.engine.executor.model_runner.model
+    lins = [model.lm_head] + [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
+    assert all(isinstance(lin, QLinear) and not lin.holds_rows for lin in lins)
+    held = sum(pk.numel() for lin in lins for pk in lin.packed_parts)
+    reader = GGUFFile(path)
+    matrices = sum(t.nbytes for t in reader.tensors if len(t.shape) == 2 and t.name != "token_embd.weight")
+    assert held == matrices
+    res = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(res[0].token_ids) == 4

@@ -45,6 +45,15 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                         const std::optional<at::Tensor>& bias, int64_t isa);
 int64_t qgemv_packed_rows(int64_t qtype);
+// Rows of x rounded to int8 halves (quantize_act_row) for the packed GEMVs, in thread-local buffers:
+// q [M][K], dx / sxh [M][K / 16], off [M][K / 16] = unit * sum of the half's quants.
+struct PackedX { const int8_t* q; const float *dx, *sxh; const int32_t* off; };
+PackedX quantize_packed_x(const at::Tensor& x, int32_t unit);
+// Its K-quant bodies (qgemv_packed_k.cpp: Q4_K, Q6_K); body 2 AVX-512 VNNI, 1 AVX2.
+bool packable_k(int64_t qtype);
+at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
+at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                          const at::Tensor& bias, at::Tensor y, int body);
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs

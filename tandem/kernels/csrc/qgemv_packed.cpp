@@ -335,14 +335,19 @@ constexpr int64_t kVnniRows = 4096;
 
 bool cpu_has_amx();
 
+// The K-quants (qgemv_packed_k.cpp) take every row count wherever a body runs: there the packed copy is the
+// weight's only one (QLinear releases the row layout), so no other op is left to take longer chunks.
 int64_t qgemv_packed_rows(int64_t qtype) {
-  if (!packable(qtype)) return 0;
   const int body = packed_body(-1);
+  if (packable_k(qtype)) return body ? kAllRows : 0;
+  if (!packable(qtype)) return 0;
   return body == 2 ? (cpu_has_amx() ? 256 : kVnniRows) : body == 1 ? kAllRows : 0;
 }
 
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1 or Q8_0 (ggml types 2, 3, 8), got ", qtype);
+  if (packable_k(qtype)) return pack_gemv_k(w, qtype, K);
+  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (ggml types 2, 3, 8, 12, 14), got ",
+              qtype);
   TORCH_CHECK(K > 0 && K % 32 == 0, "tandem.pack_gemv: K must be a positive multiple of 32, got ", K);
   const int64_t nb = K / 32, rb = row_block_bytes(qtype) * nb;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
@@ -374,24 +379,8 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
-at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  TORCH_CHECK(packable(qtype), "tandem.qgemv_packed: Q4_0, Q4_1 or Q8_0 (ggml types 2, 3, 8), got ", qtype);
-  const int body = packed_body(isa_req);
-  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
-  const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
-  const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(0) == NG && packed.size(1) == gbytes,
-              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
-  TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
-              "tandem.qgemv_packed: bias must be fp32 [N]");
-  auto [x, bias, y] = linear_io(x_in, bias_in, N);
-  const int64_t M = x.size(0);
-  if (M == 0) return y;
+PackedX quantize_packed_x(const at::Tensor& x, int32_t unit) {
+  const int64_t M = x.size(0), K = x.size(1), nh = K / 16, nb = K / 32;
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xs;
   static thread_local std::vector<int32_t> xo;
@@ -401,7 +390,6 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   int8_t* xqp = xq.data();
   float *dxp = xs.data(), *sxhp = dxp + M * nh;                         // dx, sxh [M][nh]
   int32_t* xop = xo.data();
-  const int32_t unit = qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0;
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {       // rows are independent: any split, same bytes
     std::vector<float> sx(nb);
@@ -415,7 +403,35 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
       }
     }
   });
-  const XRows xr{xqp, dxp, sxhp, xop, K, nh};
+  return PackedX{xqp, dxp, sxhp, xop};
+}
+
+at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                        const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  TORCH_CHECK(packable(qtype) || packable_k(qtype),
+              "tandem.qgemv_packed: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (ggml types 2, 3, 8, 12, 14), got ", qtype);
+  const int body = packed_body(isa_req);
+  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
+  TORCH_CHECK(N > 0, "tandem.qgemv_packed: N must be > 0");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
+              "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
+  TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
+              "tandem.qgemv_packed: bias must be fp32 [N]");
+  if (packable_k(qtype)) {
+    auto [x, bias, y] = linear_io(x_in, bias_in, N);
+    return qgemv_packed_k(x, packed, qtype, K, N, bias, y, body);
+  }
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
+  const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
+  const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == NG && packed.size(1) == gbytes,
+              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
+  auto [x, bias, y] = linear_io(x_in, bias_in, N);
+  const int64_t M = x.size(0);
+  if (M == 0) return y;
+  const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0);
+  const XRows xr{px.q, px.dx, px.sxh, px.off, K, nh};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();

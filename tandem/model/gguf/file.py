@@ -13,12 +13,28 @@ from __future__ import annotations
 
 import mmap
 import struct
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+
+
+_MAPS: list[weakref.ref] = []      # every GGUF map opened (weak: a map lives while a view holds it)
+
+
+def drop_mapped_pages() -> None:
+    """Drop the resident pages of every GGUF map still held (GGUFFile.drop_pages), e.g. once a model has packed
+    its weights from them: what was read at load then no longer counts in the process's RSS, and only what is
+    read again (an embedding's rows) comes back."""
+    _MAPS[:] = [r for r in _MAPS if r() is not None]
+    for m in (r() for r in _MAPS):
+        try:
+            m._mmap.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError, ValueError):
+            pass
 
 
 class GGUFError(ValueError):
@@ -51,6 +67,7 @@ class GGUFFile:
             self._map = np.memmap(path, dtype=np.uint8, mode="c")    # copy-on-write: writes stay private
         except (ValueError, OSError) as e:
             raise GGUFError(f"{path}: cannot map the file ({e})") from None
+        _MAPS.append(weakref.ref(self._map))
         self._buf = memoryview(self._map)
         size = len(self._map)
         try:

@@ -1,0 +1,133 @@
+"""Models of the size users run: tandem against llama.cpp's own `llama-bench` on 1.5B-, 3B- and 8B-shaped Q4_K_M
+files (tandem's GGUF writer, random weights, llama.cpp's type mix; both engines read the same file), in one run.
+
+Per file: decode TPOT (single stream: (t(1 + G tokens) - t(1 token)) / G, prompt of 32 tokens; llama-bench tg
+at an empty context), prefill tokens/s of a 512-token prompt (llama-bench pp512), the device process's RSS
+(anonymous and file-backed) after the run, and the bandwidth bound: bytes a decode step reads (the file's
+matrices as blocks, KV at the context) over the read bandwidth measured here with the engine's threads; TPOT
+is reported as a ratio to that bound and to llama-bench.
+
+    python benchmarks/big_models.py --shapes qwen2.5-1.5b,llama-3.2-3b,llama-3.1-8b \
+        --json benchmarks/results/big_models.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def device_rss() -> dict:
+    """RSS of this process's children (the device process), in MB by kind."""
+    me, out = os.getpid(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != me:
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith(("VmRSS", "RssAnon", "RssFile", "VmHWM")):
+                        key, val = line.split(":")
+                        out[key] = out.get(key, 0) + int(val.split()[0]) / 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def tandem_run(path: str, threads: int, gen: int, prompt: int) -> dict:
+    from tandem.llm import LLM
+    from tandem.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model=path, max_model_len=2048, device_threads=threads)
+    load_s = time.perf_counter() - t0
+    try:
+        def run(ids, n):
+            sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate([ids], sp, use_tqdm=False)
+            return time.perf_counter() - t
+        short = [1 + i % 1000 for i in range(32)]
+        run(short, 4)
+        tpots = []
+        for _ in range(3):
+            one, many = run(short, 1), run(short, 1 + gen)
+            tpots.append((many - one) / gen)
+        long = [1 + (7 * i) % 30000 for i in range(prompt)]
+        run(long, 1)
+        pp = min(run(long, 1) for _ in range(2))
+        rss = device_rss()
+    finally:
+        llm.shutdown()
+    tpot = sorted(tpots)[1]
+    return {"load_s": load_s, "tpot_ms": 1e3 * tpot, "decode_tokens_per_s": 1 / tpot,
+            "prefill_tokens_per_s": prompt / pp, "device_rss_mb": rss}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="qwen2.5-1.5b,llama-3.2-3b,llama-3.1-8b", help="comma-separated SHAPES keys")
+    p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/tandem/models"),
+                   help="where the synthetic GGUF files are written (once) and read")
+    p.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    p.add_argument("--gen", type=int, default=32, help="decode tokens timed per TPOT measurement")
+    p.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
+    p.add_argument("--skip-llamacpp", action="store_true", help="tandem only")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    import torch
+
+    from tandem.bench import machine_info
+    from tandem.bench.llamacpp_tools import build_tools, llama_bench
+    from tandem.bench.roofline import decode_bytes_per_token, read_bandwidth
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
+    from tandem.model.gguf.synthetic import write_synthetic_gguf
+
+    torch.set_num_threads(args.threads)
+    bw = read_bandwidth()
+    bin_dir = None if args.skip_llamacpp else build_tools()
+    os.makedirs(args.models_dir, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        path = os.path.join(args.models_dir, f"{shape}-q4km.gguf")
+        if not os.path.exists(path):
+            write_synthetic_gguf(path + ".tmp", shape)
+            os.replace(path + ".tmp", path)
+        mc = read_gguf_config(GGUFFile(path))
+        step = decode_bytes_per_token(path, mc, context=32 + args.gen // 2)
+        bound_ms = 1e3 * step["total"] / bw
+        row = {"shape": shape, "file_bytes": os.path.getsize(path), "bytes_per_token": step,
+               "bound_tpot_ms": bound_ms, "tandem": tandem_run(path, args.threads, args.gen, args.prompt)}
+        if bin_dir:
+            row["llama_bench"] = llama_bench(bin_dir, path, args.threads, args.prompt, 64, 3)
+            lb = row["llama_bench"]
+            row["tpot_vs_llama_bench"] = lb["tg64"]["tokens_per_s"] / row["tandem"]["decode_tokens_per_s"]
+            row["prefill_vs_llama_bench"] = row["tandem"]["prefill_tokens_per_s"] / lb[f"pp{args.prompt}"]["tokens_per_s"]
+            row["llama_bench_tpot_vs_bound"] = 1e3 / lb["tg64"]["tokens_per_s"] / bound_ms
+        row["tpot_vs_bound"] = row["tandem"]["tpot_ms"] / bound_ms
+        rows.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    out = {"read_bandwidth_gb_s": bw / 1e9, "threads": args.threads, "rows": rows, "machine": machine_info(args.threads)}
+    print(f"read bandwidth ({args.threads} threads): {bw / 1e9:.1f} GB/s")
+    print(f"{'shape':14s} {'file MB':>8s} {'TPOT ms':>8s} {'bound':>6s} {'xbound':>6s} {'x llama':>7s} "
+          f"{'llama xbound':>12s} {'prefill x':>9s} {'RSS MB':>7s}")
+    for r in rows:
+        t = r["tandem"]
+        print(f"{r['shape']:14s} {r['file_bytes'] / 1e6:8.0f} {t['tpot_ms']:8.1f} {r['bound_tpot_ms']:6.1f} "
+              f"{r['tpot_vs_bound']:6.2f} {r.get('tpot_vs_llama_bench', float('nan')):7.2f} "
+              f"{r.get('llama_bench_tpot_vs_bound', float('nan')):12.2f} {r.get('prefill_vs_llama_bench', float('nan')):9.2f} "
+              f"{t['device_rss_mb'].get('VmRSS', 0):7.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

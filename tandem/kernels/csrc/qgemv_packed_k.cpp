@@ -1,0 +1,353 @@
+// qgemv_packed for the K-quants of Q4_K_M files (Q4_K, Q6_K): the streaming int8 GEMV on weights interleaved
+// at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with qgemm_q8's arithmetic (its
+// header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q4_K f = fma(sxh_u, mh_u, f),
+// dw_u and mh_u made from the super-block's scales exactly as k_scales makes them (d sc_j, m_j (-dmin); Q6_K
+// d scale_u). So its rows are bit for bit the GEMM's and qgemv_q8's, at any row count.
+//
+// Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (qgemv_q8) read it
+// at ~32 GB/s where llama.cpp reads ~43 on the same cores (issue 46). The packed layout is the file's size
+// exactly (16 rows x 144 or 210 bytes a super-block), so a model keeps it as the weight's only copy.
+//
+// Packed tensor: uint8 [ceil(N / 16), K / 256 * SB], group g = output rows 16 g .. 16 g + 15 (rows past N
+// zero), super-block after super-block, SB bytes each:
+//   Q4_K, SB = 2304: 8 sub-blocks of 256 quant bytes (4 vectors p of 64: byte 4 r + t of vector p is byte
+//     4 p + t of row r's 16 nibble bytes of the sub-block, Q4_0's order: low nibble element 4 p + t, high nibble
+//     element 16 + 4 p + t), then d fp16 x 16, dmin fp16 x 16, then the 12 scale bytes transposed (byte i of
+//     row r at 16 i + r), so one 16-byte load and a few byte operations give sub-block j's 16 scales or mins.
+//   Q6_K, SB = 3360: 8 sub-blocks of 384 quant bytes (the 4 low-nibble vectors as Q4_K's, then H0, H1: byte
+//     4 r + t of H0 holds the two high bits of element 4 p + t at bits 2 p, 2 p + 1, H1 those of element
+//     16 + 4 p + t), then the int8 scales transposed (scale u < 16 of row r at 16 u + r), then d fp16 x 16.
+// The operand vpdpbusd takes unsigned is the weight: Q4_K's nibbles are its quants; Q6_K's 6-bit values are
+// q + 32, so a half's sum loses 32 sum(x).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace tandem {
+
+namespace {
+
+enum : int64_t { kQ4_K = 12, kQ6_K = 14 };
+constexpr int kG = 16;
+
+constexpr int64_t sb_bytes(int64_t qt) { return qt == kQ4_K ? 2304 : 3360; }     // a group's super-block
+constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : 384; }      // a group's sub-block quants
+constexpr int64_t row_sb_bytes(int64_t qt) { return qt == kQ4_K ? 144 : 210; }
+
+struct KX {                 // rows of x rounded as qgemm_q8 rounds them, natural order
+  const int8_t* q;              // [M][K]
+  const float *dx, *sxh;        // [M][nh]
+  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half; Q4_K unused
+  int64_t K, nh;
+};
+
+#define TPK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define TPK2 __attribute__((target("avx2,fma,f16c")))
+
+// Q4_K sub-block j's 6-bit scales (mins: `mins`) of the group's rows from the transposed scale bytes S (16 a
+// byte index), the byte operations of q4_k_scale_min, 16 rows at once (8 with half = 8 on the AVX2 body).
+TPK2 inline __m128i q4k_sub(const uint8_t* S, int j, bool mins, int half) {
+  auto ld = [&](int i) { return half < 0 ? _mm_loadu_si128((const __m128i*)(S + 16 * i))
+                                         : _mm_loadl_epi64((const __m128i*)(S + 16 * i + half)); };
+  const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
+  if (j < 4) return _mm_and_si128(ld(mins ? j + 4 : j), m63);
+  const __m128i lo = mins ? _mm_and_si128(_mm_srli_epi16(ld(j + 4), 4), m15) : _mm_and_si128(ld(j + 4), m15);
+  const __m128i top = _mm_and_si128(_mm_srli_epi16(ld(mins ? j : j - 4), 6), m3);
+  return _mm_or_si128(lo, _mm_slli_epi16(top, 4));
+}
+
+// Q6_K vector p's element quants (q + 32, 0..63) of half h from its nibble vector v and high-bit vector hb.
+TPK inline __m512i q6k_bits512(__m512i v, __m512i hb, int p, int h) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+  const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, m4);
+  const __m512i hi = p == 3 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 4 - 2 * p);
+  return _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
+}
+
+TPK2 inline __m256i q6k_bits256(__m256i v, __m256i hb, int p, int h) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+  const __m256i lo = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+  const __m256i hi = p == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * p);
+  return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+}
+
+// GT consecutive groups against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
+template <int64_t QT, int GT, int MT>
+TPK void ktile(const uint8_t* gp, int64_t gbytes, int64_t ns, const KX& x, int64_t m0, const float* bias,
+               float* y, int64_t ldy, int64_t n0, int64_t N) {
+  constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  __m512 f[GT][MT];
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < MT; ++j) f[g][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < ns; ++s) {
+    for (int g = 0; g < GT; ++g) {
+      const uint8_t* sp = gp + g * gbytes + s * SB;
+      const uint8_t* tail = sp + 8 * QB;                       // Q4_K: d, dmin, scales; Q6_K: scales, d
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
+      __m512 ndmin = _mm512_setzero_ps();
+      if constexpr (QT == kQ4_K)
+        ndmin = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
+                              _mm512_set1_ps(-0.0f));
+      for (int sb = 0; sb < 8; ++sb) {
+        const uint8_t* q = sp + sb * QB;
+        __m512i w[8];
+        __m512 dw[2], mh = _mm512_setzero_ps();
+        if constexpr (QT == kQ4_K) {
+          for (int p = 0; p < 4; ++p) {
+            const __m512i v = _mm512_loadu_si512(q + 64 * p);
+            w[p] = _mm512_and_si512(v, m4);
+            w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          }
+          dw[0] = dw[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_sub(tail + 64, sb, false, -1))), d);
+          mh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_sub(tail + 64, sb, true, -1))), ndmin);
+        } else {
+          const __m512i h0 = _mm512_loadu_si512(q + 256), h1 = _mm512_loadu_si512(q + 320);
+          for (int p = 0; p < 4; ++p) {
+            const __m512i v = _mm512_loadu_si512(q + 64 * p);
+            w[p] = q6k_bits512(v, h0, p, 0);
+            w[4 + p] = q6k_bits512(v, h1, p, 1);
+          }
+          for (int h = 0; h < 2; ++h)
+            dw[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i*)(tail + 16 * (2 * sb + h))))), d);
+        }
+        for (int j = 0; j < MT; ++j) {
+          const int64_t m = m0 + j;
+          const int8_t* xb = x.q + m * x.K + 256 * s + 32 * sb;
+          for (int h = 0; h < 2; ++h) {
+            const int64_t u = 16 * s + 2 * sb + h;
+            __m512i acc = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p) {
+              int32_t xv;
+              std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
+              acc = _mm512_dpbusd_epi32(acc, w[4 * h + p], _mm512_set1_epi32(xv));
+            }
+            if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
+            f[g][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
+                                      f[g][j]);
+            if constexpr (QT == kQ4_K) f[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mh, f[g][j]);
+          }
+        }
+      }
+    }
+  }
+  for (int g = 0; g < GT; ++g) {
+    const int64_t n = n0 + g * kG;
+    if (n >= N) break;
+    const int nr = (int)std::min<int64_t>(kG, N - n);
+    const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+    for (int j = 0; j < MT; ++j)
+      _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n, keep, bias ? _mm512_add_ps(f[g][j], bv) : f[g][j]);
+  }
+}
+
+// The AVX2 body: half s of a group (output rows 8 s .. 8 s + 7, one ymm) against rows m0 .. m0 + MT - 1 of x,
+// each weight vector unpacked once for the MT rows. vpdpbusd's work by pmaddubsw (weights unsigned, x signed)
+// and pmaddwd by ones: Q4_K adds a half's 4 pmaddubsw in int16 (|sum| <= 4 x 2 x 15 x 127), Q6_K two at a
+// time (2 x 2 x 63 x 127 < 2^15). The same integer sums and fp32 operations as ktile, so the same bits.
+template <int64_t QT, int MT>
+TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y,
+                     int64_t ldy, int64_t n, int64_t N, int s) {
+  constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 f[MT];
+  for (int j = 0; j < MT; ++j) f[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < ns; ++b) {
+    const uint8_t* sp = gp + b * SB;
+    const uint8_t* tail = sp + 8 * QB;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((QT == kQ4_K ? tail : tail + 256) + 16 * s)));
+    __m256 ndmin = _mm256_setzero_ps();
+    if constexpr (QT == kQ4_K)
+      ndmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tail + 32 + 16 * s))),
+                            _mm256_set1_ps(-0.0f));
+    for (int sb = 0; sb < 8; ++sb) {
+      const uint8_t* q = sp + sb * QB + 32 * s;
+      __m256 dw[2], mh = _mm256_setzero_ps();
+      if constexpr (QT == kQ4_K) {
+        dw[0] = dw[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q4k_sub(tail + 64, sb, false, 8 * s))), d);
+        mh = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q4k_sub(tail + 64, sb, true, 8 * s))), ndmin);
+      } else {
+        for (int h = 0; h < 2; ++h)
+          dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                      _mm_loadl_epi64((const __m128i*)(tail + 16 * (2 * sb + h) + 8 * s)))), d);
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[4];
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
+          if constexpr (QT == kQ4_K) w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+          else w[p] = q6k_bits256(v, _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * h)), p, h);
+        }
+        for (int j = 0; j < MT; ++j) {
+          const int64_t m = m0 + j, u = 16 * b + 2 * sb + h;
+          const int8_t* xb = x.q + m * x.K + 256 * b + 32 * sb + 16 * h;
+          __m256i pr[4];
+          for (int p = 0; p < 4; ++p) {
+            int32_t xv;
+            std::memcpy(&xv, xb + 4 * p, 4);
+            pr[p] = _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv));
+          }
+          __m256i acc;
+          if constexpr (QT == kQ4_K) {
+            acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3])), ones);
+          } else {
+            acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pr[0], pr[1]), ones),
+                                   _mm256_madd_epi16(_mm256_add_epi16(pr[2], pr[3]), ones));
+            acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
+          }
+          f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), dw[h]), f[j]);
+          if constexpr (QT == kQ4_K) f[j] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
+        }
+      }
+    }
+  }
+  const int nr = (int)std::min<int64_t>(8, N - n);
+  for (int j = 0; j < MT; ++j) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, f[j]);
+    for (int i = 0; i < nr; ++i) y[(m0 + j) * ldy + n + i] = bias ? out[i] + bias[n + i] : out[i];
+  }
+}
+
+// Rows m0 .. M - 1 of x against half s of a group, MT rows a tile and the last < MT by narrower ones.
+template <int64_t QT, int MT>
+void krows_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, int64_t M, const float* bias, float* y,
+                int64_t n, int64_t N, int s) {
+  for (; M - m0 >= MT; m0 += MT) ktile_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+  if constexpr (MT > 1) {
+    if (M > m0) krows_avx2<QT, MT - 1>(gp, ns, x, m0, M, bias, y, n, N, s);
+  }
+}
+
+// Groups g0 .. g1 - 1 against every row of x (as qgemv_packed.cpp's groups(): the next groups requested into
+// L1 while these run; one row of x takes 4 groups a tile, two rows 2, more rows 4 rows of x a tile).
+template <int64_t QT>
+void kgroups(int body, const uint8_t* wp, int64_t gbytes, int64_t ns, const KX& x, int64_t M, const float* bias,
+             float* y, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1;) {
+    const uint8_t* gp = wp + g * gbytes;
+    const int64_t n0 = g * kG, left = g1 - g;
+    const int64_t take = body == 2 && M == 1 && left >= 4 ? 4 : body == 2 && M == 2 && left >= 2 ? 2 : 1;
+    if (g + take < g1) {
+      const char* pf = (const char*)(gp + take * gbytes);
+      const int64_t lines = (std::min(take, g1 - g - take) * gbytes + 63) / 64;
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+    }
+    if (body == 1) {
+      for (int s = 0; s < 2 && n0 + 8 * s < N; ++s) krows_avx2<QT, 4>(gp, ns, x, 0, M, bias, y, n0 + 8 * s, N, s);
+    } else if (take == 4) {
+      ktile<QT, 4, 1>(gp, gbytes, ns, x, 0, bias, y, N, n0, N);
+    } else if (take == 2) {
+      ktile<QT, 2, 2>(gp, gbytes, ns, x, 0, bias, y, N, n0, N);
+    } else {
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 4: ktile<QT, 1, 4>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
+          case 3: ktile<QT, 1, 3>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
+          case 2: ktile<QT, 1, 2>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
+          default: ktile<QT, 1, 1>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
+        }
+      }
+    }
+    g += take;
+  }
+}
+
+// Row r's super-block s of a Q6_K row (the GGUF's 210 bytes) as 256 values q + 32 in element order.
+void q6k_values(const uint8_t* blk, uint8_t* v) {
+  for (int e = 0; e < 256; ++e) {
+    const int h = e / 128, t = (e % 128) / 32, l = e % 32;
+    const int lo = (blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15;
+    const int hi = (blk[128 + 32 * h + l] >> (2 * t)) & 3;
+    v[e] = (uint8_t)(lo | hi << 4);
+  }
+}
+
+void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N, int64_t g, uint8_t* gp) {
+  for (int r = 0; r < kG && g * kG + r < N; ++r) {
+    const uint8_t* row = w + (g * kG + r) * rb;
+    for (int64_t s = 0; s < ns; ++s) {
+      uint8_t* sp = gp + s * sb_bytes(qt);
+      uint8_t* tail = sp + 8 * sub_bytes(qt);
+      if (qt == kQ4_K) {          // the regrouped row (quant.py): [16-byte headers x ns][16 nibble bytes a sub-block]
+        const uint8_t* head = row + 16 * s;
+        std::memcpy(tail + 2 * r, head, 2);
+        std::memcpy(tail + 32 + 2 * r, head + 2, 2);
+        for (int i = 0; i < 12; ++i) tail[64 + 16 * i + r] = head[4 + i];
+        for (int sb = 0; sb < 8; ++sb) {
+          const uint8_t* qs = row + 16 * ns + 16 * (8 * s + sb);
+          for (int p = 0; p < 4; ++p)
+            for (int t = 0; t < 4; ++t) sp[256 * sb + 64 * p + 4 * r + t] = qs[4 * p + t];
+        }
+      } else {                     // the GGUF's Q6_K super-block
+        const uint8_t* blk = row + 210 * s;
+        uint8_t v[256];
+        q6k_values(blk, v);
+        for (int sb = 0; sb < 8; ++sb) {
+          const uint8_t* e = v + 32 * sb;
+          uint8_t* q = sp + 384 * sb;
+          for (int p = 0; p < 4; ++p)
+            for (int t = 0; t < 4; ++t) {
+              const int i = 4 * p + t;
+              q[64 * p + 4 * r + t] = (uint8_t)((e[i] & 15) | (e[16 + i] & 15) << 4);
+              q[256 + 4 * r + t] |= (uint8_t)((e[i] >> 4) << (2 * p));
+              q[320 + 4 * r + t] |= (uint8_t)((e[16 + i] >> 4) << (2 * p));
+            }
+        }
+        for (int u = 0; u < 16; ++u) tail[16 * u + r] = blk[192 + u];
+        std::memcpy(tail + 256 + 2 * r, blk + 208, 2);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool packable_k(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
+
+at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.pack_gemv: K must be a positive multiple of 256 for K-quants, got ", K);
+  const int64_t ns = K / 256, rb = row_sb_bytes(qtype) * ns;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
+              "tandem.pack_gemv: w must be a contiguous uint8 [N, ", rb, "] tensor (QuantWeight.data)");
+  const int64_t N = w.size(0), NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
+  at::Tensor out = at::zeros({NG, gbytes}, w.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) pack_group(qtype, wp, rb, ns, N, g, op + g * gbytes);
+  });
+  return out;
+}
+
+at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                          const at::Tensor& bias, at::Tensor y, int body) {
+  TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.qgemv_packed: K must be a positive multiple of 256 for K-quants");
+  const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == NG && packed.size(1) == gbytes,
+              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
+  const int64_t M = x.size(0);
+  if (M == 0) return y;
+  PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : 0);
+  const KX xr{px.q, px.dx, px.sxh, px.off, K, nh};
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t per = body == 1 || M > 2 ? 1 : 4, chunks = (NG + per - 1) / per;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
+    if (qtype == kQ4_K) kgroups<kQ4_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
+    else kgroups<kQ6_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
+  });
+  return y;
+}
+
+}  // namespace tandem

