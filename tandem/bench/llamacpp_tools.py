@@ -40,12 +40,22 @@ def build_tools(root: str | None = None, version: str = LLAMA_CPP_PYTHON, log=pr
         with tarfile.open(sdists[0]) as tf:
             tf.extractall(root, filter="data")
     log(f"building {', '.join(TARGETS)} from {src} (cmake, once)")
-    subprocess.run(["cmake", "-S", src, "-B", os.path.join(src, "build"), "-DGGML_NATIVE=ON",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", os.path.join(src, "build"), "-j", str(os.cpu_count() or 2),
-                    "--target", *TARGETS], check=True, stdout=subprocess.DEVNULL)
+    build = os.path.join(src, "build")
+    _quiet(["cmake", "-S", src, "-B", build, "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], os.path.join(root, "cmake.log"))
+    _quiet(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+           os.path.join(root, "build.log"))
     return bin_dir
+
+
+def _quiet(cmd: list[str], log_path: str) -> None:
+    """Run a build step with its output (thousands of compiler warnings) in log_path; its tail in the error."""
+    with open(log_path, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed ({rc}); the end of {log_path}:\n{tail}")
 
 
 def llama_bench(bin_dir: str, model: str, threads: int, prompt: int = 512, gen: int = 64,
