@@ -120,16 +120,22 @@ TPK void ktile(const uint8_t* gp, int64_t gbytes, int64_t ns, const KX& x, int64
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < MT; ++j) f[g][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
+    // the GT groups' scales of super-block s first, then sub-block after sub-block across the groups: GT
+    // independent chains side by side in the instruction stream
+    __m512 kdw[GT][8], kmh[GT][8], d[GT];
     for (int g = 0; g < GT; ++g) {
       const uint8_t* sp = gp + g * gbytes + s * SB;
       prefetch_ahead(sp + kPrefetchAhead + (s * SB + kPrefetchAhead < gbytes ? 0 : (GT - 1) * gbytes), SB);
       const uint8_t* tail = sp + 8 * QB;                       // Q4_K: d, dmin, scales; Q6_K: scales, d
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
-      __m512 kdw[8], kmh[8];
+      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
       if constexpr (QT == kQ4_K)
-        q4k_scales16(tail + 64, d, _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
-                                                 _mm512_set1_ps(-0.0f)), kdw, kmh);
-      for (int sb = 0; sb < 8; ++sb) {
+        q4k_scales16(tail + 64, d[g], _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
+                                                    _mm512_set1_ps(-0.0f)), kdw[g], kmh[g]);
+    }
+    for (int sb = 0; sb < 8; ++sb) {
+      for (int g = 0; g < GT; ++g) {
+        const uint8_t* sp = gp + g * gbytes + s * SB;
+        const uint8_t* tail = sp + 8 * QB;
         const uint8_t* q = sp + sb * QB;
         __m512i w[8];
         __m512 dw[2], mh = _mm512_setzero_ps();
@@ -139,8 +145,8 @@ TPK void ktile(const uint8_t* gp, int64_t gbytes, int64_t ns, const KX& x, int64
             w[p] = _mm512_and_si512(v, m4);
             w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
           }
-          dw[0] = dw[1] = kdw[sb];
-          mh = kmh[sb];
+          dw[0] = dw[1] = kdw[g][sb];
+          mh = kmh[g][sb];
         } else {
           const __m512i h0 = _mm512_loadu_si512(q + 256), h1 = _mm512_loadu_si512(q + 320);
           for (int p = 0; p < 4; ++p) {
@@ -150,19 +156,21 @@ TPK void ktile(const uint8_t* gp, int64_t gbytes, int64_t ns, const KX& x, int64
           }
           for (int h = 0; h < 2; ++h)
             dw[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i*)(tail + 16 * (2 * sb + h))))), d);
+                        _mm_loadu_si128((const __m128i*)(tail + 16 * (2 * sb + h))))), d[g]);
         }
         for (int j = 0; j < MT; ++j) {
           const int64_t m = m0 + j;
           const int8_t* xb = x.q + m * x.K + 256 * s + 32 * sb;
           for (int h = 0; h < 2; ++h) {
             const int64_t u = 16 * s + 2 * sb + h;
-            __m512i acc = _mm512_setzero_si512();
-            for (int p = 0; p < 4; ++p) {
-              int32_t xv;
-              std::memcpy(&xv, xb + 16 * h + 4 * p, 4);
-              acc = _mm512_dpbusd_epi32(acc, w[4 * h + p], _mm512_set1_epi32(xv));
-            }
+            // two chains of 2 vpdpbusd instead of one of 4 (its latency was the tile's limit); an int32 sum in
+            // any order is the same sum
+            int32_t xv[4];
+            std::memcpy(xv, xb + 16 * h, 16);
+            const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h], _mm512_set1_epi32(xv[0]));
+            const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h + 1], _mm512_set1_epi32(xv[1]));
+            __m512i acc = _mm512_add_epi32(_mm512_dpbusd_epi32(a0, w[4 * h + 2], _mm512_set1_epi32(xv[2])),
+                                           _mm512_dpbusd_epi32(a1, w[4 * h + 3], _mm512_set1_epi32(xv[3])));
             if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
             f[g][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
                                       f[g][j]);
