@@ -90,7 +90,8 @@ class ModelRunner:
         if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the executor's spec
             check_same((tp or pp).size, "tp rank" if tp is not None else "pipeline stage", "engine options",
                        spec.fingerprint())
-        if state is None:
+        owned = state is None                 # loaded here: the model may take its entries out as it builds
+        if owned:
             state = load_weights(spec.source, quantized=native)
         # Before sharding, so that every tp rank decides alike: do the linears round x to int8 (kv_dtype)?
         rounds = native and any(getattr(t, "qtype", None) in INT8_ACT_QTYPES for t in state.values())
@@ -118,7 +119,7 @@ class ModelRunner:
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
                                 extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
-                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim))
+                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim), consume_state=owned)
         del state
         release_load_memory()                # each weight held once: what loading read or copied goes back
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not

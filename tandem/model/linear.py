@@ -115,6 +115,15 @@ class QLinear:
         return y if self.bias is None else y + self.bias
 
 
+def hold_once(lins: list, bf16: bool) -> None:
+    """The bf16 copies prefill_bf16 asks for, then release_rows(): each weight held once (packed K-quants)."""
+    for lin in lins:
+        if isinstance(lin, QLinear):
+            if bf16:
+                lin.make_bf16()
+            lin.release_rows()
+
+
 def run_rows(lin: "Linear | QLinear", x: torch.Tensor, bulk_from: int) -> torch.Tensor:
     """lin(x), where x's rows from bulk_from on (a long prefill chunk's tokens, after a mixed step's decode rows)
     run lin.bulk() when lin has a bf16 copy; the rows before keep their own path, so a decode row's bits do not

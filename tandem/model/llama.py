@@ -17,7 +17,7 @@ from ..kernels.quant import QuantWeight, small_m
 from .cascade import cascade_attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
-from .linear import Linear, QLinear, Weight, cat_rows, linear, run_rows
+from .linear import Linear, QLinear, Weight, cat_rows, hold_once, linear, run_rows
 from .rope import apply_rope, rope_inv_freq
 from .shard import TPLayout
 
@@ -37,12 +37,12 @@ class _StateReader:
     the native ops (else dequantized), norms with gemma's (1 + w) folded in once."""
 
     def __init__(self, state: dict, device: torch.device, dtype: torch.dtype, native: bool, int8_act: bool,
-                 norm_offset: float) -> None:
-        self.state, self.device, self.dtype = state, device, dtype
+                 norm_offset: float, consume: bool = False) -> None:
+        self.state, self.device, self.dtype, self.consume = state, device, dtype, consume
         self.native, self.int8_act, self.norm_offset = native, int8_act, norm_offset
 
     def w(self, name: str) -> "torch.Tensor | QuantWeight":
-        t = self.state[name]
+        t = self.state.pop(name) if self.consume else self.state[name]
         if isinstance(t, QuantWeight):
             return t if self.native else t.dequantize().to(device=self.device, dtype=self.dtype)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -78,7 +78,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
-                 extend_bf16: bool = False, decode_bf16: bool = False) -> None:
+                 extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -89,7 +89,7 @@ class LlamaModel:
         lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
         self.layout = lay
         self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
-        ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset)
+        ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset, consume_state)
         self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks)
                       if first or (last and c.tie_word_embeddings) else None)
         self.lm_head = ws.lin(self.embed if c.tie_word_embeddings else ws.w("lm_head.weight")) if last else None
@@ -97,8 +97,14 @@ class LlamaModel:
         # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
         self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
         self.scale = c.attn_scale
-        # self.layers[j]: KV cache layer j
-        self.layers = [self._layer(ws, i) for i in (range(c.num_layers) if pp is None else pp.layers)]
+        self.prefill_bf16 = bool(prefill_bf16 and native)
+        # self.layers[j]: KV cache layer j. Each layer's row layouts go as soon as it is built (consume_state: the
+        # state dict lets go of them too), so that loading never holds every matrix twice.
+        self.layers = []
+        for i in range(c.num_layers) if pp is None else pp.layers:
+            self.layers.append(layer := self._layer(ws, i))
+            hold_once([layer[k] for k in ("qkv", "o", "gate_up", "down")], self.prefill_bf16)
+        hold_once([self.lm_head], False)
         self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context)
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
@@ -106,14 +112,6 @@ class LlamaModel:
         self.int8_act = int8_act
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
-        self.prefill_bf16 = bool(prefill_bf16 and native)
-        for layer in self.layers if self.prefill_bf16 else []:
-            for k in ("qkv", "o", "gate_up", "down"):
-                if isinstance(layer[k], QLinear):
-                    layer[k].make_bf16()
-        for lin in [self.lm_head, *(layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))]:
-            if isinstance(lin, QLinear):
-                lin.release_rows()          # after the bf16 copies: each weight held once (packed K-quants)
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
         # Attention of a long prefill chunk (SDPA, cascade) computes in this dtype (cascade masks are made in it)
