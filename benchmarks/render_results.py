@@ -293,9 +293,35 @@ def headline(res: str) -> tuple[list[list[str]], list[list[str]]]:
     return rows, runs
 
 
-OPEN_GAP = ("**The open gap.** Every row above is on SmolLM2-135M. On a real 1.5B-parameter Q4_K_M GGUF file tandem "
-            "decodes 1.27-1.32x *slower* than llama.cpp's `llama-bench` (held-out runs, not committed as JSON here, "
-            "so not rendered from one).")
+def big_models_section(res: str) -> list[str]:
+    """tandem against llama-bench on the 1.5B-8B-shaped Q4_K_M files (benchmarks/big_models.py)."""
+    data = load(res, "big_models.json")
+    if data is None:
+        return ["_Not measured yet: run `.venv/bin/python benchmarks/big_models.py --json "
+                "benchmarks/results/big_models.json`._"]
+    rows = []
+    for r in data["rows"]:
+        t, lb = r["tandem"], r.get("llama_bench", {})
+        rows.append([r["shape"], fmt(r["file_bytes"] / 1e6, ".0f"), fmt(t["tpot_ms"], ".1f"),
+                     fmt(r["bound_tpot_ms"], ".1f"), fmt(r["tpot_vs_bound"], ".2f"),
+                     fmt(1e3 / lb["tg64"]["tokens_per_s"], ".1f") if lb else "-",
+                     fmt(r.get("tpot_vs_llama_bench"), ".2f"), fmt(r.get("llama_bench_tpot_vs_bound"), ".2f"),
+                     fmt(t["prefill_tokens_per_s"], ".1f"), fmt(lb["pp512"]["tokens_per_s"], ".1f") if lb else "-",
+                     fmt(r.get("prefill_vs_llama_bench"), ".2f"), fmt(t["device_rss_mb"].get("VmRSS"), ".0f"),
+                     "/".join(fmt(b, ".0f") for b in r["read_bandwidth_gb_s"])])
+    m = data["machine"]
+    return [("Synthetic files of the real shapes (tandem's GGUF writer, `tandem/model/gguf/synthetic.py`: random "
+             "blocks in llama.cpp's Q4_K_M type mix), read by both engines; llama.cpp's own `llama-bench` built "
+             f"from the llama-cpp-python sdist's source; {data['threads']} threads; CPU: {m.get('cpu_model')}. "
+             "Bound: bytes a decode step reads over the best read bandwidth (a sum on the engine's threads) "
+             "measured before, between and after the two engines' runs of that file (read GB/s). TPOT x: tandem's TPOT over the bound and over llama-bench's "
+             "(below 1: tandem faster); prefill x: tandem's tokens/s over llama-bench pp512's. The read bandwidth "
+             "of a shared host can move between runs (read GB/s: before tandem / between / after llama-bench), "
+             "and the engines' ratios carry that noise. "
+             "Data: [results/big_models.json](results/big_models.json)."), "",
+            *table(["shape", "file MB", "TPOT ms", "bound ms", "TPOT x bound", "llama-bench TPOT ms",
+                    "TPOT x llama-bench", "llama-bench x bound", "prefill tok/s", "llama-bench pp512",
+                    "prefill x", "device RSS MB", "read GB/s"], rows)]
 
 
 def render_headline(out: str, res: str) -> str:
@@ -317,7 +343,8 @@ def render_headline(out: str, res: str) -> str:
            "the AVX2 rows cap both engines to their AVX2 code on the same CPU (the instruction mix of an AVX2 "
            "machine, not its clocks or memory bandwidth)."), "",
           *table(["run", "command", "date", "CPU", "data"], runs), "",
-          OPEN_GAP, "",
+          "## Models of the size users run", "",
+          *big_models_section(res), "",
           "## Everything else", "",
           ("Each figure's note (linked above) says what the run measured and where the time goes. Every earlier "
            "measurement, per kernel, per issue and per machine (Intel Xeon with AMX, AVX2-only AMD EPYC, the "
