@@ -321,7 +321,19 @@ def big_models_section(res: str) -> list[str]:
              "Data: [results/big_models.json](results/big_models.json)."), "",
             *table(["shape", "file MB", "TPOT ms", "bound ms", "TPOT x bound", "llama-bench TPOT ms",
                     "TPOT x llama-bench", "llama-bench x bound", "prefill tok/s", "llama-bench pp512",
-                    "prefill x", "device RSS MB", "read GB/s"], rows)]
+                    "prefill x", "device RSS MB", "read GB/s"], rows), *batch_line(res)]
+
+
+def batch_line(res: str) -> list[str]:
+    """Batch decode on the 1.5B-shaped file against llama-server's slots (benchmarks/batch_vs_llama_server.py)."""
+    b = load(res, "batch_vs_llama_server.json")
+    if b is None:
+        return []
+    return ["", (f"Batch decode, {b['shape']}-shaped file, {b['rows']} x {b['prompt']} -> {b['out']} tokens sent at "
+                 f"once: tandem {b['median']['tandem']:.1f} output tok/s, llama.cpp's `llama-server` with "
+                 f"{b['slots']} parallel slots {b['median']['llama-server']:.1f}: "
+                 f"**{b['tandem_over_llama_server']:.2f}x** (median of interleaved rounds; "
+                 "[results/batch_vs_llama_server.json](results/batch_vs_llama_server.json)).")]
 
 
 def render_headline(out: str, res: str) -> str:
