@@ -300,7 +300,8 @@ def big_models_section(res: str) -> list[str]:
         return ["_Not measured yet: run `.venv/bin/python benchmarks/big_models.py --json "
                 "benchmarks/results/big_models.json`._"]
     rows = []
-    for r in data["rows"]:
+    avx2 = load(res, "big_models_avx2.json")        # the same run with tandem's AVX2 bodies (TANDEM_ISA=avx2)
+    for r in data["rows"] + [dict(r, shape=r["shape"] + ", tandem on AVX2") for r in (avx2 or {}).get("rows", [])]:
         t, lb = r["tandem"], r.get("llama_bench", {})
         rows.append([r["shape"], fmt(r["file_bytes"] / 1e6, ".0f"), fmt(t["tpot_ms"], ".1f"),
                      fmt(r["bound_tpot_ms"], ".1f"), fmt(r["tpot_vs_bound"], ".2f"),
@@ -317,7 +318,8 @@ def big_models_section(res: str) -> list[str]:
              "measured before, between and after the two engines' runs of that file (read GB/s). TPOT x: tandem's TPOT over the bound and over llama-bench's "
              "(below 1: tandem faster); prefill x: tandem's tokens/s over llama-bench pp512's. The read bandwidth "
              "of a shared host can move between runs (read GB/s: before tandem / between / after llama-bench), "
-             "and the engines' ratios carry that noise. "
+             "and the engines' ratios carry that noise. Rows \"tandem on AVX2\": tandem under TANDEM_ISA=avx2 (its AVX2 "
+             "bodies on the same CPU) against the native llama-bench. "
              "Data: [results/big_models.json](results/big_models.json)."), "",
             *table(["shape", "file MB", "TPOT ms", "bound ms", "TPOT x bound", "llama-bench TPOT ms",
                     "TPOT x llama-bench", "llama-bench x bound", "prefill tok/s", "llama-bench pp512",
