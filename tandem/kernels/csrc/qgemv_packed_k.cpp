@@ -99,96 +99,84 @@ TPK2 inline __m256i q6k_bits256(__m256i v, __m256i hb, int p, int h) {
   return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
 }
 
-// The weight stream's software prefetch: each tile requests, into L2, the lines kPrefetchAhead bytes ahead of
-// the super-block it reads in each of its groups' streams; past a group's end that is the same stream's
-// continuation, the group GT further on (the next tile's; a prefetch past the weights does not fault). Measured
-// on the 1.5B-shaped file's matrices streamed from DRAM on an AMD EPYC (2 threads): 37-47 ms a step with the
-// whole next groups requested into L1 instead (as qgemv_packed.cpp does), 26-29 ms with this (read bound ~25 ms).
+// The weight stream's software prefetch: a tile requests, into L2, the lines kPrefetchAhead bytes ahead of the
+// super-block it reads (past the group's end: the next group's, read next; a prefetch past the weights does not
+// fault). One group a tile keeps the weights one sequential stream a thread. Measured on the 1.5B-shaped file's
+// matrices streamed from DRAM on an AMD EPYC (2 threads, one row of x): 37-47 ms a step with 4 groups a tile and
+// the next 4 requested whole into L1 (as qgemv_packed.cpp does), 27-30 ms with 4 streams and this prefetch,
+// 20-25 ms with one stream (L2-resident, 4 groups a tile was no faster).
 constexpr int64_t kPrefetchAhead = 4096;
 
 TPK2 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char*)(p + l), _MM_HINT_T1);
 }
 
-// GT consecutive groups against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
-template <int64_t QT, int GT, int MT>
-TPK void ktile(const uint8_t* gp, int64_t gbytes, int64_t ns, const KX& x, int64_t m0, const float* bias,
-               float* y, int64_t ldy, int64_t n0, int64_t N) {
+// One group (output rows n0 .. n0 + 15) against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
+template <int64_t QT, int MT>
+TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t ldy,
+               int64_t n0, int64_t N) {
   constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
   const __m512i m4 = _mm512_set1_epi8(0x0f);
-  __m512 f[GT][MT];
-  for (int g = 0; g < GT; ++g)
-    for (int j = 0; j < MT; ++j) f[g][j] = _mm512_setzero_ps();
+  __m512 f[MT];
+  for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
-    // the GT groups' scales of super-block s first, then sub-block after sub-block across the groups: GT
-    // independent chains side by side in the instruction stream
-    __m512 kdw[GT][8], kmh[GT][8], d[GT];
-    for (int g = 0; g < GT; ++g) {
-      const uint8_t* sp = gp + g * gbytes + s * SB;
-      prefetch_ahead(sp + kPrefetchAhead + (s * SB + kPrefetchAhead < gbytes ? 0 : (GT - 1) * gbytes), SB);
-      const uint8_t* tail = sp + 8 * QB;                       // Q4_K: d, dmin, scales; Q6_K: scales, d
-      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
-      if constexpr (QT == kQ4_K)
-        q4k_scales16(tail + 64, d[g], _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
-                                                    _mm512_set1_ps(-0.0f)), kdw[g], kmh[g]);
-    }
+    const uint8_t* sp = gp + s * SB;
+    prefetch_ahead(sp + kPrefetchAhead, SB);
+    const uint8_t* tail = sp + 8 * QB;                         // Q4_K: d, dmin, scales; Q6_K: scales, d
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
+    __m512 kdw[8], kmh[8];
+    if constexpr (QT == kQ4_K)
+      q4k_scales16(tail + 64, d, _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
+                                               _mm512_set1_ps(-0.0f)), kdw, kmh);
     for (int sb = 0; sb < 8; ++sb) {
-      for (int g = 0; g < GT; ++g) {
-        const uint8_t* sp = gp + g * gbytes + s * SB;
-        const uint8_t* tail = sp + 8 * QB;
-        const uint8_t* q = sp + sb * QB;
-        __m512i w[8];
-        __m512 dw[2], mh = _mm512_setzero_ps();
-        if constexpr (QT == kQ4_K) {
-          for (int p = 0; p < 4; ++p) {
-            const __m512i v = _mm512_loadu_si512(q + 64 * p);
-            w[p] = _mm512_and_si512(v, m4);
-            w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-          }
-          dw[0] = dw[1] = kdw[g][sb];
-          mh = kmh[g][sb];
-        } else {
-          const __m512i h0 = _mm512_loadu_si512(q + 256), h1 = _mm512_loadu_si512(q + 320);
-          for (int p = 0; p < 4; ++p) {
-            const __m512i v = _mm512_loadu_si512(q + 64 * p);
-            w[p] = q6k_bits512(v, h0, p, 0);
-            w[4 + p] = q6k_bits512(v, h1, p, 1);
-          }
-          for (int h = 0; h < 2; ++h)
-            dw[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i*)(tail + 16 * (2 * sb + h))))), d[g]);
+      const uint8_t* q = sp + sb * QB;
+      __m512i w[8];
+      __m512 dw[2], mh = _mm512_setzero_ps();
+      if constexpr (QT == kQ4_K) {
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(q + 64 * p);
+          w[p] = _mm512_and_si512(v, m4);
+          w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         }
-        for (int j = 0; j < MT; ++j) {
-          const int64_t m = m0 + j;
-          const int8_t* xb = x.q + m * x.K + 256 * s + 32 * sb;
-          for (int h = 0; h < 2; ++h) {
-            const int64_t u = 16 * s + 2 * sb + h;
-            // two chains of 2 vpdpbusd instead of one of 4 (its latency was the tile's limit); an int32 sum in
-            // any order is the same sum
-            int32_t xv[4];
-            std::memcpy(xv, xb + 16 * h, 16);
-            const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h], _mm512_set1_epi32(xv[0]));
-            const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h + 1], _mm512_set1_epi32(xv[1]));
-            __m512i acc = _mm512_add_epi32(_mm512_dpbusd_epi32(a0, w[4 * h + 2], _mm512_set1_epi32(xv[2])),
-                                           _mm512_dpbusd_epi32(a1, w[4 * h + 3], _mm512_set1_epi32(xv[3])));
-            if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
-            f[g][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
-                                      f[g][j]);
-            if constexpr (QT == kQ4_K) f[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mh, f[g][j]);
-          }
+        dw[0] = dw[1] = kdw[sb];
+        mh = kmh[sb];
+      } else {
+        const __m512i h0 = _mm512_loadu_si512(q + 256), h1 = _mm512_loadu_si512(q + 320);
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(q + 64 * p);
+          w[p] = q6k_bits512(v, h0, p, 0);
+          w[4 + p] = q6k_bits512(v, h1, p, 1);
+        }
+        for (int h = 0; h < 2; ++h)
+          dw[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                      _mm_loadu_si128((const __m128i*)(tail + 16 * (2 * sb + h))))), d);
+      }
+      for (int j = 0; j < MT; ++j) {
+        const int64_t m = m0 + j;
+        const int8_t* xb = x.q + m * x.K + 256 * s + 32 * sb;
+        for (int h = 0; h < 2; ++h) {
+          const int64_t u = 16 * s + 2 * sb + h;
+          // two chains of 2 vpdpbusd, not one of 4 (its latency bound the tile); an int32 sum in any order is
+          // the same sum
+          int32_t xv[4];
+          std::memcpy(xv, xb + 16 * h, 16);
+          const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h], _mm512_set1_epi32(xv[0]));
+          const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h + 1], _mm512_set1_epi32(xv[1]));
+          __m512i acc = _mm512_add_epi32(_mm512_dpbusd_epi32(a0, w[4 * h + 2], _mm512_set1_epi32(xv[2])),
+                                         _mm512_dpbusd_epi32(a1, w[4 * h + 3], _mm512_set1_epi32(xv[3])));
+          if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
+          f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
+                                 f[j]);
+          if constexpr (QT == kQ4_K) f[j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
         }
       }
     }
   }
-  for (int g = 0; g < GT; ++g) {
-    const int64_t n = n0 + g * kG;
-    if (n >= N) break;
-    const int nr = (int)std::min<int64_t>(kG, N - n);
-    const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
-    for (int j = 0; j < MT; ++j)
-      _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n, keep, bias ? _mm512_add_ps(f[g][j], bv) : f[g][j]);
-  }
+  const int nr = (int)std::min<int64_t>(kG, N - n0);
+  const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int j = 0; j < MT; ++j)
+    _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, bias ? _mm512_add_ps(f[j], bv) : f[j]);
 }
 
 // The AVX2 body: half s of a group (output rows 8 s .. 8 s + 7, one ymm) against rows m0 .. m0 + MT - 1 of x,
@@ -271,32 +259,25 @@ void krows_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, int64_t 
   }
 }
 
-// Groups g0 .. g1 - 1 against every row of x (as qgemv_packed.cpp's groups(): the next groups requested into
-// L1 while these run; one row of x takes 4 groups a tile, two rows 2, more rows 4 rows of x a tile).
+// Groups g0 .. g1 - 1 against every row of x, a group at a time (one weight stream), 4 rows of x a tile.
 template <int64_t QT>
 void kgroups(int body, const uint8_t* wp, int64_t gbytes, int64_t ns, const KX& x, int64_t M, const float* bias,
              float* y, int64_t N, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1;) {
+  for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = wp + g * gbytes;
-    const int64_t n0 = g * kG, left = g1 - g;
-    const int64_t take = body == 2 && M == 1 && left >= 4 ? 4 : body == 2 && M == 2 && left >= 2 ? 2 : 1;
+    const int64_t n0 = g * kG;
     if (body == 1) {
       for (int s = 0; s < 2 && n0 + 8 * s < N; ++s) krows_avx2<QT, 4>(gp, ns, x, 0, M, bias, y, n0 + 8 * s, N, s);
-    } else if (take == 4) {
-      ktile<QT, 4, 1>(gp, gbytes, ns, x, 0, bias, y, N, n0, N);
-    } else if (take == 2) {
-      ktile<QT, 2, 2>(gp, gbytes, ns, x, 0, bias, y, N, n0, N);
-    } else {
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: ktile<QT, 1, 4>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
-          case 3: ktile<QT, 1, 3>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
-          case 2: ktile<QT, 1, 2>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
-          default: ktile<QT, 1, 1>(gp, gbytes, ns, x, m0, bias, y, N, n0, N); break;
-        }
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: ktile<QT, 4>(gp, ns, x, m0, bias, y, N, n0, N); break;
+        case 3: ktile<QT, 3>(gp, ns, x, m0, bias, y, N, n0, N); break;
+        case 2: ktile<QT, 2>(gp, ns, x, m0, bias, y, N, n0, N); break;
+        default: ktile<QT, 1>(gp, ns, x, m0, bias, y, N, n0, N); break;
       }
     }
-    g += take;
   }
 }
 
