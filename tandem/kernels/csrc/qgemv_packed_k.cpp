@@ -270,8 +270,9 @@ void kgroups(int body, const uint8_t* wp, int64_t gbytes, int64_t ns, const KX& 
       for (int s = 0; s < 2 && n0 + 8 * s < N; ++s) krows_avx2<QT, 4>(gp, ns, x, 0, M, bias, y, n0 + 8 * s, N, s);
       continue;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
+    for (int64_t m0 = 0; m0 < M; m0 += M - m0 >= 8 ? 8 : 4) {
+      switch (std::min<int64_t>(M - m0 >= 8 ? 8 : 4, M - m0)) {
+        case 8: ktile<QT, 8>(gp, ns, x, m0, bias, y, N, n0, N); break;
         case 4: ktile<QT, 4>(gp, ns, x, m0, bias, y, N, n0, N); break;
         case 3: ktile<QT, 3>(gp, ns, x, m0, bias, y, N, n0, N); break;
         case 2: ktile<QT, 2>(gp, ns, x, m0, bias, y, N, n0, N); break;
