@@ -31,9 +31,10 @@ def _q5_k(n: int, k: int):
                                      (2, 17, 96), (9, 3, 160), (1, 100, 64), (2, 70, 64), (4, 65, 128),
                                      (1, 64, 576), (6, 1, 32), (203, 45, 96), (64, 24, 1536)])
 def test_packed_gemv_equals_the_gemm_bit_for_bit(name, m, n, k):
-    """Any rows of x (the one-row tiles of 4 groups, two-row tiles of 2, 4-row tiles; AVX2's many-row tiles of
-    5 / 6 rows and their narrower last ones, a group's second 8 rows full, partial or past N), N off the 16-row
-    groups and the 4-group tiles, zero halves, large and small values, with and without bias."""
+    """Any rows of x (Q4_0 / Q4_1 / Q8_0: one-row tiles of 4 groups, two-row tiles of 2, 4-row tiles; K-quants:
+    a group a tile, 8- and 4-row tiles and narrower last ones; AVX2's many-row tiles of 5 / 6 rows and their
+    narrower last ones, a group's second 8 rows full, partial or past N), N off the 16-row groups and the
+    4-group tiles, zero halves, large and small values, with and without bias."""
     qtype = TYPES[name]
     k = whole(k, qtype)
     q = _weight(n, k, qtype, seed=m + n)
