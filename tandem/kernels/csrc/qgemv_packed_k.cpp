@@ -119,9 +119,10 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   __m512 f[MT];
   for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();
+  const bool first = m0 == 0;                 // the group's first pass requests the stream ahead
   for (int64_t s = 0; s < ns; ++s) {
     const uint8_t* sp = gp + s * SB;
-    prefetch_ahead(sp + kPrefetchAhead, SB);
+    if (first) prefetch_ahead(sp + kPrefetchAhead, SB);
     const uint8_t* tail = sp + 8 * QB;                         // Q4_K: d, dmin, scales; Q6_K: scales, d
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
     __m512 kdw[8], kmh[8];
