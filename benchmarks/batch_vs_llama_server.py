@@ -36,13 +36,9 @@ def main() -> int:
     from tandem.bench.engines import TandemPeer
     from tandem.bench.llama_server import LlamaServerPeer
     from tandem.bench.llamacpp_tools import build_tools
-    from tandem.model.gguf.synthetic import write_synthetic_gguf
+    from tandem.model.gguf.synthetic import synthetic_file
 
-    path = os.path.join(args.models_dir, f"{args.shape}-q4km.gguf")
-    if not os.path.exists(path):
-        os.makedirs(args.models_dir, exist_ok=True)
-        write_synthetic_gguf(path + ".tmp", args.shape)
-        os.replace(path + ".tmp", path)
+    path = synthetic_file(args.shape, args.models_dir)
     bin_dir = build_tools()
     llm = LLM(model=path, device_threads=args.threads, max_running_requests=args.rows,
               max_model_len=args.prompt + args.out + 16)

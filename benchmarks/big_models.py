@@ -88,18 +88,14 @@ def main() -> int:
     from tandem.bench.roofline import decode_bytes_per_token, read_bandwidth
     from tandem.model.gguf.config import read_gguf_config
     from tandem.model.gguf.file import GGUFFile
-    from tandem.model.gguf.synthetic import write_synthetic_gguf
+    from tandem.model.gguf.synthetic import synthetic_file
 
     torch.set_num_threads(args.threads)
     bw = read_bandwidth()
     bin_dir = None if args.skip_llamacpp else build_tools()
-    os.makedirs(args.models_dir, exist_ok=True)
     rows = []
     for shape in args.shapes.split(","):
-        path = os.path.join(args.models_dir, f"{shape}-q4km.gguf")
-        if not os.path.exists(path):
-            write_synthetic_gguf(path + ".tmp", shape)
-            os.replace(path + ".tmp", path)
+        path = synthetic_file(shape, args.models_dir)
         mc = read_gguf_config(GGUFFile(path))
         step = decode_bytes_per_token(path, mc, context=32 + args.gen // 2)
         # the read bandwidth around each engine's run: on shared hosts it moves (31 or 48 GB/s on one EPYC), and

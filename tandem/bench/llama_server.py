@@ -21,7 +21,7 @@ from .http_peer import free_port, wait_healthy
 class LlamaServerPeer(Peer):
     def __init__(self, bin_dir: str, model_path: str, threads: int, slots: int, slot_context: int,
                  log_path: str | None = None, start_timeout_s: float = 600.0) -> None:
-        self.name, self.batch_size, self.slots = f"llama-server ({slots} slots)", slots, slots
+        self.name, self.batch_size = f"llama-server ({slots} slots)", slots
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [os.path.join(bin_dir, "llama-server"), "-m", model_path, "-t", str(threads), "-tb", str(threads),

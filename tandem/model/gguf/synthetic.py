@@ -14,6 +14,7 @@ embedding and the head have the real model's size.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,6 +162,17 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0) -> str:
             data = random_blocks(dims[0], dims[1], qt, rng)
         w.write_tensor_data(data)
     w.close()
+    return path
+
+
+def synthetic_file(shape: str, folder: str) -> str:
+    """The SHAPES key `shape` as `folder`/SHAPE-q4km.gguf, written once (through a temporary name, so an
+    interrupted write never leaves a file that looks whole) and reused after."""
+    path = os.path.join(folder, f"{shape}-q4km.gguf")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        write_synthetic_gguf(path + ".tmp", shape)
+        os.replace(path + ".tmp", path)
     return path
 
 
