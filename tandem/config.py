@@ -30,7 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.1     # with kv_cache_tokens None: this fraction of free memory holds the KV cache
-    kv_cache_dtype: str = "auto"        # KV element type: "auto" (bfloat16 on CPU with native int8 kernels, else dtype), "float32", "bfloat16", "float16"
+    kv_cache_dtype: str = "auto"        # KV element type: "auto" (bfloat16 on CPU with native int8 kernels, else dtype), "float32", "bfloat16", "float16", "q8_0" (llama.cpp's 8-bit blocks: 0.53x bf16's bytes)
     shared_prefix_attention: bool = True  # decode rows on one cached prefix read its KV once a step (and the torch path's cascade extend)
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
     process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
@@ -81,8 +81,8 @@ class EngineConfig:
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto/float32/bfloat16/float16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "q8_0"):
+            raise ValueError(f"kv_cache_dtype must be auto/float32/bfloat16/float16/q8_0, got {self.kv_cache_dtype!r}")
         for name in ("max_running_requests", "max_prefill_tokens", "mixed_prefill_tokens", "max_waiting_requests",
                      "trace_ring_steps"):
             if getattr(self, name) < 1:

@@ -88,11 +88,11 @@ def read_bandwidth(megabytes: int = 1024, min_s: float = 0.5) -> float:
     return src.numel() * FP32 / time_call(lambda: src.sum(), min_s)
 
 
-def decode_bytes_per_token(model_path: str, mc, context: int, kv_bytes: int = 2) -> dict:
+def decode_bytes_per_token(model_path: str, mc, context: int, kv_bytes: float = 2) -> dict:
     """Bytes one batch-1 decode step reads: every matrix of the GGUF as its blocks (the embedding only as the
     tied head; its lookup is one row), plus the KV cache at `context` tokens (kv_bytes an element)."""
     q = quantized_bytes(model_path, mc.tie_word_embeddings) or {"total": 0}
-    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * kv_bytes
+    kv = int(2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * kv_bytes)
     return {"weights": q["total"], "kv": kv, "total": q["total"] + kv}
 
 
@@ -152,7 +152,8 @@ def bench_roofline(args) -> dict:
             out["memory_bound_batch1_tokens_per_s_quantized"] = out["memory_bandwidth_gb_s"] * 1e9 / q["total"]
             # The bound of a batch-1 step: the bytes it reads over the read bandwidth of the engine's threads
             out["read_bandwidth_gb_s"] = read_bandwidth(args.bandwidth_mb * 4, args.min_seconds) / 1e9
-            kv_bytes = 4 if config.kv_cache_dtype == "float32" or config.kernels_act == "fp32" else 2   # "auto": bf16
+            kv_bytes = {"float32": 4, "q8_0": 34 / 32}.get(config.kv_cache_dtype, 2)   # per element; "auto": bf16
+            kv_bytes = 4 if config.kernels_act == "fp32" and config.kv_cache_dtype == "auto" else kv_bytes
             step = decode_bytes_per_token(gguf_file, mc, args.input_len + args.output_len // 2, kv_bytes)
             out["bytes_per_token"] = step
             out["bound_tpot_ms"] = 1e3 * step["total"] / (out["read_bandwidth_gb_s"] * 1e9)

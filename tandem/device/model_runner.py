@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..kernels import kv_quant
 from ..kernels.quant import INT8_ACT_QTYPES, small_m
 from ..model.cascade import SharedPrefix, additive, shared_prefix
-from ..model.kv_cache import AttentionMeta, PagedKVCache
+from ..model.kv_cache import AttentionMeta, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
 from .heap import release_load_memory
@@ -103,7 +104,7 @@ class ModelRunner:
             state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
         kv_dtype = self.kv_dtype(rounds, dtype)
         bf16 = self.prefill_bf16(rounds, state)
-        bytes_per_slot = 2 * num_layers * layout.kv_heads * c.head_dim * kv_dtype.itemsize
+        bytes_per_slot = 2 * num_layers * layout.kv_heads * kv_row_bytes(kv_dtype, c.head_dim)
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
@@ -137,10 +138,13 @@ class ModelRunner:
         self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
 
     def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's element type. "auto": bfloat16 on CPU where the linears already round (native kernels,
+        """The KV cache's element type (q8_0: uint8 blocks, kernels/kv_quant.py). "auto": bfloat16 on CPU where the linears already round (native kernels,
         int8 activations, quantized weights: rounds): half the bytes a decode step reads, and the accuracy gate
         of benchmarks/kl_divergence.py holds (docs/performance.md). Else the model dtype: the exact mode (kernels_act="fp32")
         and unquantized weights keep fp32 keys and values (parity with transformers)."""
+        if self.spec.kv_cache_dtype == "q8_0":
+            kv_quant.row_bytes(self.config.head_dim)         # a clear error where head_dim is no multiple of 32
+            return kv_quant.Q8_0
         if self.spec.kv_cache_dtype != "auto":
             return _DTYPES[self.spec.kv_cache_dtype]
         if rounds and self.spec.kernels_act == "int8" and self.device.type == "cpu":

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import head_dim, to_cache, widen
+
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """q [B, H, D], cache [S + 1, L, 2, KVH, D] (fp32, bf16 or fp16), kv_index [B, Lk], seq_lens [B] -> [B, H, D];
-    K/V read in place.
+    """q [B, H, D], cache [S + 1, L, 2, KVH, D] (fp32, bf16 or fp16; or q8_0 blocks, kv_quant.py), kv_index [B, Lk],
+    seq_lens [B] -> [B, H, D]; K/V read in place.
     window > 0 (a sliding-window layer): each row attends only its last `window` keys."""
     return torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, scale, -1, -1, window)
 
@@ -30,18 +32,18 @@ def decode_attention_qkv_(qkv: torch.Tensor, cache: torch.Tensor, layer: int, ou
 def decode_attention_qkv_ref(qkv: torch.Tensor, cache: torch.Tensor, layer: int, out_cache_loc: torch.Tensor,
                              kv_index: torch.Tensor, seq_lens: torch.Tensor, scale: float, heads: int,
                              window: int = 0) -> torch.Tensor:
-    kvh, d = cache.shape[3], cache.shape[4]
+    kvh, d = cache.shape[3], head_dim(cache)
     q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
-    cache[out_cache_loc, layer, 0] = k.reshape(-1, kvh, d).to(cache.dtype)     # rounded to the cache's dtype
-    cache[out_cache_loc, layer, 1] = v.reshape(-1, kvh, d).to(cache.dtype)
+    cache[out_cache_loc, layer, 0] = to_cache(k.reshape(-1, kvh, d), cache)   # rounded as the cache holds it
+    cache[out_cache_loc, layer, 1] = to_cache(v.reshape(-1, kvh, d), cache)
     out = decode_attention_ref(q.reshape(-1, heads, d), cache, layer, kv_index, seq_lens, scale, window)
     return out.reshape(qkv.shape[0], -1)                               # [B, H D]
 
 
 def decode_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    keys = cache[kv_index, layer, 0].to(q.dtype).transpose(1, 2)      # [B, KVH, Lk, D], widened from the cache's dtype
-    values = cache[kv_index, layer, 1].to(q.dtype).transpose(1, 2)
+    keys = widen(cache[kv_index, layer, 0], q.dtype).transpose(1, 2)     # [B, KVH, Lk, D], widened from the cache's
+    values = widen(cache[kv_index, layer, 1], q.dtype).transpose(1, 2)
     k_pos = torch.arange(kv_index.shape[1])[None, :]
     valid = k_pos < seq_lens[:, None]                                 # [B, Lk]
     if window:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels.kv_quant import widen
+
 MIN_SHARED = 64      # shortest shared prefix worth the split (tokens); below it one attention is cheaper
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu   # returns (out, logsumexp) on CPU
@@ -34,8 +36,8 @@ class SharedPrefix:
     slots: torch.Tensor           # [P] the slots every row's first P keys are
 
     def keys_values(self, data: torch.Tensor, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[1, KVH, P, D] keys and values of `layer`, widened to the step's dtype (exact for bf16/fp16)."""
-        kv = data[self.slots, layer].to(dtype)                 # [P, 2, KVH, D]
+        """[1, KVH, P, D] keys and values of `layer`, widened to the step's dtype (exact for bf16/fp16/q8_0)."""
+        kv = widen(data[self.slots, layer], dtype)             # [P, 2, KVH, D]
         return kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
 
 

@@ -7,10 +7,11 @@ small-row gather per layer and per K/V (measured here: ~14x less time for SmolLM
 `pad_slot` stays zero: key positions past a row's length gather from it, so masked keys never bring in
 garbage (NaN * 0 is NaN).
 
-Element type: `kv_cache_dtype` (fp32, bf16 or fp16; bf16 by default with the native int8 kernels). Every K and
-V is rounded to it when written, by torch's conversion here and by the same round-to-nearest-even in the
-native op, and every reader widens it to the compute dtype: a key is the same bits whichever path wrote it
-and whichever step reads it (so a prefix-cache hit reads what a fresh prefill would have).
+Element type: `kv_cache_dtype` (fp32, bf16 or fp16; bf16 by default with the native int8 kernels; or q8_0,
+llama.cpp's 8-bit blocks, held as uint8 [.., KVH, D / 32 * 34]: kernels/kv_quant.py). Every K and V is rounded
+to it when written, by torch's conversion (or kv_quant.quantize) here and by the same rounding in the native
+ops, and every reader widens it to the compute dtype: a key is the same bits whichever path wrote it and
+whichever step reads it (so a prefix-cache hit reads what a fresh prefill would have).
 """
 from __future__ import annotations
 
@@ -19,10 +20,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels.kv_quant import Q8_0, row_bytes, to_cache, widen
+
 if TYPE_CHECKING:
     from .cascade import SharedPrefix
 
 GATHER_BUDGET_BYTES = 256 << 20     # cap on the per-step gather buffer; layers are gathered in groups below it
+
+
+def kv_row_bytes(dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes of one head's K (or V) row of one token in a cache of `dtype` (Q8_0: q8_0 blocks)."""
+    return row_bytes(head_dim) if dtype == Q8_0 else head_dim * dtype.itemsize
 
 
 class PagedKVCache:
@@ -33,7 +41,8 @@ class PagedKVCache:
         self.num_layers = num_layers
         # Left uninitialized: a fast start, and pages never touched cost no memory. Every position a step
         # attends to below its length was written by that step or an earlier one.
-        self.data = torch.empty(num_slots + 1, num_layers, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        row = row_bytes(head_dim) if dtype == Q8_0 else head_dim                # a head's row in elements
+        self.data = torch.empty(num_slots + 1, num_layers, 2, num_kv_heads, row, dtype=dtype, device=device)
         self.data[self.pad_slot].zero_()
         self._bufs: dict[int, torch.Tensor] = {}
 
@@ -98,8 +107,8 @@ class StepKV:
         """Write the step's new k, v ([T, KVH, D]) to the cache only (for readers that take every key in place
         through kv_index); returns them as the cache holds them."""
         data = self.cache.data
-        if k.dtype != data.dtype:             # a bf16/fp16 cache: round once, the same bits wherever they are read
-            k, v = k.to(data.dtype), v.to(data.dtype)
+        if k.dtype != data.dtype:             # a bf16/fp16/q8_0 cache: round once, the same bits wherever read
+            k, v = to_cache(k, data), to_cache(v, data)
         data[self.out_cache_loc, layer, 0] = k
         data[self.out_cache_loc, layer, 1] = v
         return k, v
@@ -115,7 +124,7 @@ class StepKV:
             b, lk = self.kv_index.shape
             keys, values = k.view(b, lk, *k.shape[1:]), v.view(b, lk, *v.shape[1:])
             if keys.dtype != dtype:
-                keys, values = keys.to(dtype), values.to(dtype)
+                keys, values = widen(keys, dtype), widen(values, dtype)
             return keys.transpose(1, 2), values.transpose(1, 2)
         if self._view is None or layer >= self._first + self.group:
             self._gather(layer)
@@ -124,7 +133,7 @@ class StepKV:
         self._view[self.tok_row, self.positions, g, 1] = v
         keys, values = self._view[:, :, g, 0], self._view[:, :, g, 1]        # [B, Lk, KVH, D]
         if keys.dtype != dtype:               # attention computes in the step's dtype
-            keys, values = keys.to(dtype), values.to(dtype)
+            keys, values = widen(keys, dtype), widen(values, dtype)
         return keys.transpose(1, 2), values.transpose(1, 2)   # [B, KVH, Lk, D], strided: SDPA reads it as is
 
 

@@ -3,7 +3,8 @@
 //   q        fp32 [B, H, D]                 this step's queries (after RoPE)
 //   cache    [S + 1, L, 2, KVH, D]          every slot holds all layers' K (index 0) and V (index 1); fp32, bf16
 //                                           or fp16 (kv_cache_dtype): K/V rows are widened to fp32 as they are
-//                                           read, and every sum is fp32 whatever the cache holds
+//                                           read, and every sum is fp32 whatever the cache holds; or q8_0: uint8
+//                                           [S + 1, L, 2, KVH, D / 32 * 34], blocks of kv_q8.h, widened exactly
 //   kv_index int64 [B, Lk]                  slot of each key position (only the first seq_lens[b] are read)
 //   seq_lens int64 [B]                      keys per row (>= 1)
 //   window   int                            > 0: a sliding-window layer, the row's query sees only its last
@@ -61,6 +62,7 @@
 #include <memory>
 #include <vector>
 
+#include "kv_q8.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -83,7 +85,7 @@ constexpr int64_t MAX_SHARED_ROWS = 8;  // rows of a shared-prefix task (more ar
 
 struct AttnArgs {
   const float* q; const void* cache; const int64_t* kv_index; const int64_t* seq_lens;   // cache: float/bf16/fp16
-  int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // slot_stride = L * 2 * KVH * D
+  int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // strides in cache elements: L 2 KVH row_elems
   float scale;
   int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
 };
@@ -107,7 +109,7 @@ struct Scratch {
 namespace scalar {
 template <typename T>
 static void axpy(float* y, float a, const T* x, int64_t n) {   // y += a * x
-  for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+  for (int64_t i = 0; i < n; ++i) y[i] += a * elem(x, i);
 }
 static void scale_(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
@@ -125,7 +127,7 @@ static float exp_sum(float* s, int64_t n, float mx) {             // s[j] = exp(
 template <typename T>
 static float dot(const float* a, const T* b, int64_t n) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  for (int64_t i = 0; i < n; ++i) s += a[i] * elem(b, i);
   return s;
 }
 template <typename T>   // s[c][j] = q[c] . k[j] for nq queries and the n keys of a tile
@@ -165,10 +167,12 @@ static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64
 
 static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   const auto t = cache.scalar_type();
-  TORCH_CHECK(cache.dim() == 5 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && cache.is_contiguous() &&
-                  cache.size(2) == 2,
-              "tandem.decode_attention: cache must be a contiguous fp32/bf16/fp16 [S + 1, L, 2, KVH, D] tensor");
-  TORCH_CHECK(cache.size(4) == D, "tandem.decode_attention: head shapes do not match");
+  TORCH_CHECK(cache.dim() == 5 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kByte) &&
+                  cache.is_contiguous() && cache.size(2) == 2,
+              "tandem.decode_attention: cache must be a contiguous fp32/bf16/fp16 [S + 1, L, 2, KVH, D] tensor "
+              "or a q8_0 one, uint8 [S + 1, L, 2, KVH, D / 32 * 34]");
+  TORCH_CHECK(t == at::kByte ? D % Q8_BLOCK == 0 && cache.size(4) == row_elems<KvQ8>(D) : cache.size(4) == D,
+              "tandem.decode_attention: head shapes do not match");
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
 }
 
@@ -184,7 +188,7 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
   if (bf16 && kv == at::kBFloat16 && isa == kAvx512 && cpu_has_bf16() && D % 32 == 0)
     return avx512::attend<c10::BFloat16, true>;
   return kv == at::kBFloat16 ? attend_for<c10::BFloat16>(isa) : kv == at::kHalf ? attend_for<c10::Half>(isa)
-                                                                                 : attend_for<float>(isa);
+         : kv == at::kByte ? attend_for<KvQ8>(isa) : attend_for<float>(isa);
 }
 
 #include "shared_prefix_attention.inc"
@@ -275,15 +279,18 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   });
 }
 
-// Row b's K then V (n floats from src + b * rs + off, one contiguous run in qkv and in the slot) into slot
-// loc[b], converted as torch converts (c10's constructors: round to nearest even).
+// Row b's K then V (2 KVH head rows of D floats from src + b * rs + off, one contiguous run in qkv; in the slot,
+// rows of row_elems<T>(D)) into slot loc[b], converted as torch converts (c10's constructors: round to nearest
+// even) or, q8_0, quantized as kernels/kv_quant.py does (kv_q8.h).
 template <typename T>
-static void write_kv(const float* src, int64_t rs, int64_t off, T* dst, const int64_t* loc, int64_t B, int64_t n,
-                     int64_t slot_stride) {
+static void write_kv(const float* src, int64_t rs, int64_t off, void* cache, int64_t layer_off, const int64_t* loc,
+                     int64_t B, int64_t KVH, int64_t D, int64_t slot_stride) {
+  const int64_t hs = row_elems<T>(D);
+  T* dst = static_cast<T*>(cache) + layer_off;
   for (int64_t b = 0; b < B; ++b) {
     const float* s = src + b * rs + off;
     T* d = dst + loc[b] * slot_stride;
-    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(s[i]);
+    for (int64_t h = 0; h < 2 * KVH; ++h) put_row(s + h * D, D, d + h * hs);
   }
 }
 
@@ -298,8 +305,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   const int64_t KVH = cache.size(3), Lk = kv_index.size(1);
   TORCH_CHECK(H % KVH == 0, "tandem.decode_attention: head shapes do not match");
   TORCH_CHECK(kv_index.size(0) == B && seq_lens.size(0) == B, "tandem.decode_attention: batch sizes differ");
+  const int64_t E = cache.size(4);                     // a head row's elements (D, or q8_0's bytes)
   const AttnArgs a{q.data_ptr<float>(), cache.data_ptr(), kv_index.data_ptr<int64_t>(),
-                   seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * D, cache.size(1) * 2 * KVH * D, layer,
+                   seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * E, cache.size(1) * 2 * KVH * E, layer,
                    (float)scale, B > 1 ? q.stride(0) : H * D};
   at::Tensor out = at::empty({B, H, D}, q.options());
   attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
@@ -311,7 +319,8 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
                                  const at::Tensor& seq_lens_in, double scale, int64_t H, int64_t isa_req,
                                  int64_t chunk_keys, int64_t window, bool bf16_products) {
   TORCH_CHECK(cache.dim() == 5, "tandem.decode_attention_qkv_: cache must be [S + 1, L, 2, KVH, D]");
-  const int64_t KVH = cache.size(3), D = cache.size(4), B = qkv.size(0);
+  const int64_t KVH = cache.size(3), E = cache.size(4), B = qkv.size(0);
+  const int64_t D = cache.scalar_type() == at::kByte ? E / Q8_BYTES * Q8_BLOCK : E;   // q8_0: D / 32 blocks
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
                   qkv.size(1) == (H + 2 * KVH) * D && H % KVH == 0,
               "tandem.decode_attention_qkv_: qkv must be fp32 [B, (H + 2 KVH) D] with contiguous rows");
@@ -319,19 +328,21 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
   at::Tensor loc = as_long(loc_in), kv_index = as_long(kv_index_in), seq_lens = as_long(seq_lens_in);
   TORCH_CHECK(loc.dim() == 1 && loc.size(0) == B && kv_index.size(0) == B && seq_lens.size(0) == B,
               "tandem.decode_attention_qkv_: batch sizes differ");
-  const int64_t S = cache.size(0), slot_stride = cache.size(1) * 2 * KVH * D, rs = qkv.stride(0);
+  const int64_t S = cache.size(0), slot_stride = cache.size(1) * 2 * KVH * E, rs = qkv.stride(0);
   const float* src = qkv.data_ptr<float>();
   const int64_t* l = loc.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(l[b] >= 0 && l[b] < S, "tandem.decode_attention_qkv_: out_cache_loc[", b, "] out of range");
-  const int64_t off = layer * 2 * KVH * D;
+  const int64_t off = layer * 2 * KVH * E;
+  void* c = cache.data_ptr();
   switch (cache.scalar_type()) {
-    case at::kBFloat16: write_kv(src, rs, H * D, cache.data_ptr<c10::BFloat16>() + off, l, B, 2 * KVH * D, slot_stride); break;
-    case at::kHalf: write_kv(src, rs, H * D, cache.data_ptr<c10::Half>() + off, l, B, 2 * KVH * D, slot_stride); break;
-    default: write_kv(src, rs, H * D, cache.data_ptr<float>() + off, l, B, 2 * KVH * D, slot_stride);
+    case at::kBFloat16: write_kv<c10::BFloat16>(src, rs, H * D, c, off, l, B, KVH, D, slot_stride); break;
+    case at::kHalf: write_kv<c10::Half>(src, rs, H * D, c, off, l, B, KVH, D, slot_stride); break;
+    case at::kByte: write_kv<KvQ8>(src, rs, H * D, c, off, l, B, KVH, D, slot_stride); break;
+    default: write_kv<float>(src, rs, H * D, c, off, l, B, KVH, D, slot_stride);
   }
   const AttnArgs a{src, cache.data_ptr(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                   B, H, KVH, D, kv_index.size(1), 2 * KVH * D, slot_stride, layer, (float)scale, rs};
+                   B, H, KVH, D, kv_index.size(1), 2 * KVH * E, slot_stride, layer, (float)scale, rs};
   at::Tensor out = at::empty({B, H * D}, qkv.options());
   attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;

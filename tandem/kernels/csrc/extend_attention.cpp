@@ -2,7 +2,8 @@
 // own position, read in place from the paged cache.
 //
 //   q         fp32 [T, H, D]            the step's queries after RoPE (token rows may be strided: a view of qkv)
-//   cache     [S + 1, L, 2, KVH, D]     as decode_attention's: fp32, bf16 or fp16, widened to fp32 as read
+//   cache     [S + 1, L, 2, KVH, D]     as decode_attention's: fp32, bf16 or fp16, widened to fp32 as read; or
+//                                       q8_0, uint8 [S + 1, L, 2, KVH, D / 32 * 34] (kv_q8.h), widened exactly
 //   kv_index  int64 [B, Lk]             slot of each key position of each row
 //   tok_row   int64 [T]                 row of each token; a row's tokens are consecutive in T
 //   positions int64 [T]                 each token's key position p: it attends its row's keys [lo, p], lo = 0 or,
@@ -32,6 +33,7 @@
 #include <memory>
 #include <vector>
 
+#include "kv_q8.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -46,7 +48,7 @@ constexpr int64_t QROWS = 192;    // most query rows (tokens x the G heads of a 
 
 struct ExtArgs {
   const float* q; int64_t q_stride;                  // floats from token t's [H, D] queries to t + 1's
-  const void* cache; int64_t slot_stride, layer_off;  // slot_stride = L 2 KVH D; layer_off = layer 2 KVH D
+  const void* cache; int64_t slot_stride, layer_off;  // in cache elements: L 2 KVH E; layer 2 KVH E (E: a head row)
   const int64_t* kv_index; int64_t Lk;
   const int64_t* tok_row; const int64_t* pos;
   int64_t H, KVH, D, window;
@@ -63,8 +65,8 @@ namespace scalar {
 // The plain body (CPUs without AVX2): per token and head, the scores of its keys, then their softmax and values.
 template <typename T>
 void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
-  const int64_t G = a.H / a.KVH, D = a.D;
-  const T* cache = static_cast<const T*>(a.cache) + a.layer_off + t.g * D;
+  const int64_t G = a.H / a.KVH, D = a.D, hs = row_elems<T>(D);
+  const T* cache = static_cast<const T*>(a.cache) + a.layer_off + t.g * hs;
   const int64_t* slots = a.kv_index + a.tok_row[t.t0] * a.Lk;
   for (int64_t i = t.t0; i < t.t0 + t.n; ++i) {
     const int64_t p = a.pos[i], first = a.window > 0 ? std::max<int64_t>(0, p + 1 - a.window) : 0;
@@ -76,7 +78,7 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
       for (int64_t j = first; j <= p; ++j) {
         const T* k = cache + slots[j] * a.slot_stride;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(k[d]);
+        for (int64_t d = 0; d < D; ++d) dot += q[d] * elem(k, d);
         s[j - first] = dot * a.scale;
         m = std::max(m, s[j - first]);
       }
@@ -84,8 +86,8 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
       for (int64_t j = first; j <= p; ++j) {
         const float w = std::exp(s[j - first] - m);
         sum += w;
-        const T* v = cache + slots[j] * a.slot_stride + a.KVH * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * static_cast<float>(v[d]);
+        const T* v = cache + slots[j] * a.slot_stride + a.KVH * hs;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * elem(v, d);
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= sum;
     }
@@ -113,9 +115,12 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const auto dt = cache.scalar_type();
-  TORCH_CHECK(cache.dim() == 5 && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) &&
-                  cache.is_contiguous() && cache.size(2) == 2 && cache.size(4) == D,
-              "tandem.extend_attention: cache must be a contiguous fp32/bf16/fp16 [S + 1, L, 2, KVH, D] tensor");
+  const bool q8 = dt == at::kByte;                    // q8_0 (kv_q8.h): a head's row is D / 32 blocks
+  TORCH_CHECK(cache.dim() == 5 && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || q8) &&
+                  cache.is_contiguous() && cache.size(2) == 2 &&
+                  (q8 ? D % Q8_BLOCK == 0 && cache.size(4) == row_elems<KvQ8>(D) : cache.size(4) == D),
+              "tandem.extend_attention: cache must be a contiguous fp32/bf16/fp16 [S + 1, L, 2, KVH, D] tensor "
+              "or a q8_0 one, uint8 [S + 1, L, 2, KVH, D / 32 * 34]");
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.extend_attention: layer out of range");
   const int64_t KVH = cache.size(3), S = cache.size(0);
   TORCH_CHECK(H % KVH == 0, "tandem.extend_attention: heads must be a multiple of the KV heads");
@@ -163,9 +168,11 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   const TaskFn fn = dp                  ? avx512::extend_task_bf16
                     : dt == at::kBFloat16 ? task_for<c10::BFloat16>(isa)
                     : dt == at::kHalf   ? task_for<c10::Half>(isa)
+                    : q8                ? task_for<KvQ8>(isa)
                                         : task_for<float>(isa);
-  const ExtArgs a{q.data_ptr<float>(), T > 1 ? q.stride(0) : H * D, cache.data_ptr(), cache.size(1) * 2 * KVH * D,
-                  layer * 2 * KVH * D, idx, Lk, rows, p, H, KVH, D, window, (float)scale, out.data_ptr<float>()};
+  const int64_t E = cache.size(4);
+  const ExtArgs a{q.data_ptr<float>(), T > 1 ? q.stride(0) : H * D, cache.data_ptr(), cache.size(1) * 2 * KVH * E,
+                  layer * 2 * KVH * E, idx, Lk, rows, p, H, KVH, D, window, (float)scale, out.data_ptr<float>()};
   const int64_t max_cols = (per_task * G + 15) / 16 * 16;         // a task holds <= per_task tokens
   const int64_t max_keys = *std::max_element(row_end.begin(), row_end.end());
   const size_t floats = (size_t)std::max({scratch_floats(max_cols, D), avx512::scratch_floats_bf16(max_cols, D),

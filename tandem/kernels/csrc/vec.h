@@ -72,6 +72,9 @@ struct Vec512 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   }
   TANDEM_AVX512 reg load_f16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  TANDEM_AVX512 reg load_i8(const void* p) {                 // 16 int8 -> fp32 (exact)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
   // The 16 horizontal sums of a[0..16) in one register (lane j: the sum of a[j]'s lanes), by transposing adds:
   // ~3 instructions a sum where hsum takes ~8 (the decode attention's scores).
   TANDEM_AVX512 reg reduce_lanes(const reg* a) {
@@ -170,6 +173,9 @@ struct Vec256 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
   TANDEM_AVX2 reg load_f16(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  TANDEM_AVX2 reg load_i8(const void* p) {                   // 8 int8 -> fp32 (exact)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
   TANDEM_AVX2 reg reduce_lanes(const reg* a) {     // the 8 horizontal sums of a[0..8), as Vec512's
     reg b[4], c[2];
     for (int p = 0; p < 4; ++p)
