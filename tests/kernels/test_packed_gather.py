@@ -47,6 +47,23 @@ def test_block_type_rows_are_dequantizes_bit_for_bit(name, qtype, n, k):
     _check(qtype, n, k, seed=n + k)
 
 
+def test_qlinear_lookup_rows_is_the_same_held_or_released():
+    """QLinear.lookup_rows: the row layout's rows while held, the packed copy's after release_rows(), the same
+    bits (a Q4_0 / Q4_1 / Q8_0 head releases its rows only where its copy takes every row count: forced here)."""
+    from tandem.model.linear import ALL_ROWS, QLinear
+    if T.qgemv_packed_rows(Q6_K) == 0:
+        pytest.skip("no packed copy on a CPU without AVX2")
+    idx = _index(45, 3)
+    for qtype in (Q6_K, Q4_K, Q8_0, Q4_1, Q4_0):
+        q = _weight(45, 512, qtype, seed=qtype)
+        lin = QLinear(q, int8_act=True)
+        held = lin.lookup_rows(idx)
+        lin.packed_rows = ALL_ROWS
+        lin.release_rows()
+        assert not lin.holds_rows and lin.parts[0].data.numel() == 0
+        assert torch.equal(lin.lookup_rows(idx), held) and torch.equal(held, q.rows(idx)), qtype
+
+
 def test_refusals():
     q = _weight(37, 512, Q6_K, seed=1)
     packed = T.pack_gemv(q.data, Q6_K, 512)
