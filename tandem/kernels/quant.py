@@ -177,6 +177,15 @@ def packed_rows(qtype: int) -> int:
         from .library import available
         _packed_rows[qtype] = torch.ops.tandem.qgemv_packed_rows(qtype) if available() else 0
     return _packed_rows[qtype]
+
+
+def packed_gather(packed: torch.Tensor, qtype: int, k: int, n: int, index: torch.Tensor) -> torch.Tensor:
+    """fp32 rows [len(index), k] of an n-row weight read out of its packed copy (tandem.pack_gemv), bit for bit
+    QuantWeight.rows on the row layout: a tied embedding looks its tokens up in the LM head's packed copy, so a
+    head that dropped its row layout (QLinear.release_rows) holds the matrix once."""
+    return torch.ops.tandem.packed_gather(packed, qtype, k, n, index)
+
+
 _gemm_rows: dict[int, int] = {}
 
 

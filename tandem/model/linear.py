@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, packed_rows, qlinear, small_m
+from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, packed_gather, packed_rows, qlinear, small_m
 
 
 ALL_ROWS = 1 << 40   # qgemv_packed_rows() of a type whose packed copy takes every row count
@@ -86,6 +86,14 @@ class QLinear:
         w = self.parts[0]
         self._few = (-1, None, w.data, w.qtype, w.k)
 
+    def lookup_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [len(index), K] of the (one-part) weight, an embedding lookup: from the row layout while it
+        is held, else from the packed copy (the same bits), so a tied embedding needs no row layout of its own."""
+        w = self.parts[0]
+        if self.holds_rows:
+            return w.rows(index)
+        return packed_gather(self.packed_parts[0], w.qtype, w.k, w.data.shape[0], index)
+
     def make_bf16(self) -> None:
         """Keep a bf16 copy of the dequantized weight (2 bytes a weight) for bulk() (prefill_act="bf16")."""
         self.bf16 = torch.cat([p.dequantize() for p in self.parts]).to(torch.bfloat16).contiguous()
@@ -122,6 +130,26 @@ def hold_once(lins: list, bf16: bool) -> None:
             if bf16:
                 lin.make_bf16()
             lin.release_rows()
+
+
+Table = "torch.Tensor | QuantWeight | QLinear"     # an embedding's lookup table (embedding_rows)
+
+
+def tied_table(embed: "torch.Tensor | QuantWeight", head: "Linear | QLinear") -> Table:
+    """The lookup table of an embedding tied to `head` (made from the same matrix, on this stage or rank): the
+    head itself once it has dropped its row layout, whose packed copy then serves the lookups too, so the matrix
+    is held once (csrc/packed_gather.cpp: what the second copy cost); else the embedding as it is."""
+    if isinstance(head, QLinear) and len(head.parts) == 1 and not head.holds_rows:
+        return head
+    return embed
+
+
+def embedding_rows(table: Table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table: dense (F.embedding), GGUF blocks (dequantized rows), or a tied LM head
+    (QLinear.lookup_rows)."""
+    if isinstance(table, QLinear):
+        return table.lookup_rows(ids)
+    return table.rows(ids) if isinstance(table, QuantWeight) else F.embedding(ids, table)
 
 
 def run_rows(lin: "Linear | QLinear", x: torch.Tensor, bulk_from: int) -> torch.Tensor:

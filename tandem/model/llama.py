@@ -17,7 +17,7 @@ from ..kernels.quant import QuantWeight, small_m
 from .cascade import cascade_attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
-from .linear import Linear, QLinear, Weight, cat_rows, hold_once, linear, run_rows
+from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
 from .rope import apply_rope, rope_inv_freq
 from .shard import TPLayout
 
@@ -79,10 +79,7 @@ class LlamaModel:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
                  extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.native = native
+        self.config, self.device, self.dtype, self.native = config, torch.device(device), dtype, native
         self.tp, self.pp = tp, pp
         first, last = pp is None or pp.first, pp is None or pp.last
         c = config
@@ -90,7 +87,7 @@ class LlamaModel:
         self.layout = lay
         self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
         ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset, consume_state)
-        self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks)
+        self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks; tied_table)
                       if first or (last and c.tie_word_embeddings) else None)
         self.lm_head = ws.lin(self.embed if c.tie_word_embeddings else ws.w("lm_head.weight")) if last else None
         self.final_norm = ws.norm("model.norm.weight") if last else None
@@ -105,6 +102,8 @@ class LlamaModel:
             self.layers.append(layer := self._layer(ws, i))
             hold_once([layer[k] for k in ("qkv", "o", "gate_up", "down")], self.prefill_bf16)
         hold_once([self.lm_head], False)
+        if c.tie_word_embeddings and first and last:    # one stage (rank) holds both: the head's copy serves both
+            self.embed = tied_table(self.embed, self.lm_head)
         self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context)
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
@@ -196,7 +195,7 @@ class LlamaModel:
             ids = input_ids - self.layout.vocab_start
             inside = (ids >= 0) & (ids < self.layout.vocab)
             ids = torch.where(inside, ids, 0)
-        x = self.embed.rows(ids) if isinstance(self.embed, QuantWeight) else F.embedding(ids, self.embed)
+        x = embedding_rows(self.embed, ids)
         if inside is not None:
             x = self._reduce(x * inside[:, None].to(x.dtype))
         return x if self.embed_scale is None else x * self.embed_scale

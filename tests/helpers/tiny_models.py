@@ -153,9 +153,10 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
     (not qwen2), no output.weight when tied, tokenizer metadata + chat template copied from
     the SmolLM2 GGUF. ``quant``: "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1" or "Q4_K_M" for 2-D weights (norms/biases
-    stay F32); "Q4_K_M" is Q4_K with Q6_K for the LM head and layer 0's attn_v / ffn_down, so layer 0's fused qkv
-    mixes types, and, as llama.cpp does for a K that is not a multiple of 256, Q5_0 in place of Q4_K and Q8_0 in
-    place of Q6_K for such tensors (a width of 192: Q5_0 + Q8_0 + Q4_K + Q6_K). "K_MIX" (K a multiple of 256)
+    stay F32); "Q4_K_M" is Q4_K with Q6_K for the LM head (the embedding too when tied, as llama.cpp does) and
+    layer 0's attn_v / ffn_down, so layer 0's fused qkv mixes types, and, as llama.cpp does for a K that is not a
+    multiple of 256, Q5_0 in place of Q4_K and Q8_0 in place of Q6_K for such tensors (a width of 192: Q5_0 +
+    Q8_0 + Q4_K + Q6_K). "K_MIX" (K a multiple of 256)
     writes every K-quant, as the Q2_K / Q3_K_M files mix them: Q2_K gate / up, Q3_K q / k / o, Q5_K attn_v and
     Q4_K ffn_down in layer 0 (Q4_K and Q5_K in the others), Q6_K head and Q3_K embedding.
     ``arch_name`` overrides general.architecture (to test errors); ``rope_freqs``: optional
@@ -245,7 +246,8 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
             kt = _k_mix_type(gname)
             w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
         elif t.ndim == 2 and k_quant:
-            q6 = gname in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight")
+            q6 = gname in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight") or (
+                gname == "token_embd.weight" and cfg.get("tie_word_embeddings"))     # the head too, when tied
             kt = gguf.GGMLQuantizationType.Q6_K if q6 else qtype
             if t.shape[1] % 256 == 0:
                 w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)

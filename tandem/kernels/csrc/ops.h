@@ -45,6 +45,10 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                         const std::optional<at::Tensor>& bias, int64_t isa);
 int64_t qgemv_packed_rows(int64_t qtype);
+// Rows `index` of an N-row weight out of its packed copy, fp32 [len(index), K]: dequantize's values on the row
+// layout (packed_gather.cpp), for a tied embedding's lookup in the LM head's copy.
+at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N, const at::Tensor& index,
+                         int64_t isa);
 // Rows of x rounded to int8 halves (quantize_act_row) for the packed GEMVs, in thread-local buffers:
 // q [M][K], dx / sxh [M][K / 16], off [M][K / 16] = unit * sum of the half's quants.
 struct PackedX { const int8_t* q; const float *dx, *sxh; const int32_t* off; };

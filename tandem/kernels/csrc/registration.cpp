@@ -19,6 +19,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("pack_gemv(Tensor w, int qtype, int k) -> Tensor");
   m.def("qgemv_packed(Tensor x, Tensor packed, int qtype, int k, int n, Tensor? bias=None, int isa=-1) -> Tensor");
   m.def("qgemv_packed_rows(int qtype) -> int", &tandem::qgemv_packed_rows);
+  m.def("packed_gather(Tensor packed, int qtype, int k, int n, Tensor index, int isa=-1) -> Tensor");
   m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
@@ -52,6 +53,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("qgemv_q8", &tandem::qgemv_q8);
   m.impl("pack_gemv", &tandem::pack_gemv);
   m.impl("qgemv_packed", &tandem::qgemv_packed);
+  m.impl("packed_gather", &tandem::packed_gather);
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);
   m.impl("decode_attention", &tandem::decode_attention);
