@@ -34,7 +34,7 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--greedy", type=int, default=8, help="prompts of the greedy agreement")
 p.add_argument("--greedy-tokens", type=int, default=64)
 p.add_argument("--kv-dtypes", default="bfloat16,float16,float32",
-               help="KV cache dtypes of the int8 runs (comma-separated; the first line is the default's, auto)")
+               help="KV cache dtypes of the int8 runs (comma-separated, e.g. bfloat16,q8_0; bfloat16 is the default's)")
 p.add_argument("--prefill-acts", default="",
                help="also these prefill_act values (comma-separated, e.g. int8,bf16) with every document one "
                     "prefill chunk (the long-prompt path: bf16 GEMM + SDPA, not the decode rows')")
@@ -97,8 +97,9 @@ results: dict = {}
 for kv in cli.kv_dtypes.split(","):
     llm = engine("int8", kv)
     got = str(llm.engine.executor.model_runner.kv_cache.data.dtype).removeprefix("torch.")
+    got = "q8_0" if got == "uint8" else got                             # q8_0 blocks are held as bytes
     assert got == kv, f"asked for a {kv} KV cache, got {got}"
-    name = f"tandem int8, {kv} KV" + (" (default)" if getattr(torch, kv) == AUTO_KV_DTYPE else "")
+    name = f"tandem int8, {kv} KV" + (" (default)" if getattr(torch, kv, None) == AUTO_KV_DTYPE else "")
     name += ", decode op with bf16 products" if llm.engine.executor.model_runner.model.decode_bf16 else ""
     results[name] = {**summary([teacher_forced_logprobs(llm, d) for d in docs]),
                      "greedy": agreement([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])}
