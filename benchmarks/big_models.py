@@ -3,7 +3,7 @@ files (tandem's GGUF writer, random weights, llama.cpp's type mix; both engines 
 
 Per file: decode TPOT (single stream: (t(1 + G tokens) - t(1 token)) / G, prompt of 32 tokens; llama-bench tg
 at an empty context), prefill tokens/s of a 512-token prompt (llama-bench pp512), the device process's RSS
-(anonymous and file-backed) after the run, and the bandwidth bound: bytes a decode step reads (the file's
+(anonymous and file-backed) right after the prefills and once idle, and the bandwidth bound: bytes a decode step reads (the file's
 matrices as blocks, KV at the context) over the best read bandwidth measured with the engine's threads before,
 between and after the two engines' runs of the file; TPOT is reported as a ratio to that bound and to llama-bench.
 
@@ -40,6 +40,7 @@ def device_rss() -> dict:
 
 
 def tandem_run(path: str, threads: int, gen: int, prompt: int) -> dict:
+    from tandem.device.heap import IDLE_TRIM_S
     from tandem.llm import LLM
     from tandem.sampling_params import SamplingParams
     t0 = time.perf_counter()
@@ -61,12 +62,14 @@ def tandem_run(path: str, threads: int, gen: int, prompt: int) -> dict:
         longs = [[1 + (7 * i + 13 * r) % 30000 for i in range(prompt)] for r in range(3)]
         run(longs[0], 1)
         pp = min(run(p, 1) for p in longs[1:])
+        busy = device_rss()
+        time.sleep(IDLE_TRIM_S + 1)          # idle: the device gives its freed activations back (device/heap.py)
         rss = device_rss()
     finally:
         llm.shutdown()
     tpot = sorted(tpots)[1]
     return {"load_s": load_s, "tpot_ms": 1e3 * tpot, "decode_tokens_per_s": 1 / tpot,
-            "prefill_tokens_per_s": prompt / pp, "device_rss_mb": rss}
+            "prefill_tokens_per_s": prompt / pp, "device_rss_mb": rss, "device_rss_busy_mb": busy}
 
 
 def main() -> int:

@@ -323,7 +323,27 @@ def big_models_section(res: str) -> list[str]:
              "Data: [results/big_models.json](results/big_models.json)."), "",
             *table(["shape", "file MB", "TPOT ms", "bound ms", "TPOT x bound", "llama-bench TPOT ms",
                     "TPOT x llama-bench", "llama-bench x bound", "prefill tok/s", "llama-bench pp512",
-                    "prefill x", "device RSS MB", "read GB/s"], rows), *batch_line(res)]
+                    "prefill x", "device RSS MB", "read GB/s"], rows), *batch_line(res), *memory_lines(res)]
+
+
+def memory_lines(res: str) -> list[str]:
+    """Device RSS once idle (big_models_rss.json) and the q8_0 KV cache at 8k tokens (kv_q8_long_context.json)."""
+    lines = []
+    rss = load(res, "big_models_rss.json")
+    if rss is not None:
+        per = "; ".join(f"{r['shape']} {r['device_rss_mb']['VmRSS']:.0f} MB for a {r['file_bytes'] / 1e6:.0f} MB file "
+                        f"({r['device_rss_busy_mb']['VmRSS']:.0f} right after the prefills)" for r in rss["rows"])
+        lines += ["", f"Device RSS once idle (the device process gives freed activations back after 1 s without a "
+                      f"step): {per} ([results/big_models_rss.json](results/big_models_rss.json))."]
+    kv = load(res, "kv_q8_long_context.json")
+    if kv is not None:
+        base, q8 = kv["results"][0], kv["results"][-1]
+        lines += ["", f"q8_0 KV cache (`--kv-cache-dtype q8_0`) on the {kv['model']} file at {kv['context']} tokens: "
+                      f"{q8['kv_mb_at_context']:.0f} MB of KV against {base['kv_mb_at_context']:.0f} with "
+                      f"{base['kv_cache_dtype']} ({q8['kv_bytes_vs_base']:.3f}x), decode TPOT {q8['tpot_ms']:.1f} ms "
+                      f"against {base['tpot_ms']:.1f} ({q8['tpot_vs_base']:.2f}x) "
+                      "([results/kv_q8_long_context.json](results/kv_q8_long_context.json))."]
+    return lines
 
 
 def batch_line(res: str) -> list[str]:

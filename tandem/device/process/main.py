@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ...lifeline import die_with_parent
+from ..heap import IDLE_TRIM_S, give_back_heap
 from ..profile import DeviceProfile
 from ..parallel import step_wire
 from ..ranks import rank_device
@@ -85,8 +86,14 @@ class _StepLoop:
         self.later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
 
     def run(self) -> None:
+        trimmed = True                           # no step ran since the heap was last given back
         while True:
             with _scheduler_link():
+                if not trimmed and not self.later and not self.conn.poll(IDLE_TRIM_S):
+                    give_back_heap()             # idle: the steps' freed activations go back to the system
+                    trimmed = True
+                    continue
+                trimmed = False
                 idle = self.link is not None and not self.later and not self.conn.poll(step_wire.KEEPALIVE_S)
                 msg = b"" if idle else self.later.popleft() if self.later else self.conn.recv_bytes()
             if idle:
