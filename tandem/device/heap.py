@@ -7,9 +7,8 @@ IDLE_TRIM_S = 1.0       # a device process with no step for this long gives its 
 
 def give_back_heap() -> None:
     """malloc_trim(0): glibc keeps freed memory in the heap once its dynamic mmap threshold has grown, and torch
-    frees a step's activations there. Measured on the 3B-shaped Q4_K_M file (inline): after a 512-token prefill the engine
-    held 254 MB of such pages (RSS 2706 -> 2452 MB by a trim), a file's 2016 MB then taking 2452 instead of the
-    weights + KV + runtime it holds."""
+    frees a step's activations there. Measured on the 3B-shaped Q4_K_M file (one process, inline device): after a
+    512-token prefill 254 MB of such pages were resident (RSS 2706 -> 2452 MB by a trim)."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)
