@@ -127,7 +127,9 @@ def _peers_parser(sub) -> None:
     from ..cli import add_engine_args
     p = sub.add_parser("peers", help="tandem vs transformers vs llama.cpp vs vLLM CPU on the same prompts, in one run",
                        description="Output tokens/s of tandem (overlap, serial), transformers (generate, "
-                                   "generate_batch), llama.cpp (single, batched) and vLLM CPU (optional: "
+                                   "generate_batch), llama.cpp's llama-server (1 slot, the fastest of "
+                                   "--llama-batch-sizes slots), its Python binding where installed (single, "
+                                   "batched) and vLLM CPU (optional: "
                                    "--vllm-python) in alternating rounds, with "
                                    "ratios to tandem overlap and single-stream TPOT (tandem/bench/peers.py).")
     _workload_args(p, range_ratio=False)
@@ -136,6 +138,10 @@ def _peers_parser(sub) -> None:
     p.add_argument("--llama-batch-sizes", type=int_list, default=[8, 16, 32, 64], help="probed llama.cpp batches")
     p.add_argument("--probe-len", type=int, default=16, help="output tokens per prompt in the batch-size probe")
     p.add_argument("--single-prompts", type=int, default=4, help="prompts llama.cpp single stream times")
+    p.add_argument("--llama-tools", default="auto", metavar="DIR",
+                   help="llama.cpp's C++ llama-server for the llama-server rows: 'auto' builds it once from the "
+                        "llama-cpp-python sdist's source (cmake, ~10 min, cached), 'none' skips, or a folder holding "
+                        "llama-bench and llama-server")
     p.add_argument("--concurrency", type=int_list, default=[], help="also sweep batch sizes, e.g. 1,8,32,64")
     _vllm_args(p)
     p.add_argument("--tpot-contexts", type=int_list, default=[128, 2000],

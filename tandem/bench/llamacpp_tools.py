@@ -48,6 +48,22 @@ def build_tools(root: str | None = None, version: str = LLAMA_CPP_PYTHON, log=pr
     return bin_dir
 
 
+def tools_for(model_path: str, choice: str = "auto", log=print) -> tuple[str | None, str | None]:
+    """(the folder of llama-bench / llama-server, None), or (None, why there is none) for a peer run on
+    `model_path`. choice: "auto" builds them once (cached), "none" skips, else a folder that holds them."""
+    if not model_path.endswith(".gguf"):
+        return None, "llama.cpp needs a GGUF file; the model is a Hugging Face folder"
+    if choice == "none":
+        return None, "llama.cpp's C++ tools not asked for (--llama-tools none)"
+    if choice != "auto":
+        ok = all(os.path.exists(os.path.join(choice, t)) for t in TARGETS)
+        return (choice, None) if ok else (None, f"{choice} does not hold {' and '.join(TARGETS)}")
+    try:
+        return build_tools(log=log), None
+    except Exception as e:                       # no compiler, no registry: the peer is skipped, with the reason
+        return None, f"building llama.cpp's C++ tools failed: {type(e).__name__}: {e}"
+
+
 def _quiet(cmd: list[str], log_path: str) -> None:
     """Run a build step with its output (thousands of compiler warnings) in log_path; its tail in the error."""
     with open(log_path, "w") as f:

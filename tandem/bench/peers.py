@@ -2,8 +2,11 @@
 
 Engines (greedy, ignore_eos, same thread count; tandem and transformers in fp32, llama.cpp on the GGUF's own
 quantized weights): tandem overlap, tandem serial, transformers `generate` on static batches (the fastest of
---hf-batch-sizes in a short probe), transformers continuous batching, llama.cpp single stream and batched (the
-fastest of --llama-batch-sizes) and, where installed (--vllm-python), vLLM's CPU build through its OpenAI server
+--hf-batch-sizes in a short probe), transformers continuous batching, llama.cpp's own C++ `llama-server` with one
+slot and with the fastest of --llama-batch-sizes parallel slots (built once from the llama-cpp-python sdist's
+source, tandem/bench/llamacpp_tools.py: the engine its users run, --llama-tools), llama.cpp's Python binding
+single stream and batched where it is installed (it adds Python work per token) and, where installed
+(--vllm-python), vLLM's CPU build through its OpenAI server
 (fp32, on a Hugging Face folder of the same weights; the install is in tandem/bench/vllm_peer.py). Rounds
 alternate the engines' order, because this machine drifts between rounds; the table gives each engine's median
 output tokens/s, its ratio to tandem overlap, and its single-stream TPOT = (time for O tokens - time for 1
@@ -23,12 +26,15 @@ from . import engine_threads, machine_info
 from .datasets import random_requests
 from .engines import (HFContinuousPeer, HFGeneratePeer, LlamaCppPeer, Peer, TandemPeer, hf_continuous_reason,
                       llama_cpp_reason, load_hf_model)
+from .llama_server import LlamaServerPeer
+from .llamacpp_tools import tools_for
 from .vllm_peer import VllmPeer, VllmServer, export_hf_folder, vllm_reason
 
 ENGINES = ("tandem overlap", "tandem serial", "transformers generate", "transformers generate_batch",
-           "llama.cpp single", "llama.cpp batched", "vllm cpu")
+           "llama-server single", "llama-server batched", "llama.cpp single", "llama.cpp batched", "vllm cpu")
 SWEEP_ENGINES = ("tandem overlap", "tandem serial", "transformers generate", "transformers generate_batch",
-                 "llama.cpp", "vllm cpu")
+                 "llama-server", "llama.cpp", "vllm cpu")
+PROBED = ("transformers generate", "llama-server batched", "llama.cpp batched")   # the fastest batch size runs
 Factory = Callable[[int | None], Peer]
 
 
@@ -90,6 +96,14 @@ def make_factories(llm, model_path: str, threads: int, context_len: int, args=No
     except Exception as e:                                       # e.g. a GGUF architecture transformers lacks
         skipped["transformers generate"] = skipped["transformers generate_batch"] = \
             f"transformers could not load the model: {type(e).__name__}: {e}"
+    bin_dir, reason = tools_for(model_path, getattr(args, "llama_tools", "auto"))
+    if reason:
+        skipped["llama-server single"] = skipped["llama-server batched"] = reason
+    else:
+        log = getattr(args, "llama_server_log", None)
+        made["llama-server single"] = lambda b: LlamaServerPeer(bin_dir, model_path, threads, 1, context_len, log)
+        made["llama-server batched"] = lambda b: LlamaServerPeer(bin_dir, model_path, threads, b or 1, context_len,
+                                                                 log)
     reason = llama_cpp_reason(model_path)
     if reason:
         skipped["llama.cpp single"] = skipped["llama.cpp batched"] = reason
@@ -120,7 +134,7 @@ def build_peers(made: dict[str, Factory], skipped: dict, prompts, args) -> dict[
         if name not in made:
             continue
         try:
-            if name in ("transformers generate", "llama.cpp batched"):
+            if name in PROBED:
                 sizes = args.hf_batch_sizes if name.startswith("transformers") else args.llama_batch_sizes
                 sizes = [b for b in sizes if b <= len(prompts)] or [len(prompts)]
                 peer, seen = probe(made[name], sizes, prompts, probe_len)
@@ -128,7 +142,7 @@ def build_peers(made: dict[str, Factory], skipped: dict, prompts, args) -> dict[
             else:
                 peer = made[name](None)
                 peer.run(prompts[:2], 2)                             # warm-up
-            if name == "llama.cpp single":
+            if name in ("llama-server single", "llama.cpp single"):
                 peer.max_prompts = args.single_prompts
             peers[name] = peer
         except Exception as e:
@@ -152,7 +166,7 @@ def run_rounds(peers: dict[str, Peer], skipped: dict, prompts, output_len: int, 
     return tps
 
 
-CONTEXT_ENGINES = ("tandem overlap", "llama.cpp single")
+CONTEXT_ENGINES = ("tandem overlap", "llama-server single", "llama.cpp single")   # tandem over the first llama
 
 
 def context_tpot(peers: dict[str, Peer], skipped: dict, vocab: int, args) -> dict:
@@ -180,12 +194,12 @@ def context_tpot(peers: dict[str, Peer], skipped: dict, vocab: int, args) -> dic
     med = {n: [statistics.median(runs[n][c]) if runs[n][c] and n not in errors else None
                for c in args.tpot_contexts] for n in names}
     ratio = None
-    if len(names) == 2 and "llama.cpp single" not in errors:
+    if len(names) >= 2 and names[0] == "tandem overlap" and names[1] not in errors:
         ratio = [a / b if a is not None and b else None for a, b in zip(med[names[0]], med[names[1]])]
     return {"contexts": args.tpot_contexts, "output_len": args.tpot_output_len, "tpot_ms": med,
             "rounds_ms": {n: {str(c): v for c, v in runs[n].items()} for n in names},
-            "tandem_over_llama_cpp": ratio, "skipped": {**{n: skipped[n] for n in CONTEXT_ENGINES if n in skipped},
-                                                       **errors}}
+            "tandem_over_llama_cpp": ratio, "llama_cpp_engine": names[1] if ratio else None,
+            "skipped": {**{n: skipped[n] for n in CONTEXT_ENGINES if n in skipped}, **errors}}
 
 
 def sweep(made: dict[str, Factory], concurrency: list[int], vocab: int, args) -> dict:
@@ -196,7 +210,7 @@ def sweep(made: dict[str, Factory], concurrency: list[int], vocab: int, args) ->
         prompts = [r.prompt for r in random_requests(n, args.input_len, args.output_len, vocab, 0.0, args.seed)]
         out["prompts"].append(n)
         for name in SWEEP_ENGINES:
-            key = name if name != "llama.cpp" else ("llama.cpp single" if c == 1 else "llama.cpp batched")
+            key = name if name not in ("llama-server", "llama.cpp") else f"{name} {'single' if c == 1 else 'batched'}"
             tps = None
             if key in made:
                 peer = None
@@ -290,5 +304,5 @@ def print_table(out: dict) -> None:
             print(f"  {name:28s} " + "  ".join(f"N={n}: {v:.2f}" if v is not None else f"N={n}: -"
                                                for n, v in zip(c["contexts"], values)))
         if c["tandem_over_llama_cpp"]:
-            print("  tandem / llama.cpp          " + "  ".join(f"N={n}: {r:.2f}x" if r is not None else f"N={n}: -"
+            print(f"  tandem / {c['llama_cpp_engine']:19s} " + "  ".join(f"N={n}: {r:.2f}x" if r is not None else f"N={n}: -"
                                                            for n, r in zip(c["contexts"], c["tandem_over_llama_cpp"])))

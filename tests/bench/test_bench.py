@@ -335,3 +335,26 @@ def test_llama_cpp_batched_decode_loop(monkeypatch):
     assert ctx.kv == {0: [40, 41, 42, 43, 44, 45]}
     peer.run(prompts[:2], 3)
     assert ctx.kv == {0: [3, 4, 5, 6, 7], 1: [10, 11, 12, 13, 14]}
+
+
+def test_peers_run_llama_cpp_s_own_server_where_its_tools_are(tmp_path, monkeypatch):
+    """tools_for: a GGUF only, 'none' skips, a folder must hold both tools; with a folder, make_factories makes the
+    llama-server rows (one slot, and b slots for the probed batch sizes) on the same file and thread count."""
+    import argparse
+
+    from tandem.bench import peers
+    from tandem.bench.llamacpp_tools import TARGETS, tools_for
+    assert "GGUF" in tools_for("some/hf/folder", "auto")[1]
+    assert tools_for("m.gguf", "none") == (None, "llama.cpp's C++ tools not asked for (--llama-tools none)")
+    assert "does not hold" in tools_for("m.gguf", str(tmp_path))[1]
+    for t in TARGETS:
+        (tmp_path / t).write_text("")
+    assert tools_for("m.gguf", str(tmp_path)) == (str(tmp_path), None)
+    made_with = []
+    monkeypatch.setattr(peers, "LlamaServerPeer", lambda *a: made_with.append(a) or a)
+    args = argparse.Namespace(llama_tools=str(tmp_path), vllm_python=None)
+    made, skipped = peers.make_factories(None, "m.gguf", 2, 300, args, [])
+    assert "llama-server single" not in skipped and "llama-server batched" not in skipped
+    made["llama-server single"](None)
+    made["llama-server batched"](16)
+    assert [a[:5] for a in made_with] == [(str(tmp_path), "m.gguf", 2, 1, 300), (str(tmp_path), "m.gguf", 2, 16, 300)]
