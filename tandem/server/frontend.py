@@ -99,10 +99,11 @@ class Frontend:
             text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def chat_ids(self, body: ChatCompletionRequest, tool_plan: ToolPlan | None = None) -> list[int]:
+    def chat_ids(self, body: ChatCompletionRequest, tool_plan: ToolPlan | None = None,
+                 add_special_tokens: bool = False) -> list[int]:
         self.check_messages(body)
         self.check_text(body)
-        return self.chat_prompt(body, tool_plan)
+        return self.chat_prompt(body, tool_plan, add_special_tokens)
 
     def completion_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """One prompt (text or token ids) as validated token ids; APIError(400) names `param`."""
@@ -117,7 +118,10 @@ class Frontend:
             raise APIError(400, "prompt is empty", param)
         return ids
 
-    def chat_prompt(self, req: ChatCompletionRequest, tool_plan: ToolPlan | None = None) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest, tool_plan: ToolPlan | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
+        """The rendered chat's ids; add_special_tokens (/tokenize's option) adds the tokenizer's own (BOS) too,
+        where the template already wrote what the model expects."""
         if not getattr(self.tokenizer, "chat_template", None):     # a base model (Gemma 3 270M's GGUF has none)
             raise APIError(400, NO_CHAT_TEMPLATE, "messages")
         messages = [m.as_template_dict() for m in req.messages]
@@ -130,7 +134,7 @@ class Frontend:
                                                       **{**(req.chat_template_kwargs or {}), **extra})
         except Exception as e:          # the template may reject roles or orderings
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError(400, "the messages produce an empty prompt", "messages")
         return ids

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/health_generate, /metrics.
+/health_generate, /metrics; /tokenize and /detokenize (tokenize_api.py).
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for anything invalid (FastAPI's
 422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 500 when
@@ -32,6 +32,7 @@ from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ..replicas.replica_set import ReplicaSet
+from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tools import ToolPlan
 
 DONE = "data: [DONE]\n\n"
@@ -354,6 +355,14 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await api.chat_completions(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return await frontend.off_loop(tokenize, frontend, model_name, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return await frontend.off_loop(detokenize, frontend, model_name, body)
 
     @app.get("/v1/models")
     async def models():
