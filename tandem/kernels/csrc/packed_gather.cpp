@@ -10,7 +10,7 @@
 //
 // How: each requested row's row-layout bytes are rebuilt from its group (the inverse of the pack) and
 // dequantized by tandem.dequantize's own body, so the values are bit for bit dequantize's on the row layout, on
-// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q8_0) and qgemv_packed_k.cpp (Q4_K, Q6_K),
+// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q8_0) and qgemv_packed_k.cpp (Q4_K, Q5_K, Q6_K),
 // described in their headers; tests/kernels/test_packed_gather.py holds the pack and this inverse together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,16 +23,17 @@ namespace tandem {
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 constexpr int kG = 16;                      // rows of a packed group
 
-bool k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
+bool k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 // Bytes a row has in the row layout, and a packed group of 16 rows, for K input features.
 int64_t row_bytes(int64_t qt, int64_t K) {
-  return k_quant(qt) ? K / 256 * (qt == kQ4_K ? 144 : 210) : K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : 34);
+  if (k_quant(qt)) return K / 256 * (qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210);
+  return K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : 34);
 }
 int64_t group_bytes(int64_t qt, int64_t K) {
-  if (k_quant(qt)) return K / 256 * (qt == kQ4_K ? 2304 : 3360);
+  if (k_quant(qt)) return kG * row_bytes(qt, K);
   return K / 32 * ((qt == kQ8_0 ? 512 : 256) + (qt == kQ4_1 ? 64 : 32));             // quants, then scales
 }
 
@@ -50,19 +51,28 @@ void unpack_row_q(int64_t qt, const uint8_t* gp, int r, int64_t nb, uint8_t* row
   }
 }
 
-// Q4_K (qgemv_packed_k.cpp's pack_group): the regrouped row [16-byte headers x ns][16 nibble bytes a sub-block].
-void unpack_row_q4k(const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
+// Q4_K / Q5_K (qgemv_packed_k.cpp's pack_group): the regrouped row [16-byte headers x ns][Q5_K: qh u32 a
+// sub-block][16 nibble bytes a sub-block]; Q5_K's fifth bits come back from H (bits p and 4 + p of byte 4 r + t:
+// elements 4 p + t and 16 + 4 p + t).
+void unpack_row_q45k(int64_t qt, const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
+  const int64_t QB = qt == kQ5_K ? 320 : 256, qs_at = (qt == kQ5_K ? 48 : 16) * ns;
   for (int64_t s = 0; s < ns; ++s) {
-    const uint8_t* sp = gp + s * 2304;
-    const uint8_t* tail = sp + 8 * 256;
+    const uint8_t* sp = gp + s * (8 * QB + 256);
+    const uint8_t* tail = sp + 8 * QB;
     uint8_t* head = row + 16 * s;
     std::memcpy(head, tail + 2 * r, 2);                                  // d
     std::memcpy(head + 2, tail + 32 + 2 * r, 2);                         // dmin
     for (int i = 0; i < 12; ++i) head[4 + i] = tail[64 + 16 * i + r];    // the 12 scale bytes
     for (int sb = 0; sb < 8; ++sb) {
-      uint8_t* qs = row + 16 * ns + 16 * (8 * s + sb);
+      uint8_t* qs = row + qs_at + 16 * (8 * s + sb);
+      uint32_t hb = 0;
       for (int p = 0; p < 4; ++p)
-        for (int t = 0; t < 4; ++t) qs[4 * p + t] = sp[256 * sb + 64 * p + 4 * r + t];
+        for (int t = 0; t < 4; ++t) {
+          qs[4 * p + t] = sp[QB * sb + 64 * p + 4 * r + t];
+          const uint32_t h = qt == kQ5_K ? sp[QB * sb + 256 + 4 * r + t] : 0;
+          hb |= (h >> p & 1) << (4 * p + t) | (h >> (4 + p) & 1) << (16 + 4 * p + t);
+        }
+      if (qt == kQ5_K) std::memcpy(row + 16 * ns + 4 * (8 * s + sb), &hb, 4);
     }
   }
 }
@@ -102,7 +112,8 @@ void unpack_row_q6k(const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
 at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N, const at::Tensor& index,
                          int64_t isa) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || k_quant(qtype),
-              "tandem.packed_gather: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (ggml types 2, 3, 8, 12, 14), got ", qtype);
+              "tandem.packed_gather: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 8, 12, 13, 14), got ",
+              qtype);
   const int64_t qk = k_quant(qtype) ? 256 : 32;
   TORCH_CHECK(K > 0 && K % qk == 0, "tandem.packed_gather: K must be a positive multiple of ", qk, ", got ", K);
   TORCH_CHECK(N > 0, "tandem.packed_gather: N must be > 0, got ", N);
@@ -126,7 +137,7 @@ at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* gp = wp + ip[i] / kG * gbytes;
       const int r = (int)(ip[i] % kG);
-      if (qtype == kQ4_K) unpack_row_q4k(gp, r, K / 256, out + i * rb);
+      if (qtype == kQ4_K || qtype == kQ5_K) unpack_row_q45k(qtype, gp, r, K / 256, out + i * rb);
       else if (qtype == kQ6_K) unpack_row_q6k(gp, r, K / 256, out + i * rb);
       else unpack_row_q(qtype, gp, r, K / 32, out + i * rb);
     }
