@@ -1,7 +1,7 @@
-"""tandem.packed_gather: rows of a weight read out of its packed copy (tandem.pack_gemv's layouts: Q4_K, Q5_K,
-Q6_K and Q4_0, Q4_1, Q8_0) are tandem.dequantize's rows of the row layout bit for bit, on every ISA body, for any rows (N
-off the 16-row groups, the last group's rows, repeated rows), so a tied model's token lookup in its LM head's
-packed copy changes no bit. Bad arguments are refused with a clear error."""
+"""tandem.packed_gather: rows of a weight read out of its packed copy (tandem.pack_gemv's layouts: Q4_K,
+Q5_K, Q6_K and Q4_0, Q4_1, Q8_0) are tandem.dequantize's rows of the row layout bit for bit, on every ISA body,
+for any rows (N off the 16-row groups, the last group's rows, repeated rows), so a tied model's token lookup in
+its LM head's packed copy changes no bit. Bad arguments are refused with a clear error."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.qgemv_packed; Q4_0, Q4_1, Q8_0 and the
-K-quants Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal qgemm_q8's bit for bit at any row count, so a model that runs it for its decode and
-verify steps gives the same tokens and logprobs as one that does not. Bad inputs are refused with a clear error."""
+K-quants Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal qgemm_q8's bit for bit at any row count,
+so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one that does not.
+Bad inputs are refused with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -93,6 +94,23 @@ def test_k_quants_packed_copy_is_the_files_size_and_close_to_the_specification()
         for isa in BODIES:
             y = T.qgemv_packed(x, packed, qtype, 512, 48, None, isa)
             torch.testing.assert_close(y, qlinear_q8_ref(x, q), rtol=1e-5, atol=1e-4)
+
+
+def test_q5_k_extreme_sums_do_not_overflow():
+    """Every Q5_K quant 31 and every scale 63 against x rounded to +-127 everywhere: AVX2's int16 sum of a half's
+    4 pmaddubsw is at its largest (4 x 2 x 31 x 127), and still the GEMM's bits."""
+    from tandem.kernels.quant import QuantWeight
+    b = torch.full((20, 2, 176), 0xFF, dtype=torch.uint8)
+    b[..., 0:4] = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)     # d, dmin
+    q = QuantWeight.from_gguf(b.reshape(20, -1), Q5_K, 512)
+    packed = T.pack_gemv(q.data, Q5_K, 512)
+    x = torch.ones(3, 512)
+    x[1] = -1
+    x[2, 256:] = -1
+    gemm = T.qgemm_q8(x, q.data, Q5_K, 512, None)
+    torch.testing.assert_close(gemm, qlinear_q8_ref(x, q), rtol=1e-5, atol=1e-4)
+    for isa in BODIES:
+        assert torch.equal(T.qgemv_packed(x, packed, Q5_K, 512, 20, None, isa), gemm), isa
 
 
 def test_k_quant_qlinear_keeps_each_weight_once():
