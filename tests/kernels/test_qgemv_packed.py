@@ -1,4 +1,4 @@
-"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.qgemv_packed; Q4_0, Q4_1, Q8_0 and the
+"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.qgemv_packed; Q4_0, Q4_1, Q5_0, Q8_0 and the
 K-quants Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal qgemm_q8's bit for bit at any row count,
 so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one that does not.
 Bad inputs are refused with a clear error."""
@@ -10,12 +10,12 @@ from tests.kernels.test_qgemm import _weight
 from tests.kernels.test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, packed_rows, qlinear_q8_ref, small_m
+from tandem.kernels.quant import Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, packed_rows, qlinear_q8_ref, small_m
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX2")
 BODIES = [1] + ([2] if torch.ops.tandem.isa(-1) == 2 else [])     # AVX2, and AVX-512 VNNI where it is here
-TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
 T = torch.ops.tandem
 
 
@@ -24,7 +24,7 @@ T = torch.ops.tandem
                                      (2, 17, 96), (9, 3, 160), (1, 100, 64), (2, 70, 64), (4, 65, 128),
                                      (1, 64, 576), (6, 1, 32), (203, 45, 96), (64, 24, 1536)])
 def test_packed_gemv_equals_the_gemm_bit_for_bit(name, m, n, k):
-    """Any rows of x (Q4_0 / Q4_1 / Q8_0: one-row tiles of 4 groups, two-row tiles of 2, 4-row tiles; K-quants:
+    """Any rows of x (Q4_0 / Q4_1 / Q5_0 / Q8_0: one-row tiles of 4 groups, two-row tiles of 2, 4-row tiles; K-quants:
     a group a tile, 8- and 4-row tiles and narrower last ones; AVX2's many-row tiles of 5 / 6 rows and their
     narrower last ones, a group's second 8 rows full, partial or past N), N off the 16-row groups and the
     4-group tiles, zero halves, large and small values, with and without bias."""
@@ -135,9 +135,9 @@ def test_k_quant_qlinear_keeps_each_weight_once():
 
 def test_refusals():
     q = _weight(20, 256, Q3_K, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K"):
         T.pack_gemv(q.data, Q3_K, 256)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K"):
         T.qgemv_packed(torch.randn(1, 256), q.data, Q3_K, 256, 20)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         T.pack_gemv(_weight(20, 256, Q4_K, seed=0).data, Q4_K, 320)

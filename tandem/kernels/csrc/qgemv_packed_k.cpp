@@ -14,9 +14,8 @@
 //     4 p + t of row r's 16 nibble bytes of the sub-block, Q4_0's order: low nibble element 4 p + t, high nibble
 //     element 16 + 4 p + t), then d fp16 x 16, dmin fp16 x 16, then the 12 scale bytes transposed (byte i of
 //     row r at 16 i + r), so one 16-byte load and a few byte operations give sub-block j's 16 scales or mins.
-//   Q5_K, SB = 2816: Q4_K's, each sub-block's 256 nibble bytes followed by H, 64 bytes of fifth bits: byte 4 r + t
-//     of H holds those of element 4 p + t at bit p and of element 16 + 4 p + t at bit 4 + p, so one shift (none
-//     for p = 0 of the high nibbles) and one ternary logic op move vector p's into bit 4 of its bytes.
+//   Q5_K, SB = 2816: Q4_K's, each sub-block's 256 nibble bytes followed by H, its 64 bytes of fifth bits
+//     (packed_q5.h: one shift and one ternary logic op move vector p's into bit 4 of its bytes).
 //   Q6_K, SB = 3360: 8 sub-blocks of 384 quant bytes (the 4 low-nibble vectors as Q4_K's, then H0, H1: byte
 //     4 r + t of H0 holds the two high bits of element 4 p + t at bits 2 p, 2 p + 1, H1 those of element
 //     16 + 4 p + t), then the int8 scales transposed (scale u < 16 of row r at 16 u + r), then d fp16 x 16.
@@ -29,6 +28,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_q5.h"
 #include "vec.h"
 
 namespace tandem {
@@ -103,17 +103,6 @@ TPK2 inline __m256i q6k_bits256(__m256i v, __m256i hb, int p, int h) {
   return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
 }
 
-// Q5_K: vector p's nibbles of half h (lo, 0..15) with their fifth bits from the sub-block's H vector hb.
-TPK inline __m512i q5k_bits512(__m512i lo, __m512i hb, int p, int h) {
-  const __m512i hi = h ? (p ? _mm512_srli_epi16(hb, p) : hb) : _mm512_slli_epi16(hb, 4 - p);
-  return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xf8);         // lo | (hi & 0x10)
-}
-
-TPK2 inline __m256i q5k_bits256(__m256i lo, __m256i hb, int p, int h) {
-  const __m256i hi = h ? (p ? _mm256_srli_epi16(hb, p) : hb) : _mm256_slli_epi16(hb, 4 - p);
-  return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
-}
-
 // The weight stream's software prefetch: a tile requests, into L2, the lines kPrefetchAhead bytes ahead of the
 // super-block it reads (past the group's end: the next group's, read next; a prefetch past the weights does not
 // fault). One group a tile keeps the weights one sequential stream a thread. Measured on the 1.5B-shaped file's
@@ -157,8 +146,8 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
         if constexpr (QT == kQ5_K) {
           const __m512i hb = _mm512_loadu_si512(q + 256);
           for (int p = 0; p < 4; ++p) {
-            w[p] = q5k_bits512(w[p], hb, p, 0);
-            w[4 + p] = q5k_bits512(w[4 + p], hb, p, 1);
+            w[p] = q5_bits512(w[p], hb, p, 0);
+            w[4 + p] = q5_bits512(w[4 + p], hb, p, 1);
           }
         }
         dw[0] = dw[1] = kdw[sb];
@@ -240,8 +229,9 @@ TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, con
         for (int p = 0; p < 4; ++p) {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
           if constexpr (has_min(QT)) w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-          if constexpr (QT == kQ5_K) w[p] = q5k_bits256(w[p], hb, p, h);
-          if constexpr (QT == kQ6_K) w[p] = q6k_bits256(v, _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * h)), p, h);
+          if constexpr (QT == kQ5_K) w[p] = q5_bits256(w[p], hb, p, h);
+          if constexpr (QT == kQ6_K)
+            w[p] = q6k_bits256(v, _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * h)), p, h);
         }
         for (int j = 0; j < MT; ++j) {
           const int64_t m = m0 + j, u = 16 * b + 2 * sb + h;
@@ -334,11 +324,8 @@ void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N,
           uint32_t hb = 0;
           if (qt == kQ5_K) std::memcpy(&hb, row + 16 * ns + 4 * (8 * s + sb), 4);    // bit i: element i's
           for (int p = 0; p < 4; ++p)
-            for (int t = 0; t < 4; ++t) {
-              sp[qb * sb + 64 * p + 4 * r + t] = qs[4 * p + t];
-              const uint32_t lo = hb >> (4 * p + t) & 1, hi = hb >> (16 + 4 * p + t) & 1;
-              if (qt == kQ5_K) sp[qb * sb + 256 + 4 * r + t] |= (uint8_t)(lo << p | hi << (4 + p));
-            }
+            for (int t = 0; t < 4; ++t) sp[qb * sb + 64 * p + 4 * r + t] = qs[4 * p + t];
+          for (int t = 0; t < 4 && qt == kQ5_K; ++t) sp[qb * sb + 256 + 4 * r + t] = q5_h_byte(hb, t);
         }
       } else {                     // the GGUF's Q6_K super-block
         const uint8_t* blk = row + 210 * s;
