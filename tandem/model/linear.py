@@ -43,12 +43,13 @@ class QLinear:
     A list of weights is a fused linear whose parts have different types (Q4_K_M files keep attn_v in Q6_K
     beside Q4_K q/k): each part runs on its own blocks and the outputs are concatenated.
 
-    With int8 activations, weights of a type tandem.pack_gemv interleaves (Q4_0 / Q4_1 / Q8_0, and the K-quants
-    Q4_K / Q6_K of Q4_K_M files) get a repacked copy per part (`packed`) for up to packed_rows() rows of x, where
-    tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's GEMV (decode and speculative
-    verify steps; csrc/qgemv_packed.cpp). For Q4_0 / Q4_1 / Q8_0 the row layout stays beside it (as many bytes
-    again) for longer prefill chunks; the K-quants' packed copy takes every row count, so release_rows() lets
-    the row layout go and the model holds each weight once (issue 46: a 1.12 GB file took 1.87 GB)."""
+    With int8 activations, weights of a type tandem.pack_gemv interleaves (Q4_0 / Q4_1 / Q5_0 / Q8_0, and the
+    K-quants Q4_K / Q5_K / Q6_K of Q4_K_M and Q5_K_M files) get a repacked copy per part (`packed`) for up to
+    packed_rows() rows of x, where tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's
+    GEMV (decode and speculative verify steps; csrc/qgemv_packed.cpp). For the 32-weight types the row layout stays
+    beside it (as many bytes again) for longer prefill chunks; the K-quants' packed copy takes every row count, so
+    release_rows() lets the row layout go and the model holds each weight once (issue 46: a 1.12 GB file took
+    1.87 GB)."""
 
     def __init__(self, weight: "QuantWeight | list[QuantWeight]", bias: torch.Tensor | None = None,
                  int8_act: bool = False) -> None:

@@ -10,7 +10,7 @@
 //
 // How: each requested row's row-layout bytes are rebuilt from its group (the inverse of the pack) and
 // dequantized by tandem.dequantize's own body, so the values are bit for bit dequantize's on the row layout, on
-// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q8_0) and qgemv_packed_k.cpp (Q4_K, Q6_K),
+// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q5_0, Q8_0) and qgemv_packed_k.cpp (Q4_K, Q5_K, Q6_K),
 // described in their headers; tests/kernels/test_packed_gather.py holds the pack and this inverse together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,51 +18,63 @@
 #include <cstring>
 
 #include "ops.h"
+#include "packed_q5.h"
 
 namespace tandem {
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 constexpr int kG = 16;                      // rows of a packed group
 
-bool k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
+bool k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 // Bytes a row has in the row layout, and a packed group of 16 rows, for K input features.
 int64_t row_bytes(int64_t qt, int64_t K) {
-  return k_quant(qt) ? K / 256 * (qt == kQ4_K ? 144 : 210) : K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : 34);
+  if (k_quant(qt)) return K / 256 * (qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210);
+  return K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34);
 }
 int64_t group_bytes(int64_t qt, int64_t K) {
-  if (k_quant(qt)) return K / 256 * (qt == kQ4_K ? 2304 : 3360);
-  return K / 32 * ((qt == kQ8_0 ? 512 : 256) + (qt == kQ4_1 ? 64 : 32));             // quants, then scales
+  if (k_quant(qt)) return kG * row_bytes(qt, K);
+  return K / 32 * ((qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256) + (qt == kQ4_1 ? 64 : 32));   // quants, scales
 }
 
-// Q4_0 / Q4_1 / Q8_0 (qgemv_packed.cpp's pack_gemv): the regrouped row [d x nb][m x nb (Q4_1)][qs x nb].
+// Q4_0 / Q4_1 / Q5_0 / Q8_0 (qgemv_packed.cpp's pack_gemv): the regrouped row [d x nb][m x nb (Q4_1)][qh x nb
+// (Q5_0, from H: packed_q5.h)][qs x nb].
 void unpack_row_q(int64_t qt, const uint8_t* gp, int r, int64_t nb, uint8_t* row) {
-  const int64_t QB = qt == kQ8_0 ? 512 : 256, qs_at = (qt == kQ4_1 ? 4 : 2) * nb, qs_bytes = qt == kQ8_0 ? 32 : 16;
+  const int64_t QB = qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256, qs_at = (qt == kQ4_1 ? 4 : qt == kQ5_0 ? 6 : 2) * nb;
+  const int64_t qs_bytes = qt == kQ8_0 ? 32 : 16;
   const uint8_t flip = qt == kQ8_0 ? 0x80 : 0;         // Q8_0's packed quants are w + 128
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = gp + b * QB;
     uint8_t* qs = row + qs_at + qs_bytes * b;
-    for (int v = 0; v < QB / 64; ++v)
+    for (int v = 0; v < qs_bytes / 4; ++v)
       for (int t = 0; t < 4; ++t) qs[4 * v + t] = (uint8_t)(q[64 * v + 4 * r + t] ^ flip);
+    uint32_t qh = 0;
+    for (int t = 0; t < 4 && qt == kQ5_0; ++t) qh |= q5_qh_bits(q[256 + 4 * r + t], t);
+    if (qt == kQ5_0) std::memcpy(row + 2 * nb + 4 * b, &qh, 4);
     std::memcpy(row + 2 * b, gp + nb * QB + 32 * b + 2 * r, 2);                                     // d
     if (qt == kQ4_1) std::memcpy(row + 2 * nb + 2 * b, gp + nb * QB + 32 * nb + 32 * b + 2 * r, 2);  // m
   }
 }
 
-// Q4_K (qgemv_packed_k.cpp's pack_group): the regrouped row [16-byte headers x ns][16 nibble bytes a sub-block].
-void unpack_row_q4k(const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
+// Q4_K / Q5_K (qgemv_packed_k.cpp's pack_group): the regrouped row [16-byte headers x ns][Q5_K: qh u32 a
+// sub-block][16 nibble bytes a sub-block]; Q5_K's fifth bits come back from H (packed_q5.h).
+void unpack_row_q45k(int64_t qt, const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
+  const int64_t QB = qt == kQ5_K ? 320 : 256, qs_at = (qt == kQ5_K ? 48 : 16) * ns;
   for (int64_t s = 0; s < ns; ++s) {
-    const uint8_t* sp = gp + s * 2304;
-    const uint8_t* tail = sp + 8 * 256;
+    const uint8_t* sp = gp + s * (8 * QB + 256);
+    const uint8_t* tail = sp + 8 * QB;
     uint8_t* head = row + 16 * s;
     std::memcpy(head, tail + 2 * r, 2);                                  // d
     std::memcpy(head + 2, tail + 32 + 2 * r, 2);                         // dmin
     for (int i = 0; i < 12; ++i) head[4 + i] = tail[64 + 16 * i + r];    // the 12 scale bytes
     for (int sb = 0; sb < 8; ++sb) {
-      uint8_t* qs = row + 16 * ns + 16 * (8 * s + sb);
+      uint8_t* qs = row + qs_at + 16 * (8 * s + sb);
+      uint32_t hb = 0;
       for (int p = 0; p < 4; ++p)
-        for (int t = 0; t < 4; ++t) qs[4 * p + t] = sp[256 * sb + 64 * p + 4 * r + t];
+        for (int t = 0; t < 4; ++t) qs[4 * p + t] = sp[QB * sb + 64 * p + 4 * r + t];
+      for (int t = 0; t < 4 && qt == kQ5_K; ++t) hb |= q5_qh_bits(sp[QB * sb + 256 + 4 * r + t], t);
+      if (qt == kQ5_K) std::memcpy(row + 16 * ns + 4 * (8 * s + sb), &hb, 4);
     }
   }
 }
@@ -101,8 +113,9 @@ void unpack_row_q6k(const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
 
 at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N, const at::Tensor& index,
                          int64_t isa) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || k_quant(qtype),
-              "tandem.packed_gather: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (ggml types 2, 3, 8, 12, 14), got ", qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 || k_quant(qtype),
+              "tandem.packed_gather: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, 12, 13, 14), "
+              "got ", qtype);
   const int64_t qk = k_quant(qtype) ? 256 : 32;
   TORCH_CHECK(K > 0 && K % qk == 0, "tandem.packed_gather: K must be a positive multiple of ", qk, ", got ", K);
   TORCH_CHECK(N > 0, "tandem.packed_gather: N must be > 0, got ", N);
@@ -126,7 +139,7 @@ at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* gp = wp + ip[i] / kG * gbytes;
       const int r = (int)(ip[i] % kG);
-      if (qtype == kQ4_K) unpack_row_q4k(gp, r, K / 256, out + i * rb);
+      if (qtype == kQ4_K || qtype == kQ5_K) unpack_row_q45k(qtype, gp, r, K / 256, out + i * rb);
       else if (qtype == kQ6_K) unpack_row_q6k(gp, r, K / 256, out + i * rb);
       else unpack_row_q(qtype, gp, r, K / 32, out + i * rb);
     }

@@ -1,4 +1,4 @@
-// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
+// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q5_0, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
 // of x of a decode step or a speculative verify step (up to qgemv_packed_rows()), each output computed by qgemm_q8's operations in qgemm_q8's
 // order (qgemm_q8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
 //
@@ -15,10 +15,12 @@
 //   Q4_0 / Q4_1, QB = 256: 4 vectors p of 64 bytes; byte 4 r + t of vector p is byte 4 p + t of row r's 16 qs
 //     bytes of the block (GGUF order: low nibble element 4 p + t, high nibble element 16 + 4 p + t), so the low
 //     nibbles of vector p are half 0's quants 4 p .. 4 p + 3 of every row and the high nibbles half 1's.
+//   Q5_0, QB = 320: Q4_0's 4 vectors, then H, the block's 64 bytes of fifth bits (packed_q5.h).
 //   Q8_0, QB = 512: vector 4 h + p holds byte 16 h + 4 p + t of row r's 32 quants at 4 r + t, xor 0x80 (w + 128,
 //     unsigned for vpdpbusd).
 // The operand vpdpbusd takes unsigned is the weight: Q4_1's nibbles are its quants; Q4_0's are q + 8, so a half's
-// sum loses 8 sum(x); Q8_0's bytes are q + 128, so it loses 128 sum(x) (sum(x) exact per half and row of x).
+// sum loses 8 sum(x) (Q5_0's 5-bit values q + 16: 16 sum(x)); Q8_0's bytes are q + 128, so it loses 128 sum(x)
+// (sum(x) exact per half and row of x).
 // Then, half after half: f = fma(float(isum_u), dx_u dw_u, f), Q4_1 f = fma(sxh_u, m_u, f); y = f + bias.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_q5.h"
 #include "vec.h"
 
 namespace tandem {
@@ -35,13 +38,13 @@ bool cpu_has_vnni();
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8 };
 constexpr int kG = 16;                      // output rows of a group: the int32 / fp32 lanes
 
-constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : 256; }       // QB
-constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }         // SB
-constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : 34; }
-bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0; }
+constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256; }   // QB
+constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }                          // SB
+constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34; }
+bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0; }
 
 #define TPK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
@@ -49,7 +52,7 @@ struct XRows {              // rows of x rounded as qgemm_q8 rounds them (quanti
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
   const int32_t* off;           // [M][nh]: what the unsigned weight bytes add to a half's sum (Q4_0 8 sum(x),
-                                // Q8_0 128 sum(x); Q4_1 none)
+                                // Q5_0 16 sum(x), Q8_0 128 sum(x); Q4_1 none)
   int64_t K, nh;
 };
 
@@ -76,6 +79,10 @@ TPK void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, const XRows& x, int
           w[p] = _mm512_and_si512(v, m4);
           w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         }
+      }
+      if constexpr (QT == kQ5_0) {
+        const __m512i hb = _mm512_loadu_si512(q + 256);
+        for (int p = 0; p < 4; ++p) w[p] = q5_bits512(w[p], hb, p, 0), w[4 + p] = q5_bits512(w[4 + p], hb, p, 1);
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
       __m512 mn = _mm512_setzero_ps();
@@ -139,7 +146,7 @@ TPK2 inline __attribute__((always_inline)) __m256 half_step_avx2(__m256 f, const
       s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv)));
     }
     acc = _mm256_madd_epi16(s16, ones);
-    if constexpr (QT == kQ4_0) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
+    if constexpr (QT != kQ4_1) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
   }
   f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), d), f);
   if constexpr (QT == kQ4_1) f = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mn, f);
@@ -148,7 +155,8 @@ TPK2 inline __attribute__((always_inline)) __m256 half_step_avx2(__m256 f, const
 
 // The AVX2 body (CPUs without AVX-512 VNNI): the same layout, each 64-byte vector as two ymm (rows 0-7, 8-15),
 // each a fp32 chain of its own. vpdpbusd's work by pmaddubsw (weights unsigned, x signed) and pmaddwd by ones:
-// Q4_0 / Q4_1 add a half's 4 pmaddubsw outputs in int16 first (|16 products| <= 16 x 15 x 128 < 2^15); Q8_0's
+// Q4_0 / Q4_1 / Q5_0 add a half's 4 pmaddubsw outputs in int16 first (8 products a lane, |x| <= 127: at most
+// 8 x 31 x 127 < 2^15); Q8_0's
 // w + 128 would saturate pmaddubsw, so its bytes are turned back into w and it runs |w| against x with w's sign
 // (|pair| <= 2 x 128 x 128), each pmaddubsw widened at once, and its sums need no offset.
 template <int64_t QT, int MT>
@@ -172,6 +180,10 @@ TPK2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, c
           w[p] = _mm256_and_si256(v, m4);
           w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
+      }
+      if constexpr (QT == kQ5_0) {
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(q + 256 + 32 * s));
+        for (int p = 0; p < 4; ++p) w[p] = q5_bits256(w[p], hb, p, 0), w[4 + p] = q5_bits256(w[4 + p], hb, p, 1);
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * s)));
       __m256 mn = _mm256_setzero_ps();
@@ -220,6 +232,7 @@ TPK2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t 
         } else {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
           w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+          if constexpr (QT == kQ5_0) w[p] = q5_bits256(w[p], _mm256_loadu_si256((const __m256i*)(q + 256)), p, h);
         }
       }
       for (int j = 0; j < MT; ++j)
@@ -346,8 +359,8 @@ int64_t qgemv_packed_rows(int64_t qtype) {
 
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
   if (packable_k(qtype)) return pack_gemv_k(w, qtype, K);
-  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (ggml types 2, 3, 8, 12, 14), got ",
-              qtype);
+  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
+              "12, 13, 14), got ", qtype);
   TORCH_CHECK(K > 0 && K % 32 == 0, "tandem.pack_gemv: K must be a positive multiple of 32, got ", K);
   const int64_t nb = K / 32, rb = row_block_bytes(qtype) * nb;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
@@ -357,8 +370,9 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
   at::Tensor out = at::zeros({NG, gbytes}, w.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  // The regrouped row (quant.py): [d fp16 x nb][m fp16 x nb (Q4_1)][qs: 16 (Q4) or 32 (Q8_0) bytes x nb].
-  const int64_t qs_at = (qtype == kQ4_1 ? 4 : 2) * nb, qs_bytes = qtype == kQ8_0 ? 32 : 16;
+  // The regrouped row (quant.py): [d fp16 x nb][m fp16 x nb (Q4_1)][qh u32 x nb (Q5_0)][qs: 16 (Q4, Q5_0) or 32
+  // (Q8_0) bytes x nb].
+  const int64_t qs_at = (qtype == kQ4_1 ? 4 : qtype == kQ5_0 ? 6 : 2) * nb, qs_bytes = qtype == kQ8_0 ? 32 : 16;
   at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       uint8_t* gp = op + g * gbytes;
@@ -367,9 +381,12 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* qs = row + qs_at + qs_bytes * b;
           uint8_t* q = gp + b * QB;
-          for (int v = 0; v < QB / 64; ++v)            // vector v: bytes 4 v .. 4 v + 3 of the row's block
+          for (int v = 0; v < (qtype == kQ8_0 ? 8 : 4); ++v)     // vector v: bytes 4 v .. 4 v + 3 of the block
             for (int t = 0; t < 4; ++t)
               q[64 * v + 4 * r + t] = qtype == kQ8_0 ? (uint8_t)(qs[4 * v + t] ^ 0x80) : qs[4 * v + t];
+          uint32_t qh = 0;
+          if (qtype == kQ5_0) std::memcpy(&qh, row + 2 * nb + 4 * b, 4);
+          for (int t = 0; t < 4 && qtype == kQ5_0; ++t) q[256 + 4 * r + t] = q5_h_byte(qh, t);
           std::memcpy(gp + nb * QB + 32 * b + 2 * r, row + 2 * b, 2);                          // d
           if (qtype == kQ4_1) std::memcpy(gp + nb * QB + 32 * nb + 32 * b + 2 * r, row + 2 * nb + 2 * b, 2);  // m
         }
@@ -379,37 +396,11 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
-PackedX quantize_packed_x(const at::Tensor& x, int32_t unit) {
-  const int64_t M = x.size(0), K = x.size(1), nh = K / 16, nb = K / 32;
-  static thread_local std::vector<int8_t> xq;
-  static thread_local std::vector<float> xs;
-  static thread_local std::vector<int32_t> xo;
-  if ((int64_t)xq.size() < M * K) xq.resize(M * K);
-  if ((int64_t)xs.size() < 2 * M * nh) xs.resize(2 * M * nh);
-  if ((int64_t)xo.size() < M * nh) xo.resize(M * nh);
-  int8_t* xqp = xq.data();
-  float *dxp = xs.data(), *sxhp = dxp + M * nh;                         // dx, sxh [M][nh]
-  int32_t* xop = xo.data();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {       // rows are independent: any split, same bytes
-    std::vector<float> sx(nb);
-    for (int64_t m = r0; m < r1; ++m) {
-      int8_t* q = xqp + m * K;
-      quantize_act_row(xp + m * K, K, q, dxp + m * nh, sx.data(), sxhp + m * nh);
-      for (int64_t u = 0; u < nh; ++u) {
-        int32_t sum = 0;
-        for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
-        xop[m * nh + u] = unit * sum;
-      }
-    }
-  });
-  return PackedX{xqp, dxp, sxhp, xop};
-}
-
 at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                         const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype) || packable_k(qtype),
-              "tandem.qgemv_packed: Q4_0, Q4_1, Q8_0, Q4_K or Q6_K (ggml types 2, 3, 8, 12, 14), got ", qtype);
+              "tandem.qgemv_packed: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, 12, 13, 14), "
+              "got ", qtype);
   const int body = packed_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(N > 0, "tandem.qgemv_packed: N must be > 0");
@@ -430,7 +421,7 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   auto [x, bias, y] = linear_io(x_in, bias_in, N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
-  const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0);
+  const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
   const XRows xr{px.q, px.dx, px.sxh, px.off, K, nh};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -442,6 +433,7 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
     const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
     if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    else if (qtype == kQ5_0) groups<kQ5_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else groups<kQ8_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
   });
   return y;

@@ -1,12 +1,12 @@
-// qgemv_packed for the K-quants of Q4_K_M files (Q4_K, Q6_K): the streaming int8 GEMV on weights interleaved
-// at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with qgemm_q8's arithmetic (its
-// header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q4_K f = fma(sxh_u, mh_u, f),
-// dw_u and mh_u made from the super-block's scales exactly as k_scales makes them (d sc_j, m_j (-dmin); Q6_K
-// d scale_u). So its rows are bit for bit the GEMM's and qgemv_q8's, at any row count.
+// qgemv_packed for the K-quants of Q4_K_M and Q5_K_M files (Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on
+// weights interleaved at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with
+// qgemm_q8's arithmetic (its header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q4_K /
+// Q5_K f = fma(sxh_u, mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them
+// (d sc_j, m_j (-dmin); Q6_K d scale_u). So its rows are bit for bit the GEMM's and qgemv_q8's, at any row count.
 //
 // Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (qgemv_q8) read it
 // at ~32 GB/s where llama.cpp reads ~43 on the same cores (issue 46). The packed layout is the file's size
-// exactly (16 rows x 144 or 210 bytes a super-block), so a model keeps it as the weight's only copy.
+// exactly (16 rows x 144, 176 or 210 bytes a super-block), so a model keeps it as the weight's only copy.
 //
 // Packed tensor: uint8 [ceil(N / 16), K / 256 * SB], group g = output rows 16 g .. 16 g + 15 (rows past N
 // zero), super-block after super-block, SB bytes each:
@@ -14,11 +14,13 @@
 //     4 p + t of row r's 16 nibble bytes of the sub-block, Q4_0's order: low nibble element 4 p + t, high nibble
 //     element 16 + 4 p + t), then d fp16 x 16, dmin fp16 x 16, then the 12 scale bytes transposed (byte i of
 //     row r at 16 i + r), so one 16-byte load and a few byte operations give sub-block j's 16 scales or mins.
+//   Q5_K, SB = 2816: Q4_K's, each sub-block's 256 nibble bytes followed by H, its 64 bytes of fifth bits
+//     (packed_q5.h: one shift and one ternary logic op move vector p's into bit 4 of its bytes).
 //   Q6_K, SB = 3360: 8 sub-blocks of 384 quant bytes (the 4 low-nibble vectors as Q4_K's, then H0, H1: byte
 //     4 r + t of H0 holds the two high bits of element 4 p + t at bits 2 p, 2 p + 1, H1 those of element
 //     16 + 4 p + t), then the int8 scales transposed (scale u < 16 of row r at 16 u + r), then d fp16 x 16.
-// The operand vpdpbusd takes unsigned is the weight: Q4_K's nibbles are its quants; Q6_K's 6-bit values are
-// q + 32, so a half's sum loses 32 sum(x).
+// The operand vpdpbusd takes unsigned is the weight: Q4_K's nibbles and Q5_K's 5-bit values are their quants;
+// Q6_K's 6-bit values are q + 32, so a half's sum loses 32 sum(x).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -26,23 +28,25 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_q5.h"
 #include "vec.h"
 
 namespace tandem {
 
 namespace {
 
-enum : int64_t { kQ4_K = 12, kQ6_K = 14 };
+enum : int64_t { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 constexpr int kG = 16;
 
-constexpr int64_t sb_bytes(int64_t qt) { return qt == kQ4_K ? 2304 : 3360; }     // a group's super-block
-constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : 384; }      // a group's sub-block quants
-constexpr int64_t row_sb_bytes(int64_t qt) { return qt == kQ4_K ? 144 : 210; }
+constexpr int64_t row_sb_bytes(int64_t qt) { return qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210; }
+constexpr int64_t sb_bytes(int64_t qt) { return kG * row_sb_bytes(qt); }         // a group's super-block
+constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }   // its quants
+constexpr bool has_min(int64_t qt) { return qt != kQ6_K; }                       // Q4_K, Q5_K: d, dmin, scales
 
 struct KX {                 // rows of x rounded as qgemm_q8 rounds them, natural order
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
-  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half; Q4_K unused
+  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half; Q4_K / Q5_K unused
   int64_t K, nh;
 };
 
@@ -123,21 +127,28 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
   for (int64_t s = 0; s < ns; ++s) {
     const uint8_t* sp = gp + s * SB;
     if (first) prefetch_ahead(sp + kPrefetchAhead, SB);
-    const uint8_t* tail = sp + 8 * QB;                         // Q4_K: d, dmin, scales; Q6_K: scales, d
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(QT == kQ4_K ? tail : tail + 256)));
+    const uint8_t* tail = sp + 8 * QB;                   // Q4_K / Q5_K: d, dmin, scales; Q6_K: scales, d
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(has_min(QT) ? tail : tail + 256)));
     __m512 kdw[8], kmh[8];
-    if constexpr (QT == kQ4_K)
+    if constexpr (has_min(QT))
       q4k_scales16(tail + 64, d, _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
                                                _mm512_set1_ps(-0.0f)), kdw, kmh);
     for (int sb = 0; sb < 8; ++sb) {
       const uint8_t* q = sp + sb * QB;
       __m512i w[8];
       __m512 dw[2], mh = _mm512_setzero_ps();
-      if constexpr (QT == kQ4_K) {
+      if constexpr (has_min(QT)) {
         for (int p = 0; p < 4; ++p) {
           const __m512i v = _mm512_loadu_si512(q + 64 * p);
           w[p] = _mm512_and_si512(v, m4);
           w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        if constexpr (QT == kQ5_K) {
+          const __m512i hb = _mm512_loadu_si512(q + 256);
+          for (int p = 0; p < 4; ++p) {
+            w[p] = q5_bits512(w[p], hb, p, 0);
+            w[4 + p] = q5_bits512(w[4 + p], hb, p, 1);
+          }
         }
         dw[0] = dw[1] = kdw[sb];
         mh = kmh[sb];
@@ -168,7 +179,7 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
           if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
           f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
                                  f[j]);
-          if constexpr (QT == kQ4_K) f[j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
+          if constexpr (has_min(QT)) f[j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
         }
       }
     }
@@ -182,8 +193,8 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
 
 // The AVX2 body: half s of a group (output rows 8 s .. 8 s + 7, one ymm) against rows m0 .. m0 + MT - 1 of x,
 // each weight vector unpacked once for the MT rows. vpdpbusd's work by pmaddubsw (weights unsigned, x signed)
-// and pmaddwd by ones: Q4_K adds a half's 4 pmaddubsw in int16 (|sum| <= 4 x 2 x 15 x 127), Q6_K two at a
-// time (2 x 2 x 63 x 127 < 2^15). The same integer sums and fp32 operations as ktile, so the same bits.
+// and pmaddwd by ones: Q4_K / Q5_K add a half's 4 pmaddubsw in int16 (|sum| <= 4 x 2 x 31 x 127 < 2^15), Q6_K
+// two at a time (2 x 2 x 63 x 127 < 2^15). The same integer sums and fp32 operations as ktile, so the same bits.
 template <int64_t QT, int MT>
 TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y,
                      int64_t ldy, int64_t n, int64_t N, int s) {
@@ -196,15 +207,15 @@ TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, con
     const uint8_t* sp = gp + b * SB;
     if (first) prefetch_ahead(sp + kPrefetchAhead, SB);
     const uint8_t* tail = sp + 8 * QB;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((QT == kQ4_K ? tail : tail + 256) + 16 * s)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((has_min(QT) ? tail : tail + 256) + 16 * s)));
     __m256 ndmin = _mm256_setzero_ps();
-    if constexpr (QT == kQ4_K)
+    if constexpr (has_min(QT))
       ndmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tail + 32 + 16 * s))),
                             _mm256_set1_ps(-0.0f));
     for (int sb = 0; sb < 8; ++sb) {
       const uint8_t* q = sp + sb * QB + 32 * s;
       __m256 dw[2], mh = _mm256_setzero_ps();
-      if constexpr (QT == kQ4_K) {
+      if constexpr (has_min(QT)) {
         dw[0] = dw[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q4k_sub(tail + 64, sb, false, 8 * s))), d);
         mh = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q4k_sub(tail + 64, sb, true, 8 * s))), ndmin);
       } else {
@@ -212,12 +223,15 @@ TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, con
           dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                       _mm_loadl_epi64((const __m128i*)(tail + 16 * (2 * sb + h) + 8 * s)))), d);
       }
+      const __m256i hb = QT == kQ5_K ? _mm256_loadu_si256((const __m256i*)(q + 256)) : _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];
         for (int p = 0; p < 4; ++p) {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
-          if constexpr (QT == kQ4_K) w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-          else w[p] = q6k_bits256(v, _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * h)), p, h);
+          if constexpr (has_min(QT)) w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+          if constexpr (QT == kQ5_K) w[p] = q5_bits256(w[p], hb, p, h);
+          if constexpr (QT == kQ6_K)
+            w[p] = q6k_bits256(v, _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * h)), p, h);
         }
         for (int j = 0; j < MT; ++j) {
           const int64_t m = m0 + j, u = 16 * b + 2 * sb + h;
@@ -229,7 +243,7 @@ TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, con
             pr[p] = _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv));
           }
           __m256i acc;
-          if constexpr (QT == kQ4_K) {
+          if constexpr (has_min(QT)) {
             acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3])), ones);
           } else {
             acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pr[0], pr[1]), ones),
@@ -237,7 +251,7 @@ TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, con
             acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
           }
           f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), dw[h]), f[j]);
-          if constexpr (QT == kQ4_K) f[j] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
+          if constexpr (has_min(QT)) f[j] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
         }
       }
     }
@@ -299,15 +313,19 @@ void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N,
     for (int64_t s = 0; s < ns; ++s) {
       uint8_t* sp = gp + s * sb_bytes(qt);
       uint8_t* tail = sp + 8 * sub_bytes(qt);
-      if (qt == kQ4_K) {          // the regrouped row (quant.py): [16-byte headers x ns][16 nibble bytes a sub-block]
-        const uint8_t* head = row + 16 * s;
+      if (has_min(qt)) {    // the regrouped row (quant.py): [16-byte headers x ns][Q5_K: qh u32 a sub-block]
+        const uint8_t* head = row + 16 * s;                     // [16 nibble bytes a sub-block]
         std::memcpy(tail + 2 * r, head, 2);
         std::memcpy(tail + 32 + 2 * r, head + 2, 2);
         for (int i = 0; i < 12; ++i) tail[64 + 16 * i + r] = head[4 + i];
+        const int64_t qb = sub_bytes(qt), qs_at = (qt == kQ5_K ? 48 : 16) * ns;
         for (int sb = 0; sb < 8; ++sb) {
-          const uint8_t* qs = row + 16 * ns + 16 * (8 * s + sb);
+          const uint8_t* qs = row + qs_at + 16 * (8 * s + sb);
+          uint32_t hb = 0;
+          if (qt == kQ5_K) std::memcpy(&hb, row + 16 * ns + 4 * (8 * s + sb), 4);    // bit i: element i's
           for (int p = 0; p < 4; ++p)
-            for (int t = 0; t < 4; ++t) sp[256 * sb + 64 * p + 4 * r + t] = qs[4 * p + t];
+            for (int t = 0; t < 4; ++t) sp[qb * sb + 64 * p + 4 * r + t] = qs[4 * p + t];
+          for (int t = 0; t < 4 && qt == kQ5_K; ++t) sp[qb * sb + 256 + 4 * r + t] = q5_h_byte(hb, t);
         }
       } else {                     // the GGUF's Q6_K super-block
         const uint8_t* blk = row + 210 * s;
@@ -333,7 +351,7 @@ void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N,
 
 }  // namespace
 
-bool packable_k(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
+bool packable_k(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.pack_gemv: K must be a positive multiple of 256 for K-quants, got ", K);
@@ -368,6 +386,7 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
     if (qtype == kQ4_K) kgroups<kQ4_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
+    else if (qtype == kQ5_K) kgroups<kQ5_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
     else kgroups<kQ6_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
   });
   return y;
