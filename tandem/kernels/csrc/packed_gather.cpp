@@ -10,8 +10,9 @@
 //
 // How: each requested row's row-layout bytes are rebuilt from its group (the inverse of the pack) and
 // dequantized by tandem.dequantize's own body, so the values are bit for bit dequantize's on the row layout, on
-// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q5_0, Q8_0) and qgemv_packed_k.cpp (Q4_K, Q5_K, Q6_K),
-// described in their headers; tests/kernels/test_packed_gather.py holds the pack and this inverse together.
+// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q5_0, Q8_0) and qgemv_packed_k.cpp (Q4_K,
+// Q5_K, Q6_K), described in their headers; tests/kernels/test_packed_gather.py holds the pack and this inverse
+// together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
