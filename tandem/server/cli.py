@@ -37,6 +37,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse request bodies above this size with 413 (default: 1 MiB + 32 bytes per context "
                         "token)")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="'auto': fields a request omits (temperature, top_p, top_k, min_p, repetition_penalty) take "
+                        "the model's defaults (generation_config.json, a GGUF's general.sampling.*; shown in "
+                        "/v1/models); 'none': tandem's own defaults")
     p.add_argument("--max-messages", type=int, default=2048,
                    help="refuse chat requests with more messages with 400")
     p.add_argument("--health-timeout", type=float, default=30.0,
@@ -64,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--engine-failure-grace must be >= 0")
     options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
                            args.max_messages, args.health_timeout, args.exit_on_engine_failure, dp_options(args),
-                           args.engine_failure_grace)
+                           args.engine_failure_grace, args.generation_config)
     replica_cores(config, options.dp)              # a --dp the cores cannot take is a clear error, here
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
@@ -90,6 +94,7 @@ class ServeOptions:
     exit_on_engine_failure: bool = True
     dp: DataParallel = DataParallel()
     engine_failure_grace_s: float = ENGINE_FAILURE_GRACE_S
+    generation_config: str = "auto"     # "auto": the model's sampling defaults for omitted fields; "none"
 
 
 async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
@@ -97,6 +102,7 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
     import uvicorn
 
     from ..model.loader import load_tokenizer, resolve_model
+    from ..model.sampling_defaults import sampling_defaults
     from .frontend import Frontend
     from .lifecycle import Lifecycle
     from .limits import ServerLimits
@@ -114,13 +120,15 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
     try:
         info = await life.start(client.start())
         # The engine has converted/cached the model by now; the frontend only reads its tokenizer.
-        tokenizer = load_tokenizer(resolve_model(config.model, config.cache_dir))
+        source = resolve_model(config.model, config.cache_dir)
+        tokenizer = load_tokenizer(source)
+        defaults = sampling_defaults(source) if options.generation_config == "auto" else {}
         name = options.served_model_name or info.model_name
         limits = ServerLimits(options.max_request_bytes or ServerLimits.default_request_bytes(info.max_context),
                               options.max_messages, options.health_timeout_s)
         metrics = ServerMetrics(name, client.replica_stats)
         client.on_output = metrics.on_output
-        frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages)
+        frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages, defaults)
         app = build_app(client, frontend, name, metrics, limits)
         life.server = _make_server(uvicorn.Config(app, host=options.host, port=options.port,
                                                   log_level=options.log_level, lifespan="off",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,8 +50,10 @@ NO_CHAT_TEMPLATE = ("this model has no chat template (a base model), so /v1/chat
 
 
 class Frontend:
-    def __init__(self, tokenizer, max_context: int, vocab_size: int, max_messages: int = 2048) -> None:
+    def __init__(self, tokenizer, max_context: int, vocab_size: int, max_messages: int = 2048,
+                 defaults: dict | None = None) -> None:
         self.tokenizer = tokenizer
+        self.defaults = self._valid_defaults(defaults or {}, vocab_size)   # the model's, for fields a request omits
         self.max_context = max_context      # prompt + output tokens, capped by the KV cache
         self.vocab_size = vocab_size
         self.max_messages = max_messages
@@ -163,7 +166,7 @@ class Frontend:
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int,
                         default_max_tokens: int | None, structured: dict | None = None) -> SamplingParams:
         """SamplingParams for a request, or APIError(400) naming the field (context limits included)."""
-        kw = req.sampling_kwargs(default_max_tokens)
+        kw = {**self.defaults, **req.sampling_kwargs(default_max_tokens)}   # the request's own fields win
         kw["structured_outputs"] = structured
         try:
             params = SamplingParams(**kw)
@@ -184,6 +187,19 @@ class Frontend:
                                 f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
                                 f"{params.max_tokens} for the completion).", "max_tokens", "context_length_exceeded")
         return params
+
+    @staticmethod
+    def _valid_defaults(defaults: dict, vocab_size: int) -> dict:
+        """The model's sampling defaults that SamplingParams accepts; one out of range is dropped with a warning
+        (a model's metadata must not make every request that omits the field fail)."""
+        out = {}
+        for name, value in defaults.items():
+            try:
+                SamplingParams(**{name: value}).validate(vocab_size)
+                out[name] = value
+            except ValueError as e:
+                logging.getLogger(__name__).warning("ignoring the model's sampling default %s=%r: %s", name, value, e)
+        return out
 
     def text_stream(self, prompt_ids: list[int], params: SamplingParams) -> "TextStream":
         return TextStream(self.tokenizer, prompt_ids, params)

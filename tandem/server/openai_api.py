@@ -366,7 +366,7 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
 
     @app.get("/v1/models")
     async def models():
-        return P.model_list(model_name, frontend.max_context)
+        return P.model_list(model_name, frontend.max_context, frontend.defaults)
 
     @app.get("/health")
     async def health():

@@ -312,6 +312,8 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_re
     return out
 
 
-def model_list(name: str, max_model_len: int) -> dict:
+def model_list(name: str, max_model_len: int, sampling_defaults: dict | None = None) -> dict:
+    """sampling_defaults: what omitted sampling fields take (the model's, `--generation-config auto`)."""
     return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "tandem", "root": name, "max_model_len": max_model_len}]}
+                                        "owned_by": "tandem", "root": name, "max_model_len": max_model_len,
+                                        "sampling_defaults": sampling_defaults or {}}]}
