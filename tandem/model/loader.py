@@ -5,6 +5,7 @@ All weights are exposed as a Hugging Face-named state dict (see weights.py: ``ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .hub import hub_path, is_hub_id
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
 from .weights import IGNORABLE_SUFFIXES, expected_weight_shapes, name_list
 
@@ -53,13 +55,19 @@ class ModelSource:
 
 
 def resolve_model(model: str | None = None, cache_dir: str | None = None) -> ModelSource:
-    """Locate a model: None (default GGUF), a .gguf file, or a HF directory.
+    """Locate a model: None (default GGUF), a .gguf file, a HF directory, or a Hub id (org/name[:quant]).
 
     For a GGUF file the config and tokenizer are written once into ``<cache>/gguf-v<N>-<sha256>/``
     (config.json, tokenizer/: a few MB); later calls only hash-check (memoized by size+mtime). The
     weights are never copied: load_weights reads them from the GGUF.
     """
     path = default_model_path() if model is None else os.path.expanduser(str(model))
+    if model is not None and is_hub_id(path):       # org/name[:quant]: the Hub cache, or a download (hub.py)
+        return dataclasses.replace(_resolve_path(hub_path(path), cache_dir), name=path)   # served as the id
+    return _resolve_path(path, cache_dir)
+
+
+def _resolve_path(path: str, cache_dir: str | None) -> ModelSource:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path does not exist: {path}")
     if os.path.isdir(path):
