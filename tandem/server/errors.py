@@ -26,12 +26,23 @@ def error(status: int, message: str, type: str, param: str | None = None, code: 
     return ErrorResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
+def engine_error_body(e) -> dict:
+    """An EngineError (engine down or stopping, or the request failed) in one shape, the JSON body's and the
+    stream's alike: `code` the status as a string ("503"), so a stream, which has no status line, still says it."""
+    return error_body(e.message, "service_unavailable" if e.status == 503 else
+                      "invalid_request_error" if e.status == 400 else "server_error", None, str(e.status))
+
+
+def engine_error(e) -> ErrorResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return ErrorResponse(engine_error_body(e), status_code=e.status, headers=headers)
+
+
 def stream_error(e: Exception) -> str:
     """The SSE event that ends a stream its request could not finish (engine down or stopping, or failed)."""
     if isinstance(e, APIError):
         return sse(e.body())
-    return sse(error_body(e.message, "service_unavailable" if e.status == 503 else "invalid_request_error",
-                          None, str(e.status)))
+    return sse(engine_error_body(e))
 
 
 def _param_path(loc) -> str | None:

@@ -26,7 +26,7 @@ from ..request import StepOutput
 from . import protocol as P
 from . import tools
 from ..replicas.engine_client import EngineError, RequestStream
-from .errors import error, sse, stream_error, validation_error
+from .errors import engine_error, error, sse, stream_error, validation_error
 from .frontend import Frontend, TextStream
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
@@ -341,8 +341,7 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
 
     app.exception_handler(RequestValidationError)(lambda _r, e: validation_error(e))
     app.exception_handler(APIError)(lambda _r, e: error(e.status, e.message, e.type, e.param, e.code))
-    app.exception_handler(EngineError)(lambda _r, e: error(
-        e.status, e.message, "invalid_request_error" if e.status == 400 else "service_unavailable"))
+    app.exception_handler(EngineError)(lambda _r, e: engine_error(e))
     app.exception_handler(StarletteHTTPException)(lambda _r, e: error(
         e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"))
     app.exception_handler(Exception)(lambda _r, e: error(500, f"internal error: {type(e).__name__}: {e}",

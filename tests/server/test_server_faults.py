@@ -65,6 +65,7 @@ def _outcome(rec: dict) -> str:
         except (ValueError, KeyError, TypeError):
             raise AssertionError(f"{rec['status']} whose body is not OpenAI's error JSON: {rec['text'][:200]!r}")
         assert rec["status"] == 503 and set(err) == {"message", "type", "param", "code"}, rec
+        assert err["code"] in ("503", None), rec       # an engine failure "503", as its stream event; a refusal null
         assert rec["retry"] == "1", rec
         return "503"
     if not rec["stream"]:
@@ -76,7 +77,7 @@ def _outcome(rec: dict) -> str:
     assert data and data[-1] == "[DONE]", data[-2:]
     last = json.loads(data[-2])
     if "error" in last:
-        assert last["error"]["type"] == "service_unavailable", last
+        assert last["error"]["type"] == "service_unavailable" and last["error"]["code"] == "503", last
         return "error event"
     assert last["choices"][0]["finish_reason"] == "length", last
     return "finished"
