@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem import kernels
+from tandem.kernels import kv_quant
 from tandem.kernels.attention import decode_attention_qkv_ref, decode_attention_ref
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
@@ -25,10 +26,14 @@ def isas() -> list[int]:
 
 
 def inputs(b, h, kvh, d, lens, dtype, seed):
+    """A 2-layer cache of `dtype` (kv_quant.Q8_0: q8_0 blocks) with each row's keys in scattered slots, padded past
+    its length, and each row's new token in a slot of its own."""
     g = torch.Generator().manual_seed(seed)
     lk = max(lens)
     slots = lk + 16 + b
-    cache = torch.randn(slots + 1, 2, 2, kvh, d, generator=g).to(dtype)
+    cache = torch.randn(slots + 1, 2, 2, kvh, d, generator=g)
+    cache = kv_quant.quantize(cache * 2) if dtype == kv_quant.Q8_0 else cache.to(dtype)
+    cache[-1] = 0
     kv_index = torch.stack([torch.randperm(slots - b, generator=g)[:lk] for _ in range(b)])
     seq_lens = torch.tensor(lens)
     kv_index[torch.arange(lk)[None, :] >= seq_lens[:, None]] = slots
@@ -46,6 +51,12 @@ def test_low_precision_cache_equals_reference(dtype, isa, b, h, kvh, d, lens, wi
     sums in fp32), and the fused op's K/V write leaves the very bits torch's index_put writes."""
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
+    check_decode_ops(b, h, kvh, d, lens, dtype, window, isa, atol=1e-5)
+
+
+def check_decode_ops(b, h, kvh, d, lens, dtype, window, isa, atol):
+    """decode_attention (unsplit, forced and chosen chunks) and decode_attention_qkv_ against their references on
+    a cache of `dtype`; the fused op's write leaves the reference's bytes."""
     cache, kv_index, seq_lens, loc = inputs(b, h, kvh, d, lens, dtype, seed=d + h + len(lens))
     g = torch.Generator().manual_seed(b)
     q = torch.randn(b, h, d, generator=g) * 3
@@ -54,13 +65,13 @@ def test_low_precision_cache_equals_reference(dtype, isa, b, h, kvh, d, lens, wi
         for chunk_keys in (0, 32, -1):
             got = torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, d ** -0.5, isa, chunk_keys,
                                                     window)
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=atol)
     qkv = torch.randn(b, (h + 2 * kvh) * d, generator=g) * 2
     ref_cache, got_cache = cache.clone(), cache.clone()
     ref = decode_attention_qkv_ref(qkv, ref_cache, 1, loc, kv_index, seq_lens, 0.1, h, window)
     got = torch.ops.tandem.decode_attention_qkv_(qkv, got_cache, 1, loc, kv_index, seq_lens, 0.1, h, isa, -1, window)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
-    assert torch.equal(got_cache.view(torch.int16), ref_cache.view(torch.int16))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=atol)
+    assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
 @native

@@ -10,7 +10,8 @@ import torch
 
 from tandem import kernels
 from tandem.kernels import kv_quant
-from tandem.kernels.attention import decode_attention_qkv_ref, decode_attention_ref, extend_attention_ref
+from tandem.kernels.attention import decode_attention_qkv_ref, extend_attention_ref
+from tests.kernels.test_kv_dtype import check_decode_ops
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
 ISAS = [0, 1, 2]
@@ -59,28 +60,7 @@ def test_decode_ops_equal_reference(isa, b, h, kvh, d, lens, window):
     dequantized keys, fp32) up to summation order, and the fused op's write leaves the torch quantizer's bytes."""
     if isa not in isas():
         pytest.skip("this CPU lacks the ISA")
-    g = torch.Generator().manual_seed(d + h + len(lens))
-    lk = max(lens)
-    slots = lk + 16 + b
-    cache = q8_cache(slots, kvh, d, g)
-    kv_index = torch.stack([torch.randperm(slots - b, generator=g)[:lk] for _ in range(b)])
-    seq_lens = torch.tensor(lens)
-    kv_index[torch.arange(lk)[None, :] >= seq_lens[:, None]] = slots
-    loc = slots - b + torch.arange(b)
-    kv_index[torch.arange(b), seq_lens - 1] = loc
-    q = torch.randn(b, h, d, generator=g) * 3
-    for layer in (0, 1):
-        ref = decode_attention_ref(q, cache, layer, kv_index, seq_lens, d ** -0.5, window)
-        for chunk_keys in (0, 32, -1):
-            got = torch.ops.tandem.decode_attention(q, cache, layer, kv_index, seq_lens, d ** -0.5, isa, chunk_keys,
-                                                    window)
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=4e-5)
-    qkv = torch.randn(b, (h + 2 * kvh) * d, generator=g) * 2
-    ref_cache, got_cache = cache.clone(), cache.clone()
-    ref = decode_attention_qkv_ref(qkv, ref_cache, 1, loc, kv_index, seq_lens, 0.1, h, window)
-    got = torch.ops.tandem.decode_attention_qkv_(qkv, got_cache, 1, loc, kv_index, seq_lens, 0.1, h, isa, -1, window)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=4e-5)
-    assert torch.equal(got_cache, ref_cache)
+    check_decode_ops(b, h, kvh, d, lens, kv_quant.Q8_0, window, isa, atol=4e-5)
 
 
 @native
