@@ -83,11 +83,23 @@ class Message(_Strict):
 
 
 class Tool(_Strict):
+    model_config = _Strict.model_config | {"extra": "allow"}    # a server tool's own fields: refused below
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
+    input_schema: dict[str, Any] | None = None      # required of a client tool (checked in refused())
+    type: str | None = None                          # "custom" (a client tool) or a server tool's type
     cache_control: dict[str, Any] | None = None
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        if self.type not in (None, "custom"):
+            return f"{where}.type", f"{where}.type: server tools ({self.type}) are not supported; give client " \
+                                    f"tools (name, description, input_schema)"
+        if self.model_extra:
+            field = next(iter(self.model_extra))
+            return f"{where}.{field}", f"unrecognized request argument supplied: {where}.{field}"
+        if self.input_schema is None:
+            return f"{where}.input_schema", f"missing required field: {where}.input_schema"
+        return None
 
 
 class ToolChoice(_Strict):
@@ -115,6 +127,10 @@ class CountTokensRequest(_Strict):
                     return where, f"{where}: tool_use blocks belong to assistant messages"
                 if isinstance(b, ToolResultBlock) and m.role != "user":
                     return where, f"{where}: tool_result blocks belong to user messages"
+        for i, t in enumerate(self.tools or []):
+            bad = t.refused(f"tools[{i}]")
+            if bad is not None:
+                return bad
         tc = self.tool_choice
         if tc is not None:
             if (tc.type == "tool") != (tc.name is not None):

@@ -153,6 +153,11 @@ def test_bad_requests_get_anthropic_errors(server, reference, client):
         ]:
             anthropic_error(h.post(path, json=body), 400, "invalid_request_error", *words)
         anthropic_error(h.post("/v1/messages", content=b"{not json"), 400, "invalid_request_error", "JSON")
+        huge = {**ok, "system": "a" * (8 << 20)}
+        anthropic_error(h.post("/v1/messages", json=huge), 413, "request_too_large", "larger than the limit")
+        anthropic_error(h.post("/v1/messages", json={**ok, "tools": [{"type": "web_search_20250305",
+                                                                       "name": "web_search"}]}),
+                        400, "invalid_request_error", "tools[0].type", "web_search_20250305")
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             body = {**ok, "model": "claude-nope"} if path == "/v1/messages" else \
                 {"model": "claude-nope", "messages": MESSAGES}
@@ -182,3 +187,4 @@ def test_disconnect_mid_stream_aborts(server, reference):
                     break                      # leave mid-stream: closing the connection aborts the request
     server.wait_metric(key, lambda v: v == aborted + 1)
     assert server.wait_metric("tandem:num_requests_running", lambda v: v == 0.0) == 0.0
+
