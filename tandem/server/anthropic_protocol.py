@@ -3,7 +3,8 @@
 A Messages request becomes a ChatCompletionRequest (the chat route's own model), so it is rendered by the same
 chat template, checked by the same frontend and sampled by the same engine path: `system` is the first system
 message; a user turn's tool_result blocks become tool messages (before its text); an assistant turn's tool_use
-blocks become tool_calls; `tools` / `tool_choice` become OpenAI's (`any` is "required", `tool` a named function).
+blocks become tool_calls; a final assistant turn is a prefill the reply continues (continue_final_message);
+`tools` / `tool_choice` become OpenAI's (`any` is "required", `tool` a named function).
 Unknown fields are refused (400 naming them), as are content blocks tandem cannot read (image, document ...).
 """
 from __future__ import annotations
@@ -155,7 +156,8 @@ class CountTokensRequest(_Strict):
                 calls = [{"id": b.id, "type": "function",
                           "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                          for b in m.content if isinstance(b, ToolUseBlock)]
-                out.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
+                out.append({"role": "assistant", "content": text if text or not calls else None,
+                            **({"tool_calls": calls} if calls else {})})
                 continue
             results = [b for b in m.content if isinstance(b, ToolResultBlock)]
             out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in results]
@@ -178,6 +180,8 @@ class CountTokensRequest(_Strict):
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
         tools, choice = self.openai_tools()
+        if self.messages[-1].role == "assistant":     # a prefill: the reply continues it (no new turn)
+            sampling.update(add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True})
         chat = ChatCompletionRequest.model_validate({"messages": self.chat_messages(), "tools": tools,
                                                      "tool_choice": choice, **sampling})
         bad = chat.unsupported()

@@ -188,3 +188,53 @@ def test_disconnect_mid_stream_aborts(server, reference):
     server.wait_metric(key, lambda v: v == aborted + 1)
     assert server.wait_metric("tandem:num_requests_running", lambda v: v == 0.0) == 0.0
 
+
+
+def test_assistant_prefill_is_continued(client, server, reference):
+    """A final assistant turn is a prefill: the prompt ends inside it (no new turn), as /tokenize renders it with
+    continue_final_message."""
+    convo = [*MESSAGES, {"role": "assistant", "content": "The capital of France is"}]
+    n = client.messages.count_tokens(model=reference["name"], system=SYSTEM, messages=convo).input_tokens
+    with httpx.Client(base_url=server.url, trust_env=False, timeout=60) as h:
+        ids = h.post("/tokenize", json={"messages": [{"role": "system", "content": SYSTEM}, *convo],
+                                        "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert n == ids["count"] < len(reference["chat"].prompt_token_ids) + 8
+    msg = client.messages.create(model=reference["name"], system=SYSTEM, messages=convo, max_tokens=4,
+                                 extra_body=GREEDY)
+    assert msg.usage.input_tokens == n and msg.content and msg.content[0].text
+
+
+def test_mapping_onto_the_chat_request():
+    """Without a server: system, tool_use and tool_result blocks become the chat route's messages; tool_choice
+    maps onto OpenAI's; a Hermes tool call parses into a tool_use block; refused blocks name themselves."""
+    from tandem.server import tools
+    from tandem.server.anthropic_api import AnthropicServer
+    from tandem.server.anthropic_protocol import MessagesRequest
+    from tandem.server.protocol import APIError
+    body = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}], "stop_sequences": ["x"],
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_time",
+                                                        "input": {"zone": "utc"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "9",
+                                                   "is_error": True}, {"type": "text", "text": "and?"}]}],
+        "tools": [TIME], "tool_choice": {"type": "tool", "name": "get_time"}})
+    chat = body.to_chat()
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert chat.messages[2].content is None and chat.messages[2].model_extra["tool_calls"][0]["function"] == \
+        {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    assert chat.messages[3].content == "Error: 9" and chat.messages[3].model_extra["tool_call_id"] == "toolu_1"
+    assert chat.stop == ["x"] and chat.max_tokens == 5 and chat.add_generation_prompt
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_time"}}
+    auto = tools.plan(chat.tools, "auto")
+    text, uses = AnthropicServer._finish(auto, 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}'
+                                               '</tool_call>', "stop")
+    assert text == "Sure." and [(u["type"], u["name"], u["input"]) for u in uses] == \
+        [("tool_use", "get_time", {"zone": "cet"})]
+    for block, words in [({"type": "document", "source": {}}, "document"),
+                         ({"type": "tool_result", "tool_use_id": "a"}, "user messages")]:
+        bad = body.model_copy(update={"messages": [MessagesRequest.model_validate(
+            {"model": "m", "max_tokens": 1, "messages": [{"role": "assistant", "content": [block]}]}).messages[0]]})
+        with pytest.raises(APIError) as e:
+            bad.to_chat()
+        assert words in e.value.message and e.value.param == "messages[0].content[0]"
