@@ -238,3 +238,24 @@ def test_mapping_onto_the_chat_request():
         with pytest.raises(APIError) as e:
             bad.to_chat()
         assert words in e.value.message and e.value.param == "messages[0].content[0]"
+
+
+def test_engine_failure_is_an_api_error(server, reference, tmp_path):
+    """A request the engine fails (an injected fault, keyed on its prompt's first ids: a system prompt no other
+    request has) is a 500 api_error, or an `error` event mid-stream; the next request is served."""
+    faulty = [{"role": "system", "content": "Fault now."}, *MESSAGES]
+    with httpx.Client(base_url=server.url, trust_env=False, timeout=60) as h:
+        ids = h.post("/tokenize", json={"messages": faulty}).json()["tokens"][:6]
+    srv = ServerProcess(["--kv-cache-tokens", str(KV)], str(tmp_path / "server.log"),
+                        env={"TANDEM_INJECT_FAULT": "process:" + ",".join(map(str, ids))})
+    try:
+        body = {"model": reference["name"], "max_tokens": 4, "system": "Fault now.", "messages": MESSAGES}
+        with httpx.Client(base_url=srv.url, trust_env=False, timeout=60) as h:
+            anthropic_error(h.post("/v1/messages", json=body), 500, "api_error", "engine failed")
+            text = h.post("/v1/messages", json={**body, "stream": True}).text
+            assert text.startswith("event: message_start") and "event: error\ndata: " in text, text
+            assert "message_stop" not in text and '"type": "api_error"' in text, text
+            ok = h.post("/v1/messages", json={**body, "system": SYSTEM})
+            assert ok.status_code == 200 and ok.json()["content"], ok.text
+    finally:
+        assert srv.stop() == 0, srv.log()
