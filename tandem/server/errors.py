@@ -64,18 +64,19 @@ def _param_path(loc) -> str | None:
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def validation_error(exc: RequestValidationError) -> JSONResponse:
+def validation_error(exc: RequestValidationError, render=error) -> JSONResponse:
+    """A 400 naming the field, rendered by `render(status, message, type, param)` (the route's error shape)."""
     errs = exc.errors()
     first = errs[0] if errs else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
-        return error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+        return render(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                       "invalid_request_error")
     param = _param_path(first["loc"])
     if param is None:
-        return error(400, f"the request body must be a JSON object: {first['msg']}", "invalid_request_error")
+        return render(400, f"the request body must be a JSON object: {first['msg']}", "invalid_request_error")
     if first["type"] == "missing":
-        return error(400, f"missing required field: {param}", "invalid_request_error", param)
+        return render(400, f"missing required field: {param}", "invalid_request_error", param)
     if first["type"] == "extra_forbidden":
-        return error(400, f"unrecognized request argument supplied: {param}", "invalid_request_error", param)
+        return render(400, f"unrecognized request argument supplied: {param}", "invalid_request_error", param)
     msgs = list(dict.fromkeys(e["msg"] for e in errs if _param_path(e["loc"]) == param))
-    return error(400, f"invalid value for {param}: {'; or '.join(msgs)}"[:1000], "invalid_request_error", param)
+    return render(400, f"invalid value for {param}: {'; or '.join(msgs)}"[:1000], "invalid_request_error", param)

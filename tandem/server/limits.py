@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .anthropic_protocol import error_body as anthropic_error_body, is_anthropic_path
 from .protocol import error_body
 
 MIB = 1 << 20
@@ -38,7 +39,7 @@ class BodyLimitMiddleware:
         too_large = f"the request body is larger than the limit of {limit} bytes (--max-request-bytes)"
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await _refuse(receive, send, 413, too_large, None)
+            return await _refuse(scope, receive, send, 413, too_large, None)
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -47,15 +48,16 @@ class BodyLimitMiddleware:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await _refuse(receive, send, 413, too_large, None)
+                return await _refuse(scope, receive, send, 413, too_large, None)
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
         # Every message has a "role" key, so this count bounds the message count from above (it can only
         # over-count when content nests objects with a "role" key): a huge chat is refused before parsing.
-        if scope["path"].endswith("/chat/completions") and body.count(b'"role"') > self.limits.max_messages:
-            return await _reply(send, 400, f"too many messages: the limit is {self.limits.max_messages} "
+        chat = scope["path"].endswith("/chat/completions") or is_anthropic_path(scope["path"])
+        if chat and body.count(b'"role"') > self.limits.max_messages:
+            return await _reply(scope, send, 400, f"too many messages: the limit is {self.limits.max_messages} "
                                            f"(--max-messages)", "messages")
         done = False
 
@@ -69,7 +71,7 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _refuse(receive, send, status: int, message: str, param: str | None) -> None:
+async def _refuse(scope, receive, send, status: int, message: str, param: str | None) -> None:
     """Discard the rest of an oversized body (up to DRAIN_BYTES: a client still sending would otherwise see
     a broken pipe instead of the answer), keeping none of it, then answer."""
     drained = 0
@@ -80,12 +82,14 @@ async def _refuse(receive, send, status: int, message: str, param: str | None) -
         drained += len(msg.get("body", b""))
         if not msg.get("more_body", False):
             break
-    await _reply(send, status, message, param)
+    await _reply(scope, send, status, message, param)
 
 
-async def _reply(send, status: int, message: str, param: str | None) -> None:
-    """An error in the OpenAI shape, sent before FastAPI sees the request; the connection closes after it."""
-    body = json.dumps(error_body(message, "invalid_request_error", param)).encode()
+async def _reply(scope, send, status: int, message: str, param: str | None) -> None:
+    """An error in the route's shape (Anthropic's on /v1/messages, else OpenAI's), sent before FastAPI sees the
+    request; the connection closes after it."""
+    body = json.dumps(anthropic_error_body(status, message) if is_anthropic_path(scope["path"])
+                      else error_body(message, "invalid_request_error", param)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/health_generate, /metrics; /tokenize and /detokenize (tokenize_api.py).
+/health_generate, /metrics; /tokenize and /detokenize (tokenize_api.py); Anthropic's /v1/messages and
+/v1/messages/count_tokens (anthropic_api.py, errors in Anthropic's shape there).
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for anything invalid (FastAPI's
 422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 500 when
@@ -34,6 +35,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ..replicas.replica_set import ReplicaSet
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tools import ToolPlan
+from .anthropic_api import add_routes, anthropic_error, is_anthropic_path
 
 DONE = "data: [DONE]\n\n"
 
@@ -339,13 +341,21 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
     app.state.api = api
     app.add_middleware(BodyLimitMiddleware, limits=limits)
 
-    app.exception_handler(RequestValidationError)(lambda _r, e: validation_error(e))
-    app.exception_handler(APIError)(lambda _r, e: error(e.status, e.message, e.type, e.param, e.code))
-    app.exception_handler(EngineError)(lambda _r, e: engine_error(e))
-    app.exception_handler(StarletteHTTPException)(lambda _r, e: error(
-        e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"))
-    app.exception_handler(Exception)(lambda _r, e: error(500, f"internal error: {type(e).__name__}: {e}",
-                                                           "server_error"))
+    def reply(request: Request, status: int, message: str, type: str, param: str | None = None,
+              code: str | None = None) -> Response:
+        """An error in the shape of the route's API: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        if is_anthropic_path(request.url.path):
+            return anthropic_error(status, message, param)
+        return error(status, message, type, param, code)
+
+    app.exception_handler(RequestValidationError)(lambda r, e: validation_error(e, functools.partial(reply, r)))
+    app.exception_handler(APIError)(lambda r, e: reply(r, e.status, e.message, e.type, e.param, e.code))
+    app.exception_handler(EngineError)(lambda r, e: anthropic_error(e.status, e.message)
+                                       if is_anthropic_path(r.url.path) else engine_error(e))
+    app.exception_handler(StarletteHTTPException)(lambda r, e: reply(
+        r, e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"))
+    app.exception_handler(Exception)(lambda r, e: reply(r, 500, f"internal error: {type(e).__name__}: {e}",
+                                                          "server_error"))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -362,6 +372,8 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest):
         return await frontend.off_loop(detokenize, frontend, model_name, body)
+
+    add_routes(app, api)
 
     @app.get("/v1/models")
     async def models():
