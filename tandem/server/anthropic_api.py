@@ -8,7 +8,6 @@ status the OpenAI routes would give (400, 404, 413, 500, 503 with Retry-After); 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,11 +19,10 @@ from . import tools
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, is_anthropic_path
 from .errors import ErrorResponse
 from .frontend import TextStream
+from .generation import Choice, Generation
 from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest
 from .tools import ToolPlan
 
-if TYPE_CHECKING:
-    from .openai_api import Choice, OpenAIServer
 
 PREFIX = "/v1/messages"
 
@@ -44,8 +42,8 @@ def matched_stop(ts: TextStream, stops: list[str] | None, finish_reason: str | N
 
 
 class AnthropicServer:
-    def __init__(self, api: "OpenAIServer") -> None:
-        self.api, self.fe, self.model = api, api.fe, api.model
+    def __init__(self, gen: Generation, model: str) -> None:
+        self.gen, self.fe, self.model = gen, gen.fe, model
 
     def _check_model(self, model: str) -> None:
         if model != self.model:
@@ -70,12 +68,12 @@ class AnthropicServer:
         self._check_model(body.model)
         chat = body.to_chat()
         plan, ids = await self.fe.off_loop(self._prompt, body, chat)
-        _, choices = await self.api._submit(chat, [ids], "msg", arrival, None, plan)
+        _, choices = await self.gen.submit(chat, [ids], "msg", arrival, None, plan)
         mid = A.message_id()
         if body.stream:
             return StreamingResponse(self._stream(mid, chat, plan, choices[0], len(ids)),
                                      media_type="text/event-stream")
-        done = await self.api._unless_disconnected(request, choices)
+        done = await self.gen.unless_disconnected(request, choices)
         if done is None:
             return Response(status_code=499)
         text, reason, n_out = done[0]
@@ -92,7 +90,7 @@ class AnthropicServer:
         content, calls, _ = tools.parse(plan, text, reason)
         return content, A.tool_use_blocks(calls)
 
-    async def _stream(self, mid: str, chat: ChatCompletionRequest, plan: ToolPlan, c: "Choice", n_prompt: int):
+    async def _stream(self, mid: str, chat: ChatCompletionRequest, plan: ToolPlan, c: Choice, n_prompt: int):
         """message_start, then content blocks (text deltas as they come; tool_use blocks, each one input_json
         delta, at the end), message_delta (stop reason, output tokens) and message_stop."""
         text, sent, n_out, reason, opened = "", 0, 0, None, False
@@ -105,7 +103,7 @@ class AnthropicServer:
             return start + A.event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": part}})
         try:
             yield A.event("message_start", {"message": A.message(mid, self.model, [], None, None, n_prompt, 0)})
-            async for _, delta, o in self.api._merged([c]):
+            async for _, delta, o in self.gen.merged([c]):
                 n_out, text = o.num_output_tokens, text + delta
                 if o.finished:
                     reason = o.finish_reason
@@ -132,11 +130,11 @@ class AnthropicServer:
         except (EngineError, APIError) as e:
             yield A.event("error", {"error": A.error_body(e.status, e.message, getattr(e, "param", None))["error"]})
         finally:
-            self.api._abort([c])          # a client that left mid-stream: free its KV (no-op if finished)
+            self.gen.abort([c])          # a client that left mid-stream: free its KV (no-op if finished)
 
 
-def add_routes(app: FastAPI, api: "OpenAIServer") -> None:
-    server = AnthropicServer(api)
+def add_routes(app: FastAPI, gen: Generation, model: str) -> None:
+    server = AnthropicServer(gen, model)
 
     @app.post(PREFIX)
     async def messages(body: MessagesRequest, request: Request):

@@ -13,8 +13,6 @@ import asyncio
 import functools
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..device.streams import now
-from ..request import StepOutput
 from . import protocol as P
 from . import tools
-from ..replicas.engine_client import EngineError, RequestStream
+from ..replicas.engine_client import EngineError
 from .errors import engine_error, error, sse, stream_error, validation_error
-from .frontend import Frontend, TextStream
+from .frontend import Frontend
+from .generation import Choice, Generation, cached_tokens
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -40,25 +38,6 @@ from .anthropic_api import add_routes, anthropic_error, is_anthropic_path
 DONE = "data: [DONE]\n\n"
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-@dataclass(eq=False)
-class Choice:
-    """One sampled sequence of a response: choice `index`, from prompt `ids`."""
-    index: int
-    ids: list[int]
-    st: RequestStream
-    ts: TextStream
-    echo: str = ""                 # the prompt's text, sent first (completions with echo=true)
-    sample: int = 0                # which of its prompt's n samples
-    want_logprobs: bool = False
-    lps: list = field(default_factory=list)   # (token, logprob, top) entries not yet sent
-    offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
-
-
 def _tool_choice_builder(plan: ToolPlan):
     """chat_choice with the tool calls parsed out of the text."""
     def build(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
@@ -67,15 +46,11 @@ def _tool_choice_builder(plan: ToolPlan):
     return build
 
 
-def _cached(choices: list[Choice]) -> int:
-    """Prompt tokens the prefix cache served, each prompt counted once (as prompt_tokens are)."""
-    return sum(c.st.num_cached_tokens for c in choices if c.sample == 0)
-
-
 class OpenAIServer:
     def __init__(self, client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
                  limits: ServerLimits) -> None:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
+        self.gen = Generation(client, frontend)        # submit, read, collect, abort: shared with the other routes
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
     # ---- shared steps --------------------------------------------------------------------------------------
@@ -87,31 +62,6 @@ class OpenAIServer:
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
 
-    async def _submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
-                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None) -> tuple[str, list[Choice]]:
-        """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
-        Every prompt's fields are validated before anything is queued; if one submit fails, the others are
-        aborted, so a refused response leaves nothing running."""
-        constrained = body.structured() is not None or (tool_plan is not None and tool_plan.schema is not None)
-        structured = await self.fe.off_loop(self.fe.structured, body, tool_plan) if constrained else None
-        params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
-        rid = f"{kind}-{uuid.uuid4().hex}"
-        plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
-        subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
-                                                         self.fe.params_dict(p), arrival)
-                                      for k, (ids, p) in enumerate(plan)), return_exceptions=True)
-        failed = [e for e in subs if isinstance(e, BaseException)]
-        if failed:
-            for st in subs:
-                if isinstance(st, RequestStream):
-                    self.client.abort(st.rid)
-            raise failed[0]
-        echo = [await self.fe.off_loop(self.fe.decode, ids) if getattr(body, "echo", False) else ""
-                for ids, _ in plan]
-        samples = [i for p in params for i in range(p.n)]
-        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e))
-                     for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
-
     def _take_logprobs(self, c: Choice, chat: bool) -> dict | None:
         """The choice's logprobs not yet sent, in the endpoint's shape (None if it did not ask)."""
         if not c.want_logprobs:
@@ -122,71 +72,6 @@ class OpenAIServer:
         out = P.completion_logprobs(entries, self.fe.token_text, c.offset)
         c.offset += sum(len(t) for t in out["tokens"])
         return out
-
-    async def _deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
-        """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
-        failed this request (engine isolation: the others go on)."""
-        async for o in self.client.outputs(st):
-            st.num_cached_tokens = o.num_cached_tokens
-            if o.finish_reason == "error":
-                raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
-            yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
-
-    async def _merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
-        """The outputs of every choice, as they come; the first error ends them all."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(c: Choice) -> None:
-            try:
-                async for delta, o in self._deltas(c.st, c.ts):
-                    queue.put_nowait((c, delta, o))
-            except Exception as e:            # handed to the reader, which raises it: never a silent hang
-                queue.put_nowait((c, e, None))
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        try:
-            left = len(choices)
-            while left:
-                c, delta, o = await queue.get()
-                if isinstance(delta, Exception):
-                    raise delta
-                if o.prompt_logprobs:        # echo with logprobs: the prompt's, first (its first token has none)
-                    c.lps[:0] = [(c.ids[0], None, [])] + [(t, lp, top) for t, (lp, top)
-                                                          in zip(c.ids[1:], o.prompt_logprobs)]
-                    c.offset = 0
-                if o.logprobs:
-                    c.lps.extend((t, lp, top) for t, (lp, top) in zip(o.new_token_ids, o.logprobs))
-                yield c, delta, o
-                left -= o.finished
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def _collect(self, choices: list[Choice]) -> list[tuple[str, str | None, int]]:
-        """(text, finish reason, output tokens) of each choice."""
-        parts: dict[int, list[str]] = {c.index: [c.echo] for c in choices}
-        ends: dict[int, tuple[str | None, int]] = {}
-        async for c, delta, o in self._merged(choices):
-            parts[c.index].append(delta)
-            ends[c.index] = (o.finish_reason, o.num_output_tokens)
-        return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
-
-    async def _unless_disconnected(self, request: Request, choices: list[Choice]):
-        """Collect a whole response, aborting its requests if the client leaves first (or one fails)."""
-        task = asyncio.ensure_future(self._collect(choices))
-        watch = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            return task.result() if task.done() else None
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-            self._abort(choices)
-
-    def _abort(self, choices: list[Choice]) -> None:
-        """Free the KV of every unfinished choice (a no-op for finished ones)."""
-        for c in choices:
-            self.client.abort(c.st.rid)
 
     # ---- endpoints -----------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
@@ -208,7 +93,7 @@ class OpenAIServer:
                        default_max: int | None, stream, build, build_choice, chat: bool,
                        tool_plan: ToolPlan | None = None):
         """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
-        rid, choices = await self._submit(body, prompts, kind, arrival, default_max, tool_plan)
+        rid, choices = await self.gen.submit(body, prompts, kind, arrival, default_max, tool_plan)
         if tool_plan is not None and tool_plan.mode != "none":
             build_choice = _tool_choice_builder(tool_plan)
             stream = functools.partial(stream, tool_plan=tool_plan)
@@ -218,7 +103,7 @@ class OpenAIServer:
         if body.stream:
             return StreamingResponse(stream(rid, choices, n_prompt, created, include_usage),
                                      media_type="text/event-stream")
-        done = await self._unless_disconnected(request, choices)
+        done = await self.gen.unless_disconnected(request, choices)
         if done is None:
             return Response(status_code=499)
 
@@ -228,7 +113,7 @@ class OpenAIServer:
             return JSONResponse(build(rid, self.model, created,
                                       [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
                                        for c, (text, reason, _) in zip(choices, done)],
-                                      P.usage(n_prompt, sum(n for _, _, n in done), _cached(choices))))
+                                      P.usage(n_prompt, sum(n for _, _, n in done), cached_tokens(choices))))
         return await self.fe.off_loop(render)
 
     async def _stream_completion(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
@@ -242,17 +127,17 @@ class OpenAIServer:
             for c in choices:
                 if c.echo:
                     yield chunk(c, c.echo, echo=True)
-            async for c, delta, o in self._merged(choices):
+            async for c, delta, o in self.gen.merged(choices):
                 n_out[c.index] = o.num_output_tokens
                 if delta or o.finished:
                     yield chunk(c, delta, o.finish_reason if o.finished else None)
             if include_usage:
                 yield sse(P.completion_chunk(rid, self.model, created, None, None,
-                                              P.usage(n_prompt, sum(n_out.values()), _cached(choices)), True))
+                                              P.usage(n_prompt, sum(n_out.values()), cached_tokens(choices)), True))
         except (EngineError, APIError) as e:
             yield stream_error(e)
         finally:
-            self._abort(choices)              # a client that left mid-stream: free its KV (no-op if finished)
+            self.gen.abort(choices)              # a client that left mid-stream: free its KV (no-op if finished)
         yield DONE
 
     async def _stream_chat(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
@@ -269,7 +154,7 @@ class OpenAIServer:
         try:
             for c in choices:
                 yield chunk(c, {"role": "assistant", "content": ""})
-            async for c, delta, o in self._merged(choices):
+            async for c, delta, o in self.gen.merged(choices):
                 n_out[c.index] = o.num_output_tokens
                 if tool_plan is not None and tool_plan.mode != "none":
                     # Tool calls: content goes out while it surely is content; the rest at the end.
@@ -292,11 +177,11 @@ class OpenAIServer:
                 elif delta:
                     yield chunk(c, {"content": delta})
             if include_usage:
-                yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values()), _cached(choices)))
+                yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values()), cached_tokens(choices)))
         except (EngineError, APIError) as e:
             yield stream_error(e)
         finally:
-            self._abort(choices)
+            self.gen.abort(choices)
         yield DONE
 
     def health(self) -> Response:
@@ -373,7 +258,7 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
     async def detokenize_route(body: DetokenizeRequest):
         return await frontend.off_loop(detokenize, frontend, model_name, body)
 
-    add_routes(app, api)
+    add_routes(app, api.gen, model_name)
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,139 @@
+"""What every generation route shares, whatever its API's shapes: submit a response's choices to the engine,
+read their outputs as they come (merged across choices), collect a whole response unless the client leaves, and
+abort what is left. The OpenAI routes (openai_api.py) and Anthropic's (anthropic_api.py) are given one Generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from ..replicas.engine_client import RequestStream
+from ..replicas.replica_set import ReplicaSet
+from ..request import StepOutput
+from .frontend import Frontend, TextStream
+from .protocol import APIError
+from .tools import ToolPlan
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(eq=False)
+class Choice:
+    """One sampled sequence of a response: choice `index`, from prompt `ids`."""
+    index: int
+    ids: list[int]
+    st: RequestStream
+    ts: TextStream
+    echo: str = ""                 # the prompt's text, sent first (completions with echo=true)
+    sample: int = 0                # which of its prompt's n samples
+    want_logprobs: bool = False
+    lps: list = field(default_factory=list)   # (token, logprob, top) entries not yet sent
+    offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
+
+
+def cached_tokens(choices: list[Choice]) -> int:
+    """Prompt tokens the prefix cache served, each prompt counted once (as prompt_tokens are)."""
+    return sum(c.st.num_cached_tokens for c in choices if c.sample == 0)
+
+
+
+class Generation:
+    def __init__(self, client: ReplicaSet, frontend: Frontend) -> None:
+        self.client, self.fe = client, frontend
+
+    async def submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
+                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None) -> tuple[str, list[Choice]]:
+        """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
+        Every prompt's fields are validated before anything is queued; if one submit fails, the others are
+        aborted, so a refused response leaves nothing running."""
+        constrained = body.structured() is not None or (tool_plan is not None and tool_plan.schema is not None)
+        structured = await self.fe.off_loop(self.fe.structured, body, tool_plan) if constrained else None
+        params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
+        subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
+                                                         self.fe.params_dict(p), arrival)
+                                      for k, (ids, p) in enumerate(plan)), return_exceptions=True)
+        failed = [e for e in subs if isinstance(e, BaseException)]
+        if failed:
+            for st in subs:
+                if isinstance(st, RequestStream):
+                    self.client.abort(st.rid)
+            raise failed[0]
+        echo = [await self.fe.off_loop(self.fe.decode, ids) if getattr(body, "echo", False) else ""
+                for ids, _ in plan]
+        samples = [i for p in params for i in range(p.n)]
+        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e))
+                     for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
+
+    async def deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
+        """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
+        failed this request (engine isolation: the others go on)."""
+        async for o in self.client.outputs(st):
+            st.num_cached_tokens = o.num_cached_tokens
+            if o.finish_reason == "error":
+                raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
+            yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
+
+    async def merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
+        """The outputs of every choice, as they come; the first error ends them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for delta, o in self.deltas(c.st, c.ts):
+                    queue.put_nowait((c, delta, o))
+            except Exception as e:            # handed to the reader, which raises it: never a silent hang
+                queue.put_nowait((c, e, None))
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            left = len(choices)
+            while left:
+                c, delta, o = await queue.get()
+                if isinstance(delta, Exception):
+                    raise delta
+                if o.prompt_logprobs:        # echo with logprobs: the prompt's, first (its first token has none)
+                    c.lps[:0] = [(c.ids[0], None, [])] + [(t, lp, top) for t, (lp, top)
+                                                          in zip(c.ids[1:], o.prompt_logprobs)]
+                    c.offset = 0
+                if o.logprobs:
+                    c.lps.extend((t, lp, top) for t, (lp, top) in zip(o.new_token_ids, o.logprobs))
+                yield c, delta, o
+                left -= o.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect(self, choices: list[Choice]) -> list[tuple[str, str | None, int]]:
+        """(text, finish reason, output tokens) of each choice."""
+        parts: dict[int, list[str]] = {c.index: [c.echo] for c in choices}
+        ends: dict[int, tuple[str | None, int]] = {}
+        async for c, delta, o in self.merged(choices):
+            parts[c.index].append(delta)
+            ends[c.index] = (o.finish_reason, o.num_output_tokens)
+        return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
+
+    async def unless_disconnected(self, request: Request, choices: list[Choice]):
+        """Collect a whole response, aborting its requests if the client leaves first (or one fails)."""
+        task = asyncio.ensure_future(self.collect(choices))
+        watch = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return task.result() if task.done() else None
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+            self.abort(choices)
+
+    def abort(self, choices: list[Choice]) -> None:
+        """Free the KV of every unfinished choice (a no-op for finished ones)."""
+        for c in choices:
+            self.client.abort(c.st.rid)
