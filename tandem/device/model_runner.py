@@ -138,10 +138,11 @@ class ModelRunner:
         self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
 
     def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's element type (q8_0: uint8 blocks, kernels/kv_quant.py). "auto": bfloat16 on CPU where the linears already round (native kernels,
-        int8 activations, quantized weights: rounds): half the bytes a decode step reads, and the accuracy gate
-        of benchmarks/kl_divergence.py holds (docs/performance.md). Else the model dtype: the exact mode (kernels_act="fp32")
-        and unquantized weights keep fp32 keys and values (parity with transformers)."""
+        """The KV cache's element type (q8_0: uint8 blocks, kernels/kv_quant.py). "auto": bfloat16 on CPU where
+        the linears already round (native kernels, int8 activations, quantized weights: rounds): half the bytes a
+        decode step reads, and the accuracy gate of benchmarks/kl_divergence.py holds (docs/performance.md). Else
+        the model dtype: the exact mode (kernels_act="fp32") and unquantized weights keep fp32 keys and values
+        (parity with transformers)."""
         if self.spec.kv_cache_dtype == "q8_0":
             kv_quant.row_bytes(self.config.head_dim)         # a clear error where head_dim is no multiple of 32
             return kv_quant.Q8_0
