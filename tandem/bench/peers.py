@@ -304,5 +304,6 @@ def print_table(out: dict) -> None:
             print(f"  {name:28s} " + "  ".join(f"N={n}: {v:.2f}" if v is not None else f"N={n}: -"
                                                for n, v in zip(c["contexts"], values)))
         if c["tandem_over_llama_cpp"]:
-            print(f"  tandem / {c['llama_cpp_engine']:19s} " + "  ".join(f"N={n}: {r:.2f}x" if r is not None else f"N={n}: -"
-                                                           for n, r in zip(c["contexts"], c["tandem_over_llama_cpp"])))
+            ratios = zip(c["contexts"], c["tandem_over_llama_cpp"])
+            print(f"  tandem / {c['llama_cpp_engine']:19s} "
+                  + "  ".join(f"N={n}: {r:.2f}x" if r is not None else f"N={n}: -" for n, r in ratios))
