@@ -55,7 +55,7 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         # Every message has a "role" key, so this count bounds the message count from above (it can only
         # over-count when content nests objects with a "role" key): a huge chat is refused before parsing.
-        chat = scope["path"].endswith("/chat/completions") or is_anthropic_path(scope["path"])
+        chat = scope["path"].endswith(("/chat/completions", "/v1/responses")) or is_anthropic_path(scope["path"])
         if chat and body.count(b'"role"') > self.limits.max_messages:
             return await _reply(scope, send, 400, f"too many messages: the limit is {self.limits.max_messages} "
                                            f"(--max-messages)", "messages")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /health_generate, /metrics; /tokenize and /detokenize (tokenize_api.py); Anthropic's /v1/messages and
-/v1/messages/count_tokens (anthropic_api.py, errors in Anthropic's shape there).
+/v1/messages/count_tokens (anthropic_api.py, errors in Anthropic's shape there); OpenAI's /v1/responses
+(responses_api.py, its errors naming the Responses field).
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for anything invalid (FastAPI's
 422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 500 when
@@ -34,6 +35,8 @@ from ..replicas.replica_set import ReplicaSet
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tools import ToolPlan
 from .anthropic_api import add_routes, anthropic_error, is_anthropic_path
+from . import responses_api
+from .responses_protocol import is_responses_path, param_name
 
 DONE = "data: [DONE]\n\n"
 
@@ -228,9 +231,12 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
 
     def reply(request: Request, status: int, message: str, type: str, param: str | None = None,
               code: str | None = None) -> Response:
-        """An error in the shape of the route's API: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        """An error in the shape of the route's API: Anthropic's on /v1/messages, OpenAI's elsewhere (naming the
+        Responses field on /v1/responses, where the chat request's layers named theirs)."""
         if is_anthropic_path(request.url.path):
             return anthropic_error(status, message, param)
+        if is_responses_path(request.url.path):
+            param = param_name(param)
         return error(status, message, type, param, code)
 
     app.exception_handler(RequestValidationError)(lambda r, e: validation_error(e, functools.partial(reply, r)))
@@ -259,6 +265,7 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
         return await frontend.off_loop(detokenize, frontend, model_name, body)
 
     add_routes(app, api.gen, model_name)
+    responses_api.add_routes(app, api.gen, model_name)
 
     @app.get("/v1/models")
     async def models():
