@@ -28,9 +28,9 @@ class _Events:
     def __init__(self) -> None:
         self.seq = 0
 
-    def __call__(self, name: str, **data) -> str:
+    def __call__(self, kind: str, /, **data) -> str:      # positional: a function call's data has a `name`
         self.seq += 1
-        return R.event(name, self.seq - 1, data)
+        return R.event(kind, self.seq - 1, data)
 
 
 def _status(reason: str | None) -> str:
