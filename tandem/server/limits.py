@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 from .anthropic_protocol import error_body as anthropic_error_body, is_anthropic_path
+from .responses_protocol import is_responses_path
 from .protocol import error_body
 
 MIB = 1 << 20
@@ -55,10 +56,11 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         # Every message has a "role" key, so this count bounds the message count from above (it can only
         # over-count when content nests objects with a "role" key): a huge chat is refused before parsing.
-        chat = scope["path"].endswith(("/chat/completions", "/v1/responses")) or is_anthropic_path(scope["path"])
+        path = scope["path"]
+        chat = path.endswith("/chat/completions") or is_responses_path(path) or is_anthropic_path(path)
         if chat and body.count(b'"role"') > self.limits.max_messages:
             return await _reply(scope, send, 400, f"too many messages: the limit is {self.limits.max_messages} "
-                                           f"(--max-messages)", "messages")
+                                           f"(--max-messages)", "input" if is_responses_path(path) else "messages")
         done = False
 
         async def replay():
