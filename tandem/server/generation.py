@@ -1,6 +1,7 @@
 """What every generation route shares, whatever its API's shapes: submit a response's choices to the engine,
 read their outputs as they come (merged across choices), collect a whole response unless the client leaves, and
-abort what is left. The OpenAI routes (openai_api.py) and Anthropic's (anthropic_api.py) are given one Generation.
+abort what is left. The OpenAI routes (openai_api.py), Anthropic's (anthropic_api.py) and the Responses route
+(responses_api.py) are given one Generation.
 """
 from __future__ import annotations
 
