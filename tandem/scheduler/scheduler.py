@@ -156,7 +156,7 @@ class Scheduler:
             req.error_status = 503
             req.error = (f"the request waited {waited:.1f} s in the queue without being admitted "
                          f"(max_queue_time {self.config.max_queue_time:g} s): the engine is overloaded, retry later")
-        log.info("request %s ended: %s", req.rid, req.error)
+        log.debug("request %s ended: %s", req.rid, req.error)   # expected under overload: no log flood
 
     def in_flight(self) -> set[int]:
         """ids of the requests in a launched, unprocessed step (PP: at most one micro-batch each, pick.py)."""
