@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name in ("device_threads", "max_model_len", "kv_cache_tokens"):
                 kind = int
+            if f.name == "max_queue_time":
+                kind = float
             p.add_argument(*flags, dest=f.name, type=kind, default=default,
                            help=f"{doc} (default: {default})" if default is not None else doc)
 

@@ -33,6 +33,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # KV element type: "auto" (bfloat16 on CPU with native int8 kernels, else dtype), "float32", "bfloat16", "float16", "q8_0" (llama.cpp's 8-bit blocks: 0.53x bf16's bytes)
     shared_prefix_attention: bool = True  # decode rows on one cached prefix read its KV once a step (and the torch path's cascade extend)
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
+    max_queue_time: float | None = None  # seconds a request may wait for admission, then it ends (server: 503 + Retry-After); None: no limit
     process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
     poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
     trace_dir: str | None = None        # record a live run into this folder (ring of trace_ring_steps)
@@ -87,6 +88,10 @@ class EngineConfig:
                      "trace_ring_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_time is not None and not (isinstance(self.max_queue_time, (int, float))
+                                                    and 0 < self.max_queue_time < float("inf")):
+            raise ValueError(f"max_queue_time must be a number of seconds > 0 (or None: no limit), "
+                             f"got {self.max_queue_time!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise ValueError(f"kv_cache_tokens must be >= 2, got {self.kv_cache_tokens}")
         if self.device_threads is not None and self.device_threads < 1:

@@ -193,6 +193,19 @@ class Engine:
         with yields:
             LOOPS[loop](self.scheduler, idle or until_done)
 
+    def probe_device(self) -> None:
+        """A no-op round trip to the device processes (ProcessExecutor.probe): blocks while one is stopped or
+        stuck, DeviceProcessError if one died. Only with no step in flight (an idle loop)."""
+        probe = getattr(self.executor, "probe", None)
+        if probe is not None and not self.scheduler.result_queue:
+            probe()
+
+    def device_seen(self) -> float:
+        """When the device last proved alive: the end of its newest processed step (a probe counts too, see
+        EngineProc), on the clock of device.streams.now."""
+        devices = self.recorder.devices
+        return devices[-1].end if devices else float("-inf")
+
     def stats(self) -> dict:
         return self.scheduler.stats()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -76,6 +77,9 @@ class Req:
     stop_checker: object | None = None     # StopStrings for requests with stop strings
     text: str | None = None                # final text when a stop string cut it
     error: str | None = None               # why the engine failed this request (finish_reason "error")
+    error_status: int | None = None        # with error: 503 (waited past max_queue_time), 408 (its timeout passed)
+    queue_deadline: float = math.inf       # max_queue_time: ended if still not admitted then (inf once admitted)
+    deadline: float = math.inf             # its own timeout: ended wherever it is then
     sampling_row: tuple | None = None      # (temperature, top_p, top_k, min_p) as sent to the device; see prepare
     grammar: object | None = None          # GrammarMatcher of a structured-output request, once compiled
     prompt_lp: list | None = None          # prompt logprobs gathered over the prefill chunks, until sent
@@ -130,6 +134,9 @@ class StepOutput:
     logprobs: list | None = None
     # With SamplingParams.prompt_logprobs, on the first output: the same for prompt tokens 1.. (token 0 has none)
     prompt_logprobs: list | None = None
+    # With finish_reason "error": the HTTP status the server answers with when it is not 500 (an engine fault):
+    # 503 for a request that waited past max_queue_time, 408 for one whose own timeout passed.
+    error_status: int | None = None
 
 
 @dataclass

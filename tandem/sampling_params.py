@@ -41,6 +41,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0      # divides positive / multiplies negative logits of prompt and output tokens
     logit_bias: dict[int, float] | None = None   # added to those tokens' logits (-100..100; -100 about bans)
     min_tokens: int = 0                  # EOS and stop_token_ids are forbidden, stop strings ignored, before this
+    # Seconds from its arrival after which the request ends wherever it is, waiting or running: finish_reason
+    # "error" with error_status 408 (the server answers 408 `timeout`, or an error event in a stream); None: none.
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,9 @@ class SamplingParams:
                     bad("logit_bias", f"token ids must be integers in [0, {vocab_size or 'vocab_size'})")
                 if not _is_number(v) or not -100.0 <= v <= 100.0:
                     bad("logit_bias", "biases must be numbers in [-100, 100]")
+        if self.timeout is not None and (not _is_number(self.timeout) or not math.isfinite(self.timeout)
+                                         or self.timeout <= 0):
+            bad("timeout", "must be a finite number of seconds > 0")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)

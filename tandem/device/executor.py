@@ -48,6 +48,7 @@ class Executor(Protocol):
     def wait_ready(self) -> None: ...
     def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ResultHandle: ...
     def shutdown(self) -> None: ...
+    def probe(self) -> None: ...        # liveness of an idle device: a no-op round trip (blocks while it is stuck)
 
 
 class InlineHandle:
@@ -116,6 +117,9 @@ class InlineExecutor:
         if self.streams.cuda:
             return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp)
         return InlineHandle(step, host, copy_done, start, now(), None, lp, plp)
+
+    def probe(self) -> None:
+        """Nothing to probe: the device is driven from this process, whose loop the heartbeat already shows."""
 
     def shutdown(self) -> None:
         self.model_runner = None

@@ -30,6 +30,13 @@ IDLE_WINDOW_S = 10.0      # device_idle_fraction covers the device steps of the 
 IDLE_EVERY_S = 1.0        # ... recomputed at most this often
 HEARTBEAT_S = 0.5         # the loop sends something at least this often while it turns (the frontend's /health)
 
+# Liveness (the frontend's /health and refusal read how long the engine has been silent): a heartbeat is sent
+# only when the device has answered since the previous message, by completing a step (busy) or a probe (idle:
+# EngineProc.idle sends a no-op round trip to the device processes once no step completed for HEARTBEAT_S).
+# So a stuck step, a stuck loop and a stopped or stuck idle device all silence the engine alike, and /health
+# turns 503 within --health-timeout of it; once the device answers again the heartbeats resume. The probe is
+# never on a step's path: the idle loop alone sends it, at most once per HEARTBEAT_S.
+
 
 class EngineProc:
     def __init__(self, config: EngineConfig, rx: zmq.Socket, tx: zmq.Socket) -> None:
@@ -40,6 +47,7 @@ class EngineProc:
         self._last_stats: dict | None = None
         self._idle_at, self._idle = -1e18, 0.0
         self._sent_at = now()
+        self._probed_at = float("-inf")   # when the device processes last answered a probe
 
     def send(self, msg) -> None:
         self.tx.send(ipc.encode(msg))
@@ -65,10 +73,17 @@ class EngineProc:
                     self.engine.abort(rid)
         if replies:
             self.send(ipc.Replies(replies))
-        elif now() - self._sent_at > HEARTBEAT_S:
-            # Heartbeat: the loop is turning. A loop stuck in a step (a hung device) sends nothing.
-            self._last_stats = self.stats()
-            self.send(ipc.Stats(self._last_stats))
+        elif now() - self._sent_at > HEARTBEAT_S and self._device_seen() > self._sent_at:
+            # Heartbeat: the loop is turning and the device answered since the last message. A loop stuck in
+            # a step (a hung device) sends nothing; an idle one probes its device first (idle()).
+            self._heartbeat()
+
+    def _device_seen(self) -> float:
+        return max(self.engine.device_seen(), self._probed_at)
+
+    def _heartbeat(self) -> None:
+        self._last_stats = self.stats()
+        self.send(ipc.Stats(self._last_stats))
 
     def _add(self, msg: ipc.AddRequest) -> list:
         if self.stopping:
@@ -98,6 +113,12 @@ class EngineProc:
         """Nothing to schedule: publish changed stats, then wait briefly for messages. False ends the loop."""
         if self.stopping:
             return False
+        if now() - self._sent_at > HEARTBEAT_S and self._device_seen() <= self._sent_at:
+            # Liveness of an idle device: nothing proved it alive since the last message. Blocks while a device
+            # process is stopped or stuck (the engine is then silent: /health 503); raises if one died.
+            self.engine.probe_device()
+            self._probed_at = now()
+            self._heartbeat()
         stats = self.stats()
         if stats != self._last_stats:
             self._last_stats = stats

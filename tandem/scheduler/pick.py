@@ -14,6 +14,7 @@ reaches a stage after chunk j wrote its KV there; the chunks of one long prompt 
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from ..memory.radix_cache import common_prefix
@@ -36,6 +37,7 @@ def pick_batch(s: "Scheduler") -> Batch | None:
         # a request that may not be picked on that assumption needs its accepted count first.
         s.spec.stats.syncs += 1
         process_pending(s)
+    s.expire()                  # deadlines: before anything is picked (Scheduler.expire states the invariant)
     s.finish_idle_aborts()
     if s.grammars is not None:
         s.grammars.collect(s.fail)
@@ -121,6 +123,7 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         tokens += take
     for req in admitted:
         s.waiting.remove(req)                     # a prefix of the queue, but for requests whose grammar compiles
+        req.queue_deadline = math.inf             # admitted: max_queue_time no longer applies (a retraction neither)
         req.row = s.memory.rows.alloc()
         req.status = ReqStatus.RUNNING
         s.running.append(req)

@@ -66,7 +66,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         req.kv_committed = req.filled
         if req.aborted:
-            s.end(req, "abort")
+            s.end(req, "error" if req.error is not None else "abort")   # error: its deadline (Scheduler.expire)
             continue
         if not keep:
             continue            # a non-final prefill chunk: its sampled token is discarded (see make_batch)

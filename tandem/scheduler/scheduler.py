@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import traceback
 from typing import Callable
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from .. import faults
 from ..config import EngineConfig
+from ..device.streams import now
 from ..device.executor import Executor, ResultHandle
 from ..memory.kv_manager import KVCacheManager
 from ..request import Req, ReqStatus, StepOutput
@@ -56,6 +58,8 @@ class Scheduler:
         self._live: dict[str, Req] = {}
         self.retractions = 0
         self.failures = 0                   # requests ended by an error in their own path (fail)
+        self.expired = 0                    # requests ended by a deadline (max_queue_time, their own timeout)
+        self._next_deadline = math.inf      # the earliest deadline of a live request: none is looked at before
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -87,6 +91,7 @@ class Scheduler:
                 except Exception as e:             # isolation: this request fails, the engine goes on
                     self.fail(item, e)
                     continue
+                self._set_deadlines(item)
                 self.waiting.append(item)
             elif kind == "abort":
                 self._abort(item)
@@ -101,6 +106,58 @@ class Scheduler:
             self.waiting.remove(req)
             self.end(req, "abort")
 
+    # ---- deadlines -----------------------------------------------------------------------------------------
+    def _set_deadlines(self, req: Req) -> None:
+        """max_queue_time and the request's own timeout, both counted from its arrival (Req.arrival_time)."""
+        if self.config.max_queue_time is not None:
+            req.queue_deadline = req.arrival_time + self.config.max_queue_time
+        if req.params.timeout is not None:
+            req.deadline = req.arrival_time + req.params.timeout
+        self._next_deadline = min(self._next_deadline, req.queue_deadline, req.deadline)
+
+    def expire(self) -> None:
+        """End the requests whose deadline passed: one still waiting for its first admission past
+        max_queue_time (error 503: the server is overloaded, retry later), and one whose own timeout passed,
+        waiting or running (error 408). Called by pick_batch before it picks anything; cheap: nothing is looked
+        at before the earliest deadline of a live request.
+
+        Invariant: a request ended here frees its memory and never corrupts a batch. A waiting request holds no
+        row and no KV (never admitted, or retracted: retract() gave them back), so it is finished at once, as an
+        abort of a waiting request is. A running one is only marked, as an abort is: it gets no new row in the
+        batch being picked (decode_candidates and the prefill picks skip aborted requests), and it is finished
+        by finish_idle_aborts once no launched step holds it, or by process_results when the step that holds it
+        is processed, so its row and KV are freed only after every step that reads or writes them
+        (Scheduler.finish says why that is safe)."""
+        t = now()
+        if t < self._next_deadline:
+            return
+        nxt = math.inf
+        for req in [r for r in self.waiting if min(r.queue_deadline, r.deadline) <= t]:
+            self.waiting.remove(req)
+            self._expire(req, t)
+            self.end(req, "error")
+        for req in self.running:
+            if not req.aborted and req.deadline <= t:
+                self._expire(req, t)
+                req.aborted = True          # finished with reason "error" (req.error): see finish_idle_aborts
+        for req in self._live.values():
+            if not req.finished and not req.aborted:
+                nxt = min(nxt, req.queue_deadline, req.deadline)
+        self._next_deadline = nxt
+
+    def _expire(self, req: Req, t: float) -> None:
+        self.expired += 1
+        waited = t - req.arrival_time
+        if req.deadline <= t:
+            req.error_status = 408
+            req.error = (f"timeout: the request's timeout of {req.params.timeout:g} s passed "
+                         f"({waited:.1f} s since it arrived, {len(req.output_ids)} tokens generated)")
+        else:
+            req.error_status = 503
+            req.error = (f"the request waited {waited:.1f} s in the queue without being admitted "
+                         f"(max_queue_time {self.config.max_queue_time:g} s): the engine is overloaded, retry later")
+        log.debug("request %s ended: %s", req.rid, req.error)   # expected under overload: no log flood
+
     def in_flight(self) -> set[int]:
         """ids of the requests in a launched, unprocessed step (PP: at most one micro-batch each, pick.py)."""
         return {id(r) for b, _ in self.result_queue for r in b.reqs}
@@ -109,7 +166,7 @@ class Scheduler:
         """Finish aborted running requests that no launched, unprocessed step holds."""
         in_flight = self.in_flight()
         for req in [r for r in self.running if r.aborted and id(r) not in in_flight]:
-            self.end(req, "abort")
+            self.end(req, "error" if req.error is not None else "abort")   # error: its deadline (expire)
 
     def decode_candidates(self) -> list[Req]:
         """Running requests that may get a decode row now. A request whose launched tokens already reach its
@@ -151,7 +208,7 @@ class Scheduler:
         """Finish a request outside process_results (abort, no room left) and tell the sink: no new token."""
         self.finish(req, reason)
         self.emit([StepOutput(req.rid, [], True, reason, None, len(req.prompt_ids), len(req.output_ids),
-                              req.error, req.num_cached_tokens or 0)])
+                              req.error, req.num_cached_tokens or 0, error_status=req.error_status)])
 
     def fail(self, req: Req, exc: BaseException) -> None:
         """Engine isolation: an error in one request's own path (preparing it, processing its results) ends

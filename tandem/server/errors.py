@@ -29,8 +29,8 @@ def error(status: int, message: str, type: str, param: str | None = None, code: 
 def engine_error_body(e) -> dict:
     """An EngineError (engine down or stopping, or the request failed) in one shape, the JSON body's and the
     stream's alike: `code` the status as a string ("503"), so a stream, which has no status line, still says it."""
-    return error_body(e.message, "service_unavailable" if e.status == 503 else
-                      "invalid_request_error" if e.status == 400 else "server_error", None, str(e.status))
+    return error_body(e.message, {503: "service_unavailable", 400: "invalid_request_error", 408: "timeout"}
+                      .get(e.status, "server_error"), None, str(e.status))
 
 
 def engine_error(e) -> ErrorResponse:

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from ..replicas.engine_client import RequestStream
+from ..replicas.engine_client import EngineError, RequestStream
 from ..replicas.replica_set import ReplicaSet
 from ..request import StepOutput
 from .frontend import Frontend, TextStream
@@ -76,10 +76,13 @@ class Generation:
 
     async def deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
-        failed this request (engine isolation: the others go on)."""
+        failed this request (engine isolation: the others go on); EngineError(503) if it waited past
+        --max-queue-time, EngineError(408) if its own `timeout` passed (Scheduler.expire)."""
         async for o in self.client.outputs(st):
             st.num_cached_tokens = o.num_cached_tokens
             if o.finish_reason == "error":
+                if o.error_status in (408, 503):
+                    raise EngineError(o.error_status, o.error or "the request's deadline passed")
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
 

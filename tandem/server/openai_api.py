@@ -4,9 +4,11 @@
 (responses_api.py, its errors naming the Responses field).
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for anything invalid (FastAPI's
-422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 500 when
-the engine failed that one request, 503 (with Retry-After) when the engine is down or stuck, its queue is
-full or the server is stopping. A client that goes away mid-request aborts it, so its KV is freed.
+422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 408 `timeout`
+when the request's own `timeout` passed, 500 when the engine failed that one request, 503 (with Retry-After)
+when the engine is down or stuck, its queue is full, the request waited past --max-queue-time or the server is
+stopping; a stream already open ends with the same error as an event, then [DONE]. A client that goes away
+mid-request aborts it, so its KV is freed.
 """
 from __future__ import annotations
 

@@ -97,6 +97,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    timeout: float | None = None             # seconds; then the request ends wherever it is (408 `timeout`)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a value tandem does not implement or a combination OpenAI refuses, else None."""
@@ -136,7 +137,7 @@ class _SamplingFields(_Strict):
                               "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
                               "include_stop_str_in_output": self.include_stop_str_in_output, "n": self.n,
                               "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens}
+                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "timeout": self.timeout}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

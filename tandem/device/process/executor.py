@@ -40,7 +40,7 @@ from ..runner_spec import RunnerSpec
 from ..ranks import rank_infos, spawn_device, spawn_rank
 from .buffers import SharedBuffers, read_logprobs
 from ..step import StepInput
-from .main import _DONE, _LAUNCH
+from .main import _DONE, _LAUNCH, PING
 from ..streams import now
 
 
@@ -229,6 +229,21 @@ class ProcessExecutor:
         for conn in self.conns:             # every pipeline stage reads the step from the buffers
             self._send(_LAUNCH.pack(b"L", step.step_id, buf), conn)
         return ProcessHandle(self, step, buf)
+
+    def probe(self) -> None:
+        """Liveness: a no-op round trip to each device process of this node (its step loop answers at once).
+        Returns once every one answered, so it blocks while one is stopped or stuck (the engine then sends
+        nothing, which is what /health reads); DeviceProcessError if one died. Called only with no step in
+        flight (the engine's idle loop, EngineProc.idle), never on a step's path."""
+        for conn in self.conns:
+            self._send(PING, conn)
+        for conn in self.conns:
+            while True:
+                kind, *rest = self._recv(conn, [conn])
+                if kind == "pong":
+                    break
+                if kind == "done":              # not expected with nothing in flight; kept, never dropped
+                    self._done[rest[0]] = tuple(rest[1:])
 
     def _write_masks(self, buf: int, masks: np.ndarray) -> None:
         self.buffers.masks[buf][:len(masks)] = masks

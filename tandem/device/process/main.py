@@ -29,6 +29,8 @@ from ..streams import now
 _LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
 _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives;
 #                                   b"S" (same layout): a pipeline stage's own span and seconds in its sends
+PING = b"P"                        # the executor's liveness probe (ProcessExecutor.probe): answered with PONG at
+PONG = pickle.dumps(("pong", ()))  # once, no work done; only sent while no step is in flight
 
 
 class _SchedulerGone(Exception):
@@ -93,11 +95,14 @@ class _StepLoop:
                     give_back_heap()             # idle: the steps' freed activations go back to the system
                     trimmed = True
                     continue
-                trimmed = False
+                was_trimmed, trimmed = trimmed, False
                 idle = self.link is not None and not self.later and not self.conn.poll(step_wire.KEEPALIVE_S)
                 msg = b"" if idle else self.later.popleft() if self.later else self.conn.recv_bytes()
             if idle:
                 self.link.keepalive()            # idle: the other ranks' collective timeout must not fire
+            elif msg == PING:
+                self.send(PONG)                  # a probe is no step: the heap stays trimmed if it was
+                trimmed = was_trimmed
             elif not self.handle(msg):
                 return
 
