@@ -19,7 +19,7 @@ from . import tools
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, is_anthropic_path
 from .errors import ErrorResponse
 from .frontend import TextStream
-from .generation import Choice, Generation
+from .generation import Choice, Generation, Streamed
 from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest
 from .tools import ToolPlan
 
@@ -93,7 +93,7 @@ class AnthropicServer:
     async def _stream(self, mid: str, chat: ChatCompletionRequest, plan: ToolPlan, c: Choice, n_prompt: int):
         """message_start, then content blocks (text deltas as they come; tool_use blocks, each one input_json
         delta, at the end), message_delta (stop reason, output tokens) and message_stop."""
-        text, sent, n_out, reason, opened = "", 0, 0, None, False
+        sent, opened = 0, False
 
         def text_delta(part: str) -> str:
             nonlocal opened
@@ -103,15 +103,11 @@ class AnthropicServer:
             return start + A.event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": part}})
         try:
             yield A.event("message_start", {"message": A.message(mid, self.model, [], None, None, n_prompt, 0)})
-            async for _, delta, o in self.gen.merged([c]):
-                n_out, text = o.num_output_tokens, text + delta
-                if o.finished:
-                    reason = o.finish_reason
-                    continue
-                safe = len(text) if plan.mode == "none" else tools.content_prefix(plan, text)
-                if safe > sent:
-                    part, sent = text[sent:safe], safe
-                    yield text_delta(part)
+            out = Streamed()
+            async for part in self.gen.content_deltas(c, plan, out):
+                sent += len(part)
+                yield text_delta(part)
+            text, n_out, reason = out.text, out.n_out, out.reason
             content, blocks = self._finish(plan, text, reason)
             rest = (content or "")[sent:] if not blocks or content else ""
             if rest:

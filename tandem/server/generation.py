@@ -17,6 +17,7 @@ from ..replicas.replica_set import ReplicaSet
 from ..request import StepOutput
 from .frontend import Frontend, TextStream
 from .protocol import APIError
+from . import tools
 from .tools import ToolPlan
 
 
@@ -43,6 +44,15 @@ def cached_tokens(choices: list[Choice]) -> int:
     """Prompt tokens the prefix cache served, each prompt counted once (as prompt_tokens are)."""
     return sum(c.st.num_cached_tokens for c in choices if c.sample == 0)
 
+
+
+@dataclass
+class Streamed:
+    """What Generation.content_deltas read of a choice: its whole text, and once it ended, the finish reason and
+    its output tokens."""
+    text: str = ""
+    reason: str | None = None
+    n_out: int = 0
 
 
 class Generation:
@@ -85,6 +95,20 @@ class Generation:
                     raise EngineError(o.error_status, o.error or "the request's deadline passed")
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
+
+    async def content_deltas(self, c: Choice, plan: ToolPlan, out: Streamed) -> AsyncIterator[str]:
+        """The choice's text as it comes, in the pieces that are surely content: all of it without tools; under a
+        tool plan, up to where a tool call may begin (tools.content_prefix). `out` gathers the rest."""
+        sent = 0
+        async for _, delta, o in self.merged([c]):
+            out.text, out.n_out = out.text + delta, o.num_output_tokens
+            if o.finished:
+                out.reason = o.finish_reason
+                continue
+            safe = len(out.text) if plan.mode == "none" else tools.content_prefix(plan, out.text)
+            if safe > sent:
+                yield out.text[sent:safe]
+                sent = safe
 
     async def merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
         """The outputs of every choice, as they come; the first error ends them all."""

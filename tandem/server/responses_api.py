@@ -16,7 +16,7 @@ from ..device.streams import now
 from ..replicas.engine_client import EngineError
 from . import responses_protocol as R
 from . import tools
-from .generation import Choice, Generation, cached_tokens
+from .generation import Choice, Generation, Streamed, cached_tokens
 from .protocol import APIError, ChatCompletionRequest
 from .responses_protocol import ResponsesRequest
 from .tools import ToolPlan
@@ -85,7 +85,7 @@ class ResponsesServer:
         while the text surely is content); function_call items (arguments in one delta, when the output is
         complete); response.completed or response.incomplete with the whole response."""
         ev, mid = _Events(), R.new_id("msg")
-        text, shown, n_out, reason = "", "", 0, None
+        shown = ""
         where = {"item_id": mid, "output_index": 0, "content_index": 0}
         part = {"type": "output_text", "text": "", "annotations": []}
 
@@ -99,14 +99,10 @@ class ResponsesServer:
         try:
             started = R.response(body, rid, created, "in_progress", [], None)
             yield ev("response.created", response=started) + ev("response.in_progress", response=started)
-            async for _, delta, o in self.gen.merged([c]):
-                n_out, text = o.num_output_tokens, text + delta
-                if o.finished:
-                    reason = o.finish_reason
-                    continue
-                safe = len(text) if plan.mode == "none" else tools.content_prefix(plan, text)
-                if safe > len(shown) and text[len(shown):safe]:
-                    yield text_delta(text[len(shown):safe])
+            out = Streamed()
+            async for piece in self.gen.content_deltas(c, plan, out):
+                yield text_delta(piece)
+            text, n_out, reason = out.text, out.n_out, out.reason
             content, calls = self._finish(body, plan, text, reason)
             status, output = _status(reason), []
             rest = (content or "")[len(shown):] if not calls or content else ""

@@ -213,3 +213,22 @@ def assert_rank_death_is_503(srv: "ServerProcess", module: bytes, ranks: int) ->
     finally:
         if srv.proc.poll() is None:
             srv.kill()
+
+
+def offline_greedy_chat(messages: list[dict], max_tokens: int, kv_tokens: int) -> dict:
+    """The default model's greedy answer to `messages`, offline: what a server test on that model compares with
+    ({"chat": RequestOutput, "name": the served model name})."""
+    from tandem import LLM, SamplingParams
+    llm = LLM(None, kv_cache_tokens=kv_tokens)
+    try:
+        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+        return {"chat": out, "name": llm.engine.model_name}
+    finally:
+        llm.shutdown()
+
+
+def default_model_server(tmp_path_factory, kv_tokens: int):
+    """A module fixture's body: `tandem serve` on the default model, stopped (exit 0) at the end."""
+    srv = ServerProcess(["--kv-cache-tokens", str(kv_tokens)], str(tmp_path_factory.mktemp("log") / "server.log"))
+    yield srv
+    assert srv.stop() == 0, srv.log()

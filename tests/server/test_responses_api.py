@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers.server_utils import ServerProcess, assert_error
+from tests.helpers.server_utils import ServerProcess, assert_error, default_model_server, offline_greedy_chat
 
 KV = 4096
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -34,20 +34,12 @@ TEXT_END = ["response.output_text.done", "response.content_part.done", "response
 
 @pytest.fixture(scope="module")
 def reference():
-    from tandem import LLM, SamplingParams
-    llm = LLM(None, kv_cache_tokens=KV)
-    try:
-        out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
-        return {"chat": out, "name": llm.engine.model_name}
-    finally:
-        llm.shutdown()
+    return offline_greedy_chat(CHAT, MAX_TOKENS, KV)
 
 
 @pytest.fixture(scope="module")
 def server(reference, tmp_path_factory):
-    srv = ServerProcess(["--kv-cache-tokens", str(KV)], str(tmp_path_factory.mktemp("log") / "server.log"))
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from default_model_server(tmp_path_factory, KV)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.server_utils import ServerProcess
+from tests.helpers.server_utils import default_model_server
 
 KV = 4096
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -30,9 +30,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(reference, tmp_path_factory):
-    srv = ServerProcess(["--kv-cache-tokens", str(KV)], str(tmp_path_factory.mktemp("log") / "server.log"))
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from default_model_server(tmp_path_factory, KV)
 
 
 def test_real_model_chat_and_completion(server, reference):
