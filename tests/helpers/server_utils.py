@@ -232,3 +232,20 @@ def default_model_server(tmp_path_factory, kv_tokens: int):
     srv = ServerProcess(["--kv-cache-tokens", str(kv_tokens)], str(tmp_path_factory.mktemp("log") / "server.log"))
     yield srv
     assert srv.stop() == 0, srv.log()
+
+
+def assert_leaving_aborts(server: "ServerProcess", model: str, path: str, body: dict, line_prefix: str) -> None:
+    """A streaming client that leaves after 3 lines starting with `line_prefix` aborts its request: the abort
+    counter of `model` grows by one and nothing is left running."""
+    key = f'tandem:request_success_total{{finished_reason="abort",model_name="{model}"}}'
+    aborted = server.metrics().get(key, 0.0)
+    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as h:
+        with h.stream("POST", path, json=body) as resp:
+            assert resp.status_code == 200
+            got = 0
+            for line in resp.iter_lines():
+                got += line.startswith(line_prefix)
+                if got == 3:
+                    break                      # leave mid-stream: closing the connection aborts the request
+    server.wait_metric(key, lambda v: v == aborted + 1)
+    assert server.wait_metric("tandem:num_requests_running", lambda v: v == 0.0) == 0.0

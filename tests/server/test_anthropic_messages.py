@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.helpers.server_utils import ServerProcess, default_model_server, offline_greedy_chat
+from tests.helpers.server_utils import ServerProcess, assert_leaving_aborts, default_model_server, offline_greedy_chat
 
 KV = 4096
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -165,20 +165,9 @@ def test_bad_requests_get_anthropic_errors(server, reference, client):
 
 
 def test_disconnect_mid_stream_aborts(server, reference):
-    key = f'tandem:request_success_total{{finished_reason="abort",model_name="{reference["name"]}"}}'
-    aborted = server.metrics().get(key, 0.0)
     body = {"model": reference["name"], "max_tokens": 2000, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]}
-    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as h:
-        with h.stream("POST", "/v1/messages", json=body) as resp:
-            assert resp.status_code == 200
-            got = 0
-            for line in resp.iter_lines():
-                got += line.startswith("event: content_block_delta")
-                if got == 3:
-                    break                      # leave mid-stream: closing the connection aborts the request
-    server.wait_metric(key, lambda v: v == aborted + 1)
-    assert server.wait_metric("tandem:num_requests_running", lambda v: v == 0.0) == 0.0
+    assert_leaving_aborts(server, reference["name"], "/v1/messages", body, "event: content_block_delta")
 
 
 

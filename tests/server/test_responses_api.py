@@ -13,7 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers.server_utils import ServerProcess, assert_error, default_model_server, offline_greedy_chat
+from tests.helpers.server_utils import (ServerProcess, assert_error, assert_leaving_aborts,
+                                        default_model_server, offline_greedy_chat)
 
 KV = 4096
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -198,20 +199,9 @@ def test_mapping_onto_the_chat_request():
 
 
 def test_disconnect_mid_stream_aborts(server, reference):
-    key = f'tandem:request_success_total{{finished_reason="abort",model_name="{reference["name"]}"}}'
-    aborted = server.metrics().get(key, 0.0)
     body = {"model": reference["name"], "max_output_tokens": 2000, "temperature": 0, "stream": True,
             "input": "Count from 1 to 1000, one number per line."}
-    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as h:
-        with h.stream("POST", "/v1/responses", json=body) as resp:
-            assert resp.status_code == 200
-            got = 0
-            for line in resp.iter_lines():
-                got += line.startswith("event: response.output_text.delta")
-                if got == 3:
-                    break                      # leave mid-stream: closing the connection aborts the request
-    server.wait_metric(key, lambda v: v == aborted + 1)
-    assert server.wait_metric("tandem:num_requests_running", lambda v: v == 0.0) == 0.0
+    assert_leaving_aborts(server, reference["name"], "/v1/responses", body, "event: response.output_text.delta")
 
 
 def test_engine_failure_is_an_error(server, reference, tmp_path):
