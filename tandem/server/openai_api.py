@@ -60,9 +60,7 @@ class OpenAIServer:
 
     # ---- shared steps --------------------------------------------------------------------------------------
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model not in (None, "", self.model):
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model}`.",
-                           "model", "model_not_found")
+        P.check_model(body.model, self.model)
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], bad[0])

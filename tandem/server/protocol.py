@@ -34,6 +34,15 @@ class APIError(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
 
 
+def check_model(model: str | None, served: str, required: bool = False) -> None:
+    """APIError 404 naming `model` unless it is the model this server serves; where the field is optional
+    (not `required`), absent or empty means the served one."""
+    if model == served or (not required and model in (None, "")):
+        return
+    raise APIError(404, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
+                   "model_not_found")
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     """Every error's shape. Values are quoted short where they are quoted (sampling_params.quote); this cap
     holds for any message, whatever quoted it (a grammar compiler's error, a field path)."""

@@ -17,7 +17,7 @@ from ..replicas.engine_client import EngineError
 from . import responses_protocol as R
 from . import tools
 from .generation import Choice, Generation, Streamed, cached_tokens
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest, check_model
 from .responses_protocol import ResponsesRequest
 from .tools import ToolPlan
 
@@ -59,9 +59,7 @@ class ResponsesServer:
 
     async def create(self, body: ResponsesRequest, request: Request):
         arrival = now()
-        if body.model != self.model:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model}`.",
-                           "model", "model_not_found")
+        check_model(body.model, self.model, required=True)
         chat = body.to_chat()
         plan, ids = await self.fe.off_loop(self._prompt, body, chat)
         _, choices = await self.gen.submit(chat, [ids], "resp", arrival, None, plan)

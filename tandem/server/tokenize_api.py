@@ -14,7 +14,7 @@ from pydantic import Field
 
 from . import tools
 from .frontend import Frontend
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, Int64, _Strict
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, Int64, _Strict, check_model
 
 
 class TokenizeRequest(_Strict):
@@ -34,15 +34,9 @@ class DetokenizeRequest(_Strict):
     tokens: list[Int64]
 
 
-def _check_model(model: str | None, served: str) -> None:
-    if model not in (None, "", served):
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
-                       "model_not_found")
-
-
 def tokenize(fe: Frontend, served: str, body: TokenizeRequest) -> dict:
     """The body's token ids (and their texts when asked), in vLLM's TokenizeResponse."""
-    _check_model(body.model, served)
+    check_model(body.model, served)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) and messages (chat)", "prompt")
     if body.messages is None:
@@ -69,7 +63,7 @@ def tokenize(fe: Frontend, served: str, body: TokenizeRequest) -> dict:
 
 
 def detokenize(fe: Frontend, served: str, body: DetokenizeRequest) -> dict:
-    _check_model(body.model, served)
+    check_model(body.model, served)
     bad = [t for t in body.tokens if not 0 <= t < fe.vocab_size]
     if bad:
         raise APIError(400, f"token id {bad[0]} is out of range [0, {fe.vocab_size})", "tokens")
