@@ -127,10 +127,18 @@ def test_auto_is_bf16_only_where_the_linears_round(tiny_llama, tmp_path, make_ll
 def test_engine_on_a_low_precision_cache(tiny_llama, tmp_path, make_llm, dtype):
     """End to end on a bf16 / fp16 cache: both loops give the same tokens, a prefix-cache hit gives what a fresh
     prefill gave, and the first token's logprobs stay close to the fp32 cache's (the rounding is small)."""
-    from tandem import SamplingParams
     from tests.helpers.tiny_models import write_tiny_gguf
     gguf = str(write_tiny_gguf(tmp_path / "q8.gguf", tiny_llama, quant="Q8_0"))
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 101, 7 + i] * (1 + i) for i in range(6)]
+    check_engine_on_cache(make_llm, gguf, dtype, prompts, 0.05)
+
+
+def check_engine_on_cache(make_llm, gguf: str, dtype: str, prompts: list[list[int]], tol: float,
+                          paths: tuple[dict, ...] = ({},)) -> None:
+    """On a `dtype` KV cache: the serial and overlap loops give the same greedy and seeded tokens, and so does a
+    third run served by the prefix cache; the first token's logprob stays within `tol` of the fp32 cache's on
+    every engine of `paths` (extra engine options each)."""
+    from tandem import SamplingParams
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
     # prefill_act int8: the fresh prefill (126 tokens, one long chunk) and the cache hits (the last token of each)
@@ -143,12 +151,10 @@ def test_engine_on_a_low_precision_cache(tiny_llama, tmp_path, make_llm, dtype):
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, [greedy, seeded] * 3, use_tqdm=False)])
     assert runs[0] == runs[1] == runs[2]
     one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
-    exact = make_llm(gguf, kv_cache_dtype="float32", prefix_cache=False)
-    low = make_llm(gguf, kv_cache_dtype=dtype, prefix_cache=False)
-    a = exact.generate(prompts, one, use_tqdm=False)
-    b = low.generate(prompts, one, use_tqdm=False)
-    for x, y in zip(a, b):
-        tok = x.outputs[0].token_ids[0]
-        lx = x.outputs[0].logprobs[0][tok]
-        ly = y.outputs[0].logprobs[0].get(tok)
-        assert ly is not None and abs(lx - ly) < 0.05, (lx, ly)
+    exact = make_llm(gguf, kv_cache_dtype="float32", prefix_cache=False).generate(prompts, one, use_tqdm=False)
+    for kw in paths:
+        low = make_llm(gguf, kv_cache_dtype=dtype, prefix_cache=False, **kw).generate(prompts, one, use_tqdm=False)
+        for x, y in zip(exact, low):
+            tok = x.outputs[0].token_ids[0]
+            lx, ly = x.outputs[0].logprobs[0][tok], y.outputs[0].logprobs[0].get(tok)
+            assert ly is not None and abs(lx - ly) < tol, (kw, lx, ly)

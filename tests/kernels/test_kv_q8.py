@@ -11,7 +11,7 @@ import torch
 from tandem import kernels
 from tandem.kernels import kv_quant
 from tandem.kernels.attention import decode_attention_qkv_ref, extend_attention_ref
-from tests.kernels.test_kv_dtype import check_decode_ops
+from tests.kernels.test_kv_dtype import check_decode_ops, check_engine_on_cache
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
 ISAS = [0, 1, 2]
@@ -144,28 +144,11 @@ def test_engine_on_a_q8_0_cache(q8_model, make_llm):
     """End to end: a slot takes 0.53x of bf16's bytes; both loops give the same tokens and a prefix-cache hit what
     a fresh prefill gave (the native ops and the torch writer quantize alike); the first token's logprobs stay
     close to the fp32 cache's; the torch path reads the same cache (dequantized) and agrees as closely."""
-    from tandem import SamplingParams
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 101, 7 + i] * (1 + 4 * i) for i in range(6)]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
     inline = make_llm(q8_model, kv_cache_dtype="q8_0", device_backend="inline", kv_cache_tokens=100)
     data = inline.engine.executor.model_runner.kv_cache.data
     assert data.dtype == torch.uint8 and data.shape == (101, 2, 2, 2, 34)      # 34 bytes a head row, bf16's 64
-    llm = make_llm(q8_model, kv_cache_dtype="q8_0", prefill_act="int8", prefill_attention="fp32")
-    runs = []
-    for scheduler in ("serial", "overlap", "overlap"):          # the third run is served by the prefix cache
-        llm.engine.config = llm.engine.config.replace(scheduler=scheduler)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, [greedy, seeded] * 3, use_tqdm=False)])
-    assert runs[0] == runs[1] == runs[2]
-    one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
-    exact = make_llm(q8_model, kv_cache_dtype="float32", prefix_cache=False).generate(prompts, one, use_tqdm=False)
-    for kw in ({}, {"kernels": "torch"}):
-        low = make_llm(q8_model, kv_cache_dtype="q8_0", prefix_cache=False, **kw).generate(prompts, one,
-                                                                                           use_tqdm=False)
-        for x, y in zip(exact, low):
-            tok = x.outputs[0].token_ids[0]
-            lx, ly = x.outputs[0].logprobs[0][tok], y.outputs[0].logprobs[0].get(tok)
-            assert ly is not None and abs(lx - ly) < 0.1, (kw, lx, ly)
+    check_engine_on_cache(make_llm, q8_model, "q8_0", prompts, 0.1, paths=({}, {"kernels": "torch"}))
 
 
 def test_q8_0_needs_head_dim_a_multiple_of_32(tiny_llama, make_llm):
