@@ -53,10 +53,11 @@ chunk = min(64, small_m())        # prompt chunks that take the in-kernel rows, 
 
 
 def engine(act: str, kv: str = "auto", prefill_act: str = "auto", prefill_chunk: int = chunk,
-           prefill_attention: str = "auto", decode_attention: str = "auto") -> LLM:
+           prefill_attention: str = "auto", decode_attention: str = "auto", batch_invariant: bool = True) -> LLM:
     return LLM(path, kernels_act=act, kv_cache_dtype=kv, device_backend="inline", device_threads=cli.threads,
                max_prefill_tokens=prefill_chunk, kv_cache_tokens=cli.doc_tokens + 256, prefix_cache=False,
-               prefill_act=prefill_act, prefill_attention=prefill_attention, decode_attention=decode_attention)
+               prefill_act=prefill_act, prefill_attention=prefill_attention, decode_attention=decode_attention,
+               batch_invariant=batch_invariant)
 
 
 exact = engine("fp32")
@@ -113,11 +114,12 @@ for attn in filter(None, cli.decode_attentions.split(",")):
     llm.shutdown()
 for pa in filter(None, cli.prefill_acts.split(",")):
     for attn in cli.prefill_attentions.split(","):
-        llm = engine("int8", prefill_act=pa, prefill_chunk=cli.doc_tokens, prefill_attention=attn)
+        llm = engine("int8", prefill_act=pa, prefill_chunk=cli.doc_tokens, prefill_attention=attn,
+                     batch_invariant=False)      # the extend op / bf16 SDPA of whole-document chunks
         model = llm.engine.executor.model_runner.model
         assert model.prefill_bf16 == (pa == "bf16")
         what = ("bf16 SDPA" if not model.extend_native else
-                "extend op, bf16 products" if model.extend_bf16 else "extend op, fp32")
+                "extend op, bf16 products" if model.attention.extend_bf16 else "extend op, fp32")
         results[f"tandem int8, bf16 KV, whole-document prefill chunks, prefill_act={pa}, "
                 f"prefill_attention={attn} ({what})"] = summary([teacher_forced_logprobs(llm, d) for d in docs])
         llm.shutdown()

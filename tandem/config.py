@@ -42,7 +42,8 @@ class EngineConfig:
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
     kernels_act: str = "int8"           # "int8": quantized linears round x to int8 (16-element halves; decode kernels, int8 GEMM on prefill); "fp32": exact mode
-    prefill_act: str = "auto"           # long prefill chunks' linears and attention: "auto" (bf16 on CPUs with AMX-BF16, else int8), "bf16", "int8" (with kernels_act="int8")
+    batch_invariant: bool = True        # a request's tokens and logprobs do not depend on its batch mates, chunking or load: every prompt token attends with the decode op's arithmetic (off: long chunks take the faster extend op / bf16 prefill)
+    prefill_act: str = "auto"           # long prefill chunks' linears and attention: "auto" (bf16 on CPUs with AMX-BF16 without batch_invariant, else int8), "bf16", "int8" (with kernels_act="int8")
     prefill_attention: str = "auto"     # the native extend attention of long prefill chunks: "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
     decode_attention: str = "auto"      # the native decode attention (decode steps, short prompt chunks, verify rows): "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
     # ---- tensor parallelism and several machines (torch.distributed; tandem/device/parallel/tp.py) ----
@@ -71,6 +72,9 @@ class EngineConfig:
             raise ValueError(f"prefill_act={self.prefill_act!r} needs kernels='native' and kernels_act='int8': "
                              f"the exact mode (kernels_act='fp32') and the torch path keep every linear and "
                              f"attention in fp32")
+        if self.batch_invariant and self.prefill_act == "bf16":
+            raise ValueError("prefill_act='bf16' gives a long chunk's rows other bits than a short chunk's: it "
+                             "needs batch_invariant=False (--no-batch-invariant)")
         for name in ("prefill_attention", "decode_attention"):
             value = getattr(self, name)
             if value not in ("auto", "bf16", "fp32"):

@@ -120,7 +120,8 @@ class ModelRunner:
         self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
                                 extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
-                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim), consume_state=owned)
+                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim), consume_state=owned,
+                                batch_invariant=spec.batch_invariant)
         del state
         release_load_memory()                # each weight held once: what loading read or copied goes back
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
@@ -157,9 +158,10 @@ class ModelRunner:
         CPU with AMX-BF16 tiles (torch's oneDNN GEMM runs them: 4x the int8 GEMM's rate at 924 rows, and the
         KL gate of benchmarks/kl_divergence.py holds, benchmarks/results/prefill_bf16.md) where the linears
         round already (rounds) and their bf16 copies take at most a quarter of the free memory; int8 elsewhere
-        (AVX2 and AVX-512-only CPUs: not measured faster there)."""
+        (AVX2 and AVX-512-only CPUs: not measured faster there) and under batch_invariant (a long chunk's bf16
+        rows would differ from a short chunk's int8 ones)."""
         act = self.spec.prefill_act
-        if act == "int8" or self.spec.kernels_act != "int8":
+        if act == "int8" or self.spec.kernels_act != "int8" or self.spec.batch_invariant:
             return False
         if not rounds or self.device.type != "cpu":
             if act == "bf16":
@@ -396,7 +398,7 @@ class ModelRunner:
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
         if p:       # a padded slot still sees its row's first own key, so no row of the cut mask is empty
-            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.extend_dtype), q_index, (tok_row, tok_col),
+            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.attention.extend_dtype), q_index, (tok_row, tok_col),
                                  last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
                              fresh=None if has_prefix else ext_np.tolist())

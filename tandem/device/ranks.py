@@ -87,6 +87,7 @@ def runner_spec(config: EngineConfig, source) -> RunnerSpec:
         kv_cache_dtype=config.kv_cache_dtype, shared_prefix_attention=config.shared_prefix_attention,
         poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,
         prefill_act=config.prefill_act, prefill_attention=config.prefill_attention,
+        batch_invariant=config.batch_invariant,
         decode_attention=config.decode_attention,
         tp_size=config.tp_size, tp_comm=config.tp_comm, pp_size=config.pp_size,
         max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)

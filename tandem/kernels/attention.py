@@ -65,6 +65,16 @@ def extend_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index:
                                              bf16_products)
 
 
+def causal_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor, tok_row: torch.Tensor,
+                     positions: torch.Tensor, scale: float, window: int = 0, bf16_products: bool = False
+                     ) -> torch.Tensor:
+    """extend_attention's function (same arguments, K/V already in the cache) with each token's output the bits
+    decode_attention gives it as a decode row over its own causal keys (csrc/causal_attention.inc): the same
+    whatever chunk, step or batch the token comes in. bf16_products: as decode_attention's."""
+    return torch.ops.tandem.causal_attention(q, cache, layer, kv_index, tok_row, positions, scale, window, -1,
+                                             bf16_products)
+
+
 def extend_attention_ref(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,
                          tok_row: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """The specification: every token is a decode row over its own causal keys."""

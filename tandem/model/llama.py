@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import decode_attention_qkv_, extend_attention
 from ..kernels.quant import QuantWeight, small_m
-from .cascade import cascade_attention
+from .attention_paths import Attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
@@ -78,7 +77,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, state: dict, max_context: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
-                 extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False) -> None:
+                 extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False,
+                 batch_invariant: bool = False) -> None:
         self.config, self.device, self.dtype, self.native = config, torch.device(device), dtype, native
         self.tp, self.pp = tp, pp
         first, last = pp is None or pp.first, pp is None or pp.last
@@ -113,12 +113,10 @@ class LlamaModel:
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        # Attention of a long prefill chunk (SDPA, cascade) computes in this dtype (cascade masks are made in it)
-        self.extend_dtype = torch.bfloat16 if self.prefill_bf16 else dtype
-        # Long chunks attend by the native extend op, but where prefill_bf16 has AMX tiles for its bf16 SDPA
-        self.extend_native = native and not (self.prefill_bf16 and torch.cpu._is_amx_tile_supported())
-        self.extend_bf16 = bool(extend_bf16 and self.extend_native)
         self.decode_bf16 = bool(decode_bf16 and native)
+        self.attention = Attention(native, self.scale, self.num_heads, [layer["window"] for layer in self.layers],
+                                   dtype, self.prefill_bf16, extend_bf16, self.decode_bf16, batch_invariant)
+        self.extend_native = self.attention.extend_native
 
     def _layer(self, ws: "_StateReader", i: int) -> dict:
         """Decoder layer i's weights: q/k/v and gate/up fused, norms with their offset folded in."""
@@ -258,7 +256,7 @@ class LlamaModel:
                 q = rms_norm(q, layer["qk_norm"][:self.num_heads], c.rms_norm_eps)
                 k = rms_norm(k, layer["qk_norm"][self.num_heads:], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = self._attention(i, q, k, v.view(-1, self.num_kv_heads, c.head_dim), meta)
+            attn = self.attention(i, q, k, v.view(-1, self.num_kv_heads, c.head_dim), meta)
             h = self._reduce(layer["o"](attn))
             if c.sandwich_norm:
                 h = rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
@@ -298,11 +296,11 @@ class LlamaModel:
             cos, sin = self._rope(layer)
             ops.rope_(qkv, cos, sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
             if decode:
-                attn = self._decode_attention(i, qkv, meta)
+                attn = self.attention.decode(i, qkv, meta)
             else:
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
                 hd, kvh = c.head_dim, self.num_kv_heads
-                attn = self._attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
+                attn = self.attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
                                        meta)
             o = self._reduce(run_rows(layer["o"], attn, b0))
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
@@ -330,88 +328,3 @@ class LlamaModel:
             x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, packed, layer["qkv"].bias,
             self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
             kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16)
-
-    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   meta: AttentionMeta) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KVH, D]
-        if meta.parts is not None:      # a mixed step: decode rows and prefill rows attend in their own layouts
-            return torch.cat([self._attention(i, q[t], k[t], v[t], m) for t, m in meta.parts])
-        if self.native and meta.q_index is None:        # a mixed step's decode part
-            return self._decode_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
-        if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
-            return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
-        if self.extend_native:          # a long chunk: the native op reads every key in place
-            return self._extend_attention(i, q, k, v, meta)
-        out_dtype = q.dtype             # a long chunk under prefill_bf16 attends in bf16 (2-2.3x fp32 SDPA's rate)
-        keys, values = meta.kv.store(i, k, v, self.extend_dtype)        # [B, KVH, Lk, D]
-        q = q.to(self.extend_dtype)
-        if meta.shared is not None:     # rows on one cached prefix: it once, their own keys after it
-            queries = q[meta.q_index].transpose(1, 2)
-            return cascade_attention(q, meta.shared.keys_values(meta.kv.cache.data, i, q.dtype), queries, keys,
-                                     values, meta.mask, meta.token_rc, self.scale).to(out_dtype)
-        if meta.q_index is None:
-            queries = q.unsqueeze(2)                                    # [B, H, 1, D]
-        else:
-            queries = q[meta.q_index].transpose(1, 2)                   # [B, H, Lq, D]
-        window = self.layers[i]["window"]
-        if meta.fresh is not None and not window:
-            out = self._causal_rows(queries, keys, values, meta.fresh)
-        else:
-            mask = meta.window_mask(window) if window else meta.mask
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=True)
-        out = out.transpose(1, 2).to(out_dtype)                         # [B, Lq, H, D]
-        if meta.token_rc is None:
-            return out.reshape(q.shape[0], -1)                          # [T, H*D]
-        rows, cols = meta.token_rc
-        return out[rows, cols].reshape(q.shape[0], -1)
-
-    def _extend_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          meta: AttentionMeta) -> torch.Tensor:
-        """Extend rows of more than small_m() new tokens, q [T, H, D]: the step's K/V written to the cache, then
-        every token attends its row's keys through kv_index in place (csrc/extend_attention.cpp): no gathered,
-        widened, padded copy and no mask. The cascade split is not needed here: the op widens a key block once
-        for all of a task's query rows, and a shared prefix's keys stay in cache between rows. Measured on an
-        AMD EPYC (AVX-512, no AMX), 2 threads, bf16 cache: 2.3-5x less time than the gather + SDPA it replaces
-        (benchmarks/extend_attention.py); extend_bf16: bf16 products, 1.5-1.6x more. prefill_bf16 (CPUs with
-        AMX) keeps its bf16 SDPA."""
-        kv = meta.kv
-        kv.write(i, k, v)
-        return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
-                                self.layers[i]["window"], bf16_products=self.extend_bf16)
-
-    def _causal_rows(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     lens: list[int]) -> torch.Tensor:
-        """Rows with no cached keys ([B, H, Lq, D] queries, Lq = Lk): each row's tokens attend their causal past
-        only, which SDPA's is_causal computes without a mask and skips the blocks above the diagonal (1.4-1.6x
-        less time than the explicit mask at 1,000 tokens here). Rows of unequal length go one at a time; their
-        padded query slots are left unset (the caller reads only real tokens)."""
-        sdpa = F.scaled_dot_product_attention
-        if all(n == queries.shape[2] for n in lens):
-            return sdpa(queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
-        out = torch.empty_like(queries)
-        for b, n in enumerate(lens):
-            out[b:b + 1, :, :n] = sdpa(queries[b:b + 1, :, :n], keys[b:b + 1, :, :n], values[b:b + 1, :, :n],
-                                       is_causal=True, scale=self.scale, enable_gqa=True)
-        return out
-
-    def _token_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        """Extend rows of up to small_m() new tokens, qkv [T, (H + 2 KVH) D]: every token is one query row of
-        the decode op over its own causal keys (its row's kv_index, positions + 1 keys; the op writes all T
-        tokens' K/V before any attends). Invariant kept here: a token's attention is then bit for bit the one
-        a decode step computes for it (the op's split depends on a row's length only), and at these sizes
-        the quantized linears treat every row alone, so a step's output per token is the same whether its
-        prompt was prefilled fresh, partly served by the prefix cache, chunked, or scored in a verify step."""
-        kv = meta.kv
-        if kv.tok_kv_index is None:                     # once a step, not once a layer
-            kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
-        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
-                                     self.scale, self.num_heads, self.layers[i]["window"], self.decode_bf16)  # [T, H*D]
-
-    def _decode_attention(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
-        K/V at out_cache_loc, then reads every key in place through kv_index (no gathered copy). A row's token
-        sits at position seq_len - 1."""
-        kv = meta.kv
-        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
-                                     self.scale, self.num_heads, self.layers[i]["window"], self.decode_bf16)  # [B, H*D]

@@ -100,21 +100,21 @@ def test_engine_matches_the_torch_path(tiny_llama, make_llm, monkeypatch, schedu
     with running decode rows, exact mode: native kernels (long chunks by the extend op) give the torch path's
     greedy tokens, and logprobs within 1e-4."""
     from tandem import SamplingParams
-    from tandem.model import llama
+    from tandem.model import attention_paths
     calls = {"n": 0}
-    real = llama.extend_attention
+    real = attention_paths.extend_attention
 
     def counted(*a, **kw):
         calls["n"] += 1
         return real(*a, **kw)
-    monkeypatch.setattr(llama, "extend_attention", counted)
+    monkeypatch.setattr(attention_paths, "extend_attention", counted)
     prefix = [(7 * i) % 200 + 3 for i in range(120)]
     prompts = [prefix + [(11 * i + 5 * j) % 250 + 2 for j in range(20 + 3 * i)] for i in range(16)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
     outs = {}
     for k in ("native", "torch"):
         llm = make_llm(tiny_llama, scheduler=scheduler, kernels=k, device_backend="inline", kernels_act="fp32",
-                       max_prefill_tokens=256)
+                       max_prefill_tokens=256, batch_invariant=False)
         llm.generate([prefix + [9]], SamplingParams(max_tokens=1), use_tqdm=False)    # the prefix is cached
         first = llm.generate(prompts[:2], sp, use_tqdm=False)
         rest = llm.generate(prompts, sp, use_tqdm=False)
@@ -201,7 +201,7 @@ def test_prefill_attention_choices(tiny_llama, make_llm, tmp_path_factory, monke
     has = torch.ops.tandem.isa(2) == 2 and torch.cpu._is_avx512_bf16_supported() and kernels.isa() == "avx512"
 
     def extend_bf16(path, **kw):
-        return make_llm(path, device_backend="inline", **kw).engine.executor.model_runner.model.extend_bf16
+        return make_llm(path, device_backend="inline", **kw).engine.executor.model_runner.model.attention.extend_bf16
     assert extend_bf16(q8, prefill_act="int8") == has
     assert not extend_bf16(q8, prefill_act="int8", prefill_attention="fp32")
     assert not extend_bf16(q8, prefill_act="int8", kv_cache_dtype="float32")
@@ -227,11 +227,11 @@ def test_both_loops_alike_with_bf16_products(tiny_llama, make_llm, tmp_path_fact
     prefix = [(7 * i) % 200 + 3 for i in range(150)]
     prompts = [prefix + [(11 * i + 5 * j) % 250 + 2 for j in range(small_m() + 10 + 7 * i)] for i in range(6)]
     sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
-    kw = dict(prefill_act="int8", max_prefill_tokens=2 * small_m() + 60, device_backend="inline")
+    kw = dict(prefill_act="int8", max_prefill_tokens=2 * small_m() + 60, device_backend="inline", batch_invariant=False)
     outs = {}
     for name, extra in (("serial", {}), ("overlap", {}), ("fp32", {"prefill_attention": "fp32"})):
         llm = make_llm(q8, scheduler="serial" if name == "serial" else "overlap", **kw, **extra)
-        assert llm.engine.executor.model_runner.model.extend_bf16 == (name != "fp32")
+        assert llm.engine.executor.model_runner.model.attention.extend_bf16 == (name != "fp32")
         llm.generate([prefix + [9]], SamplingParams(max_tokens=1), use_tqdm=False)
         outs[name] = [o.outputs[0] for o in run_with(llm, llm.engine.config.scheduler, prompts, sp)]
     assert [o.token_ids for o in outs["serial"]] == [o.token_ids for o in outs["overlap"]]

@@ -50,10 +50,12 @@ def test_prefill_act_is_checked():
     with pytest.raises(ValueError, match="prefill_act must be"):
         EngineConfig(prefill_act="fp16")
     with pytest.raises(ValueError, match="needs kernels='native' and kernels_act='int8'"):
-        EngineConfig(prefill_act="bf16", kernels_act="fp32")
+        EngineConfig(prefill_act="bf16", batch_invariant=False, kernels_act="fp32")
     with pytest.raises(ValueError, match="needs kernels='native' and kernels_act='int8'"):
         EngineConfig(prefill_act="int8", kernels="torch")
     assert EngineConfig().prefill_act == "auto" and "prefill_act" in EngineConfig.help()
+    with pytest.raises(ValueError, match="batch_invariant=False"):        # bf16 rows follow the chunk's size
+        EngineConfig(prefill_act="bf16")
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +72,14 @@ def test_auto_and_explicit_choices(tiny_llama, q8_gguf, make_llm):
            and kernels.isa() == "avx512")                       # (TANDEM_ISA=avx2 makes it the AVX2 engine's)
     for kw, want in [({}, amx), ({"prefill_act": "bf16"}, True), ({"prefill_act": "int8"}, False),
                      ({"kernels_act": "fp32"}, False)]:
-        model = make_llm(q8_gguf, device_backend="inline", **kw).engine.executor.model_runner.model
+        model = make_llm(q8_gguf, device_backend="inline", batch_invariant=False, **kw
+                         ).engine.executor.model_runner.model
         assert model.prefill_bf16 == want, kw
         assert (model.layers[0]["gate_up"].bf16 is not None) == want, kw
     assert not make_llm(tiny_llama, device_backend="inline").engine.executor.model_runner.model.prefill_bf16
+    assert not make_llm(q8_gguf, device_backend="inline").engine.executor.model_runner.model.prefill_bf16  # invariant
     with pytest.raises(ValueError, match="needs a quantized"):
-        make_llm(tiny_llama, device_backend="inline", prefill_act="bf16")
+        make_llm(tiny_llama, device_backend="inline", prefill_act="bf16", batch_invariant=False)
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -92,7 +96,8 @@ def test_both_loops_alike_with_bf16_prefill(q8_gguf, make_llm):
     greedy token of the first prompt."""
     from tests.helpers.engine_checks import run_with
     from tandem.kernels.quant import small_m
-    kw = dict(prefill_act="bf16", max_prefill_tokens=2 * small_m() + 40, mixed_prefill_tokens=small_m() + 20)
+    kw = dict(prefill_act="bf16", batch_invariant=False, max_prefill_tokens=2 * small_m() + 40,
+              mixed_prefill_tokens=small_m() + 20)
     prompts = _prompts(5, small_m() + 50, 1) + _prompts(2, 3 * small_m(), 2)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)] * 4
@@ -111,7 +116,8 @@ def test_decode_rows_untouched_by_a_bf16_prefill_in_their_step(q8_gguf, make_llm
     bf16 chunk itself), so their prefill is the same step either way."""
     from tandem.kernels.quant import small_m
     assert small_m() < 120
-    kw = dict(prefill_act="bf16", max_prefill_tokens=120, mixed_prefill_tokens=120, prefix_cache=False)
+    kw = dict(prefill_act="bf16", batch_invariant=False, max_prefill_tokens=120, mixed_prefill_tokens=120,
+              prefix_cache=False)
     short = _prompts(3, 40, 3)
     long = _prompts(1, 300, 4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -133,7 +139,7 @@ def test_bf16_prefill_logprobs_close_to_the_int8_path(q8_gguf, make_llm):
     ids = _prompts(1, 300, 6)[0]
     runs = {}
     for act in ("int8", "bf16"):
-        llm = make_llm(q8_gguf, device_backend="inline", prefill_act=act, prefix_cache=False)
+        llm = make_llm(q8_gguf, device_backend="inline", prefill_act=act, batch_invariant=False, prefix_cache=False)
         runs[act] = teacher_forced_logprobs(llm, ids)
     exact = teacher_forced_logprobs(make_llm(q8_gguf, device_backend="inline", kernels_act="fp32",
                                              prefix_cache=False), ids)
@@ -149,7 +155,7 @@ def test_cascade_under_bf16_prefill(q8_gguf, make_llm, monkeypatch):
     runs (CPUs with AMX tiles; elsewhere the native extend op, which reads the prefix in place, and no cascade):
     the first tokens' distributions stay close to the same chunk without the cascade (one bf16 SDPA over the
     padded layout)."""
-    import tandem.model.llama as llama_mod
+    import tandem.model.attention_paths as llama_mod
     calls = []
     real = llama_mod.cascade_attention
     monkeypatch.setattr(llama_mod, "cascade_attention", lambda q, *a: calls.append(q.dtype) or real(q, *a))
@@ -158,7 +164,8 @@ def test_cascade_under_bf16_prefill(q8_gguf, make_llm, monkeypatch):
     one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     got = {}
     for on in (True, False):
-        llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", shared_prefix_attention=on)
+        llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", batch_invariant=False,
+                       shared_prefix_attention=on)
         llm.generate([prefix + [9]], one, use_tqdm=False)                 # the prefix, cached
         got[on] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, one, use_tqdm=False)]
         sdpa = not llm.engine.executor.model_runner.model.extend_native
@@ -176,8 +183,8 @@ def test_cascade_under_bf16_prefill(q8_gguf, make_llm, monkeypatch):
 def test_bf16_prefill_keeps_an_fp32_cache_fp32(q8_gguf, make_llm):
     """K/V are written from fp32 and rounded once by the cache: an fp32 cache under bf16 chunks holds fp32
     values (not bf16-rounded ones), while the chunk's attention reads them in bf16."""
-    llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", kv_cache_dtype="float32",
-                   prefix_cache=False)
+    llm = make_llm(q8_gguf, device_backend="inline", prefill_act="bf16", batch_invariant=False,
+                   kv_cache_dtype="float32", prefix_cache=False)
     data = llm.engine.executor.model_runner.kv_cache.data
     assert data.dtype == torch.float32
     data.zero_()                                       # then only the prefill's K/V are non-zero
@@ -196,7 +203,8 @@ def test_bf16_prefill_on_sliding_window_layers(tmp_path, make_llm):
     ids = _prompts(1, 200, 10)[0]
     runs = {}
     for act in ("int8", "bf16"):
-        llm = make_llm(gguf, device_backend="inline", prefill_act=act, prefix_cache=False)
+        llm = make_llm(gguf, device_backend="inline", prefill_act=act, batch_invariant=False,
+                       prefix_cache=False)
         assert llm.engine.executor.model_runner.model.prefill_bf16 == (act == "bf16")
         assert any(layer["window"] for layer in llm.engine.executor.model_runner.model.layers)
         runs[act] = teacher_forced_logprobs(llm, ids)

@@ -68,13 +68,13 @@ def test_engine_on_equals_off(tiny_llama, make_llm, monkeypatch, scheduler):
     off in the exact mode, and the cascade ran only when on. The torch path: with native kernels long chunks
     attend by the extend op, which reads keys in place and has no split (tests/kernels/test_extend_attention.py)."""
     from tandem import SamplingParams
-    from tandem.model import llama
+    from tandem.model import attention_paths
     calls = {"n": 0}
 
     def counted(*a, **kw):
         calls["n"] += 1
         return cascade.cascade_attention(*a, **kw)
-    monkeypatch.setattr(llama, "cascade_attention", counted)
+    monkeypatch.setattr(attention_paths, "cascade_attention", counted)
     prefix = [(7 * i) % 200 + 3 for i in range(120)]
     prompts = [prefix + [(11 * i + 5 * j) % 250 + 2 for j in range(20 + 3 * i)] for i in range(16)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)

@@ -40,8 +40,9 @@
 // [H, D] and (max, sum) per head, and the task that finishes a row's last chunk merges them in chunk order with
 // their log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
 // Batch invariance: a row's chunk size is a function of its own key count only (about 16 chunks, at least
-// MIN_CHUNK keys, whole tiles), so its summation order never depends on the other rows of the batch or the
-// thread count. The int8-activation linears round x to integers, which turns any last-bit difference into a
+// MIN_CHUNK keys, whole tiles), and its chunks and tiles lie at absolute key positions (a sliding window's first
+// ones begin part-way, the keys before its start scored -inf), so its summation order never depends on the
+// other rows of the batch or the thread count; causal_attention.inc gives a prompt's tokens these same bits. The int8-activation linears round x to integers, which turns any last-bit difference into a
 // visible one; with this, a row's output is the same in any batch (the overlap loop's riding rows, a
 // speculative verify step, another loop) and under any device_threads. (The old policy sized chunks from B
 // and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a step in merges.) MIN_CHUNK
@@ -99,9 +100,9 @@ struct Scratch {
   std::vector<const uint16_t*> inb;                      // and per KV head its R G rows of them
   std::vector<uint32_t> pb;                              // and a tile's probabilities [R, H, TILE / 2] in bf16 pairs
   std::vector<const uint32_t*> inp;                      // and per KV head its R G rows of them
-  float* ml_own;                                         // [H, 2] an unsplit row's (max, sum)
+  float* ml_own;                                         // [R, H, 2] unsplit rows' (max, sum)
   Scratch(int64_t R, int64_t H, int64_t D)
-      : f((size_t)(R * H * (D + TILE) + 2 * H)), in((size_t)(R * H)), out((size_t)(R * H)), qb((size_t)(R * H * D)),
+      : f((size_t)(R * H * (D + TILE) + 2 * R * H)), in((size_t)(R * H)), out((size_t)(R * H)), qb((size_t)(R * H * D)),
         inb((size_t)(R * H)), pb((size_t)(R * H * TILE / 2)), inp((size_t)(R * H)),
         ml_own(f.data() + R * H * (D + TILE)) {}
 };
@@ -176,8 +177,8 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
 }
 
-using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, int64_t, int64_t, float* const*, float* const*,
-                         Scratch&);
+using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*,
+                         float* const*, float* const*, Scratch&);
 template <typename T>
 static AttendFn attend_for(Isa isa) {
   return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
@@ -193,77 +194,56 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
 
 #include "shared_prefix_attention.inc"
 
-// Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart); kv: the cache's dtype.
-// chunk_keys: keys per chunk; -1 row_chunk (see the top of the file), 0 never splits, > 0 forces that size
-// (rounded up to whole tiles; for tests).
-static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t isa_req, int64_t chunk_keys,
-                        int64_t window, bool bf16_products) {
-  const int64_t B = a.B, H = a.H, D = a.D, Lk = a.Lk;
-  const int64_t* lens = a.seq_lens;
-  TORCH_CHECK(window >= 0, "tandem.decode_attention: window must be >= 0");
-  std::vector<int64_t> start(B, 0), keys(B);            // row b attends keys [start[b], lens[b])
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= Lk, "tandem.decode_attention: seq_lens[", b, "] out of [1, ", Lk, "]");
-    if (window > 0) start[b] = std::max<int64_t>(0, lens[b] - window);
-    keys[b] = lens[b] - start[b];
-  }
-  // Row b's chunks of chunk[b] keys are [first[b], first[b + 1]) in the partial buffers.
-  std::vector<int64_t> first(B + 1, 0), chunk(B);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t c = chunk_keys > 0 ? chunk_keys : chunk_keys == 0 ? Lk : row_chunk(keys[b]);
-    chunk[b] = (c + TILE - 1) / TILE * TILE;
-    first[b + 1] = first[b] + (keys[b] + chunk[b] - 1) / chunk[b];
-  }
+// Runs a plan (shared_prefix_attention.inc's Plan) over query rows q.lens / q.first (Queries) into out rows H * D
+// apart. A task's R rows attend its chunk together, tile by tile (decode_attention_task.inc): the chunk's K and V
+// come from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are
+// the bits it gets alone. R is at most MAX_SHARED_ROWS, so the rows' states stay in cache (a tile-by-tile order
+// over all of a chunk's rows was 1.6x slower at 1,000 rows, whose states no longer fit). A row's chunks that are
+// split leave partials, merged in chunk order by the task finishing its last one.
+// Without shared tasks parallel_for splits the tasks by count (a row's chunks stay with one thread). With them
+// the threads take tasks in plan order from one counter until none is left: a shared task of R rows costs less
+// than R one-row tasks over the same keys, so a split fixed in advance left one thread waiting (~15 % of a
+// 32-row shared-prefix step's attention at 2 threads). Which thread runs a task never changes a bit.
+static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, AttendFn attend, float* o) {
+  const int64_t B = (int64_t)qs.lens.size(), H = a.H, D = a.D;
+  const std::vector<int64_t>& first = qs.first;
   const int64_t chunks = first[B];
-  Plan plan;
-  if (shared_prefix_on() && B > 1 && chunks > B) plan_shared(a, start, chunk, first, plan);
-  plan_rest(a, start, chunk, first, plan);
-  // [chunks, H, D], [chunks, H, 2]: every partial is written (attend starts it) before it is read, so no zeroing
-  std::unique_ptr<float[]> part_acc, part_ml;
+  std::unique_ptr<float[]> part_acc, part_ml;          // [chunks, H, D], [chunks, H, 2]: each written before read
   if (chunks > B) {
     part_acc.reset(new float[(size_t)chunks * H * D]);
     part_ml.reset(new float[(size_t)chunks * H * 2]);
   }
   std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
   for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
-  const AttendFn attend = pick_attend(resolve_isa(isa_req), kv, bf16_products, D);
   float* pacc = part_acc.get();
   float* pml = part_ml.get();
-  // A task's R rows attend its chunk together, tile by tile (decode_attention_task.inc): the chunk's K and V come
-  // from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are the
-  // bits it gets alone. R is at most MAX_SHARED_ROWS, so the rows' states stay in cache (a tile-by-tile order
-  // over all of a chunk's rows was 1.6x slower at 1,000 rows, whose states no longer fit). A row's chunks that
-  // are split leave partials, merged by the task finishing its last one.
   auto run = [&](const Task& t, Scratch& scratch) {
     const int64_t* rows = plan.members.data() + t.m0;
     float* accs[MAX_SHARED_ROWS];
     float* mls[MAX_SHARED_ROWS];
     for (int64_t r = 0; r < t.R; ++r) {
       const int64_t b = rows[r], n = first[b + 1] - first[b];
-      if (n == 1) {      // unsplit: never shared (plan_shared takes rows of >= 2 chunks), so the task's only row
+      if (n == 1) {      // unsplit: its only chunk, so its output row holds the sums (mls: its own row of them)
         accs[r] = o + b * H * D;
-        mls[r] = scratch.ml_own;
+        mls[r] = scratch.ml_own + r * H * 2;
       } else {
-        accs[r] = pacc + (first[b] + t.j) * H * D;
-        mls[r] = pml + (first[b] + t.j) * H * 2;
+        accs[r] = pacc + (first[b] + plan.ord[t.m0 + r]) * H * D;
+        mls[r] = pml + (first[b] + plan.ord[t.m0 + r]) * H * 2;
       }
     }
-    attend(a, rows, t.R, t.k0, t.k1, accs, mls, scratch);
+    attend(a, rows, t.R, a.kv_index + t.srow * a.Lk, plan.lo.data() + t.m0, plan.hi.data() + t.m0, accs, mls,
+           scratch);
     for (int64_t r = 0; r < t.R; ++r) {
       const int64_t b = rows[r], n = first[b + 1] - first[b];
       float* orow = o + b * H * D;
       if (n == 1) {
         for (int64_t i = 0; i < H; ++i)
-          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= scratch.ml_own[2 * i + 1];
+          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= mls[r][2 * i + 1];
       } else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {   // the row's last chunk: merge
         merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
       }
     }
   };
-  // Without shared tasks parallel_for splits the tasks by count (a row's chunks stay with one thread). With them
-  // the threads take tasks in plan order from one counter until none is left: a shared task of R rows costs
-  // less than R one-row tasks over the same keys, so a split fixed in advance left one thread waiting (~15 % of
-  // a 32-row shared-prefix step's attention at 2 threads). Which thread runs a task never changes a bit.
   const int64_t ntasks = (int64_t)plan.tasks.size();
   if (!plan.any_shared) {
     at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
@@ -277,6 +257,43 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
     Scratch scratch(MAX_SHARED_ROWS, H, D);
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) run(plan.tasks[t], scratch);
   });
+}
+
+// Row b of a query set attends keys [start, lens) (a sliding window's start, else 0) in chunks of `chunk` keys
+// at absolute positions (chunk j: keys [j c, (j + 1) c)), so a key's chunk and tile follow its position alone.
+// Its chunks are [first[b], first[b + 1]) in the partial buffers.
+static void chunk_rows(Queries& qs, int64_t chunk_keys, int64_t Lk) {
+  const int64_t B = (int64_t)qs.lens.size();
+  qs.chunk.resize(B);
+  qs.first.assign(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t keys = qs.lens[b] - qs.start[b];
+    const int64_t c = chunk_keys > 0 ? chunk_keys : chunk_keys == 0 ? Lk : row_chunk(keys);
+    qs.chunk[b] = (c + TILE - 1) / TILE * TILE;
+    qs.first[b + 1] = qs.first[b] + (qs.lens[b] - 1) / qs.chunk[b] - qs.start[b] / qs.chunk[b] + 1;
+  }
+}
+
+// Attends every row of a (q set by the caller) into out [B, H, D] (rows H * D apart); kv: the cache's dtype.
+// chunk_keys: keys per chunk; -1 row_chunk (see the top of the file), 0 never splits, > 0 forces that size
+// (rounded up to whole tiles; for tests).
+static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t isa_req, int64_t chunk_keys,
+                        int64_t window, bool bf16_products) {
+  const int64_t B = a.B;
+  TORCH_CHECK(window >= 0, "tandem.decode_attention: window must be >= 0");
+  Queries qs;
+  qs.start.assign(B, 0);
+  qs.lens.assign(a.seq_lens, a.seq_lens + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qs.lens[b] >= 1 && qs.lens[b] <= a.Lk, "tandem.decode_attention: seq_lens[", b, "] out of [1, ",
+                a.Lk, "]");
+    if (window > 0) qs.start[b] = std::max<int64_t>(0, qs.lens[b] - window);
+  }
+  chunk_rows(qs, chunk_keys, a.Lk);
+  Plan plan;
+  if (shared_prefix_on() && B > 1 && qs.first[B] > B) plan_shared(a, qs, plan);
+  plan_rest(qs, plan);
+  run_plan(a, qs, plan, pick_attend(resolve_isa(isa_req), kv, bf16_products, a.D), o);
 }
 
 // Row b's K then V (2 KVH head rows of D floats from src + b * rs + off, one contiguous run in qkv; in the slot,
@@ -347,5 +364,7 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
   attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;
 }
+
+#include "causal_attention.inc"
 
 }  // namespace tandem

@@ -76,6 +76,9 @@ int64_t shared_prefix_attention(int64_t on);
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
                             const at::Tensor& tok_row, const at::Tensor& positions, double scale, int64_t window,
                             int64_t isa, bool bf16_products);
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
+                            const at::Tensor& tok_row, const at::Tensor& positions, double scale, int64_t window,
+                            int64_t isa, bool bf16_products);
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                                  const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
                                  int64_t isa, int64_t chunk_keys, int64_t window, bool bf16_products);

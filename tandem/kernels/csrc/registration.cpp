@@ -30,6 +30,8 @@ TORCH_LIBRARY(tandem, m) {
         "bool bf16_products=False) -> Tensor");
   m.def("extend_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor tok_row, Tensor positions, "
         "float scale, int window=0, int isa=-1, bool bf16_products=False) -> Tensor");
+  m.def("causal_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor tok_row, Tensor positions, "
+        "float scale, int window=0, int isa=-1, bool bf16_products=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu, int isa=-1) -> Tensor");
@@ -59,6 +61,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("decode_attention", &tandem::decode_attention);
   m.impl("decode_attention_qkv_", &tandem::decode_attention_qkv_);
   m.impl("extend_attention", &tandem::extend_attention);
+  m.impl("causal_attention", &tandem::causal_attention);
   m.impl("rms_norm", &tandem::rms_norm);
   m.impl("add_rms_norm_", &tandem::add_rms_norm_);
   m.impl("silu_mul", &tandem::silu_mul);
