@@ -198,6 +198,25 @@ def gemm_rows(qtype: int) -> int:
     return _gemm_rows[qtype]
 
 
+_gemv_is_gemm: dict[int, bool] = {}
+
+
+def gemv_is_gemm(w: QuantWeight) -> bool:
+    """Does qlinear_q8's GEMV give a row the int8 GEMM's bits for w's type on this CPU (and ISA body)? Probed once
+    a type on w's first rows: where it does not (Q5_1 here), a linear that would switch from one to the other at
+    gemm_rows() takes the GEMM at every row count instead (QLinear.gemm_always), so a row's bits never follow
+    the step's size (batch invariance, model/attention_paths.py). True where no GEMM body runs this type."""
+    if w.qtype not in _gemv_is_gemm:
+        if gemm_rows(w.qtype) >= 1 << 62:
+            _gemv_is_gemm[w.qtype] = True
+        else:
+            rows = w.data[:32].contiguous()
+            x = torch.randn(3, w.k, generator=torch.Generator().manual_seed(0))
+            _gemv_is_gemm[w.qtype] = torch.equal(torch.ops.tandem.qlinear_q8(x, rows, w.qtype, w.k, None),
+                                                 torch.ops.tandem.qgemm_q8(x, rows, w.qtype, w.k, None))
+    return _gemv_is_gemm[w.qtype]
+
+
 # ---------------------------------------------------------------------------------------- torch reference
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """fp32 [N, K] from QuantWeight rows, in torch ops (the specification the native op is tested against)."""

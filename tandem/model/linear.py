@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.quant import INT8_ACT_QTYPES, QuantWeight, packed_gather, packed_rows, qlinear, small_m
+from ..kernels.quant import (INT8_ACT_QTYPES, QuantWeight, gemv_is_gemm, packed_gather, packed_rows, qlinear,
+                             small_m)
 
 
 ALL_ROWS = 1 << 40   # qgemv_packed_rows() of a type whose packed copy takes every row count
@@ -65,6 +66,11 @@ class QLinear:
         self.packed_rows = rows.pop() if len(rows) == 1 else 0
         self.packed_parts = [torch.ops.tandem.pack_gemv(p.data, p.qtype, p.k) if self.packed_rows else None
                              for p in self.parts]
+        # Rows past the packed copy's reach: the int8 GEMM at every row count where the GEMV's bits are not its
+        # (a row's bits must not follow the step's size: gemv_is_gemm); then no in-kernel GEMV rows.
+        self.gemm_always = q8 and self.packed_rows < ALL_ROWS and not all(gemv_is_gemm(p) for p in self.parts)
+        if self.gemm_always:
+            self._few = (-1, *self._few[1:])
         self.bf16: torch.Tensor | None = None       # the dequantized weight in bf16 (make_bf16), for bulk()
 
     @property
@@ -118,6 +124,9 @@ class QLinear:
             return y if self.bias is None else y + self.bias
         if x.shape[0] <= rows:                          # one part, in-kernel rows: straight to the op
             return op(x, data, qtype, k, self.bias)
+        if self.gemm_always:
+            y = torch.cat([torch.ops.tandem.qgemm_q8(x, p.data, p.qtype, p.k, None) for p in self.parts], dim=-1)
+            return y if self.bias is None else y + self.bias
         if len(self.parts) == 1:
             return qlinear(x, self.parts[0], self.bias, self.int8_act)
         y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)

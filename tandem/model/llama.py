@@ -152,7 +152,7 @@ class LlamaModel:
         plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
         for layer in self.layers if plain else []:
             lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
-            if (not layer["window"] and all(isinstance(lin, QLinear) for lin in lins)
+            if (not layer["window"] and all(isinstance(lin, QLinear) and not lin.gemm_always for lin in lins)
                     and all(len(lin.parts) == 1 for lin in lins[1:])):
                 parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
                 packed = [pk if pk is not None else _NONE for lin in lins for pk in lin.packed_parts]
