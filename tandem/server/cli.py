@@ -101,6 +101,7 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
     """Serve until a signal (exit 0) or, with exit_on_engine_failure, until an engine dies (exit 1)."""
     import uvicorn
 
+    from ..fingerprint import system_fingerprint
     from ..model.loader import load_tokenizer, resolve_model
     from ..model.sampling_defaults import sampling_defaults
     from .frontend import Frontend
@@ -129,7 +130,8 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
         metrics = ServerMetrics(name, client.replica_stats)
         client.on_output = metrics.on_output
         frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages, defaults)
-        app = build_app(client, frontend, name, metrics, limits)
+        fingerprint = await asyncio.to_thread(system_fingerprint, config, source.weight_files)
+        app = build_app(client, frontend, name, metrics, limits, fingerprint)
         life.server = _make_server(uvicorn.Config(app, host=options.host, port=options.port,
                                                   log_level=options.log_level, lifespan="off",
                                                   timeout_graceful_shutdown=GRACEFUL_S))

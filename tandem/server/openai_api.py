@@ -53,8 +53,9 @@ def _tool_choice_builder(plan: ToolPlan):
 
 class OpenAIServer:
     def __init__(self, client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits) -> None:
+                 limits: ServerLimits, fingerprint: str | None = None) -> None:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
+        self.fingerprint = fingerprint                 # system_fingerprint of every response (fingerprint.py)
         self.gen = Generation(client, frontend)        # submit, read, collect, abort: shared with the other routes
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
@@ -64,6 +65,13 @@ class OpenAIServer:
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
+
+    def _signed(self, body: dict) -> dict:
+        """A response or chunk with OpenAI's system_fingerprint: the same fingerprint and the same request (seed
+        included) give the same tokens and logprobs (fingerprint.py)."""
+        if self.fingerprint is not None:
+            body["system_fingerprint"] = self.fingerprint
+        return body
 
     def _take_logprobs(self, c: Choice, chat: bool) -> dict | None:
         """The choice's logprobs not yet sent, in the endpoint's shape (None if it did not ask)."""
@@ -113,10 +121,10 @@ class OpenAIServer:
         def render() -> JSONResponse:
             # Off the event loop: with echo and logprobs a body holds 20 alternatives per prompt token (an
             # 8,000-token prompt: ~4 MB of JSON), which would stall every other stream and /health meanwhile.
-            return JSONResponse(build(rid, self.model, created,
-                                      [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
-                                       for c, (text, reason, _) in zip(choices, done)],
-                                      P.usage(n_prompt, sum(n for _, _, n in done), cached_tokens(choices))))
+            return JSONResponse(self._signed(build(
+                rid, self.model, created, [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
+                                           for c, (text, reason, _) in zip(choices, done)],
+                P.usage(n_prompt, sum(n for _, _, n in done), cached_tokens(choices)))))
         return await self.fe.off_loop(render)
 
     async def _stream_completion(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
@@ -124,8 +132,8 @@ class OpenAIServer:
         n_out: dict[int, int] = {}
 
         def chunk(c: Choice, text: str, reason: str | None = None, echo: bool = False) -> str:
-            return sse(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage, c.index,
-                                           None if echo else self._take_logprobs(c, False)))
+            return sse(self._signed(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage,
+                                                       c.index, None if echo else self._take_logprobs(c, False))))
         try:
             for c in choices:
                 if c.echo:
@@ -135,8 +143,9 @@ class OpenAIServer:
                 if delta or o.finished:
                     yield chunk(c, delta, o.finish_reason if o.finished else None)
             if include_usage:
-                yield sse(P.completion_chunk(rid, self.model, created, None, None,
-                                              P.usage(n_prompt, sum(n_out.values()), cached_tokens(choices)), True))
+                yield sse(self._signed(P.completion_chunk(
+                    rid, self.model, created, None, None, P.usage(n_prompt, sum(n_out.values()),
+                                                                  cached_tokens(choices)), True)))
         except (EngineError, APIError) as e:
             yield stream_error(e)
         finally:
@@ -150,10 +159,10 @@ class OpenAIServer:
         sent: dict[int, int] = {c.index: 0 for c in choices}       # how much of it went out as content
 
         def chunk(c: Choice | None, delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
-            return sse(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
+            return sse(self._signed(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
                                      c.index if c is not None else 0,
                                      self._take_logprobs(c, True) if c is not None and delta is not None
-                                     and "role" not in delta else None))
+                                     and "role" not in delta else None)))
         try:
             for c in choices:
                 yield chunk(c, {"role": "assistant", "content": ""})
@@ -223,9 +232,9 @@ class OpenAIServer:
 
 
 def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
-              limits: ServerLimits) -> FastAPI:
+              limits: ServerLimits, fingerprint: str | None = None) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible server of the tandem engine")
-    api = OpenAIServer(client, frontend, model_name, metrics, limits)
+    api = OpenAIServer(client, frontend, model_name, metrics, limits, fingerprint)
     app.state.api = api
     app.add_middleware(BodyLimitMiddleware, limits=limits)
 

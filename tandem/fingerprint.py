@@ -1,0 +1,54 @@
+"""OpenAI's system_fingerprint: a short hash of everything that decides a response's bits.
+
+With batch invariance (model/attention_paths.py) a request's tokens and logprobs are a function of the request
+(its prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version,
+the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto" choices follow (AVX512-BF16,
+AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV cache dtype, bf16 prefill
+and products, batch_invariant, dtype, tensor and pipeline parallel sizes). Options that change no bit (the loop,
+thread counts, batch sizes, the prefix cache, speculation) are left out, so two servers that differ only there
+answer alike and say so. README states the limits of the promise.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+from . import __version__
+from .config import EngineConfig
+
+ARITHMETIC_FIELDS = ("kernels", "kernels_act", "kv_cache_dtype", "prefill_act", "prefill_attention",
+                     "decode_attention", "batch_invariant", "dtype", "device", "tp_size", "pp_size")
+SAMPLES = 16                  # 64 KiB pieces spread over a weight file, besides its first MiB and its size
+SAMPLE_BYTES = 1 << 16
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a weight file's size, its first MiB (a GGUF's metadata and tensor index) and 16 pieces spread
+    over the rest: a few MB read whatever the file's size, and any other quantization, fine-tune or shard
+    changes it."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        for i in range(SAMPLES):
+            f.seek(size * i // SAMPLES)
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def system_fingerprint(config: EngineConfig, weight_files: tuple[str, ...] | list[str]) -> str:
+    """"fp_" and 12 hex digits of the hash of what decides the bits (the module docstring)."""
+    from . import kernels
+    what = {
+        "tandem": __version__,
+        "weights": [file_digest(p) for p in sorted(weight_files)],
+        "isa": kernels.isa() if kernels.available() else "torch",
+        "cpu_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+        "cpu_amx": bool(torch.cpu._is_amx_tile_supported()),
+        "options": {f: getattr(config, f) for f in ARITHMETIC_FIELDS},
+    }
+    return "fp_" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
