@@ -1,13 +1,15 @@
-// qgemv_packed for the K-quants of Q4_K_M and Q5_K_M files (Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on
-// weights interleaved at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with
-// qgemm_q8's arithmetic (its header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q4_K /
-// Q5_K f = fma(sxh_u, mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them
-// (d sc_j, m_j (-dmin); Q6_K d scale_u). So its rows are bit for bit the GEMM's and qgemv_q8's, at any row count.
-// Here: the op, the pack and the AVX-512 VNNI tiles; the AVX2 tiles in qgemv_packed_k_avx2.inc.
+// qgemv_packed for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on weights interleaved
+// at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with qgemm_q8's arithmetic (its
+// header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q2_K / Q4_K / Q5_K f = fma(sxh_u,
+// mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them (d sc_j, m_j (-dmin);
+// Q6_K d scale_u; Q2_K / Q3_K: qgemv_packed_k23.inc). So its rows are bit for bit the GEMM's and qgemv_q8's, at
+// any row count. Here: the op, the pack and the AVX-512 VNNI tiles of Q4_K / Q5_K / Q6_K; their AVX2 tiles in
+// qgemv_packed_k_avx2.inc, both of Q2_K / Q3_K's in qgemv_packed_k23.inc.
 //
 // Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (qgemv_q8) read it
 // at ~32 GB/s where llama.cpp reads ~43 on the same cores (issue 46). The packed layout is the file's size
-// exactly (16 rows x 144, 176 or 210 bytes a super-block), so a model keeps it as the weight's only copy.
+// exactly (16 rows x 144, 176 or 210 bytes a super-block; Q2_K / Q3_K 84, 110), so a model keeps it as the
+// weight's only copy.
 //
 // Packed tensor: uint8 [ceil(N / 16), K / 256 * SB], group g = output rows 16 g .. 16 g + 15 (rows past N
 // zero), super-block after super-block, SB bytes each:
@@ -20,8 +22,9 @@
 //   Q6_K, SB = 3360: 8 sub-blocks of 384 quant bytes (the 4 low-nibble vectors as Q4_K's, then H0, H1: byte
 //     4 r + t of H0 holds the two high bits of element 4 p + t at bits 2 p, 2 p + 1, H1 those of element
 //     16 + 4 p + t), then the int8 scales transposed (scale u < 16 of row r at 16 u + r), then d fp16 x 16.
+//   Q2_K, SB = 1344 and Q3_K, SB = 1760: packed_k23.h (a 64-byte vector of 2-bit quants a 16-weight half).
 // The operand vpdpbusd takes unsigned is the weight: Q4_K's nibbles and Q5_K's 5-bit values are their quants;
-// Q6_K's 6-bit values are q + 32, so a half's sum loses 32 sum(x).
+// Q6_K's 6-bit values are q + 32, so a half's sum loses 32 sum(x) (Q3_K's q + 4: 4 sum(x)).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_k23.h"
 #include "packed_q5.h"
 #include "vec.h"
 
@@ -36,31 +40,37 @@ namespace tandem {
 
 namespace {
 
-enum : int64_t { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int64_t { kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 constexpr int kG = 16;
 
-constexpr int64_t row_sb_bytes(int64_t qt) { return qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210; }
+constexpr bool k23(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }           // qgemv_packed_k23.inc's types
+constexpr int64_t row_sb_bytes(int64_t qt) {
+  return k23(qt) ? k23_row_bytes(qt) : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210;
+}
 constexpr int64_t sb_bytes(int64_t qt) { return kG * row_sb_bytes(qt); }         // a group's super-block
 constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }   // its quants
-constexpr bool has_min(int64_t qt) { return qt != kQ6_K; }                       // Q4_K, Q5_K: d, dmin, scales
+constexpr bool has_min(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }        // Q4_K, Q5_K: d, dmin, scales
 
 struct KX {                 // rows of x rounded as qgemm_q8 rounds them, natural order
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
-  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half; Q4_K / Q5_K unused
+  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half, Q3_K 4 sum(x); the others unused
   int64_t K, nh;
 };
 
 #define TPK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define TPK2 __attribute__((target("avx2,fma,f16c")))
 
-// The 16 rows' fp32 scales of 4 sub-blocks from their 6-bit values v (16 bytes a sub-block): out[i] =
-// float(v lane i) * s, as k_scales computes them.
-TPK inline void widen4(__m512i v, __m512 s, __m512* out) {
-  out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 0))), s);
-  out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1))), s);
-  out[2] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 2))), s);
-  out[3] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 3))), s);
+// The 16 rows' fp32 scales of 4 sub-blocks from their 6-bit values v (16 bytes a sub-block; sign: int8): out[i]
+// = float(v lane i) * s, as k_scales computes them.
+TPK inline __m512 widen1(__m128i b, __m512 s, bool sign) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b)), s);
+}
+TPK inline void widen4(__m512i v, __m512 s, __m512* out, bool sign = false) {
+  out[0] = widen1(_mm512_extracti32x4_epi32(v, 0), s, sign);
+  out[1] = widen1(_mm512_extracti32x4_epi32(v, 1), s, sign);
+  out[2] = widen1(_mm512_extracti32x4_epi32(v, 2), s, sign);
+  out[3] = widen1(_mm512_extracti32x4_epi32(v, 3), s, sign);
 }
 
 // Q4_K: a super-block's 8 sub-block scales (dw = d sc_j) and mins (mh = m_j (-dmin)) of the group's 16 rows from
@@ -209,12 +219,23 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
 }
 
 #include "qgemv_packed_k_avx2.inc"
+#include "qgemv_packed_k23.inc"
+
+// The type's tile: this file's, or qgemv_packed_k23.inc's.
+template <int64_t QT, int MT>
+void tile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t n0, int64_t N) {
+  if constexpr (k23(QT)) ktile23<QT, MT>(gp, ns, x, m0, bias, y, N, n0, N);
+  else ktile<QT, MT>(gp, ns, x, m0, bias, y, N, n0, N);
+}
 
 // Rows m0 .. M - 1 of x against half s of a group, MT rows a tile and the last < MT by narrower ones.
 template <int64_t QT, int MT>
 void krows_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, int64_t M, const float* bias, float* y,
                 int64_t n, int64_t N, int s) {
-  for (; M - m0 >= MT; m0 += MT) ktile_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+  for (; M - m0 >= MT; m0 += MT) {
+    if constexpr (k23(QT)) ktile23_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+    else ktile_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+  }
   if constexpr (MT > 1) {
     if (M > m0) krows_avx2<QT, MT - 1>(gp, ns, x, m0, M, bias, y, n, N, s);
   }
@@ -233,11 +254,11 @@ void kgroups(int body, const uint8_t* wp, int64_t gbytes, int64_t ns, const KX& 
     }
     for (int64_t m0 = 0; m0 < M; m0 += M - m0 >= 8 ? 8 : 4) {
       switch (std::min<int64_t>(M - m0 >= 8 ? 8 : 4, M - m0)) {
-        case 8: ktile<QT, 8>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        case 4: ktile<QT, 4>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        case 3: ktile<QT, 3>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        case 2: ktile<QT, 2>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        default: ktile<QT, 1>(gp, ns, x, m0, bias, y, N, n0, N); break;
+        case 8: tile<QT, 8>(gp, ns, x, m0, bias, y, n0, N); break;
+        case 4: tile<QT, 4>(gp, ns, x, m0, bias, y, n0, N); break;
+        case 3: tile<QT, 3>(gp, ns, x, m0, bias, y, n0, N); break;
+        case 2: tile<QT, 2>(gp, ns, x, m0, bias, y, n0, N); break;
+        default: tile<QT, 1>(gp, ns, x, m0, bias, y, n0, N); break;
       }
     }
   }
@@ -256,6 +277,10 @@ void q6k_values(const uint8_t* blk, uint8_t* v) {
 void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N, int64_t g, uint8_t* gp) {
   for (int r = 0; r < kG && g * kG + r < N; ++r) {
     const uint8_t* row = w + (g * kG + r) * rb;
+    if (k23(qt)) {
+      pack_row23(qt, row, r, ns, gp);
+      continue;
+    }
     for (int64_t s = 0; s < ns; ++s) {
       uint8_t* sp = gp + s * sb_bytes(qt);
       uint8_t* tail = sp + 8 * sub_bytes(qt);
@@ -297,7 +322,7 @@ void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N,
 
 }  // namespace
 
-bool packable_k(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+bool packable_k(int64_t qtype) { return k23(qtype) || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.pack_gemv: K must be a positive multiple of 256 for K-quants, got ", K);
@@ -323,7 +348,7 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
               "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
-  PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : 0);
+  PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);    // the values' offsets
   const KX xr{px.q, px.dx, px.sxh, px.off, K, nh};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -331,9 +356,13 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
   const int64_t per = body == 1 || M > 2 ? 1 : 4, chunks = (NG + per - 1) / per;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
-    if (qtype == kQ4_K) kgroups<kQ4_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
-    else if (qtype == kQ5_K) kgroups<kQ5_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
-    else kgroups<kQ6_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
+    switch (qtype) {
+      case kQ2_K: kgroups<kQ2_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      case kQ3_K: kgroups<kQ3_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      case kQ4_K: kgroups<kQ4_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      case kQ5_K: kgroups<kQ5_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      default: kgroups<kQ6_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+    }
   });
   return y;
 }
