@@ -45,7 +45,7 @@ class QLinear:
     beside Q4_K q/k): each part runs on its own blocks and the outputs are concatenated.
 
     With int8 activations, weights of a type tandem.pack_gemv interleaves (Q4_0 / Q4_1 / Q5_0 / Q8_0, and the
-    K-quants Q4_K / Q5_K / Q6_K of Q4_K_M and Q5_K_M files) get a repacked copy per part (`packed`) for up to
+    K-quants Q2_K to Q6_K of the K-quant files) get a repacked copy per part (`packed`) for up to
     packed_rows() rows of x, where tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's
     GEMV (decode and speculative verify steps; csrc/qgemv_packed.cpp). For the 32-weight types the row layout stays
     beside it (as many bytes again) for longer prefill chunks; the K-quants' packed copy takes every row count, so

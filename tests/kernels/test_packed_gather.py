@@ -1,7 +1,7 @@
-"""tandem.packed_gather: rows of a weight read out of its packed copy (tandem.pack_gemv's layouts: Q4_K,
-Q5_K, Q6_K and Q4_0, Q4_1, Q5_0, Q8_0) are tandem.dequantize's rows of the row layout bit for bit, on every ISA body,
-for any rows (N off the 16-row groups, the last group's rows, repeated rows), so a tied model's token lookup in
-its LM head's packed copy changes no bit. Bad arguments are refused with a clear error."""
+"""tandem.packed_gather: rows of a weight read out of its packed copy (tandem.pack_gemv's layouts: Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K and Q4_0, Q4_1, Q5_0, Q8_0) are tandem.dequantize's rows of the row layout bit for bit, on every
+ISA body, for any rows (N off the 16-row groups, the last group's rows, repeated rows), so a tied model's token
+lookup in its LM head's packed copy changes no bit. Bad arguments are refused with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 from tests.kernels.test_qgemm import _weight
 
 from tandem import kernels
-from tandem.kernels.quant import Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, packed_gather
+from tandem.kernels.quant import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_gather
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
 T = torch.ops.tandem
@@ -34,7 +34,8 @@ def _check(qtype: int, n: int, k: int, seed: int) -> None:
     assert torch.equal(packed_gather(packed, qtype, k, n, idx.int()), q.rows(idx))       # int32 ids too
 
 
-@pytest.mark.parametrize("name, qtype", [("Q4_K", Q4_K), ("Q5_K", Q5_K), ("Q6_K", Q6_K)])
+@pytest.mark.parametrize("name, qtype", [("Q2_K", Q2_K), ("Q3_K", Q3_K), ("Q4_K", Q4_K), ("Q5_K", Q5_K),
+                                         ("Q6_K", Q6_K)])
 @pytest.mark.parametrize("n, k", [(37, 256), (203, 512), (37, 768), (16, 1536), (1, 256), (203, 3072)])
 def test_k_quant_rows_are_dequantizes_bit_for_bit(name, qtype, n, k):
     _check(qtype, n, k, seed=n + k)
@@ -54,7 +55,7 @@ def test_qlinear_lookup_rows_is_the_same_held_or_released():
     if T.qgemv_packed_rows(Q6_K) == 0:
         pytest.skip("no packed copy on a CPU without AVX2")
     idx = _index(45, 3)
-    for qtype in (Q6_K, Q5_K, Q4_K, Q8_0, Q5_0, Q4_1, Q4_0):
+    for qtype in (Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, Q8_0, Q5_0, Q4_1, Q4_0):
         q = _weight(45, 512, qtype, seed=qtype)
         lin = QLinear(q, int8_act=True)
         held = lin.lookup_rows(idx)
@@ -71,14 +72,16 @@ def test_refusals():
         T.packed_gather(packed, Q6_K, 512, 37, torch.tensor([36, 37]))
     with pytest.raises(RuntimeError, match=r"index\[0\] = -1 is out of range"):
         T.packed_gather(packed, Q6_K, 512, 37, torch.tensor([-1]))
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K"):
-        T.packed_gather(packed, Q3_K, 512, 37, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+        T.packed_gather(packed, Q5_1, 512, 37, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="multiple of 256"):
         T.packed_gather(packed, Q6_K, 320, 37, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="for N = 50 and K = 512"):             # another weight's shape
         T.packed_gather(packed, Q6_K, 512, 50, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="for N = 37 and K = 512"):             # another type's layout
         T.packed_gather(packed, Q4_K, 512, 37, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="for N = 37 and K = 512"):
+        T.packed_gather(packed, Q3_K, 512, 37, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="1-D integer"):
         T.packed_gather(packed, Q6_K, 512, 37, torch.tensor([0.0]))
     with pytest.raises(RuntimeError, match="1-D integer"):

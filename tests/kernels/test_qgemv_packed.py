@@ -1,7 +1,7 @@
 """The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.qgemv_packed; Q4_0, Q4_1, Q5_0, Q8_0 and the
-K-quants Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal qgemm_q8's bit for bit at any row count,
-so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one that does not.
-Bad inputs are refused with a clear error."""
+K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal qgemm_q8's bit for bit at any
+row count, so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one that
+does not. Bad inputs are refused with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -10,12 +10,14 @@ from tests.kernels.test_qgemm import _weight
 from tests.kernels.test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, packed_rows, qlinear_q8_ref, small_m
+from tandem.kernels.quant import (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_rows,
+                                  qlinear_q8_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX2")
 BODIES = [1] + ([2] if torch.ops.tandem.isa(-1) == 2 else [])     # AVX2, and AVX-512 VNNI where it is here
-TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q2_K": Q2_K, "Q3_K": Q3_K, "Q4_K": Q4_K, "Q5_K": Q5_K,
+         "Q6_K": Q6_K}
 T = torch.ops.tandem
 
 
@@ -73,7 +75,7 @@ def test_qlinear_runs_the_packed_copy_with_the_same_bits():
     q = _weight(50, 576, Q4_1, seed=5)
     lin, exact = QLinear(q, int8_act=True), QLinear(q, int8_act=False)
     assert lin.packed is not None and lin.packed_rows == packed_rows(Q4_1) >= 16 and exact.packed is None
-    assert QLinear(_weight(20, 256, Q3_K, seed=0), int8_act=True).packed is None      # not a packed type
+    assert QLinear(_weight(20, 256, Q5_1, seed=0), int8_act=True).packed is None      # not a packed type
     plain = QLinear(q, int8_act=True)
     plain.packed_rows = 0
     x = torch.randn(40, 576)
@@ -84,9 +86,9 @@ def test_qlinear_runs_the_packed_copy_with_the_same_bits():
 
 
 def test_k_quants_packed_copy_is_the_files_size_and_close_to_the_specification():
-    """Q4_K / Q5_K / Q6_K: the packed layout is 16 rows x the GGUF's bytes (no larger than the file), and the
-    output is within fp32 rounding of the float64 specification (qlinear_q8_ref)."""
-    for qtype, nbytes in ((Q4_K, 144), (Q5_K, 176), (Q6_K, 210)):
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K: the packed layout is 16 rows x the GGUF's bytes (no larger than the file),
+    and the output is within fp32 rounding of the float64 specification (qlinear_q8_ref)."""
+    for qtype, nbytes in ((Q2_K, 84), (Q3_K, 110), (Q4_K, 144), (Q5_K, 176), (Q6_K, 210)):
         q = _weight(48, 512, qtype, seed=7)
         packed = T.pack_gemv(q.data, qtype, 512)
         assert packed.shape == (3, 16 * 2 * nbytes) and packed.numel() == q.data.numel()
@@ -96,30 +98,34 @@ def test_k_quants_packed_copy_is_the_files_size_and_close_to_the_specification()
             torch.testing.assert_close(y, qlinear_q8_ref(x, q), rtol=1e-5, atol=1e-4)
 
 
-def test_q5_k_extreme_sums_do_not_overflow():
-    """Every Q5_K quant 31 and every scale 63 against x rounded to +-127 everywhere: AVX2's int16 sum of a half's
-    4 pmaddubsw is at its largest (4 x 2 x 31 x 127), and still the GEMM's bits."""
+@pytest.mark.parametrize("qtype, nbytes, d_at", [(Q5_K, 176, 0), (Q3_K, 110, 108), (Q2_K, 84, 80)])
+def test_k_quant_extreme_sums_do_not_overflow(qtype, nbytes, d_at):
+    """Every quant at its top value (Q5_K 31, Q3_K's unsigned 7, Q2_K 3) and every scale and min at its largest
+    against x rounded to +-127 everywhere: AVX2's int16 sum of a half's 4 pmaddubsw is at its largest (Q5_K's
+    4 x 2 x 31 x 127), and still the GEMM's bits."""
     from tandem.kernels.quant import QuantWeight
-    b = torch.full((20, 2, 176), 0xFF, dtype=torch.uint8)
-    b[..., 0:4] = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)     # d, dmin
-    q = QuantWeight.from_gguf(b.reshape(20, -1), Q5_K, 512)
-    packed = T.pack_gemv(q.data, Q5_K, 512)
+    b = torch.full((20, 2, nbytes), 0xFF, dtype=torch.uint8)
+    d = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)            # d, dmin
+    b[..., d_at:d_at + 4] = d[:2] if qtype == Q3_K else d                               # Q3_K: d alone
+    q = QuantWeight.from_gguf(b.reshape(20, -1), qtype, 512)
+    packed = T.pack_gemv(q.data, qtype, 512)
     x = torch.ones(3, 512)
     x[1] = -1
     x[2, 256:] = -1
-    gemm = T.qgemm_q8(x, q.data, Q5_K, 512, None)
+    gemm = T.qgemm_q8(x, q.data, qtype, 512, None)
     torch.testing.assert_close(gemm, qlinear_q8_ref(x, q), rtol=1e-5, atol=1e-4)
     for isa in BODIES:
-        assert torch.equal(T.qgemv_packed(x, packed, Q5_K, 512, 20, None, isa), gemm), isa
+        assert torch.equal(T.qgemv_packed(x, packed, qtype, 512, 20, None, isa), gemm), isa
 
 
 def test_k_quant_qlinear_keeps_each_weight_once():
-    """A Q4_K / Q5_K / Q6_K QLinear (several parts of mixed types too, as Q4_K_M's and Q5_K_M's qkv) runs its
-    packed copies at every row count with the GEMM's bits, and release_rows() drops the row layout: what it holds
-    is the file's bytes."""
+    """A K-quant QLinear (several parts of mixed types too, as the qkv of Q4_K_M, Q5_K_M, Q3_K_M and Q2_K files) runs
+    its packed copies at every row count with the GEMM's bits, and release_rows() drops the row layout: what it
+    holds is the file's bytes."""
     from tandem.model.linear import QLinear
-    parts = [_weight(32, 512, Q4_K, seed=1), _weight(16, 512, Q6_K, seed=2), _weight(32, 512, Q5_K, seed=3)]
-    bias = torch.randn(80)
+    parts = [_weight(32, 512, Q4_K, seed=1), _weight(16, 512, Q6_K, seed=2), _weight(32, 512, Q5_K, seed=3),
+             _weight(48, 512, Q3_K, seed=4), _weight(16, 512, Q2_K, seed=5)]
+    bias = torch.randn(144)
     lin = QLinear(parts, bias, int8_act=True)
     x = torch.randn(150, 512)
     want = torch.cat([T.qgemm_q8(x, p.data, p.qtype, 512, None) for p in parts], dim=1) + bias
@@ -134,13 +140,15 @@ def test_k_quant_qlinear_keeps_each_weight_once():
 
 
 def test_refusals():
-    q = _weight(20, 256, Q3_K, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K"):
-        T.pack_gemv(q.data, Q3_K, 256)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K"):
-        T.qgemv_packed(torch.randn(1, 256), q.data, Q3_K, 256, 20)
+    q = _weight(20, 256, Q5_1, seed=0)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+        T.pack_gemv(q.data, Q5_1, 256)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+        T.qgemv_packed(torch.randn(1, 256), q.data, Q5_1, 256, 20)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         T.pack_gemv(_weight(20, 256, Q4_K, seed=0).data, Q4_K, 320)
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 \[N, 84\]"):            # another type's rows
+        T.pack_gemv(_weight(20, 256, Q3_K, seed=0).data, Q2_K, 256)
     q = _weight(20, 64, Q8_0, seed=0)
     packed = T.pack_gemv(q.data, Q8_0, 64)
     assert packed.shape == (2, 2 * (512 + 32))

@@ -53,7 +53,7 @@ at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int
 // q [M][K], dx / sxh [M][K / 16], off [M][K / 16] = unit * sum of the half's quants.
 struct PackedX { const int8_t* q; const float *dx, *sxh; const int32_t* off; };
 PackedX quantize_packed_x(const at::Tensor& x, int32_t unit);
-// Its K-quant bodies (qgemv_packed_k.cpp: Q4_K, Q5_K, Q6_K); body 2 AVX-512 VNNI, 1 AVX2.
+// Its K-quant bodies (qgemv_packed_k.cpp: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); body 2 AVX-512 VNNI, 1 AVX2.
 bool packable_k(int64_t qtype);
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,

@@ -10,27 +10,32 @@
 //
 // How: each requested row's row-layout bytes are rebuilt from its group (the inverse of the pack) and
 // dequantized by tandem.dequantize's own body, so the values are bit for bit dequantize's on the row layout, on
-// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q5_0, Q8_0) and qgemv_packed_k.cpp (Q4_K,
-// Q5_K, Q6_K), described in their headers; tests/kernels/test_packed_gather.py holds the pack and this inverse
-// together.
+// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q5_0, Q8_0), qgemv_packed_k.cpp (Q4_K,
+// Q5_K, Q6_K) and packed_k23.h (Q2_K, Q3_K), described in their headers; tests/kernels/test_packed_gather.py holds
+// the pack and this inverse together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstring>
 
 #include "ops.h"
+#include "packed_k23.h"
 #include "packed_q5.h"
 
 namespace tandem {
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 constexpr int kG = 16;                      // rows of a packed group
 
-bool k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
+bool k23(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }
+bool k_quant(int64_t qt) { return k23(qt) || qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 // Bytes a row has in the row layout, and a packed group of 16 rows, for K input features.
 int64_t row_bytes(int64_t qt, int64_t K) {
+  if (k23(qt)) return K / 256 * k23_row_bytes(qt);
   if (k_quant(qt)) return K / 256 * (qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210);
   return K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34);
 }
@@ -110,13 +115,27 @@ void unpack_row_q6k(const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
   }
 }
 
+// Q2_K / Q3_K: the GGUF's super-blocks, each element's value and header byte read back from where packed_k23.h
+// put them.
+void unpack_row_k23(int64_t qt, const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
+  const int64_t rb = k23_row_bytes(qt);
+  for (int64_t s = 0; s < ns; ++s) {
+    const uint8_t* sp = gp + s * kG * rb;
+    uint8_t* blk = row + s * rb;
+    std::memset(blk, 0, rb);
+    for (int e = 0; e < 256; ++e) k23_set_value(qt, blk, e, k23_get(qt, sp, r, e));
+    for (int j = 0; j < rb; ++j)
+      if (j < k23_quants_begin(qt) || j >= k23_quants_end(qt)) blk[j] = sp[k23_head_at(qt, j, r)];
+  }
+}
+
 }  // namespace
 
 at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N, const at::Tensor& index,
                          int64_t isa) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 || k_quant(qtype),
-              "tandem.packed_gather: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, 12, 13, 14), "
-              "got ", qtype);
+              "tandem.packed_gather: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
+              "10-14), got ", qtype);
   const int64_t qk = k_quant(qtype) ? 256 : 32;
   TORCH_CHECK(K > 0 && K % qk == 0, "tandem.packed_gather: K must be a positive multiple of ", qk, ", got ", K);
   TORCH_CHECK(N > 0, "tandem.packed_gather: N must be > 0, got ", N);
@@ -140,7 +159,8 @@ at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* gp = wp + ip[i] / kG * gbytes;
       const int r = (int)(ip[i] % kG);
-      if (qtype == kQ4_K || qtype == kQ5_K) unpack_row_q45k(qtype, gp, r, K / 256, out + i * rb);
+      if (k23(qtype)) unpack_row_k23(qtype, gp, r, K / 256, out + i * rb);
+      else if (qtype == kQ4_K || qtype == kQ5_K) unpack_row_q45k(qtype, gp, r, K / 256, out + i * rb);
       else if (qtype == kQ6_K) unpack_row_q6k(gp, r, K / 256, out + i * rb);
       else unpack_row_q(qtype, gp, r, K / 32, out + i * rb);
     }

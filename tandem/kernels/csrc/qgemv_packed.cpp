@@ -359,8 +359,8 @@ int64_t qgemv_packed_rows(int64_t qtype) {
 
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
   if (packable_k(qtype)) return pack_gemv_k(w, qtype, K);
-  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
-              "12, 13, 14), got ", qtype);
+  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml "
+              "types 2, 3, 6, 8, 10-14), got ", qtype);
   TORCH_CHECK(K > 0 && K % 32 == 0, "tandem.pack_gemv: K must be a positive multiple of 32, got ", K);
   const int64_t nb = K / 32, rb = row_block_bytes(qtype) * nb;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
@@ -399,8 +399,8 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
 at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                         const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype) || packable_k(qtype),
-              "tandem.qgemv_packed: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, 12, 13, 14), "
-              "got ", qtype);
+              "tandem.qgemv_packed: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
+              "10-14), got ", qtype);
   const int body = packed_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(N > 0, "tandem.qgemv_packed: N must be > 0");

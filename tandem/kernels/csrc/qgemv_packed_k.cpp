@@ -1,12 +1,15 @@
-// qgemv_packed for the K-quants of Q4_K_M and Q5_K_M files (Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on
-// weights interleaved at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with
-// qgemm_q8's arithmetic (its header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q4_K /
-// Q5_K f = fma(sxh_u, mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them
-// (d sc_j, m_j (-dmin); Q6_K d scale_u). So its rows are bit for bit the GEMM's and qgemv_q8's, at any row count.
+// qgemv_packed for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on weights interleaved
+// at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with qgemm_q8's arithmetic (its
+// header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q2_K / Q4_K / Q5_K f = fma(sxh_u,
+// mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them (d sc_j, m_j (-dmin);
+// Q6_K d scale_u; Q2_K / Q3_K: qgemv_packed_k23.inc). So its rows are bit for bit the GEMM's and qgemv_q8's, at
+// any row count. Here: the op, the pack and the AVX-512 VNNI tiles of Q4_K / Q5_K / Q6_K; their AVX2 tiles in
+// qgemv_packed_k_avx2.inc, both of Q2_K / Q3_K's in qgemv_packed_k23.inc.
 //
 // Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (qgemv_q8) read it
 // at ~32 GB/s where llama.cpp reads ~43 on the same cores (issue 46). The packed layout is the file's size
-// exactly (16 rows x 144, 176 or 210 bytes a super-block), so a model keeps it as the weight's only copy.
+// exactly (16 rows x 144, 176 or 210 bytes a super-block; Q2_K / Q3_K 84, 110), so a model keeps it as the
+// weight's only copy.
 //
 // Packed tensor: uint8 [ceil(N / 16), K / 256 * SB], group g = output rows 16 g .. 16 g + 15 (rows past N
 // zero), super-block after super-block, SB bytes each:
@@ -19,8 +22,9 @@
 //   Q6_K, SB = 3360: 8 sub-blocks of 384 quant bytes (the 4 low-nibble vectors as Q4_K's, then H0, H1: byte
 //     4 r + t of H0 holds the two high bits of element 4 p + t at bits 2 p, 2 p + 1, H1 those of element
 //     16 + 4 p + t), then the int8 scales transposed (scale u < 16 of row r at 16 u + r), then d fp16 x 16.
+//   Q2_K, SB = 1344 and Q3_K, SB = 1760: packed_k23.h (a 64-byte vector of 2-bit quants a 16-weight half).
 // The operand vpdpbusd takes unsigned is the weight: Q4_K's nibbles and Q5_K's 5-bit values are their quants;
-// Q6_K's 6-bit values are q + 32, so a half's sum loses 32 sum(x).
+// Q6_K's 6-bit values are q + 32, so a half's sum loses 32 sum(x) (Q3_K's q + 4: 4 sum(x)).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -28,6 +32,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_k23.h"
 #include "packed_q5.h"
 #include "vec.h"
 
@@ -35,43 +40,37 @@ namespace tandem {
 
 namespace {
 
-enum : int64_t { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int64_t { kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 constexpr int kG = 16;
 
-constexpr int64_t row_sb_bytes(int64_t qt) { return qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210; }
+constexpr bool k23(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }           // qgemv_packed_k23.inc's types
+constexpr int64_t row_sb_bytes(int64_t qt) {
+  return k23(qt) ? k23_row_bytes(qt) : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210;
+}
 constexpr int64_t sb_bytes(int64_t qt) { return kG * row_sb_bytes(qt); }         // a group's super-block
 constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }   // its quants
-constexpr bool has_min(int64_t qt) { return qt != kQ6_K; }                       // Q4_K, Q5_K: d, dmin, scales
+constexpr bool has_min(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }        // Q4_K, Q5_K: d, dmin, scales
 
 struct KX {                 // rows of x rounded as qgemm_q8 rounds them, natural order
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
-  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half; Q4_K / Q5_K unused
+  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half, Q3_K 4 sum(x); the others unused
   int64_t K, nh;
 };
 
 #define TPK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define TPK2 __attribute__((target("avx2,fma,f16c")))
 
-// Q4_K sub-block j's 6-bit scales (mins: `mins`) of the group's rows from the transposed scale bytes S (16 a
-// byte index), the byte operations of q4_k_scale_min, 16 rows at once (8 with half = 8 on the AVX2 body).
-TPK2 inline __m128i q4k_sub(const uint8_t* S, int j, bool mins, int half) {
-  auto ld = [&](int i) { return half < 0 ? _mm_loadu_si128((const __m128i*)(S + 16 * i))
-                                         : _mm_loadl_epi64((const __m128i*)(S + 16 * i + half)); };
-  const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
-  if (j < 4) return _mm_and_si128(ld(mins ? j + 4 : j), m63);
-  const __m128i lo = mins ? _mm_and_si128(_mm_srli_epi16(ld(j + 4), 4), m15) : _mm_and_si128(ld(j + 4), m15);
-  const __m128i top = _mm_and_si128(_mm_srli_epi16(ld(mins ? j : j - 4), 6), m3);
-  return _mm_or_si128(lo, _mm_slli_epi16(top, 4));
+// The 16 rows' fp32 scales of 4 sub-blocks from their 6-bit values v (16 bytes a sub-block; sign: int8): out[i]
+// = float(v lane i) * s, as k_scales computes them.
+TPK inline __m512 widen1(__m128i b, __m512 s, bool sign) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b)), s);
 }
-
-// The 16 rows' fp32 scales of 4 sub-blocks from their 6-bit values v (16 bytes a sub-block): out[i] =
-// float(v lane i) * s, as k_scales computes them.
-TPK inline void widen4(__m512i v, __m512 s, __m512* out) {
-  out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 0))), s);
-  out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1))), s);
-  out[2] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 2))), s);
-  out[3] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 3))), s);
+TPK inline void widen4(__m512i v, __m512 s, __m512* out, bool sign = false) {
+  out[0] = widen1(_mm512_extracti32x4_epi32(v, 0), s, sign);
+  out[1] = widen1(_mm512_extracti32x4_epi32(v, 1), s, sign);
+  out[2] = widen1(_mm512_extracti32x4_epi32(v, 2), s, sign);
+  out[3] = widen1(_mm512_extracti32x4_epi32(v, 3), s, sign);
 }
 
 // Q4_K: a super-block's 8 sub-block scales (dw = d sc_j) and mins (mh = m_j (-dmin)) of the group's 16 rows from
@@ -96,13 +95,6 @@ TPK inline __m512i q6k_bits512(__m512i v, __m512i hb, int p, int h) {
   return _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
 }
 
-TPK2 inline __m256i q6k_bits256(__m256i v, __m256i hb, int p, int h) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
-  const __m256i lo = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-  const __m256i hi = p == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * p);
-  return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-}
-
 // The weight stream's software prefetch: a tile requests, into L2, the lines kPrefetchAhead bytes ahead of the
 // super-block it reads (past the group's end: the next group's, read next; a prefetch past the weights does not
 // fault). One group a tile keeps the weights one sequential stream a thread. Measured on the 1.5B-shaped file's
@@ -113,6 +105,52 @@ constexpr int64_t kPrefetchAhead = 4096;
 
 TPK2 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char*)(p + l), _MM_HINT_T1);
+}
+
+// A half's exact int32 sums of the 16 rows: weight vectors w[p] (4 unsigned quants of each row's lane) against
+// the half's 16 bytes of x, 4 a vector. Two chains of 2 vpdpbusd, not one of 4 (its latency bound the tile); an
+// int32 sum in any order is the same sum.
+TPK inline __m512i x4(const int8_t* xb) {             // 4 bytes of x in every lane: a broadcast from memory
+  int32_t v;
+  std::memcpy(&v, xb, 4);
+  return _mm512_set1_epi32(v);
+}
+TPK inline __m512i half_dot512(const __m512i* w, const int8_t* xb) {
+  const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x4(xb));
+  const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x4(xb + 4));
+  return _mm512_add_epi32(_mm512_dpbusd_epi32(a0, w[2], x4(xb + 8)), _mm512_dpbusd_epi32(a1, w[3], x4(xb + 12)));
+}
+
+// The same for 8 rows by pmaddubsw, the 4 products' pairs added in int16 (the caller's quants are small enough
+// for |sum| < 2^15), then pmaddwd by ones.
+TPK2 inline __m256i half_dot256(const __m256i* w, const int8_t* xb) {
+  __m256i pr[4];
+  for (int p = 0; p < 4; ++p) {
+    int32_t xv;
+    std::memcpy(&xv, xb + 4 * p, 4);
+    pr[p] = _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv));
+  }
+  const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3]));
+  return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+}
+
+// A tile's outputs: rows m0 .. m0 + MT - 1 of y at columns n0 .. (16, or 8 on AVX2, not past N), plus bias.
+template <int MT>
+TPK void store16(const __m512* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t N) {
+  const int nr = (int)std::min<int64_t>(kG, N - n0);
+  const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int j = 0; j < MT; ++j)
+    _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, bias ? _mm512_add_ps(f[j], bv) : f[j]);
+}
+template <int MT>
+TPK2 void store8(const __m256* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n, int64_t N) {
+  const int nr = (int)std::min<int64_t>(8, N - n);
+  for (int j = 0; j < MT; ++j) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, f[j]);
+    for (int i = 0; i < nr; ++i) y[(m0 + j) * ldy + n + i] = bias ? out[i] + bias[n + i] : out[i];
+  }
 }
 
 // One group (output rows n0 .. n0 + 15) against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
@@ -168,14 +206,7 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
         const int8_t* xb = x.q + m * x.K + 256 * s + 32 * sb;
         for (int h = 0; h < 2; ++h) {
           const int64_t u = 16 * s + 2 * sb + h;
-          // two chains of 2 vpdpbusd, not one of 4 (its latency bound the tile); an int32 sum in any order is
-          // the same sum
-          int32_t xv[4];
-          std::memcpy(xv, xb + 16 * h, 16);
-          const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h], _mm512_set1_epi32(xv[0]));
-          const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * h + 1], _mm512_set1_epi32(xv[1]));
-          __m512i acc = _mm512_add_epi32(_mm512_dpbusd_epi32(a0, w[4 * h + 2], _mm512_set1_epi32(xv[2])),
-                                         _mm512_dpbusd_epi32(a1, w[4 * h + 3], _mm512_set1_epi32(xv[3])));
+          __m512i acc = half_dot512(w + 4 * h, xb + 16 * h);
           if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
           f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
                                  f[j]);
@@ -184,91 +215,27 @@ TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const flo
       }
     }
   }
-  const int nr = (int)std::min<int64_t>(kG, N - n0);
-  const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int j = 0; j < MT; ++j)
-    _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, bias ? _mm512_add_ps(f[j], bv) : f[j]);
+  store16<MT>(f, m0, bias, y, ldy, n0, N);
 }
 
-// The AVX2 body: half s of a group (output rows 8 s .. 8 s + 7, one ymm) against rows m0 .. m0 + MT - 1 of x,
-// each weight vector unpacked once for the MT rows. vpdpbusd's work by pmaddubsw (weights unsigned, x signed)
-// and pmaddwd by ones: Q4_K / Q5_K add a half's 4 pmaddubsw in int16 (|sum| <= 4 x 2 x 31 x 127 < 2^15), Q6_K
-// two at a time (2 x 2 x 63 x 127 < 2^15). The same integer sums and fp32 operations as ktile, so the same bits.
+#include "qgemv_packed_k_avx2.inc"
+#include "qgemv_packed_k23.inc"
+
+// The type's tile: this file's, or qgemv_packed_k23.inc's.
 template <int64_t QT, int MT>
-TPK2 void ktile_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y,
-                     int64_t ldy, int64_t n, int64_t N, int s) {
-  constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
-  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  __m256 f[MT];
-  for (int j = 0; j < MT; ++j) f[j] = _mm256_setzero_ps();
-  const bool first = s == 0 && m0 == 0;      // the group's first pass requests the stream ahead
-  for (int64_t b = 0; b < ns; ++b) {
-    const uint8_t* sp = gp + b * SB;
-    if (first) prefetch_ahead(sp + kPrefetchAhead, SB);
-    const uint8_t* tail = sp + 8 * QB;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((has_min(QT) ? tail : tail + 256) + 16 * s)));
-    __m256 ndmin = _mm256_setzero_ps();
-    if constexpr (has_min(QT))
-      ndmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tail + 32 + 16 * s))),
-                            _mm256_set1_ps(-0.0f));
-    for (int sb = 0; sb < 8; ++sb) {
-      const uint8_t* q = sp + sb * QB + 32 * s;
-      __m256 dw[2], mh = _mm256_setzero_ps();
-      if constexpr (has_min(QT)) {
-        dw[0] = dw[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q4k_sub(tail + 64, sb, false, 8 * s))), d);
-        mh = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q4k_sub(tail + 64, sb, true, 8 * s))), ndmin);
-      } else {
-        for (int h = 0; h < 2; ++h)
-          dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                      _mm_loadl_epi64((const __m128i*)(tail + 16 * (2 * sb + h) + 8 * s)))), d);
-      }
-      const __m256i hb = QT == kQ5_K ? _mm256_loadu_si256((const __m256i*)(q + 256)) : _mm256_setzero_si256();
-      for (int h = 0; h < 2; ++h) {
-        __m256i w[4];
-        for (int p = 0; p < 4; ++p) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
-          if constexpr (has_min(QT)) w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-          if constexpr (QT == kQ5_K) w[p] = q5_bits256(w[p], hb, p, h);
-          if constexpr (QT == kQ6_K)
-            w[p] = q6k_bits256(v, _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * h)), p, h);
-        }
-        for (int j = 0; j < MT; ++j) {
-          const int64_t m = m0 + j, u = 16 * b + 2 * sb + h;
-          const int8_t* xb = x.q + m * x.K + 256 * b + 32 * sb + 16 * h;
-          __m256i pr[4];
-          for (int p = 0; p < 4; ++p) {
-            int32_t xv;
-            std::memcpy(&xv, xb + 4 * p, 4);
-            pr[p] = _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xv));
-          }
-          __m256i acc;
-          if constexpr (has_min(QT)) {
-            acc = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pr[0], pr[1]), _mm256_add_epi16(pr[2], pr[3])), ones);
-          } else {
-            acc = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pr[0], pr[1]), ones),
-                                   _mm256_madd_epi16(_mm256_add_epi16(pr[2], pr[3]), ones));
-            acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(x.off[m * x.nh + u]));
-          }
-          f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(_mm256_set1_ps(x.dx[m * x.nh + u]), dw[h]), f[j]);
-          if constexpr (has_min(QT)) f[j] = _mm256_fmadd_ps(_mm256_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
-        }
-      }
-    }
-  }
-  const int nr = (int)std::min<int64_t>(8, N - n);
-  for (int j = 0; j < MT; ++j) {
-    alignas(32) float out[8];
-    _mm256_store_ps(out, f[j]);
-    for (int i = 0; i < nr; ++i) y[(m0 + j) * ldy + n + i] = bias ? out[i] + bias[n + i] : out[i];
-  }
+void tile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t n0, int64_t N) {
+  if constexpr (k23(QT)) ktile23<QT, MT>(gp, ns, x, m0, bias, y, N, n0, N);
+  else ktile<QT, MT>(gp, ns, x, m0, bias, y, N, n0, N);
 }
 
 // Rows m0 .. M - 1 of x against half s of a group, MT rows a tile and the last < MT by narrower ones.
 template <int64_t QT, int MT>
 void krows_avx2(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, int64_t M, const float* bias, float* y,
                 int64_t n, int64_t N, int s) {
-  for (; M - m0 >= MT; m0 += MT) ktile_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+  for (; M - m0 >= MT; m0 += MT) {
+    if constexpr (k23(QT)) ktile23_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+    else ktile_avx2<QT, MT>(gp, ns, x, m0, bias, y, N, n, N, s);
+  }
   if constexpr (MT > 1) {
     if (M > m0) krows_avx2<QT, MT - 1>(gp, ns, x, m0, M, bias, y, n, N, s);
   }
@@ -287,11 +254,11 @@ void kgroups(int body, const uint8_t* wp, int64_t gbytes, int64_t ns, const KX& 
     }
     for (int64_t m0 = 0; m0 < M; m0 += M - m0 >= 8 ? 8 : 4) {
       switch (std::min<int64_t>(M - m0 >= 8 ? 8 : 4, M - m0)) {
-        case 8: ktile<QT, 8>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        case 4: ktile<QT, 4>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        case 3: ktile<QT, 3>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        case 2: ktile<QT, 2>(gp, ns, x, m0, bias, y, N, n0, N); break;
-        default: ktile<QT, 1>(gp, ns, x, m0, bias, y, N, n0, N); break;
+        case 8: tile<QT, 8>(gp, ns, x, m0, bias, y, n0, N); break;
+        case 4: tile<QT, 4>(gp, ns, x, m0, bias, y, n0, N); break;
+        case 3: tile<QT, 3>(gp, ns, x, m0, bias, y, n0, N); break;
+        case 2: tile<QT, 2>(gp, ns, x, m0, bias, y, n0, N); break;
+        default: tile<QT, 1>(gp, ns, x, m0, bias, y, n0, N); break;
       }
     }
   }
@@ -310,6 +277,10 @@ void q6k_values(const uint8_t* blk, uint8_t* v) {
 void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N, int64_t g, uint8_t* gp) {
   for (int r = 0; r < kG && g * kG + r < N; ++r) {
     const uint8_t* row = w + (g * kG + r) * rb;
+    if (k23(qt)) {
+      pack_row23(qt, row, r, ns, gp);
+      continue;
+    }
     for (int64_t s = 0; s < ns; ++s) {
       uint8_t* sp = gp + s * sb_bytes(qt);
       uint8_t* tail = sp + 8 * sub_bytes(qt);
@@ -351,7 +322,7 @@ void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N,
 
 }  // namespace
 
-bool packable_k(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+bool packable_k(int64_t qtype) { return k23(qtype) || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.pack_gemv: K must be a positive multiple of 256 for K-quants, got ", K);
@@ -377,7 +348,7 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
               "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
-  PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : 0);
+  PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);    // the values' offsets
   const KX xr{px.q, px.dx, px.sxh, px.off, K, nh};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -385,9 +356,13 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
   const int64_t per = body == 1 || M > 2 ? 1 : 4, chunks = (NG + per - 1) / per;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
-    if (qtype == kQ4_K) kgroups<kQ4_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
-    else if (qtype == kQ5_K) kgroups<kQ5_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
-    else kgroups<kQ6_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1);
+    switch (qtype) {
+      case kQ2_K: kgroups<kQ2_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      case kQ3_K: kgroups<kQ3_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      case kQ4_K: kgroups<kQ4_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      case kQ5_K: kgroups<kQ5_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+      default: kgroups<kQ6_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
+    }
   });
   return y;
 }
