@@ -41,6 +41,9 @@ def add_parser(subparsers) -> None:
                    help="'auto': fields a request omits (temperature, top_p, top_k, min_p, repetition_penalty) take "
                         "the model's defaults (generation_config.json, a GGUF's general.sampling.*; shown in "
                         "/v1/models); 'none': tandem's own defaults")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split a thinking model's <think>...</think> text into the chat message's reasoning_content "
+                        "(streamed as delta.reasoning_content); tool calls are parsed from the rest (default: off)")
     p.add_argument("--max-messages", type=int, default=2048,
                    help="refuse chat requests with more messages with 400")
     p.add_argument("--health-timeout", type=float, default=30.0,
@@ -68,7 +71,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--engine-failure-grace must be >= 0")
     options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
                            args.max_messages, args.health_timeout, args.exit_on_engine_failure, dp_options(args),
-                           args.engine_failure_grace, args.generation_config)
+                           args.engine_failure_grace, args.generation_config, args.reasoning_parser)
     replica_cores(config, options.dp)              # a --dp the cores cannot take is a clear error, here
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
@@ -95,6 +98,7 @@ class ServeOptions:
     dp: DataParallel = DataParallel()
     engine_failure_grace_s: float = ENGINE_FAILURE_GRACE_S
     generation_config: str = "auto"     # "auto": the model's sampling defaults for omitted fields; "none"
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think> text into reasoning_content (reasoning.py)
 
 
 async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
@@ -131,7 +135,7 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
         client.on_output = metrics.on_output
         frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages, defaults)
         fingerprint = await asyncio.to_thread(system_fingerprint, config, source.weight_files)
-        app = build_app(client, frontend, name, metrics, limits, fingerprint)
+        app = build_app(client, frontend, name, metrics, limits, fingerprint, options.reasoning_parser)
         life.server = _make_server(uvicorn.Config(app, host=options.host, port=options.port,
                                                   log_level=options.log_level, lifespan="off",
                                                   timeout_graceful_shutdown=GRACEFUL_S))

@@ -38,6 +38,7 @@ from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokeni
 from .tools import ToolPlan
 from .anthropic_api import add_routes, anthropic_error, is_anthropic_path
 from . import responses_api
+from .reasoning import ReasoningSplitter, split as reasoning_split
 from .responses_protocol import is_responses_path, param_name
 
 DONE = "data: [DONE]\n\n"
@@ -51,11 +52,22 @@ def _tool_choice_builder(plan: ToolPlan):
     return build
 
 
+def _with_reasoning(parser: str, prompt_tail: str, build, index: int, text: str, reason: str | None,
+                    logprobs: dict | None = None) -> dict:
+    """`build`'s chat choice of the content, with the reasoning part as message.reasoning_content."""
+    reasoning, content = reasoning_split(parser, prompt_tail, text)
+    choice = build(index, content, reason, logprobs)
+    if reasoning is not None:
+        choice["message"]["reasoning_content"] = reasoning
+    return choice
+
+
 class OpenAIServer:
     def __init__(self, client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits, fingerprint: str | None = None) -> None:
+                 limits: ServerLimits, fingerprint: str | None = None, reasoning_parser: str | None = None) -> None:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
         self.fingerprint = fingerprint                 # system_fingerprint of every response (fingerprint.py)
+        self.reasoning_parser = reasoning_parser       # chat: <think> text into reasoning_content (reasoning.py)
         self.gen = Generation(client, frontend)        # submit, read, collect, abort: shared with the other routes
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
@@ -97,17 +109,23 @@ class OpenAIServer:
         self._check(body)
         plan = tools.plan(body.tools, body.tool_choice)
         ids = await self.fe.off_loop(self.fe.chat_ids, body, plan)
+        # With a reasoning parser: does the rendered prompt leave the thinking open? (its last tokens' text)
+        tail = self.fe.tokenizer.decode(ids[-16:]) if self.reasoning_parser is not None else None
         return await self._respond(body, request, [ids], arrival, "chatcmpl", None, self._stream_chat,
-                                   P.chat_completion, P.chat_choice, chat=True, tool_plan=plan)
+                                   P.chat_completion, P.chat_choice, chat=True, tool_plan=plan, reasoning_tail=tail)
 
     async def _respond(self, body, request: Request, prompts: list[list[int]], arrival: float, kind: str,
                        default_max: int | None, stream, build, build_choice, chat: bool,
-                       tool_plan: ToolPlan | None = None):
+                       tool_plan: ToolPlan | None = None, reasoning_tail: str | None = None):
         """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
         rid, choices = await self.gen.submit(body, prompts, kind, arrival, default_max, tool_plan)
         if tool_plan is not None and tool_plan.mode != "none":
             build_choice = _tool_choice_builder(tool_plan)
             stream = functools.partial(stream, tool_plan=tool_plan)
+        if reasoning_tail is not None:                 # the reasoning split first; tool calls from the content
+            build_choice = functools.partial(_with_reasoning, self.reasoning_parser, reasoning_tail, build_choice)
+            stream = functools.partial(stream, splitter=functools.partial(
+                ReasoningSplitter.for_prompt, self.reasoning_parser, reasoning_tail))
         created = int(time.time())
         n_prompt = sum(len(ids) for ids in prompts)        # each prompt counts once, whatever n
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -153,7 +171,7 @@ class OpenAIServer:
         yield DONE
 
     async def _stream_chat(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
-                           include_usage: bool, tool_plan: ToolPlan | None = None):
+                           include_usage: bool, tool_plan: ToolPlan | None = None, splitter=None):
         n_out: dict[int, int] = {}
         text: dict[int, str] = {c.index: "" for c in choices}      # all text so far (tool calls)
         sent: dict[int, int] = {c.index: 0 for c in choices}       # how much of it went out as content
@@ -166,8 +184,16 @@ class OpenAIServer:
         try:
             for c in choices:
                 yield chunk(c, {"role": "assistant", "content": ""})
+            split = {c.index: splitter() for c in choices} if splitter is not None else None
             async for c, delta, o in self.gen.merged(choices):
                 n_out[c.index] = o.num_output_tokens
+                if split is not None:                  # reasoning goes out as it becomes certain; content below
+                    thought, delta = split[c.index].feed(delta)
+                    if o.finished:
+                        more, rest = split[c.index].finish()
+                        thought, delta = thought + more, delta + rest
+                    if thought:
+                        yield chunk(c, {"reasoning_content": thought})
                 if tool_plan is not None and tool_plan.mode != "none":
                     # Tool calls: content goes out while it surely is content; the rest at the end.
                     text[c.index] += delta
@@ -232,9 +258,9 @@ class OpenAIServer:
 
 
 def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: ServerMetrics,
-              limits: ServerLimits, fingerprint: str | None = None) -> FastAPI:
+              limits: ServerLimits, fingerprint: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible server of the tandem engine")
-    api = OpenAIServer(client, frontend, model_name, metrics, limits, fingerprint)
+    api = OpenAIServer(client, frontend, model_name, metrics, limits, fingerprint, reasoning_parser)
     app.state.api = api
     app.add_middleware(BodyLimitMiddleware, limits=limits)
 
