@@ -398,7 +398,8 @@ class ModelRunner:
         mask = (causal | pad) & valid[:, None, :]
         q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
         if p:       # a padded slot still sees its row's first own key, so no row of the cut mask is empty
-            return AttentionMeta(kv, additive(mask[:, None, :, p:], self.model.attention.extend_dtype), q_index, (tok_row, tok_col),
+            dtype = self.model.attention.extend_dtype
+            return AttentionMeta(kv, additive(mask[:, None, :, p:], dtype), q_index, (tok_row, tok_col),
                                  last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
         return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
                              fresh=None if has_prefix else ext_np.tolist())

@@ -44,9 +44,9 @@ class Attention:
         self.extend_bf16 = bool(extend_bf16 and self.extend_native)
         self.decode_bf16 = bool(decode_bf16 and native)
 
-    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMeta) -> torch.Tensor:
         """Layer i's attention of a step's tokens: q [T, H, D], k, v [T, KVH, D] -> [T, H D]."""
-        # q: [T, H, D]; k, v: [T, KVH, D]
         if meta.parts is not None:      # a mixed step: decode rows and prefill rows attend in their own layouts
             return torch.cat([self(i, q[t], k[t], v[t], m) for t, m in meta.parts])
         if self.native and meta.q_index is None:        # a mixed step's decode part
