@@ -73,9 +73,6 @@ def server(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     """The official openai client on that server."""
-    import httpx
-    import openai
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60,
-                      http_client=httpx.Client(trust_env=False))
+    c = server.openai_client(timeout=60)
     yield c
     c.close()

@@ -32,13 +32,12 @@ class ReasoningSplitter:
     held: str = ""                  # text not yet said: a possible start of a tag
     content_started: bool = False   # leading newlines of the content are dropped until it starts
     opening: bool = False           # in reasoning from the start: a <think> the output still writes is dropped
+    closed: bool = False            # the reasoning ended (</think> seen)
 
     @property
     def thought(self) -> bool:
         """Whether the output had a reasoning part (it started in one, or opened one)."""
-        return self._thought or self.mode == "reasoning"
-
-    _thought: bool = False
+        return self.closed or self.mode == "reasoning"
 
     @staticmethod
     def for_prompt(parser: str, prompt_text: str) -> "ReasoningSplitter":
@@ -75,7 +74,7 @@ class ReasoningSplitter:
                 end = text.find(END)
                 if end >= 0:
                     reasoning += text[:end]
-                    self.mode, self._thought, text = "content", True, text[end + len(END):]
+                    self.mode, self.closed, text = "content", True, text[end + len(END):]
                     continue
                 keep = _open_tail(text, END)
                 reasoning += text[:len(text) - keep]

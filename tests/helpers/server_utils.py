@@ -99,6 +99,12 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()}")
 
+    def openai_client(self, timeout: float = 120.0):
+        """The official openai client on this server: loopback only (no proxy from the environment), no retries."""
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=timeout,
+                             http_client=httpx.Client(trust_env=False))
+
     def log(self) -> str:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")[-6000:]

@@ -146,13 +146,10 @@ def test_targets_alone_and_in_random_traffic(ggufs, make_llm, quant, alone_kw, l
 def test_server_streams_under_concurrent_traffic(ggufs, tmp_path):
     """Through `tandem serve` with the official openai client: each target alone, then again while 6 clients
     stream other prompts at the same time; the same tokens and logprobs."""
-    import httpx
-    import openai
     from tests.helpers.server_utils import ServerProcess
     srv = ServerProcess(["--model", ggufs["Q8_0"], "--served-model-name", "tiny", "--max-prefill-tokens", "64",
                          "--kv-cache-tokens", "4096"], str(tmp_path / "server.log"))
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120,
-                           http_client=httpx.Client(trust_env=False))
+    client = srv.openai_client()
     rng = random.Random(1)
     words = "alpha beta gamma delta river stone cloud light table seven open north".split()
     prompts = [" ".join(rng.choice(words) for _ in range(n)) for n in (3, 150, 40)]

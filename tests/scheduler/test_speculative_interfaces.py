@@ -86,7 +86,6 @@ def test_server_streams_speculative_runs_with_usage(tmp_path):
     import json
 
     import httpx
-    import openai
 
     from tests.helpers.server_utils import ServerProcess
     chat = [{"role": "user", "content": "Repeat this passage exactly:\n\n" + QUOTE}]
@@ -98,8 +97,7 @@ def test_server_streams_speculative_runs_with_usage(tmp_path):
     srv = ServerProcess(["--kv-cache-tokens", "4096", "--speculative-config", json.dumps(SPEC)],
                         str(tmp_path / "server.log"))
     try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120,
-                               http_client=httpx.Client(trust_env=False))
+        client = srv.openai_client()
         chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=chat,
                                                      max_tokens=40, temperature=0, stream=True,
                                                      stream_options={"include_usage": True}))

@@ -51,13 +51,10 @@ def test_unknown_parser_is_refused():
 def test_server_splits_alike_streamed_and_not(tiny_llama, tmp_path):
     """deepseek_r1 on the tiny model (it never writes </think>): every output token is reasoning, content empty,
     the stream's reasoning deltas the non-streamed reasoning_content; qwen3's absent tags leave plain content."""
-    import httpx
-    import openai
     from tests.helpers.server_utils import ServerProcess
     srv = ServerProcess(["--model", tiny_llama, "--served-model-name", "tiny", "--device-threads", "1",
                          "--reasoning-parser", "deepseek_r1"], str(tmp_path / "server.log"))
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60,
-                           http_client=httpx.Client(trust_env=False))
+    client = srv.openai_client(timeout=60)
     try:
         msgs = [{"role": "user", "content": "think about it"}]
         whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)

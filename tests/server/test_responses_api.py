@@ -45,8 +45,7 @@ def server(reference, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120,
-                      http_client=httpx.Client(trust_env=False))
+    c = server.openai_client()
     yield c
     c.close()
 

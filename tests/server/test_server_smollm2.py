@@ -4,7 +4,6 @@ openai client, streamed and not, equal to the offline LLM's greedy output.
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from tests.helpers.server_utils import default_model_server
@@ -34,8 +33,7 @@ def server(reference, tmp_path_factory):
 
 
 def test_real_model_chat_and_completion(server, reference):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120,
-                           http_client=httpx.Client(trust_env=False))
+    client = server.openai_client()
     name = client.models.list().data[0].id
     assert name == reference["name"]
 
