@@ -51,6 +51,7 @@ class EngineConfig:
     nnodes: int = 1                     # machines the device ranks span: tp_size / nnodes tp ranks or pp_size / nnodes stages on each
     node_rank: int = 0                  # this machine's index; node 0 runs the scheduler and server, others only ranks or stages
     dist_init_addr: str | None = None   # HOST:PORT where node 0 meets the other nodes' ranks (needed when nnodes > 1)
+    tp_reduce_chunks: int = 0           # o and down sum their input in this many chunks added in one order, so every tp size dividing it gives the same bits (e.g. 6: tp 1, 2, 3); 0: off (each rank's sum all-reduced)
     tp_comm: str = "auto"               # tp collectives: "auto" (shared memory when all ranks share a host, else gloo), "gloo"
     # ---- pipeline parallelism (tandem/device/parallel/pp.py, the PP loop in tandem/scheduler/loops.py) ----
     pp_size: int = 1                    # pipeline stages (--pp): the layers split into contiguous stages, one device process each
@@ -129,6 +130,12 @@ class EngineConfig:
     def _check_tp(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1:
             raise ValueError(f"tp_size and nnodes must be >= 1, got {self.tp_size} and {self.nnodes}")
+        if self.tp_reduce_chunks < 0 or (self.tp_reduce_chunks and self.tp_reduce_chunks % self.tp_size):
+            raise ValueError(f"tp_reduce_chunks must be 0 (off) or a multiple of tp_size {self.tp_size}, "
+                             f"got {self.tp_reduce_chunks}")
+        if self.tp_reduce_chunks and self.prefill_act == "bf16":
+            raise ValueError("tp_reduce_chunks fixes the bits of o and down; prefill_act='bf16' would give long "
+                             "chunks other ones: use prefill_act 'auto' or 'int8'")
         if self.tp_size * self.pp_size % self.nnodes:
             raise ValueError(f"tp_size {self.tp_size} x pp_size {self.pp_size} device ranks do not split evenly "
                              f"over {self.nnodes} nodes")

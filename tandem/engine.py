@@ -31,6 +31,7 @@ class Engine:
     def __init__(self, config: EngineConfig, sink: Callable[[list[StepOutput]], None] | None = None,
                  poll: Callable[[], None] | None = None) -> None:
         from .model.loader import load_tokenizer, resolve_model
+        from .model.row_parallel import check_chunks
         from .model.shard import check_tp_size
         from .device.parallel.pp import check_pp_size
         if config.node_rank > 0:
@@ -41,6 +42,7 @@ class Engine:
         self.model_config = self.source.config
         self.model_name = self.source.name
         check_tp_size(self.model_config, config.tp_size, self.model_name)
+        check_chunks(self.model_config, config.tp_reduce_chunks, self.model_name)
         check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name)
         spec = runner_spec(config, self.source)
         self.device_threads: int | None = None

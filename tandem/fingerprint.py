@@ -4,7 +4,8 @@ With batch invariance (model/attention_paths.py) a request's tokens and logprobs
 (its prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version,
 the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto" choices follow (AVX512-BF16,
 AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV cache dtype, bf16 prefill
-and products, batch_invariant, dtype, tensor and pipeline parallel sizes). Options that change no bit (the loop,
+and products, batch_invariant, dtype, tensor and pipeline parallel sizes; not the tensor-parallel size under
+tp_reduce_chunks, which gives every tp size dividing it the same bits). Options that change no bit (the loop,
 thread counts, batch sizes, the prefix cache, speculation) are left out, so two servers that differ only there
 answer alike and say so. README states the limits of the promise.
 """
@@ -20,7 +21,8 @@ from . import __version__
 from .config import EngineConfig
 
 ARITHMETIC_FIELDS = ("kernels", "kernels_act", "kv_cache_dtype", "prefill_act", "prefill_attention",
-                     "decode_attention", "batch_invariant", "dtype", "device", "tp_size", "pp_size")
+                     "decode_attention", "batch_invariant", "dtype", "device", "tp_size", "tp_reduce_chunks",
+                     "pp_size")
 SAMPLES = 16                  # 64 KiB pieces spread over a weight file, besides its first MiB and its size
 SAMPLE_BYTES = 1 << 16
 
@@ -49,6 +51,7 @@ def system_fingerprint(config: EngineConfig, weight_files: tuple[str, ...] | lis
         "isa": kernels.isa() if kernels.available() else "torch",
         "cpu_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
         "cpu_amx": bool(torch.cpu._is_amx_tile_supported()),
-        "options": {f: getattr(config, f) for f in ARITHMETIC_FIELDS},
+        "options": {f: getattr(config, f) for f in ARITHMETIC_FIELDS
+                    if not (f == "tp_size" and config.tp_reduce_chunks)},   # then every tp size gives the same bits
     }
     return "fp_" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]

@@ -121,7 +121,7 @@ class ModelRunner:
                                 int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
                                 extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
                                 decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim), consume_state=owned,
-                                batch_invariant=spec.batch_invariant)
+                                batch_invariant=spec.batch_invariant, reduce_chunks=spec.tp_reduce_chunks)
         del state
         release_load_memory()                # each weight held once: what loading read or copied goes back
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
@@ -161,7 +161,7 @@ class ModelRunner:
         (AVX2 and AVX-512-only CPUs: not measured faster there) and under batch_invariant (a long chunk's bf16
         rows would differ from a short chunk's int8 ones)."""
         act = self.spec.prefill_act
-        if act == "int8" or self.spec.kernels_act != "int8" or self.spec.batch_invariant:
+        if act == "int8" or self.spec.kernels_act != "int8" or self.spec.batch_invariant or self.spec.tp_reduce_chunks:
             return False
         if not rounds or self.device.type != "cpu":
             if act == "bf16":

@@ -89,7 +89,7 @@ def runner_spec(config: EngineConfig, source) -> RunnerSpec:
         prefill_act=config.prefill_act, prefill_attention=config.prefill_attention,
         batch_invariant=config.batch_invariant,
         decode_attention=config.decode_attention,
-        tp_size=config.tp_size, tp_comm=config.tp_comm, pp_size=config.pp_size,
+        tp_size=config.tp_size, tp_comm=config.tp_comm, tp_reduce_chunks=config.tp_reduce_chunks, pp_size=config.pp_size,
         max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
 
 

@@ -28,6 +28,7 @@ class RunnerSpec:
     prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
     decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
     tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model runner holds one shard
+    tp_reduce_chunks: int = 0     # o and down in this many column chunks added in order (model/row_parallel.py); 0: off
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
     pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers

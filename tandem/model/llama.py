@@ -18,7 +18,8 @@ from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
 from .rope import apply_rope, rope_inv_freq
-from .shard import TPLayout
+from .row_parallel import ChunkedRows, add_in_order, chunked_rows
+from .shard import TPLayout, cols
 
 _NONE = torch.empty(0, dtype=torch.uint8)       # decode_layer_'s packed entry of a linear without a packed copy
 
@@ -62,6 +63,8 @@ class LlamaModel:
     tp: a tensor-parallel rank (device/parallel/tp.py): `state` is this rank's shard (model/shard.py); o and down
     partial sums and the vocab-parallel embedding are all-reduced, the LM head's vocab shards gathered on
     rank 0 (other ranks' forward returns None).
+    reduce_chunks (tp_reduce_chunks): o and down run as that many column chunks over all ranks, their partials
+    added in chunk order (row_parallel.py): the bits of every tp size dividing it, tp 1's included.
     pp: a pipeline stage (device/parallel/pp.py): only its layers (pp.layers), the embedding on the first stage, the
     final norm and LM head on the last; final_hidden receives and sends (hidden, residual) at the stage's ends
     and returns None on every stage but the last.
@@ -78,13 +81,14 @@ class LlamaModel:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
                  extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, reduce_chunks: int = 0) -> None:
         self.config, self.device, self.dtype, self.native = config, torch.device(device), dtype, native
         self.tp, self.pp = tp, pp
         first, last = pp is None or pp.first, pp is None or pp.last
         c = config
         lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
         self.layout = lay
+        self.chunks_here = reduce_chunks // lay.size     # tp_reduce_chunks (row_parallel.py): o and down chunks here
         self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
         ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset, consume_state)
         self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks; tied_table)
@@ -100,7 +104,8 @@ class LlamaModel:
         self.layers = []
         for i in range(c.num_layers) if pp is None else pp.layers:
             self.layers.append(layer := self._layer(ws, i))
-            hold_once([layer[k] for k in ("qkv", "o", "gate_up", "down")], self.prefill_bf16)
+            hold_once([lin for k in ("qkv", "o", "gate_up", "down") for lin in getattr(layer[k], "lins", [layer[k]])],
+                      self.prefill_bf16)
         hold_once([self.lm_head], False)
         if c.tie_word_embeddings and first and last:    # one stage (rank) holds both: the head's copy serves both
             self.embed = tied_table(self.embed, self.lm_head)
@@ -127,9 +132,9 @@ class LlamaModel:
         layer = dict(
             attn_norm=ws.norm(p + "input_layernorm.weight"),
             qkv=ws.lin(qkv, qkv_bias),
-            o=ws.lin(ws.w(p + "self_attn.o_proj.weight")),
+            o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight"),
             gate_up=ws.lin(cat_rows([ws.w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
-            down=ws.lin(ws.w(p + "mlp.down_proj.weight")),
+            down=self._row_parallel_lin(ws, p + "mlp.down_proj.weight"),
             window=c.window(i),                                         # 0: a global layer
         )
         if c.sandwich_norm:                 # gemma3: post_attention_layernorm is the norm *after* attention
@@ -142,6 +147,12 @@ class LlamaModel:
             layer["qk_norm"] = torch.cat([ws.norm(p + "self_attn.q_norm.weight").expand(lay.heads, -1),
                                           ws.norm(p + "self_attn.k_norm.weight").expand(lay.kv_heads, -1)])
         return layer
+
+    def _row_parallel_lin(self, ws: "_StateReader", name: str) -> "Linear | QLinear | ChunkedRows":
+        """o or down: one linear, or under tp_reduce_chunks this rank's column chunks of it (row_parallel.py)."""
+        if not self.chunks_here:
+            return ws.lin(ws.w(name))
+        return chunked_rows(ws.w(name), self.chunks_here, name, lambda w, a, b: cols(w, a, b, [], name), ws.lin)
 
     def _plan_decode_layer_ops(self) -> None:
         """A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
@@ -185,6 +196,14 @@ class LlamaModel:
             x = x.contiguous()
             self.tp.all_reduce(x)
         return x
+
+    def _row_parallel(self, lin: "Linear | QLinear | ChunkedRows", x: torch.Tensor, b0: int) -> torch.Tensor:
+        """o or down, summed over the ranks: chunked (tp_reduce_chunks), every chunk's partial added in chunk
+        order, the bits of any tp size dividing the chunks; else this rank's sum all-reduced."""
+        if isinstance(lin, ChunkedRows):
+            parts = lin.partials(x)                                     # [chunks here, T, N]
+            return self.tp.all_reduce_in_order(parts) if self.tp is not None else add_in_order(parts)
+        return self._reduce(run_rows(lin, x, b0))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T, hidden]; vocab-parallel under tp: each rank looks up the ids of its shard, zeros elsewhere."""
@@ -257,14 +276,14 @@ class LlamaModel:
                 k = rms_norm(k, layer["qk_norm"][self.num_heads:], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = self.attention(i, q, k, v.view(-1, self.num_kv_heads, c.head_dim), meta)
-            h = self._reduce(layer["o"](attn))
+            h = self._row_parallel(layer["o"], attn, attn.shape[0])
             if c.sandwich_norm:
                 h = rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
             x = x + h
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
             act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-            h = self._reduce(layer["down"](act * up))
+            h = self._row_parallel(layer["down"], act * up, act.shape[0])
             if c.sandwich_norm:
                 h = rms_norm(h, layer["post_mlp_norm"], c.rms_norm_eps)
             x = x + h
@@ -302,7 +321,7 @@ class LlamaModel:
                 hd, kvh = c.head_dim, self.num_kv_heads
                 attn = self.attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
                                        meta)
-            o = self._reduce(run_rows(layer["o"], attn, b0))
+            o = self._row_parallel(layer["o"], attn, b0)
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
                 h = ops.add_rms_norm_(x, ops.rms_norm(o, layer["post_attn_norm"], eps), layer["mlp_norm"], eps)
             else:
@@ -312,7 +331,7 @@ class LlamaModel:
                 act = ops.gelu_tanh_mul(gate_up)
             else:
                 act = ops.silu_mul(gate_up)
-            delta = self._reduce(run_rows(layer["down"], act, b0))
+            delta = self._row_parallel(layer["down"], act, b0)
             if c.sandwich_norm:
                 delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
         return x, delta

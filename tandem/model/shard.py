@@ -83,7 +83,7 @@ def _rows(t, a: int, b: int, pad_to: int | None = None):
     return part.contiguous()
 
 
-def _cols(t, a: int, b: int, cut: list[str], name: str):
+def cols(t, a: int, b: int, cut: list[str], name: str):
     """Columns [a, b) (the input features of a row-parallel weight); `cut` collects the dequantized ones."""
     if not isinstance(t, QuantWeight):
         return t[:, a:b].contiguous()
@@ -116,9 +116,9 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         elif ".gate_proj." in name or ".up_proj." in name:
             out[name] = _rows(t, *mlp)
         elif ".o_proj." in name:
-            out[name] = _cols(t, *q, cut, name)
+            out[name] = cols(t, *q, cut, name)
         elif ".down_proj." in name:
-            out[name] = _cols(t, *mlp, cut, name)
+            out[name] = cols(t, *mlp, cut, name)
         else:                                  # norms: every rank keeps them whole
             out[name] = t
     if cut and lay.rank == 0:

@@ -206,12 +206,12 @@ def test_half_gguf_kept_and_greedy_equal_torch(quant, qtype, tmp_path, make_llm,
 def test_column_shards_cut_on_whole_blocks(name):
     """Tensor parallelism's column split keeps blocks where the cut falls on a block of the type (256 weights for
     K-quants) and dequantizes otherwise: a cut 32 weights into a super-block must not slice its bytes."""
-    from tandem.model.shard import _cols
+    from tandem.model.shard import cols
     qtype = NEW[name]
     q = weights(3, 768, qtype)
     dense, cut = q.dequantize(), []
-    kept = _cols(q, 256, 512, cut, "o")
+    kept = cols(q, 256, 512, cut, "o")
     assert isinstance(kept, QuantWeight) and cut == [] and torch.equal(kept.dequantize(), dense[:, 256:512])
-    part = _cols(q, 32, 288, cut, "o")
+    part = cols(q, 32, 288, cut, "o")
     assert torch.equal(part.dequantize() if isinstance(part, QuantWeight) else part, dense[:, 32:288])
     assert cut == ([] if qtype == Q5_0 else ["o"])

@@ -174,13 +174,13 @@ def test_gguf_blocks_shard_on_block_boundaries_and_dequantize_otherwise():
     import torch
 
     from tandem.kernels.quant import Q4_1, QuantWeight
-    from tandem.model.shard import _cols, _rows
+    from tandem.model.shard import _rows, cols
     w = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
     q = QuantWeight.from_gguf(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)), Q4_1, 128)
     dense, cut = q.dequantize(), []
-    kept = _cols(q, 32, 96, cut, "o")
+    kept = cols(q, 32, 96, cut, "o")
     assert isinstance(kept, QuantWeight) and cut == [] and torch.equal(kept.dequantize(), dense[:, 32:96])
     assert torch.equal(_rows(q, 2, 5).dequantize(), dense[2:5])
     assert torch.equal(_rows(q, 6, 8, pad_to=4).dequantize()[2:], torch.zeros(2, 128))    # vocab padding
-    fallback = _cols(q, 16, 48, cut, "o")
+    fallback = cols(q, 16, 48, cut, "o")
     assert not isinstance(fallback, QuantWeight) and cut == ["o"] and torch.equal(fallback, dense[:, 16:48])

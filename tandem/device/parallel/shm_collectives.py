@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime_files
+from ...model.row_parallel import add_in_order
 
 SLOT_BYTES = 4 << 20        # a rank's part of one op: [2048, 576] fp32 prefill activations in 2 chunks
 _LINE = 8                   # int64 words per rank's flag (one cache line: ranks never write the same line)
@@ -130,6 +131,20 @@ class ShmComm:
             torch.add(parts[0], parts[1], out=chunk)
             for r in range(2, self.size):
                 chunk.add_(parts[r])
+
+    def all_reduce_in_order(self, parts: torch.Tensor, out: torch.Tensor) -> None:
+        """out [n] = every rank's partials [c, n] added in (rank, chunk) order by add_in_order: the bits of
+        one rank adding them all (model/row_parallel.py), whatever the number of ranks."""
+        c, n = parts.shape
+        per = SLOT_BYTES // (c * parts.element_size())
+        for o in range(0, n, per):
+            m = min(per, n - o)
+            s = self._begin()
+            slots = self._parts(s, parts.dtype)[:, :c * m].view(self.size, c, m)
+            slots[self.rank].copy_(parts[:, o:o + m])
+            self._post(s)
+            self._wait(s, range(self.size))
+            add_in_order([slots[r, j] for r in range(self.size) for j in range(c)], out[o:o + m])
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """[B, V] parts -> [B, size * V] on rank 0 (None elsewhere; rows of V too long for a slot raise)."""

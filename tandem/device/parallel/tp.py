@@ -29,6 +29,7 @@ import torch.distributed as dist
 from . import step_wire
 from ..ranks import DistInfo, init_group
 from .shm_collectives import ShmComm
+from ...model.row_parallel import add_in_order
 from ..step import StepInput
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,22 @@ class TPGroup(step_wire.WireControl):
         else:
             dist.all_reduce(x)
         self.comm_s += time.perf_counter() - t
+
+    def all_reduce_in_order(self, parts: torch.Tensor) -> torch.Tensor:
+        """[c, M, N] partials of this rank's chunks -> [M, N]: all ranks' partials added in chunk order
+        (model/row_parallel.py), the same bits on every rank and at every tp size."""
+        t = time.perf_counter()
+        c, shape = parts.shape[0], parts.shape[1:]
+        flat = parts.reshape(c, -1)
+        out = torch.empty(flat.shape[1], dtype=parts.dtype, device=parts.device)
+        if self.shm is not None:
+            self.shm.all_reduce_in_order(flat, out)
+        else:
+            every = [torch.empty_like(flat) for _ in range(self.size)]
+            dist.all_gather(every, flat.contiguous())
+            add_in_order([p for part in every for p in part], out)
+        self.comm_s += time.perf_counter() - t
+        return out.view(shape)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
         """[B, Vp] shards -> [B, size * Vp] on rank 0 (None elsewhere)."""

@@ -44,10 +44,12 @@ def run_node(config) -> int:
     them. SIGTERM / SIGINT stop them; the exit code is 0 when every rank ended because rank 0 quit, 1
     otherwise."""
     from ...model.loader import resolve_model
+    from ...model.row_parallel import check_chunks
     from ...model.shard import check_tp_size
     from .pp import check_pp_size
     source = resolve_model(config.model, config.cache_dir)
     check_tp_size(source.config, config.tp_size, source.name)
+    check_chunks(source.config, config.tp_reduce_chunks, source.name)
     check_pp_size(source.config.num_layers, config.pp_size, source.name)
     spec = runner_spec(config, source)
     pp = config.pp_size > 1
