@@ -213,6 +213,11 @@ def message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
+def thinking_block(text: str) -> dict:
+    """The thinking (--reasoning-parser) as a thinking block; the signature is empty (nothing to verify)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def tool_use_blocks(calls: list[dict]) -> list[dict]:
     """OpenAI tool_calls (as tools.parse gives them) as tool_use blocks."""
     out = []

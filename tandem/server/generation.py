@@ -18,6 +18,7 @@ from ..request import StepOutput
 from .frontend import Frontend, TextStream
 from .protocol import APIError
 from . import tools
+from .reasoning import ReasoningSplitter
 from .tools import ToolPlan
 
 
@@ -48,16 +49,27 @@ def cached_tokens(choices: list[Choice]) -> int:
 
 @dataclass
 class Streamed:
-    """What Generation.content_deltas read of a choice: its whole text, and once it ended, the finish reason and
-    its output tokens."""
+    """What Generation.content_deltas read of a choice: its text after the reasoning (all of it without a
+    reasoning parser) and its reasoning, and once it ended, the finish reason and its output tokens, of which
+    `n_reasoning` up to the end of the reasoning (the step that closed it included)."""
     text: str = ""
+    reasoning: str | None = None    # None: the output had no reasoning part
     reason: str | None = None
     n_out: int = 0
+    n_reasoning: int = 0
 
 
 class Generation:
-    def __init__(self, client: ReplicaSet, frontend: Frontend) -> None:
+    def __init__(self, client: ReplicaSet, frontend: Frontend, reasoning_parser: str | None = None) -> None:
         self.client, self.fe = client, frontend
+        self.reasoning_parser = reasoning_parser       # --reasoning-parser (reasoning.py), or None
+
+    def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
+        """A reasoning split for an output of this prompt (None without --reasoning-parser): whether the output
+        starts in the reasoning follows the rendered prompt's last tokens (a template that opens <think>)."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningSplitter.for_prompt(self.reasoning_parser, self.fe.tokenizer.decode(prompt_ids[-16:]))
 
     async def submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
                       default_max_tokens: int | None, tool_plan: ToolPlan | None = None) -> tuple[str, list[Choice]]:
@@ -96,19 +108,38 @@ class Generation:
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
 
-    async def content_deltas(self, c: Choice, plan: ToolPlan, out: Streamed) -> AsyncIterator[str]:
-        """The choice's text as it comes, in the pieces that are surely content: all of it without tools; under a
-        tool plan, up to where a tool call may begin (tools.content_prefix). `out` gathers the rest."""
-        sent = 0
+    async def content_deltas(self, c: Choice, plan: ToolPlan, out: Streamed,
+                             split: ReasoningSplitter | None = None) -> AsyncIterator[tuple[str, str]]:
+        """("reasoning" | "content", piece) as the choice's text comes: with a reasoning split, the reasoning as it
+        becomes certain; then the content in the pieces that surely are content: all of it without tools; under
+        a tool plan, up to where a tool call may begin (tools.content_prefix). `out` gathers the rest."""
+        sent, closed = 0, False
         async for _, delta, o in self.merged([c]):
-            out.text, out.n_out = out.text + delta, o.num_output_tokens
+            out.n_out = o.num_output_tokens
+            if split is not None:
+                thought, delta = split.feed(delta)
+                if o.finished:
+                    more, rest = split.finish()
+                    thought, delta = thought + more, delta + rest
+                if split.thought and not closed:
+                    out.n_reasoning, closed = o.num_output_tokens, split.closed
+                    out.reasoning = (out.reasoning or "") + thought
+                if thought:
+                    yield "reasoning", thought
+            out.text += delta
             if o.finished:
                 out.reason = o.finish_reason
                 continue
             safe = len(out.text) if plan.mode == "none" else tools.content_prefix(plan, out.text)
             if safe > sent:
-                yield out.text[sent:safe]
+                yield "content", out.text[sent:safe]
                 sent = safe
+
+    async def read(self, c: Choice, plan: ToolPlan, out: Streamed, split: ReasoningSplitter | None) -> Streamed:
+        """content_deltas read to the end (a whole response): `out` holds the split output."""
+        async for _ in self.content_deltas(c, plan, out, split):
+            pass
+        return out
 
     async def merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
         """The outputs of every choice, as they come; the first error ends them all."""
@@ -148,9 +179,10 @@ class Generation:
             ends[c.index] = (o.finish_reason, o.num_output_tokens)
         return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
 
-    async def unless_disconnected(self, request: Request, choices: list[Choice]):
-        """Collect a whole response, aborting its requests if the client leaves first (or one fails)."""
-        task = asyncio.ensure_future(self.collect(choices))
+    async def unless_disconnected(self, request: Request, choices: list[Choice], work=None):
+        """Collect a whole response (or await `work`, a coroutine reading the choices), aborting its requests if
+        the client leaves first (or one fails)."""
+        task = asyncio.ensure_future(self.collect(choices) if work is None else work)
         watch = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -68,7 +68,7 @@ class OpenAIServer:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
         self.fingerprint = fingerprint                 # system_fingerprint of every response (fingerprint.py)
         self.reasoning_parser = reasoning_parser       # chat: <think> text into reasoning_content (reasoning.py)
-        self.gen = Generation(client, frontend)        # submit, read, collect, abort: shared with the other routes
+        self.gen = Generation(client, frontend, reasoning_parser)    # submit, read, collect, abort: every route
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
     # ---- shared steps --------------------------------------------------------------------------------------

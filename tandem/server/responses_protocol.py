@@ -249,6 +249,12 @@ def message_item(mid: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(rid: str, text: str | None, status: str) -> dict:
+    """The thinking (--reasoning-parser) as a reasoning item: its text one reasoning_text part, no summary."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": rid, "summary": [], "content": content, "status": status}
+
+
 def call_items(calls: list[dict], status: str = "completed") -> list[dict]:
     """tool_calls (as tools.parse gives them) as function_call output items."""
     return [{"type": "function_call", "id": "fc_" + c["id"].removeprefix("call_"), "call_id": c["id"],
@@ -256,9 +262,9 @@ def call_items(calls: list[dict], status: str = "completed") -> list[dict]:
             for c in calls]
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int) -> dict:
+def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int = 0) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": input_tokens + output_tokens}
 
 
