@@ -115,6 +115,7 @@ class CountTokensRequest(_Strict):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # an extra (vLLM's): to the chat template
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for a block or option tandem does not serve, else None."""
@@ -180,8 +181,12 @@ class CountTokensRequest(_Strict):
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
         tools, choice = self.openai_tools()
+        kwargs = dict(self.chat_template_kwargs or {})
         if self.messages[-1].role == "assistant":     # a prefill: the reply continues it (no new turn)
-            sampling.update(add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True})
+            sampling["add_generation_prompt"] = False
+            kwargs["continue_final_message"] = True
+        if kwargs:
+            sampling["chat_template_kwargs"] = kwargs
         chat = ChatCompletionRequest.model_validate({"messages": self.chat_messages(), "tools": tools,
                                                      "tool_choice": choice, **sampling})
         bad = chat.unsupported()

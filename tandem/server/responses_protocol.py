@@ -149,6 +149,7 @@ class ResponsesRequest(_Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # to the chat template, e.g. {"enable_thinking": false}
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for an option a stateless server without reasoning does not serve, else None."""
@@ -228,7 +229,8 @@ class ResponsesRequest(_Strict):
         choice = {"type": "function", "function": {"name": tc.name}} if isinstance(tc, NamedToolChoice) else tc
         fields: dict[str, Any] = {"messages": self.chat_messages(), "tools": self.chat_tools(), "tool_choice": choice,
                                   "response_format": self.response_format(), "stream": self.stream,
-                                  "max_tokens": self.max_output_tokens, "stop": self.stop, "seed": self.seed}
+                                  "max_tokens": self.max_output_tokens, "stop": self.stop, "seed": self.seed,
+                                  "chat_template_kwargs": self.chat_template_kwargs}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
