@@ -69,7 +69,7 @@ class AnthropicServer:
         self._check_model(body.model)
         chat = body.to_chat()
         plan, ids = await self.fe.off_loop(self._prompt, body, chat)
-        _, choices = await self.gen.submit(chat, [ids], "msg", arrival, None, plan)
+        _, choices = await self.gen.submit(chat, [ids], "msg", arrival, None, plan, chat=True)
         mid, split = A.message_id(), self.gen.splitter(ids)
         if body.stream:
             return StreamingResponse(self._stream(mid, chat, plan, choices[0], len(ids), split),

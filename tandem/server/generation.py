@@ -6,6 +6,7 @@ abort what is left. The OpenAI routes (openai_api.py), Anthropic's (anthropic_ap
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -18,7 +19,7 @@ from ..request import StepOutput
 from .frontend import Frontend, TextStream
 from .protocol import APIError
 from . import tools
-from .reasoning import ReasoningSplitter
+from .reasoning import END, START, ReasoningSplitter
 from .tools import ToolPlan
 
 
@@ -72,13 +73,18 @@ class Generation:
         return ReasoningSplitter.for_prompt(self.reasoning_parser, self.fe.tokenizer.decode(prompt_ids[-16:]))
 
     async def submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
-                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None) -> tuple[str, list[Choice]]:
+                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None,
+                      chat: bool = False) -> tuple[str, list[Choice]]:
         """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
         Every prompt's fields are validated before anything is queued; if one submit fails, the others are
-        aborted, so a refused response leaves nothing running."""
+        aborted, so a refused response leaves nothing running. A chat output's grammar starts after its
+        reasoning when a reasoning parser is set (reasoning_gate)."""
         constrained = body.structured() is not None or (tool_plan is not None and tool_plan.schema is not None)
         structured = await self.fe.off_loop(self.fe.structured, body, tool_plan) if constrained else None
         params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
+        if structured is not None and chat:
+            for ids, p in zip(prompts, params):
+                p.reasoning_end_ids, p.reasoning_start_id = self.reasoning_gate(ids)
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
         subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
@@ -95,6 +101,21 @@ class Generation:
         samples = [i for p in params for i in range(p.n)]
         return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e))
                      for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
+
+    def reasoning_gate(self, prompt_ids: list[int]) -> tuple[list[int] | None, int | None]:
+        """(reasoning_end_ids, reasoning_start_id) of a grammar that starts after the reasoning, as the splitter
+        reads the output (tandem/grammar/after_reasoning.py): an output that starts in the reasoning waits for
+        the end tag's ids; one that may open it waits too if it writes the start tag first, when that tag is one
+        token (Qwen3's); otherwise, and without a reasoning parser, the grammar applies from the start."""
+        split = self.splitter(prompt_ids)
+        if split is None:
+            return None, None
+        encode = functools.partial(self.fe.tokenizer.encode, add_special_tokens=False)
+        end = encode(END)
+        if split.mode == "reasoning":
+            return end, None
+        start = encode(START)
+        return (end, start[0]) if len(start) == 1 else (None, None)
 
     async def deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine

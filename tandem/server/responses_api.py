@@ -116,7 +116,7 @@ class ResponsesServer:
         check_model(body.model, self.model, required=True)
         chat = body.to_chat()
         plan, ids = await self.fe.off_loop(self._prompt, body, chat)
-        _, choices = await self.gen.submit(chat, [ids], "resp", arrival, None, plan)
+        _, choices = await self.gen.submit(chat, [ids], "resp", arrival, None, plan, chat=True)
         rid, created, split = R.new_id("resp"), int(time.time()), self.gen.splitter(ids)
         if body.stream:
             return StreamingResponse(self._stream(body, rid, created, plan, choices[0], len(ids), split),

@@ -128,3 +128,17 @@ def test_messages_give_a_thinking_block(r1_server, r1_client):
         assert {d.type for d in deltas} == {"thinking_delta"} and "".join(d.thinking for d in deltas) == want
     finally:
         c.close()
+
+
+def test_a_grammar_leaves_the_thinking_free(r1_client):
+    """The grammar starts after the reasoning (tandem/grammar/after_reasoning.py): the tiny model never ends its
+    thinking, so a JSON constraint leaves its reasoning exactly the unconstrained one, on chat and Responses."""
+    kw = dict(model="tiny", messages=MSGS, max_tokens=10, temperature=0)
+    free = r1_client.chat.completions.create(**kw).choices[0].message
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}):
+        m = r1_client.chat.completions.create(**kw, response_format=fmt).choices[0].message
+        assert (m.reasoning_content, m.content) == (free.reasoning_content, ""), fmt
+    r = r1_client.responses.create(model="tiny", input=MSGS[0]["content"], max_output_tokens=10, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert r.output[0].content[0].text == free.reasoning_content
