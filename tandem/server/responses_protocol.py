@@ -77,7 +77,27 @@ class FunctionCallOutputItem(_Strict):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    """An earlier output's reasoning sent back: the reasoning_content of the assistant turn it precedes (the chat
+    template renders or drops it as the model's own does). Encrypted reasoning cannot be read: refused."""
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+         "reasoning": ReasoningItem}
 
 
 class FunctionTool(_Strict):
@@ -176,7 +196,7 @@ class ResponsesRequest(_Strict):
             kind = item.get("type", "message")
             if kind not in ITEMS:
                 raise APIError(400, f"input[{i}].type: {kind!r} input items are not supported (message, "
-                                    f"function_call and function_call_output are)", f"input[{i}].type")
+                                    f"function_call, function_call_output and reasoning are)", f"input[{i}].type")
             out.append(_parse(ITEMS[kind], item, f"input[{i}]"))
         return out
 
@@ -184,18 +204,23 @@ class ResponsesRequest(_Strict):
         """The conversation as OpenAI chat messages: consecutive function_call items join one assistant turn
         (the one just before them, when it is an assistant message)."""
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        thought = ""                      # reasoning items' text, for the assistant turn that follows them
         for item in self.items():
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                thought += item.text()
+            elif isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
                 out.append({"role": role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if not (out and out[-1]["role"] == "assistant"):
+                if not (out and out[-1]["role"] == "assistant") or thought:
                     out.append({"role": "assistant", "content": None})
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            if thought and not isinstance(item, ReasoningItem) and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"], thought = thought, ""
         return out
 
     def chat_tools(self) -> list[dict] | None:

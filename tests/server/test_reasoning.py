@@ -43,6 +43,29 @@ def test_whole_and_every_cut_agree(parser, prompt, text, want):
         assert _streamed(parser, prompt, [text[:i], text[i:]]) == want, i
 
 
+def test_reasoning_sent_back_is_the_turns_reasoning_content():
+    """A reasoning item (Responses) or thinking block (Messages) sent back with the conversation becomes the
+    assistant turn's reasoning_content, which the chat template renders or drops as the model's own does."""
+    from tandem.server.anthropic_protocol import MessagesRequest
+    from tandem.server.protocol import APIError
+    from tandem.server.responses_protocol import ResponsesRequest
+    items = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "1"}]
+    chat = ResponsesRequest.model_validate({"model": "m", "input": items}).to_chat()
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool"]
+    assert chat.messages[1].model_extra["reasoning_content"] == "hm"
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm", "signature": ""}, {"type": "text", "text": "a"}]},
+        {"role": "user", "content": "more"}]
+    chat = MessagesRequest.model_validate({"model": "m", "max_tokens": 2, "messages": turns}).to_chat()
+    assert chat.messages[1].content == "a" and chat.messages[1].model_extra["reasoning_content"] == "hm"
+    turns[0]["content"] = [{"type": "thinking", "thinking": "x"}]
+    with pytest.raises(APIError, match="belong to assistant"):
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 2, "messages": turns}).to_chat()
+
+
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="reasoning parser"):
         ReasoningSplitter.for_prompt("o1", "")
