@@ -44,6 +44,11 @@ class SamplingParams:
     # Seconds from its arrival after which the request ends wherever it is, waiting or running: finish_reason
     # "error" with error_status 408 (the server answers 408 `timeout`, or an error event in a stream); None: none.
     timeout: float | None = None
+    # With structured_outputs and a reasoning model (tandem/grammar/after_reasoning.py): the grammar starts once
+    # the output has generated these ids (the reasoning's end tag); with reasoning_start_id, the output may open
+    # the reasoning with that token first, else the grammar applies from the start. None: from the start.
+    reasoning_end_ids: list[int] | None = None
+    reasoning_start_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,9 +116,13 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not all(is_utf8(s) for s in self.stop):
             bad("stop", "must be valid Unicode text (no lone UTF-16 surrogates)")
-        for t in self.stop_token_ids:
+        if self.reasoning_start_id is not None and not self.reasoning_end_ids:
+            bad("reasoning_start_id", "needs reasoning_end_ids")
+        for t in self.stop_token_ids + list(self.reasoning_end_ids or []) + \
+                ([] if self.reasoning_start_id is None else [self.reasoning_start_id]):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad("stop_token_ids", f"ids must be integers in [0, {vocab_size or 'vocab_size'})")
+                bad("stop_token_ids" if t in self.stop_token_ids else "reasoning_end_ids",
+                    f"ids must be integers in [0, {vocab_size or 'vocab_size'})")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":

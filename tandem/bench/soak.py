@@ -25,8 +25,11 @@ OVERSIZED_BYTES = 8 << 20        # above every default --max-request-bytes up to
 PROMPT_IDS_BELOW = 32000         # random prompt ids: valid in every supported vocabulary
 BEYOND_VOCAB = 10 ** 7           # a token id / top_k past every vocabulary (but within int64)
 
-# Kinds and their weights in the mix (the fault kind is added only when the server injects one).
-MIX = {"completion": 30, "chat": 15, "stream": 20, "disconnect": 10, "give_up": 5, "bad": 20}
+# Kinds and their weights in the mix (the fault kind is added only when the server injects one); the last four
+# are the other routes': /v1/responses, /v1/messages (whole, or streamed and maybe left), /tokenize + /detokenize.
+MIX = {"completion": 30, "chat": 15, "stream": 20, "disconnect": 10, "give_up": 5, "bad": 20,
+       "responses": 5, "messages": 5, "route_stream": 8, "tokenize": 4}
+ROUTE_KINDS = ("responses", "messages", "route_stream", "tokenize")
 
 
 def _bad_bodies() -> list[tuple[str, str, str]]:
@@ -62,6 +65,15 @@ def _bad_bodies() -> list[tuple[str, str, str]]:
         "token_out_of_vocab": ("/v1/completions", {**ok, "prompt": [1, BEYOND_VOCAB]}),
         "too_many_messages": ("/v1/chat/completions", {"messages": msgs * 5000}),
         "empty_prompt": ("/v1/completions", {**ok, "prompt": ""}),
+        "responses_stateful": ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}),
+        "responses_item": ("/v1/responses", {"input": [{"type": "input_image", "image_url": "x"}]}),
+        "responses_surrogate": ("/v1/responses", {"input": s}),
+        "messages_no_max": ("/v1/messages", {"messages": msgs}),
+        "messages_image": ("/v1/messages", {"max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+        "messages_huge_max": ("/v1/messages", {"max_tokens": 10 ** 30, "messages": msgs}),
+        "tokenize_both": ("/tokenize", {"prompt": "a", "messages": msgs}),
+        "detokenize_vocab": ("/detokenize", {"tokens": [BEYOND_VOCAB]}),
     }
     out = [(name, path, json.dumps(body)) for name, (path, body) in cases.items()]
     out.append(("malformed_json", "/v1/completions", '{"prompt": "a", '))
@@ -83,6 +95,8 @@ async def _one(http, rng: random.Random, kind: str, bad: list, model: str) -> Ou
     sampling = {"max_tokens": rng.randint(1, 16), "temperature": 0.0 if greedy else rng.choice([0.7, 1.0, 1e-38]),
                 "seed": rng.randrange(1 << 30), "model": model}
     prompt = [rng.randrange(100, PROMPT_IDS_BELOW) for _ in range(rng.randint(1, 40))]
+    if kind in ROUTE_KINDS:
+        return await _route(http, rng, kind, sampling, " ".join(str(t) for t in prompt))
     if kind == "bad":
         name, path, body = rng.choice(bad)
         r = await http.post(path, content=body, headers={"content-type": "application/json"})
@@ -129,6 +143,47 @@ async def _one(http, rng: random.Random, kind: str, bad: list, model: str) -> Ou
             if leave_after is not None and events >= leave_after:
                 return Outcome(kind, 200, None)          # leaving closes the connection: an abort
     return Outcome(kind, 200, f"{kind}: stream ended without [DONE]")
+
+
+async def _route(http, rng: random.Random, kind: str, sampling: dict, text: str) -> Outcome:
+    """A valid request to /v1/responses, /v1/messages or /tokenize + /detokenize, answered in its route's shape;
+    a route stream is read to its last event or left after a few (an abort)."""
+    model, temp = sampling["model"], sampling["temperature"]
+    if kind == "tokenize":
+        r = await http.post("/tokenize", json={"model": model, "prompt": text})
+        ok = r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) >= 1
+        if ok:
+            r = await http.post("/detokenize", json={"model": model, "tokens": r.json()["tokens"]})
+            ok = r.status_code == 200 and isinstance(r.json()["prompt"], str)
+        return Outcome(kind, r.status_code, None if ok else f"tokenize: {r.status_code} {r.text[:200]}")
+    path = "/v1/messages" if kind == "messages" or (kind == "route_stream" and rng.random() < 0.5) \
+        else "/v1/responses"
+    body = {"model": model, "max_tokens": sampling["max_tokens"], "temperature": temp,
+            "messages": [{"role": "user", "content": text}]} if path == "/v1/messages" else \
+        {"model": model, "max_output_tokens": sampling["max_tokens"], "temperature": temp, "input": text,
+         "seed": sampling["seed"]}
+    if kind != "route_stream":
+        r = await http.post(path, json=body)
+        ok = r.status_code == 200 and r.json()["usage"]["output_tokens"] >= 1
+        return Outcome(kind, r.status_code, None if ok else f"{kind}: {r.status_code} {r.text[:200]}")
+    leave_after = rng.choice([None, rng.randint(1, 4)])
+    last = ("message_stop",) if path == "/v1/messages" else ("response.completed", "response.incomplete")
+    async with http.stream("POST", path, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return Outcome(kind, r.status_code, f"{kind} {path}: {r.status_code}")
+        events = 0
+        async for raw in r.aiter_lines():
+            if not raw.startswith("data: "):
+                continue
+            event = json.loads(raw[6:])["type"]
+            if event in ("error", "response.failed"):
+                return Outcome(kind, 200, f"{kind} {path}: error event {raw[:200]}")
+            events += 1
+            if event in last:
+                return Outcome(kind, 200, None)
+            if leave_after is not None and events >= leave_after:
+                return Outcome(kind, 200, None)          # leaving closes the connection: an abort
+    return Outcome(kind, 200, f"{kind} {path}: stream ended without its last event")
 
 
 def rss_mb(pids: list[int]) -> float:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..device.executor import ResultHandle
 from ..grammar import GrammarCompiler, mask_words
+from ..grammar.after_reasoning import AfterReasoning
 from ..request import Req
 from ..trace.recorder import Recorder
 from .batch import Batch
@@ -40,7 +41,13 @@ class Grammars:
         self.compiling: dict[Req, Future] = {}
 
     def submit(self, req: Req) -> None:
-        self.compiling[req] = self._pool.submit(self.compiler.matcher, req.params.structured_outputs)
+        self.compiling[req] = self._pool.submit(self._matcher, req.params)
+
+    def _matcher(self, params):
+        """The request's matcher; with reasoning_end_ids, gated until its reasoning ends (after_reasoning.py)."""
+        m = self.compiler.matcher(params.structured_outputs)
+        return m if not params.reasoning_end_ids else AfterReasoning(m, params.reasoning_end_ids,
+                                                                     params.reasoning_start_id)
 
     def collect(self, fail: Callable[[Req, BaseException], None]) -> None:
         """Attach the compiled grammars (a failed compile fails its request alone: `fail`)."""

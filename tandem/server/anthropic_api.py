@@ -21,6 +21,7 @@ from .errors import ErrorResponse
 from .frontend import TextStream
 from .generation import Choice, Generation, Streamed
 from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest
+from .reasoning import ReasoningSplitter
 from .tools import ToolPlan
 
 
@@ -68,19 +69,21 @@ class AnthropicServer:
         self._check_model(body.model)
         chat = body.to_chat()
         plan, ids = await self.fe.off_loop(self._prompt, body, chat)
-        _, choices = await self.gen.submit(chat, [ids], "msg", arrival, None, plan)
-        mid = A.message_id()
+        _, choices = await self.gen.submit(chat, [ids], "msg", arrival, None, plan, chat=True)
+        mid, split = A.message_id(), self.gen.splitter(ids)
         if body.stream:
-            return StreamingResponse(self._stream(mid, chat, plan, choices[0], len(ids)),
+            return StreamingResponse(self._stream(mid, chat, plan, choices[0], len(ids), split),
                                      media_type="text/event-stream")
-        done = await self.gen.unless_disconnected(request, choices)
-        if done is None:
+        out = await self.gen.unless_disconnected(request, choices,
+                                                 self.gen.read(choices[0], plan, Streamed(), split))
+        if out is None:
             return Response(status_code=499)
-        text, reason, n_out = done[0]
-        stop = matched_stop(choices[0].ts, chat.stop, reason)
-        content, calls = self._finish(plan, text, reason)
-        blocks = ([{"type": "text", "text": content}] if content else []) + calls
-        return A.message(mid, self.model, blocks, A.stop_reason(reason, stop, bool(calls)), stop, len(ids), n_out)
+        stop = matched_stop(choices[0].ts, chat.stop, out.reason)
+        content, calls = self._finish(plan, out.text, out.reason)
+        blocks = ([A.thinking_block(out.reasoning)] if out.reasoning else []) + \
+            ([{"type": "text", "text": content}] if content else []) + calls
+        return A.message(mid, self.model, blocks, A.stop_reason(out.reason, stop, bool(calls)), stop, len(ids),
+                         out.n_out)
 
     @staticmethod
     def _finish(plan: ToolPlan, text: str, reason: str | None) -> tuple[str | None, list[dict]]:
@@ -90,43 +93,62 @@ class AnthropicServer:
         content, calls, _ = tools.parse(plan, text, reason)
         return content, A.tool_use_blocks(calls)
 
-    async def _stream(self, mid: str, chat: ChatCompletionRequest, plan: ToolPlan, c: Choice, n_prompt: int):
-        """message_start, then content blocks (text deltas as they come; tool_use blocks, each one input_json
-        delta, at the end), message_delta (stop reason, output tokens) and message_stop."""
-        sent, opened = 0, False
-
-        def text_delta(part: str) -> str:
-            nonlocal opened
-            start = "" if opened else A.event("content_block_start",
-                                              {"index": 0, "content_block": {"type": "text", "text": ""}})
-            opened = True
-            return start + A.event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": part}})
+    async def _stream(self, mid: str, chat: ChatCompletionRequest, plan: ToolPlan, c: Choice, n_prompt: int,
+                      split: ReasoningSplitter | None):
+        """message_start, then content blocks (a thinking block's thinking deltas, then the text block's deltas,
+        as they come; tool_use blocks, each one input_json delta, at the end), message_delta (stop reason,
+        output tokens) and message_stop. A block starts with its first delta and stops when the next starts."""
+        blocks = _Blocks()
         try:
             yield A.event("message_start", {"message": A.message(mid, self.model, [], None, None, n_prompt, 0)})
             out = Streamed()
-            async for part in self.gen.content_deltas(c, plan, out):
-                sent += len(part)
-                yield text_delta(part)
-            text, n_out, reason = out.text, out.n_out, out.reason
-            content, blocks = self._finish(plan, text, reason)
-            rest = (content or "")[sent:] if not blocks or content else ""
+            async for kind, part in self.gen.content_deltas(c, plan, out, split):
+                yield blocks.delta(kind, part)
+            content, tool_uses = self._finish(plan, out.text, out.reason)
+            rest = (content or "")[blocks.sent:] if not tool_uses or content else ""
             if rest:
-                yield text_delta(rest)
-            if opened:
-                yield A.event("content_block_stop", {"index": 0})
-            for i, b in enumerate(blocks, start=int(opened)):
+                yield blocks.delta("content", rest)
+            yield blocks.stop()
+            for i, b in enumerate(tool_uses, start=blocks.index):
                 yield A.event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
                 yield A.event("content_block_delta", {"index": i, "delta": {
                     "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
                 yield A.event("content_block_stop", {"index": i})
-            stop = matched_stop(c.ts, chat.stop, reason)
-            yield A.event("message_delta", {"delta": {"stop_reason": A.stop_reason(reason, stop, bool(blocks)),
-                                                      "stop_sequence": stop}, "usage": {"output_tokens": n_out}})
+            stop = matched_stop(c.ts, chat.stop, out.reason)
+            yield A.event("message_delta", {"delta": {"stop_reason": A.stop_reason(out.reason, stop, bool(tool_uses)),
+                                                      "stop_sequence": stop}, "usage": {"output_tokens": out.n_out}})
             yield A.event("message_stop", {})
         except (EngineError, APIError) as e:
             yield A.event("error", {"error": A.error_body(e.status, e.message, getattr(e, "param", None))["error"]})
         finally:
             self.gen.abort([c])          # a client that left mid-stream: free its KV (no-op if finished)
+
+
+class _Blocks:
+    """The streamed thinking and text blocks: `index` is the next block's; `sent` the text block's length."""
+
+    def __init__(self) -> None:
+        self.index, self.open, self.sent = 0, None, 0
+
+    def delta(self, kind: str, part: str) -> str:
+        out = ""
+        if self.open != kind:
+            out = self.stop()
+            self.open = kind
+            block = A.thinking_block("") if kind == "reasoning" else {"type": "text", "text": ""}
+            out += A.event("content_block_start", {"index": self.index, "content_block": block})
+        if kind == "content":
+            self.sent += len(part)
+        delta = {"type": "thinking_delta", "thinking": part} if kind == "reasoning" else \
+            {"type": "text_delta", "text": part}
+        return out + A.event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def stop(self) -> str:
+        """Stop the open block (none: nothing to send)."""
+        if self.open is None:
+            return ""
+        self.open, self.index = None, self.index + 1
+        return A.event("content_block_stop", {"index": self.index - 1})
 
 
 def add_routes(app: FastAPI, gen: Generation, model: str) -> None:

@@ -5,7 +5,7 @@ chat template, checked by the same frontend and sampled by the same engine path:
 message; a user turn's tool_result blocks become tool messages (before its text); an assistant turn's tool_use
 blocks become tool_calls; a final assistant turn is a prefill the reply continues (continue_final_message);
 `tools` / `tool_choice` become OpenAI's (`any` is "required", `tool` a named function).
-Unknown fields are refused (400 naming them), as are content blocks tandem cannot read (image, document ...).
+Unknown fields are refused (400 naming them), as are content blocks tandem cannot read (image, document ...); an assistant turn's thinking blocks are its reasoning_content.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                503: "overloaded_error", 529: "overloaded_error"}
 # Block types the API defines that tandem does not read: a request holding one is refused, naming it.
-REFUSED_BLOCKS = ("image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use",
+REFUSED_BLOCKS = ("image", "document", "search_result", "redacted_thinking", "server_tool_use",
                   "web_search_tool_result", "container_upload")
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
@@ -56,6 +56,15 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
+class ThinkingBlock(_Strict):
+    """An earlier reply's thinking sent back (assistant turns): the turn's reasoning_content, which the chat template
+    renders or drops as the model's own template does; the signature is not checked."""
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -75,7 +84,8 @@ class RefusedBlock(_Strict):
     type: Literal[REFUSED_BLOCKS]
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, RefusedBlock], Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RefusedBlock],
+                  Field(discriminator="type")]
 
 
 class Message(_Strict):
@@ -115,6 +125,7 @@ class CountTokensRequest(_Strict):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # an extra (vLLM's): to the chat template
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for a block or option tandem does not serve, else None."""
@@ -122,10 +133,10 @@ class CountTokensRequest(_Strict):
             for j, b in enumerate(m.content if isinstance(m.content, list) else []):
                 where = f"messages[{i}].content[{j}]"
                 if isinstance(b, RefusedBlock):
-                    return where, f"{where}: {b.type} content blocks are not supported (text, tool_use and " \
-                                  f"tool_result are)"
-                if isinstance(b, ToolUseBlock) and m.role != "assistant":
-                    return where, f"{where}: tool_use blocks belong to assistant messages"
+                    return where, f"{where}: {b.type} content blocks are not supported (text, tool_use, " \
+                                  f"tool_result and thinking are)"
+                if isinstance(b, (ToolUseBlock, ThinkingBlock)) and m.role != "assistant":
+                    return where, f"{where}: {b.type} blocks belong to assistant messages"
                 if isinstance(b, ToolResultBlock) and m.role != "user":
                     return where, f"{where}: tool_result blocks belong to user messages"
         for i, t in enumerate(self.tools or []):
@@ -156,8 +167,10 @@ class CountTokensRequest(_Strict):
                 calls = [{"id": b.id, "type": "function",
                           "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                          for b in m.content if isinstance(b, ToolUseBlock)]
+                thought = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
                 out.append({"role": "assistant", "content": text if text or not calls else None,
-                            **({"tool_calls": calls} if calls else {})})
+                            **({"tool_calls": calls} if calls else {}),
+                            **({"reasoning_content": thought} if thought else {})})
                 continue
             results = [b for b in m.content if isinstance(b, ToolResultBlock)]
             out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in results]
@@ -180,8 +193,12 @@ class CountTokensRequest(_Strict):
         if bad is not None:
             raise APIError(400, bad[1], bad[0])
         tools, choice = self.openai_tools()
+        kwargs = dict(self.chat_template_kwargs or {})
         if self.messages[-1].role == "assistant":     # a prefill: the reply continues it (no new turn)
-            sampling.update(add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True})
+            sampling["add_generation_prompt"] = False
+            kwargs["continue_final_message"] = True
+        if kwargs:
+            sampling["chat_template_kwargs"] = kwargs
         chat = ChatCompletionRequest.model_validate({"messages": self.chat_messages(), "tools": tools,
                                                      "tool_choice": choice, **sampling})
         bad = chat.unsupported()
@@ -211,6 +228,11 @@ class MessagesRequest(CountTokensRequest):
 # ---- responses --------------------------------------------------------------------------------------------
 def message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def thinking_block(text: str) -> dict:
+    """The thinking (--reasoning-parser) as a thinking block; the signature is empty (nothing to verify)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def tool_use_blocks(calls: list[dict]) -> list[dict]:

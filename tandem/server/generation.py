@@ -6,6 +6,7 @@ abort what is left. The OpenAI routes (openai_api.py), Anthropic's (anthropic_ap
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -18,6 +19,7 @@ from ..request import StepOutput
 from .frontend import Frontend, TextStream
 from .protocol import APIError
 from . import tools
+from .reasoning import END, START, ReasoningSplitter
 from .tools import ToolPlan
 
 
@@ -48,25 +50,41 @@ def cached_tokens(choices: list[Choice]) -> int:
 
 @dataclass
 class Streamed:
-    """What Generation.content_deltas read of a choice: its whole text, and once it ended, the finish reason and
-    its output tokens."""
+    """What Generation.content_deltas read of a choice: its text after the reasoning (all of it without a
+    reasoning parser) and its reasoning, and once it ended, the finish reason and its output tokens, of which
+    `n_reasoning` up to the end of the reasoning (the step that closed it included)."""
     text: str = ""
+    reasoning: str | None = None    # None: the output had no reasoning part
     reason: str | None = None
     n_out: int = 0
+    n_reasoning: int = 0
 
 
 class Generation:
-    def __init__(self, client: ReplicaSet, frontend: Frontend) -> None:
+    def __init__(self, client: ReplicaSet, frontend: Frontend, reasoning_parser: str | None = None) -> None:
         self.client, self.fe = client, frontend
+        self.reasoning_parser = reasoning_parser       # --reasoning-parser (reasoning.py), or None
+
+    def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
+        """A reasoning split for an output of this prompt (None without --reasoning-parser): whether the output
+        starts in the reasoning follows the rendered prompt's last tokens (a template that opens <think>)."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningSplitter.for_prompt(self.reasoning_parser, self.fe.tokenizer.decode(prompt_ids[-16:]))
 
     async def submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
-                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None) -> tuple[str, list[Choice]]:
+                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None,
+                      chat: bool = False) -> tuple[str, list[Choice]]:
         """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
         Every prompt's fields are validated before anything is queued; if one submit fails, the others are
-        aborted, so a refused response leaves nothing running."""
+        aborted, so a refused response leaves nothing running. A chat output's grammar starts after its
+        reasoning when a reasoning parser is set (reasoning_gate)."""
         constrained = body.structured() is not None or (tool_plan is not None and tool_plan.schema is not None)
         structured = await self.fe.off_loop(self.fe.structured, body, tool_plan) if constrained else None
         params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
+        if structured is not None and chat:
+            for ids, p in zip(prompts, params):
+                p.reasoning_end_ids, p.reasoning_start_id = self.reasoning_gate(ids)
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
         subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
@@ -84,6 +102,21 @@ class Generation:
         return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e))
                      for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
 
+    def reasoning_gate(self, prompt_ids: list[int]) -> tuple[list[int] | None, int | None]:
+        """(reasoning_end_ids, reasoning_start_id) of a grammar that starts after the reasoning, as the splitter
+        reads the output (tandem/grammar/after_reasoning.py): an output that starts in the reasoning waits for
+        the end tag's ids; one that may open it waits too if it writes the start tag first, when that tag is one
+        token (Qwen3's); otherwise, and without a reasoning parser, the grammar applies from the start."""
+        split = self.splitter(prompt_ids)
+        if split is None:
+            return None, None
+        encode = functools.partial(self.fe.tokenizer.encode, add_special_tokens=False)
+        end = encode(END)
+        if split.mode == "reasoning":
+            return end, None
+        start = encode(START)
+        return (end, start[0]) if len(start) == 1 else (None, None)
+
     async def deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
         """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
         failed this request (engine isolation: the others go on); EngineError(503) if it waited past
@@ -96,19 +129,38 @@ class Generation:
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
 
-    async def content_deltas(self, c: Choice, plan: ToolPlan, out: Streamed) -> AsyncIterator[str]:
-        """The choice's text as it comes, in the pieces that are surely content: all of it without tools; under a
-        tool plan, up to where a tool call may begin (tools.content_prefix). `out` gathers the rest."""
-        sent = 0
+    async def content_deltas(self, c: Choice, plan: ToolPlan, out: Streamed,
+                             split: ReasoningSplitter | None = None) -> AsyncIterator[tuple[str, str]]:
+        """("reasoning" | "content", piece) as the choice's text comes: with a reasoning split, the reasoning as it
+        becomes certain; then the content in the pieces that surely are content: all of it without tools; under
+        a tool plan, up to where a tool call may begin (tools.content_prefix). `out` gathers the rest."""
+        sent, closed = 0, False
         async for _, delta, o in self.merged([c]):
-            out.text, out.n_out = out.text + delta, o.num_output_tokens
+            out.n_out = o.num_output_tokens
+            if split is not None:
+                thought, delta = split.feed(delta)
+                if o.finished:
+                    more, rest = split.finish()
+                    thought, delta = thought + more, delta + rest
+                if split.thought and not closed:
+                    out.n_reasoning, closed = o.num_output_tokens, split.closed
+                    out.reasoning = (out.reasoning or "") + thought
+                if thought:
+                    yield "reasoning", thought
+            out.text += delta
             if o.finished:
                 out.reason = o.finish_reason
                 continue
             safe = len(out.text) if plan.mode == "none" else tools.content_prefix(plan, out.text)
             if safe > sent:
-                yield out.text[sent:safe]
+                yield "content", out.text[sent:safe]
                 sent = safe
+
+    async def read(self, c: Choice, plan: ToolPlan, out: Streamed, split: ReasoningSplitter | None) -> Streamed:
+        """content_deltas read to the end (a whole response): `out` holds the split output."""
+        async for _ in self.content_deltas(c, plan, out, split):
+            pass
+        return out
 
     async def merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
         """The outputs of every choice, as they come; the first error ends them all."""
@@ -148,9 +200,10 @@ class Generation:
             ends[c.index] = (o.finish_reason, o.num_output_tokens)
         return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
 
-    async def unless_disconnected(self, request: Request, choices: list[Choice]):
-        """Collect a whole response, aborting its requests if the client leaves first (or one fails)."""
-        task = asyncio.ensure_future(self.collect(choices))
+    async def unless_disconnected(self, request: Request, choices: list[Choice], work=None):
+        """Collect a whole response (or await `work`, a coroutine reading the choices), aborting its requests if
+        the client leaves first (or one fails)."""
+        task = asyncio.ensure_future(self.collect(choices) if work is None else work)
         watch = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -68,7 +68,7 @@ class OpenAIServer:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
         self.fingerprint = fingerprint                 # system_fingerprint of every response (fingerprint.py)
         self.reasoning_parser = reasoning_parser       # chat: <think> text into reasoning_content (reasoning.py)
-        self.gen = Generation(client, frontend)        # submit, read, collect, abort: shared with the other routes
+        self.gen = Generation(client, frontend, reasoning_parser)    # submit, read, collect, abort: every route
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
     # ---- shared steps --------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class OpenAIServer:
                        default_max: int | None, stream, build, build_choice, chat: bool,
                        tool_plan: ToolPlan | None = None, reasoning_tail: str | None = None):
         """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
-        rid, choices = await self.gen.submit(body, prompts, kind, arrival, default_max, tool_plan)
+        rid, choices = await self.gen.submit(body, prompts, kind, arrival, default_max, tool_plan, chat=chat)
         if tool_plan is not None and tool_plan.mode != "none":
             build_choice = _tool_choice_builder(tool_plan)
             stream = functools.partial(stream, tool_plan=tool_plan)

@@ -18,6 +18,7 @@ from . import responses_protocol as R
 from . import tools
 from .generation import Choice, Generation, Streamed, cached_tokens
 from .protocol import APIError, ChatCompletionRequest, check_model
+from .reasoning import ReasoningSplitter
 from .responses_protocol import ResponsesRequest
 from .tools import ToolPlan
 
@@ -35,6 +36,59 @@ class _Events:
 
 def _status(reason: str | None) -> str:
     return "incomplete" if reason == "length" else "completed"
+
+
+class _Items:
+    """The streamed reasoning and message items, in output order: an item opens (output_item.added,
+    content_part.added) with its first delta and closes (its text's done, content_part.done, output_item.done)
+    when the next one opens or the output ends. A reasoning item always comes before the message."""
+    PART = {"reasoning": "reasoning_text", "content": "output_text"}
+
+    def __init__(self) -> None:
+        self.text = {"reasoning": "", "content": ""}
+        self.opened: str | None = None          # the kind of the item now open
+        self.ids: dict[str, str] = {}
+        self.output: list[dict] = []            # closed items
+
+    def _part(self, kind: str) -> dict:
+        text = self.text[kind]
+        return {"type": self.PART[kind], "text": text, **({"annotations": []} if kind == "content" else {})}
+
+    def _item(self, kind: str, status: str, text: str | None) -> dict:
+        if kind == "reasoning":
+            return R.reasoning_item(self.ids[kind], text, status)
+        return R.message_item(self.ids[kind], text, status)
+
+    def delta(self, ev: _Events, kind: str, piece: str) -> str:
+        out = ""
+        if self.opened != kind:
+            out += self.close(ev, "completed")
+            self.opened, self.ids[kind] = kind, R.new_id("rs" if kind == "reasoning" else "msg")
+            where = {"item_id": self.ids[kind], "output_index": len(self.output), "content_index": 0}
+            out += ev("response.output_item.added", output_index=len(self.output),
+                      item=self._item(kind, "in_progress", None)) + \
+                ev("response.content_part.added", **where, part={**self._part(kind), "text": ""})
+        if not piece:
+            return out
+        self.text[kind] += piece
+        where = {"item_id": self.ids[kind], "output_index": len(self.output), "content_index": 0}
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        return out + ev(name, **where, delta=piece, **({"logprobs": []} if kind == "content" else {}))
+
+    def close(self, ev: _Events, status: str) -> str:
+        """Close the open item (none: nothing to send)."""
+        kind, self.opened = self.opened, None
+        if kind is None:
+            return ""
+        text, where = self.text[kind], {"item_id": self.ids[kind], "output_index": len(self.output),
+                                        "content_index": 0}
+        done = ev("response.reasoning_text.done", **where, text=text) if kind == "reasoning" else \
+            ev("response.output_text.done", **where, text=text, logprobs=[])
+        item = self._item(kind, status, text)
+        out = done + ev("response.content_part.done", **where, part=self._part(kind)) + \
+            ev("response.output_item.done", output_index=len(self.output), item=item)
+        self.output.append(item)
+        return out
 
 
 class ResponsesServer:
@@ -62,55 +116,53 @@ class ResponsesServer:
         check_model(body.model, self.model, required=True)
         chat = body.to_chat()
         plan, ids = await self.fe.off_loop(self._prompt, body, chat)
-        _, choices = await self.gen.submit(chat, [ids], "resp", arrival, None, plan)
-        rid, created = R.new_id("resp"), int(time.time())
+        _, choices = await self.gen.submit(chat, [ids], "resp", arrival, None, plan, chat=True)
+        rid, created, split = R.new_id("resp"), int(time.time()), self.gen.splitter(ids)
         if body.stream:
-            return StreamingResponse(self._stream(body, rid, created, plan, choices[0], len(ids)),
+            return StreamingResponse(self._stream(body, rid, created, plan, choices[0], len(ids), split),
                                      media_type="text/event-stream")
-        done = await self.gen.unless_disconnected(request, choices)
-        if done is None:
+        out = await self.gen.unless_disconnected(request, choices,
+                                                 self.gen.read(choices[0], plan, Streamed(), split))
+        if out is None:
             return Response(status_code=499)
-        text, reason, n_out = done[0]
-        content, calls = self._finish(body, plan, text, reason)
-        status = _status(reason)
-        output = [R.message_item(R.new_id("msg"), content or "", status)] if content or not calls else []
+        content, calls = self._finish(body, plan, out.text, out.reason)
+        status = _status(out.reason)
+        # as the stream sends them: a reasoning item closed by the message is completed, else it has the status
+        message = bool(content) or not (calls or out.reasoning)
+        output = [R.reasoning_item(R.new_id("rs"), out.reasoning, "completed" if message else status)] \
+            if out.reasoning else []
+        if message:
+            output.append(R.message_item(R.new_id("msg"), content or "", status))
         output += R.call_items(calls)
-        return R.response(body, rid, created, status, output, R.usage(len(ids), n_out, cached_tokens(choices)))
+        return R.response(body, rid, created, status, output, self._usage(len(ids), out, choices[0]))
+
+    @staticmethod
+    def _usage(n_prompt: int, out: Streamed, c: Choice) -> dict:
+        return R.usage(n_prompt, out.n_out, cached_tokens([c]), out.n_reasoning if out.reasoning is not None else 0)
 
     async def _stream(self, body: ResponsesRequest, rid: str, created: int, plan: ToolPlan, c: Choice,
-                      n_prompt: int):
-        """response.created / in_progress; the message item (its text deltas as they come: under a tool plan,
-        while the text surely is content); function_call items (arguments in one delta, when the output is
-        complete); response.completed or response.incomplete with the whole response."""
-        ev, mid = _Events(), R.new_id("msg")
-        shown = ""
-        where = {"item_id": mid, "output_index": 0, "content_index": 0}
-        part = {"type": "output_text", "text": "", "annotations": []}
-
-        def text_delta(piece: str) -> str:
-            nonlocal shown
-            start = "" if shown else ev("response.output_item.added", output_index=0,
-                                        item=R.message_item(mid, None, "in_progress")) + \
-                ev("response.content_part.added", **where, part=part)
-            shown += piece
-            return start + ev("response.output_text.delta", **where, delta=piece, logprobs=[])
+                      n_prompt: int, split: ReasoningSplitter | None):
+        """response.created / in_progress; a reasoning item (its reasoning_text deltas as they come) when the
+        output thinks; the message item (its text deltas as they come: under a tool plan, while the text surely
+        is content); function_call items (arguments in one delta, when the output is complete);
+        response.completed or response.incomplete with the whole response."""
+        ev, items = _Events(), _Items()
         try:
             started = R.response(body, rid, created, "in_progress", [], None)
             yield ev("response.created", response=started) + ev("response.in_progress", response=started)
             out = Streamed()
-            async for piece in self.gen.content_deltas(c, plan, out):
-                yield text_delta(piece)
-            text, n_out, reason = out.text, out.n_out, out.reason
-            content, calls = self._finish(body, plan, text, reason)
-            status, output = _status(reason), []
-            rest = (content or "")[len(shown):] if not calls or content else ""
-            if rest or shown or not calls:
-                yield (text_delta(rest) if rest or not shown else "") + self._close_message(ev, mid, shown, status)
-                output.append(R.message_item(mid, shown, status))
+            async for kind, piece in self.gen.content_deltas(c, plan, out, split):
+                yield items.delta(ev, kind, piece)
+            content, calls = self._finish(body, plan, out.text, out.reason)
+            status = _status(out.reason)
+            rest = (content or "")[len(items.text["content"]):] if not calls or content else ""
+            if rest or items.text["content"] or not (calls or items.opened):
+                yield items.delta(ev, "content", rest)
+            yield items.close(ev, status)
             for item in R.call_items(calls):
-                yield self._call_events(ev, item, len(output))
-                output.append(item)
-            final = R.response(body, rid, created, status, output, R.usage(n_prompt, n_out, cached_tokens([c])))
+                yield self._call_events(ev, item, len(items.output))
+                items.output.append(item)
+            final = R.response(body, rid, created, status, items.output, self._usage(n_prompt, out, c))
             yield ev(f"response.{status}", response=final)
         except (EngineError, APIError) as e:
             yield ev("error", code=getattr(e, "code", None) or str(e.status), message=e.message,
@@ -119,14 +171,6 @@ class ResponsesServer:
                                                             {"code": "server_error", "message": e.message}))
         finally:
             self.gen.abort([c])          # a client that left mid-stream: free its KV (no-op if finished)
-
-    @staticmethod
-    def _close_message(ev: _Events, mid: str, text: str, status: str) -> str:
-        where = {"item_id": mid, "output_index": 0, "content_index": 0}
-        part = {"type": "output_text", "text": text, "annotations": []}
-        return ev("response.output_text.done", **where, text=text, logprobs=[]) + \
-            ev("response.content_part.done", **where, part=part) + \
-            ev("response.output_item.done", output_index=0, item=R.message_item(mid, text, status))
 
     @staticmethod
     def _call_events(ev: _Events, item: dict, index: int) -> str:

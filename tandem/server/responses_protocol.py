@@ -77,7 +77,27 @@ class FunctionCallOutputItem(_Strict):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    """An earlier output's reasoning sent back: the reasoning_content of the assistant turn it precedes (the chat
+    template renders or drops it as the model's own does). Encrypted reasoning cannot be read: refused."""
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+         "reasoning": ReasoningItem}
 
 
 class FunctionTool(_Strict):
@@ -149,6 +169,7 @@ class ResponsesRequest(_Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # to the chat template, e.g. {"enable_thinking": false}
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) for an option a stateless server without reasoning does not serve, else None."""
@@ -175,7 +196,7 @@ class ResponsesRequest(_Strict):
             kind = item.get("type", "message")
             if kind not in ITEMS:
                 raise APIError(400, f"input[{i}].type: {kind!r} input items are not supported (message, "
-                                    f"function_call and function_call_output are)", f"input[{i}].type")
+                                    f"function_call, function_call_output and reasoning are)", f"input[{i}].type")
             out.append(_parse(ITEMS[kind], item, f"input[{i}]"))
         return out
 
@@ -183,18 +204,23 @@ class ResponsesRequest(_Strict):
         """The conversation as OpenAI chat messages: consecutive function_call items join one assistant turn
         (the one just before them, when it is an assistant message)."""
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        thought = ""                      # reasoning items' text, for the assistant turn that follows them
         for item in self.items():
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                thought += item.text()
+            elif isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
                 out.append({"role": role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if not (out and out[-1]["role"] == "assistant"):
+                if not (out and out[-1]["role"] == "assistant") or thought:
                     out.append({"role": "assistant", "content": None})
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            if thought and not isinstance(item, ReasoningItem) and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"], thought = thought, ""
         return out
 
     def chat_tools(self) -> list[dict] | None:
@@ -228,7 +254,8 @@ class ResponsesRequest(_Strict):
         choice = {"type": "function", "function": {"name": tc.name}} if isinstance(tc, NamedToolChoice) else tc
         fields: dict[str, Any] = {"messages": self.chat_messages(), "tools": self.chat_tools(), "tool_choice": choice,
                                   "response_format": self.response_format(), "stream": self.stream,
-                                  "max_tokens": self.max_output_tokens, "stop": self.stop, "seed": self.seed}
+                                  "max_tokens": self.max_output_tokens, "stop": self.stop, "seed": self.seed,
+                                  "chat_template_kwargs": self.chat_template_kwargs}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
@@ -249,6 +276,12 @@ def message_item(mid: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(rid: str, text: str | None, status: str) -> dict:
+    """The thinking (--reasoning-parser) as a reasoning item: its text one reasoning_text part, no summary."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": rid, "summary": [], "content": content, "status": status}
+
+
 def call_items(calls: list[dict], status: str = "completed") -> list[dict]:
     """tool_calls (as tools.parse gives them) as function_call output items."""
     return [{"type": "function_call", "id": "fc_" + c["id"].removeprefix("call_"), "call_id": c["id"],
@@ -256,9 +289,9 @@ def call_items(calls: list[dict], status: str = "completed") -> list[dict]:
             for c in calls]
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int) -> dict:
+def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int = 0) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": input_tokens + output_tokens}
 
 

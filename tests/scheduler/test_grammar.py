@@ -121,3 +121,29 @@ def test_token_bitmask_equals_masked_fill(vocab, rows):
     apply_token_bitmask(a, r, mask)
     apply_token_bitmask_reference(b, r, mask)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+CHOICE = {"choice": ["alpha", "beta", "gamma delta"]}
+
+
+@pytest.mark.parametrize("loop", ["serial", "overlap"])
+def test_grammar_starts_after_the_reasoning(llm, loop):
+    """reasoning_end_ids (a reasoning parser's end tag, tandem/grammar/after_reasoning.py): tokens up to the end
+    ids are free, even ones the grammar forbids (a logit bias makes the output write them), and the rest follows
+    the grammar from its start; with reasoning_start_id the output may open the reasoning with it, and one that
+    does not is constrained from its first token."""
+    bang = llm.tokenizer.encode("!", add_special_tokens=False)[0]       # no choice starts with it
+    at = llm.tokenizer.encode("@", add_special_tokens=False)[0]
+    gated = SamplingParams(temperature=0, max_tokens=40, structured_outputs=CHOICE, logit_bias={bang: 100},
+                           reasoning_end_ids=[bang, bang])
+    o = run(llm, loop, PROMPTS[:1], gated)[0]
+    assert o.token_ids[:2] == [bang, bang] and o.finish_reason == "stop", o
+    assert llm.tokenizer.decode(o.token_ids[2:]) in CHOICE["choice"], o.text
+    opened = SamplingParams(temperature=0, max_tokens=6, structured_outputs=CHOICE, logit_bias={at: 100},
+                            reasoning_end_ids=[bang], reasoning_start_id=at)
+    o = run(llm, loop, PROMPTS[:1], opened)[0]
+    assert o.token_ids == [at] * 6 and o.finish_reason == "length", o       # in the reasoning, never ended
+    plain = SamplingParams(temperature=0, max_tokens=40, structured_outputs=CHOICE, logit_bias={at: -100},
+                           reasoning_end_ids=[bang], reasoning_start_id=at)
+    o = run(llm, loop, PROMPTS[:1], plain)[0]
+    assert o.text in CHOICE["choice"] and o.finish_reason == "stop", o      # no start tag: the grammar at once

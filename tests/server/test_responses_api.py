@@ -190,7 +190,8 @@ def test_mapping_onto_the_chat_request():
     assert len(ResponsesServer._finish(body, auto, two, "stop")[1]) == 1
     assert param_name("max_tokens") == "max_output_tokens" and param_name("messages[2].content") == "input"
     for extra, param in [({"tools": [{"type": "file_search"}]}, "tools[0].type"),
-                         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+                         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
+                          "input[0].encrypted_content"),
                          ({"input": [{"type": "function_call_output", "call_id": "a"}]}, "input[0].output")]:
         with pytest.raises(APIError) as e:
             ResponsesRequest.model_validate({"model": "m", "input": "x", **extra}).to_chat()
