@@ -75,6 +75,8 @@ class EngineClient:
         self.on_output: Callable[[RequestStream, StepOutput, float], None] | None = None   # metrics hook
         self.on_dead: Callable[[], None] | None = None     # called once when the engine dies (not at shutdown)
         self.last_heard = now()             # when the engine last sent anything
+        self.watchdog_s: float | None = None   # --watchdog-timeout: silent this long with requests open, it is
+        #                                        killed and failed like a dead engine (None: never)
         self.proc: subprocess.Popen | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -254,6 +256,16 @@ class EngineClient:
             await asyncio.sleep(WATCH_S)
             if self.proc.poll() is not None:
                 self._fail(f"the engine process exited (code {self.proc.returncode})")
+            elif self._hung():
+                self.proc.kill()            # its device processes die with it (lifeline)
+                self._fail(f"the engine made no progress for {self.watchdog_s:g} s with requests in flight "
+                           f"(--watchdog-timeout): a step or a device hangs")
+
+    def _hung(self) -> bool:
+        """The watchdog: requests are open and the engine has sent nothing (no step completed, no heartbeat) for
+        watchdog_s. An idle engine is never hung, whatever its device does (/health says so meanwhile)."""
+        return (self.watchdog_s is not None and bool(self.reqs) and not self.closing
+                and self.silent_for() > self.watchdog_s)
 
     def _fail(self, reason: str) -> None:
         first = self.dead is None
