@@ -94,7 +94,7 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None                  # accepted for clients' bookkeeping; no effect on generation
+    user: str | None = None                  # the tenant: --scheduling-policy fair shares by it (else no effect)
     metadata: dict[str, str] | None = None   # likewise
     store: bool | None = None                # likewise (nothing is stored)
     service_tier: str | None = None          # likewise (one tier)
@@ -114,6 +114,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     timeout: float | None = None             # seconds; then the request ends wherever it is (408 `timeout`)
+    priority: Int64 = 0                      # --scheduling-policy priority: lower goes first (vLLM's field)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a value tandem does not implement or a combination OpenAI refuses, else None."""
@@ -153,7 +154,8 @@ class _SamplingFields(_Strict):
                               "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
                               "include_stop_str_in_output": self.include_stop_str_in_output, "n": self.n,
                               "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "timeout": self.timeout}
+                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "timeout": self.timeout,
+                              "priority": self.priority, "user": self.user}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
