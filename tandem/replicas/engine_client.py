@@ -54,6 +54,8 @@ class RequestStream:
     num_prompt: int = 0           # prompt tokens (the router's outstanding-token count)
     max_new: int = 0              # tokens it may still generate at most, when submitted
     num_output: int = 0           # tokens generated so far
+    priority: int = 0             # its class in the metrics (--scheduling-policy priority / fair)
+    tenant: str = ""
 
     def outstanding(self) -> int:
         """Tokens the engine still has to compute for it: the prompt until its first token, then what is left
@@ -153,7 +155,8 @@ class EngineClient:
             raise EngineError(503, f"the engine is not running: {self.dead}")
         if self.closing:
             raise EngineError(503, "the server is shutting down")
-        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future(), num_prompt=len(prompt_ids))
+        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future(), num_prompt=len(prompt_ids),
+                           priority=params.get("priority") or 0, tenant=params.get("user") or "")
         room = (self.info.max_context if self.info is not None else 0) - len(prompt_ids)
         st.max_new = max(0, min(room, params.get("max_tokens") or room))
         self.reqs[rid] = st

@@ -122,6 +122,7 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         reserved += future
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
+            req.queue_time = s.clock() - req.arrival_time
         take = min(n, budget - tokens)
         chunks.append(Chunk(req, cached, take, take == n))
         tokens += take
