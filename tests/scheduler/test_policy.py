@@ -76,6 +76,14 @@ def test_a_high_priority_arrival_retracts_a_running_low_one(tiny_llama, make_llm
     assert tokens["low"] == alone                        # retracted, re-prefilled, same tokens
 
 
+def test_a_preempted_request_keeps_its_place(tiny_llama, make_llm):
+    # "first" runs, "second" (same priority, later) waits; "high" retracts "first", which then goes before "second".
+    llm = make_llm(tiny_llama, max_running_requests=1, scheduling_policy="priority")
+    initial = [("first", prompt(0), greedy(20, priority=3)), ("second", prompt(1), greedy(4, priority=3))]
+    order, _ = drive(llm, initial, {4: [("high", prompt(2), greedy(4, priority=0))]})
+    assert order == ["high", "first", "second"] and llm.engine.scheduler.retractions == 1
+
+
 def test_equal_priorities_never_preempt(tiny_llama, make_llm):
     llm = make_llm(tiny_llama, max_running_requests=1, scheduling_policy="priority")
     order, _ = drive(llm, [("first", prompt(0), greedy(12, priority=2))],
