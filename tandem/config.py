@@ -36,7 +36,7 @@ class EngineConfig:
     # ---- who goes first (tandem/scheduler/policy.py) ----
     scheduling_policy: str = "fcfs"     # "fcfs" (arrival order), "priority" (a request's priority, lower first; a waiting one retracts running ones of a worse rank), "fair" (virtual token counters per tenant, a request's user)
     priority_aging: float = 60.0        # priority: a request rises one priority level per this many seconds since its arrival (so one that arrived that much earlier ranks a level better), so none starves
-    fair_weights: str | None = None     # fair: tenants' shares as "alice=2,bob=0.5" (a tenant not named weighs 1)
+    fair_weights: str | None = None     # fair: tenants' shares as "alice=2,bob=0.5", or "@FILE" with such pairs a line (a tenant not named weighs 1)
     fair_prefill_weight: float = 1.0    # fair: what a prefill token adds to its tenant's counter
     fair_decode_weight: float = 2.0     # fair: what a decode token adds (VTC's default: an output token costs about two input tokens)
     max_queue_time: float | None = None  # seconds a request may wait for admission, then it ends (server: 503 + Retry-After); None: no limit

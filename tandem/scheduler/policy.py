@@ -126,8 +126,15 @@ def _sort(waiting: collections.deque[Req], key) -> None:
 
 
 def parse_weights(spec: str | None) -> dict[str, float]:
-    """--fair-weights "alice=2,bob=0.5" -> {"alice": 2.0, "bob": 0.5}; ValueError naming the bad part."""
+    """--fair-weights "alice=2,bob=0.5" -> {"alice": 2.0, "bob": 0.5}, or "@FILE": the same pairs in a file, one
+    or more a line ("#" starts a comment); ValueError naming the bad part."""
     weights: dict[str, float] = {}
+    if spec is not None and spec.startswith("@"):
+        try:
+            with open(spec[1:]) as f:
+                spec = ",".join(line.split("#", 1)[0].strip() for line in f)
+        except OSError as e:
+            raise ValueError(f"fair_weights: cannot read {spec[1:]!r}: {e.strerror}") from None
     for part in (spec or "").split(","):
         if not part.strip():
             continue

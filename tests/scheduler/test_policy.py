@@ -113,7 +113,7 @@ def test_fair_share_interleaves_tenants_and_counts_their_tokens(tiny_llama, make
     assert llm.engine.scheduler.policy.counters == {"a": 5 * 11.0, "b": 2 * 11.0 / 2}
 
 
-def test_policy_options_are_checked(tiny_llama):
+def test_policy_options_are_checked(tiny_llama, tmp_path):
     from tandem.config import EngineConfig
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(model=tiny_llama, scheduling_policy="lifo")
@@ -122,5 +122,10 @@ def test_policy_options_are_checked(tiny_llama):
     with pytest.raises(ValueError, match="fair_weights"):
         parse_weights("a=2,b")
     assert parse_weights(" a=2, b=0.5 ") == {"a": 2.0, "b": 0.5}
+    path = tmp_path / "weights"
+    path.write_text("# shares\na=2  # the paying one\n\nb=0.5, c=3\n")
+    assert parse_weights(f"@{path}") == {"a": 2.0, "b": 0.5, "c": 3.0}
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_weights(f"@{tmp_path / 'missing'}")
     with pytest.raises(ValueError, match="priority"):
         greedy(1, priority=1.5)
