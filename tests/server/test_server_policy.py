@@ -46,3 +46,16 @@ def test_a_better_priority_preempts_the_running_stream(server):
 def test_bad_priority_or_user_is_a_400_naming_it(server, path, field, value):
     body = {"prompt": "hi"} if path == CMPL else {"messages": [{"role": "user", "content": "hi"}]}
     assert_error(server.http.post(path, json={**body, "max_tokens": 2, field: value}), 400, field)
+
+
+def test_the_tenant_reaches_the_chat_request_from_every_route():
+    """`user` names the tenant of --scheduling-policy fair: Anthropic's metadata.user_id and the Responses
+    route's user become the chat request's user (a non-string user_id is no tenant)."""
+    from tandem.server.anthropic_protocol import MessagesRequest
+    from tandem.server.responses_protocol import ResponsesRequest
+    msgs = [{"role": "user", "content": "hi"}]
+    assert MessagesRequest.model_validate({"model": "m", "max_tokens": 2, "messages": msgs,
+                                           "metadata": {"user_id": "alice"}}).to_chat().user == "alice"
+    assert MessagesRequest.model_validate({"model": "m", "max_tokens": 2, "messages": msgs,
+                                           "metadata": {"user_id": 7}}).to_chat().user is None
+    assert ResponsesRequest.model_validate({"model": "m", "input": "hi", "user": "bob"}).to_chat().user == "bob"
