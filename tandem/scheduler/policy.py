@@ -20,6 +20,7 @@ counters, which change only through charge().
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import Iterable
 
 from ..request import Req
@@ -88,15 +89,17 @@ class Fair(FCFS):
         queues: dict[str, collections.deque[Req]] = {}
         for r in sorted(waiting, key=lambda r: r.arrival_time):
             queues.setdefault(self.tenant(r), collections.deque()).append(r)
-        projected = {u: self.counters.get(u, 0.0) for u in queues}
+        # (projected counter, its next request's arrival, tenant): O(n log tenants) for n waiting requests
+        heap = [(self.counters.get(u, 0.0), q[0].arrival_time, u) for u, q in queues.items()]
+        heapq.heapify(heap)
         waiting.clear()
-        while queues:
-            u = min(queues, key=lambda u: (projected[u], queues[u][0].arrival_time))
+        while heap:
+            projected, _, u = heapq.heappop(heap)
             r = queues[u].popleft()
             waiting.append(r)
-            projected[u] += len(r.fill_ids()) * self.prefill_weight / self.weights.get(u, 1.0)
-            if not queues[u]:
-                del queues[u]
+            if queues[u]:
+                projected += len(r.fill_ids()) * self.prefill_weight / self.weights.get(u, 1.0)
+                heapq.heappush(heap, (projected, queues[u][0].arrival_time, u))
 
     def lift(self, active: Iterable[Req], req: Req) -> None:
         """A request arrives: its tenant, if it has none in the engine, starts no lower than the smallest
