@@ -33,6 +33,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # KV element type: "auto" (bfloat16 on CPU with native int8 kernels, else dtype), "float32", "bfloat16", "float16", "q8_0" (llama.cpp's 8-bit blocks: 0.53x bf16's bytes)
     shared_prefix_attention: bool = True  # decode rows on one cached prefix read its KV once a step (and the torch path's cascade extend)
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
+    # ---- who goes first (tandem/scheduler/policy.py) ----
+    scheduling_policy: str = "fcfs"     # "fcfs" (arrival order), "priority" (a request's priority, lower first; a waiting one retracts running ones of a worse rank), "fair" (virtual token counters per tenant, a request's user)
+    priority_aging: float = 60.0        # priority: a request rises one priority level per this many seconds since its arrival (so one that arrived that much earlier ranks a level better), so none starves
+    fair_weights: str | None = None     # fair: tenants' shares as "alice=2,bob=0.5", or "@FILE" with such pairs a line (a tenant not named weighs 1)
+    fair_prefill_weight: float = 1.0    # fair: what a prefill token adds to its tenant's counter
+    fair_decode_weight: float = 2.0     # fair: what a decode token adds (VTC's default: an output token costs about two input tokens)
     max_queue_time: float | None = None  # seconds a request may wait for admission, then it ends (server: 503 + Retry-After); None: no limit
     process_prev_before_prefill: bool = False  # overlap: flush k-1 before a consecutive prefill (TTFT over throughput)
     poison_future_map: bool = False     # debug: fill unused FutureMap entries with -1 and fail on a gather of one
@@ -97,6 +103,7 @@ class EngineConfig:
                                                     and 0 < self.max_queue_time < float("inf")):
             raise ValueError(f"max_queue_time must be a number of seconds > 0 (or None: no limit), "
                              f"got {self.max_queue_time!r}")
+        self._check_policy()
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise ValueError(f"kv_cache_tokens must be >= 2, got {self.kv_cache_tokens}")
         if self.device_threads is not None and self.device_threads < 1:
@@ -107,6 +114,16 @@ class EngineConfig:
         from .speculative.config import SpeculativeConfig
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._check_pp()
+
+    def _check_policy(self) -> None:
+        from .scheduler.policy import POLICIES, parse_weights
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}")
+        for name in ("priority_aging", "fair_prefill_weight", "fair_decode_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        parse_weights(self.fair_weights)
 
     def _check_pp(self) -> None:
         """What pipeline stages cannot serve yet is refused here, before anything starts (the layer count is

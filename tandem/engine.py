@@ -80,8 +80,9 @@ class Engine:
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         speculation = Speculation(max_draft_rows=spec.max_draft_rows, max_verify_rows=verify_rows(spec),
                                   drafter=drafter)
+        from .scheduler.policy import make_policy
         self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, Grammars(self.grammar),
-                                   speculation)
+                                   speculation, make_policy(config))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()

@@ -71,6 +71,7 @@ class Req:
     cached_len: int = 0                    # leading slots matched in the prefix cache at admission
     cache_node: object | None = None       # the radix node that match ends at, locked while running
     num_cached_tokens: int | None = None   # prompt tokens served from the cache at first admission
+    queue_time: float | None = None        # seconds from arrival to first admission (a retraction keeps it)
     num_launched: int = 0
     stood_aside: bool = False              # a started chunked prefill left one step to new arrivals (once a chunk)
     aborted: bool = False
@@ -137,6 +138,7 @@ class StepOutput:
     # With finish_reason "error": the HTTP status the server answers with when it is not 500 (an engine fault):
     # 503 for a request that waited past max_queue_time, 408 for one whose own timeout passed.
     error_status: int | None = None
+    queue_time: float | None = None        # with the first token: seconds it waited for its first admission
 
 
 @dataclass

@@ -19,6 +19,8 @@ MAX_N = 128                  # samples per prompt (n) at most: each is a request
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15   # seed of sample i = seed + i * stride (mod 2**63): far apart, odd
 
 
+MAX_USER_CHARS = 256    # a tenant name (fair share keys a counter on it)
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16          # None: up to the context length
@@ -49,6 +51,8 @@ class SamplingParams:
     # the reasoning with that token first, else the grammar applies from the start. None: from the start.
     reasoning_end_ids: list[int] | None = None
     reasoning_start_id: int | None = None
+    priority: int = 0                    # --scheduling-policy priority: lower goes first (vLLM's sign); else no effect
+    user: str | None = None              # the tenant (OpenAI's `user`): --scheduling-policy fair shares by it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +96,10 @@ class SamplingParams:
         if self.timeout is not None and (not _is_number(self.timeout) or not math.isfinite(self.timeout)
                                          or self.timeout <= 0):
             bad("timeout", "must be a finite number of seconds > 0")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) >= 2 ** 63:
+            bad("priority", "must be an integer (lower goes first)")
+        if self.user is not None and (not isinstance(self.user, str) or len(self.user) > MAX_USER_CHARS):
+            bad("user", f"must be a string of at most {MAX_USER_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)

@@ -37,10 +37,12 @@ class RequestResult:
     error: str = ""
 
 
-async def request_completion(session, url: str, model: str | None, req: BenchRequest) -> RequestResult:
+async def request_completion(session, url: str, model: str | None, req: BenchRequest,
+                             fields: dict | None = None) -> RequestResult:
+    """One streamed request; `fields`: extra body fields (the mixed workload's priority or user)."""
     import aiohttp
     payload = {"prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
-               "stream_options": {"include_usage": True}, "ignore_eos": True}
+               "stream_options": {"include_usage": True}, "ignore_eos": True, **(fields or {})}
     if model:
         payload["model"] = model
     out = RequestResult(prompt_len=req.prompt_len)
@@ -103,8 +105,9 @@ async def served_model(session, base_url: str) -> str | None:
 
 
 async def run_requests(base_url: str, model: str | None, requests: list[BenchRequest], request_rate: float,
-                       max_concurrency: int | None, seed: int, warmup: int):
-    """Send the requests (Poisson arrivals at request_rate, at most max_concurrency in flight).
+                       max_concurrency: int | None, seed: int, warmup: int, fields: list[dict] | None = None):
+    """Send the requests (Poisson arrivals at request_rate, at most max_concurrency in flight), each with its
+    `fields` (extra body fields) where given.
     Returns (results in request order, duration in s, the model name sent)."""
     import aiohttp
     base_url = base_url.rstrip("/")
@@ -120,17 +123,17 @@ async def run_requests(base_url: str, model: str | None, requests: list[BenchReq
                 print(f"warm-up request failed: {r.error}")
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-        async def limited(req: BenchRequest) -> RequestResult:
+        async def limited(req: BenchRequest, extra: dict) -> RequestResult:
             if sem is None:
-                return await request_completion(session, url, model, req)
+                return await request_completion(session, url, model, req, extra)
             async with sem:
-                return await request_completion(session, url, model, req)
+                return await request_completion(session, url, model, req, extra)
 
         rng = random.Random(seed)
         tasks = []
         start = time.perf_counter()
         for i, req in enumerate(requests):
-            tasks.append(asyncio.create_task(limited(req)))
+            tasks.append(asyncio.create_task(limited(req, fields[i] if fields else {})))
             if not math.isinf(request_rate) and i + 1 < len(requests):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
@@ -191,16 +194,28 @@ def bench_serve(args) -> dict:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
-    reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, args.range_ratio,
-                           args.seed, text=args.prompt_type == "text")
+    classes, fields = None, None
+    if args.mixed:
+        from .mixed import mixed_requests
+        reqs, classes, fields = map(list, zip(*mixed_requests(args.mixed, args.num_prompts, args.input_len,
+                                                              args.output_len, args.vocab_size, args.seed,
+                                                              args.prompt_type == "text")))
+    else:
+        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size,
+                               args.range_ratio, args.seed, text=args.prompt_type == "text")
     print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
     results, duration, model = asyncio.run(run_requests(args.base_url, args.model, reqs, args.request_rate,
-                                                        args.max_concurrency, args.seed, args.warmup_requests))
+                                                        args.max_concurrency, args.seed, args.warmup_requests,
+                                                        fields))
     m = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": args.base_url,
          "model_id": model, "num_prompts": args.num_prompts,
          "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
          "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
          "range_ratio": args.range_ratio, "prompt_type": args.prompt_type, "seed": args.seed,
-         **compute_metrics(results, duration)}
+         "mixed": args.mixed, **compute_metrics(results, duration)}
     print_serving(m)
+    if classes is not None:
+        from .mixed import class_metrics, print_classes
+        m["classes"] = class_metrics(classes, results, duration)
+        print_classes(m["classes"])
     return m

@@ -54,6 +54,8 @@ class RequestStream:
     num_prompt: int = 0           # prompt tokens (the router's outstanding-token count)
     max_new: int = 0              # tokens it may still generate at most, when submitted
     num_output: int = 0           # tokens generated so far
+    priority: int = 0             # its class in the metrics (--scheduling-policy priority / fair)
+    tenant: str = ""
 
     def outstanding(self) -> int:
         """Tokens the engine still has to compute for it: the prompt until its first token, then what is left
@@ -75,6 +77,8 @@ class EngineClient:
         self.on_output: Callable[[RequestStream, StepOutput, float], None] | None = None   # metrics hook
         self.on_dead: Callable[[], None] | None = None     # called once when the engine dies (not at shutdown)
         self.last_heard = now()             # when the engine last sent anything
+        self.watchdog_s: float | None = None   # --watchdog-timeout: silent this long with requests open, it is
+        #                                        killed and failed like a dead engine (None: never)
         self.proc: subprocess.Popen | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -151,7 +155,8 @@ class EngineClient:
             raise EngineError(503, f"the engine is not running: {self.dead}")
         if self.closing:
             raise EngineError(503, "the server is shutting down")
-        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future(), num_prompt=len(prompt_ids))
+        st = RequestStream(rid, arrival, asyncio.get_running_loop().create_future(), num_prompt=len(prompt_ids),
+                           priority=params.get("priority") or 0, tenant=params.get("user") or "")
         room = (self.info.max_context if self.info is not None else 0) - len(prompt_ids)
         st.max_new = max(0, min(room, params.get("max_tokens") or room))
         self.reqs[rid] = st
@@ -254,6 +259,16 @@ class EngineClient:
             await asyncio.sleep(WATCH_S)
             if self.proc.poll() is not None:
                 self._fail(f"the engine process exited (code {self.proc.returncode})")
+            elif self._hung():
+                self.proc.kill()            # its device processes die with it (lifeline)
+                self._fail(f"the engine made no progress for {self.watchdog_s:g} s with requests in flight "
+                           f"(--watchdog-timeout): a step or a device hangs")
+
+    def _hung(self) -> bool:
+        """The watchdog: requests are open and the engine has sent nothing (no step completed, no heartbeat) for
+        watchdog_s. An idle engine is never hung, whatever its device does (/health says so meanwhile)."""
+        return (self.watchdog_s is not None and bool(self.reqs) and not self.closing
+                and self.silent_for() > self.watchdog_s)
 
     def _fail(self, reason: str) -> None:
         first = self.dead is None

@@ -93,7 +93,8 @@ def replica_clients(config: EngineConfig, dp: DataParallel) -> list[EngineClient
 class ReplicaSet:
     """The EngineClient interface over D replicas (D = 1: a thin pass-through)."""
 
-    def __init__(self, clients: list[EngineClient], router: Router, stuck_after_s: float = float("inf")) -> None:
+    def __init__(self, clients: list[EngineClient], router: Router, stuck_after_s: float = float("inf"),
+                 watchdog_s: float | None = None) -> None:
         self.clients, self.router = clients, router
         self.stuck_after_s = stuck_after_s  # a replica silent this long takes no new request (--health-timeout)
         self.info: ipc.Ready | None = None
@@ -104,6 +105,7 @@ class ReplicaSet:
         for i, c in enumerate(clients):
             c.on_output = self._output
             c.on_dead = lambda i=i: self._replica_died(i)
+            c.watchdog_s = watchdog_s       # a replica hung this long with requests open fails (--watchdog-timeout)
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     async def start(self) -> ipc.Ready:

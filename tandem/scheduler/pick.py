@@ -41,6 +41,9 @@ def pick_batch(s: "Scheduler") -> Batch | None:
     s.finish_idle_aborts()
     if s.grammars is not None:
         s.grammars.collect(s.fail)
+    s.policy.order(s.waiting, s.clock())
+    if s.policy.preempts and s.waiting:
+        preempt(s)
     decode = s.decode_candidates()
     mixed = s.config.enable_mixed_chunk and bool(decode)
     budget = min(s.config.max_prefill_tokens, s.config.mixed_prefill_tokens) if mixed else \
@@ -51,6 +54,7 @@ def pick_batch(s: "Scheduler") -> Batch | None:
         # is left to the next decode-only step.
         decode = decode if mixed and s.available() >= len(decode) else []
         batch = make_batch(s, chunks, _alloc_decode(s, decode))
+        _charge(s, chunks, decode)
         # Optional hook: a prefill right behind a prefill waits for k-1 first (better TTFT, less overlap).
         batch.needs_previous = s.config.process_prev_before_prefill and any(
             b.is_prefill for b, _ in s.result_queue)
@@ -118,6 +122,7 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         reserved += future
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
+            req.queue_time = s.clock() - req.arrival_time
         take = min(n, budget - tokens)
         chunks.append(Chunk(req, cached, take, take == n))
         tokens += take
@@ -165,7 +170,51 @@ def pick_decode(s: "Scheduler") -> Batch | None:
     reqs, drafts, bonus = propose(s, reqs)       # drafts only where their KV slots are there
     if not reqs:
         return None
-    return make_batch(s, [], _alloc_decode(s, reqs, drafts), drafts, bonus)
+    batch = make_batch(s, [], _alloc_decode(s, reqs, drafts), drafts, bonus)
+    _charge(s, [], reqs)
+    return batch
+
+
+def _charge(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> None:
+    """The tokens a picked step computes, to each request's account (the fair policy's counters)."""
+    for c in chunks:
+        s.policy.charge(c.req, c.n, 0)
+    for req in decode:
+        s.policy.charge(req, 0, 1)
+
+
+def preempt(s: "Scheduler") -> None:
+    """Priority preemption: the first waiting request that may be admitted (its grammar ready) but for the
+    running cap or the KV memory retracts running requests it outranks, worst first, until it fits; none is
+    retracted when even all of them would not make room. Retraction needs host truth (process_pending first),
+    and retracted requests keep their outputs, which they re-prefill when they resume (Scheduler.retract)."""
+    req = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
+    if req is None:
+        return
+    t = s.clock()
+    need = len(req.fill_ids()) + int(min(req.max_new_tokens() - len(req.output_ids), NEW_TOKEN_CLIP)
+                                      * s.new_token_ratio)
+
+    def fits(running: list[Req], freed: int) -> bool:
+        return (len(running) < s.config.max_running_requests
+                and (not running or need <= s.available() + freed - _decode_reserve(s, running)))
+    if fits(s.running, 0):
+        return
+    victims = [r for r in s.policy.retract_order(s.running, t) if not r.aborted and s.policy.outranks(req, r, t)]
+    keep, freed, chosen = list(s.running), 0, []
+    for v in victims:
+        if fits(keep, freed):
+            break
+        keep.remove(v)
+        freed += len(v.slots)
+        chosen.append(v)
+    if not chosen or not fits(keep, freed):
+        return
+    process_pending(s)
+    for v in chosen:
+        if v in s.running and not v.finished:     # processing k-1 may have finished it
+            s.retract(v)
+    s.policy.order(s.waiting, t)                  # the retracted behind the request they made room for
 
 
 def _alloc_decode(s: "Scheduler", reqs: list[Req], drafts: dict[Req, list[int]] | None = None) -> list[Req]:
@@ -180,7 +229,7 @@ def _retract(s: "Scheduler", reqs: list[Req]) -> list[Req]:
     """Free the KV of the requests with the fewest outputs (latest first on ties) until decode fits.
     Requests still prefilling hold KV too and are candidates (their launched chunks go to the cache)."""
     pool = reqs + [r for r in s.running if r.prefilling and not r.aborted]
-    order = sorted(pool, key=lambda r: (len(r.output_ids), -r.arrival_time))
+    order = s.policy.retract_order(pool, s.clock())
     retracted = 0
     while s.available() < len(reqs):
         victims = [r for r in order if r not in reqs or len(reqs) > 1]

@@ -102,7 +102,8 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         outputs.append(StepOutput(req.rid, kept, reason is not None, reason, req.text if reason else None,
                                   len(req.prompt_ids), len(req.output_ids),
                                   num_cached_tokens=req.num_cached_tokens or 0, logprobs=token_lp,
-                                  prompt_logprobs=prompt_lp))
+                                  prompt_logprobs=prompt_lp,
+                                  queue_time=req.queue_time if len(req.output_ids) == len(kept) else None))
     if s.config.speculative_config is not None and not batch.is_prefill:
         start, end = handle.device_span      # what a draft row and a draft model step cost is priced against this
         s.spec.observe_step(batch.step.draft_lens, end - start)

@@ -29,6 +29,7 @@ from ..speculative.speculation import Speculation
 from ..trace.recorder import Recorder
 from .batch import Batch
 from .grammar import Grammars
+from .policy import FCFS
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -40,8 +41,10 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 class Scheduler:
     def __init__(self, config: EngineConfig, executor: Executor, sink: Callable[[list[StepOutput]], None],
                  recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
-                 grammars: Grammars | None = None, spec: Speculation | None = None) -> None:
+                 grammars: Grammars | None = None, spec: Speculation | None = None,
+                 policy: FCFS | None = None) -> None:
         self.config = config
+        self.policy = policy or FCFS()      # who goes first: admission order, preemption, retraction (policy.py)
         self.grammars = grammars            # the grammar branch (grammar.py); None: no structured outputs
         self.spec = spec or Speculation()   # the speculative branch's limits, drafter, costs and counts
         self.poll = poll                    # pulls new messages (e.g. from ZMQ) into the inbox
@@ -92,6 +95,7 @@ class Scheduler:
                     self.fail(item, e)
                     continue
                 self._set_deadlines(item)
+                self.policy.lift(itertools.chain(self.running, self.waiting), item)
                 self.waiting.append(item)
             elif kind == "abort":
                 self._abort(item)
@@ -157,6 +161,10 @@ class Scheduler:
             req.error = (f"the request waited {waited:.1f} s in the queue without being admitted "
                          f"(max_queue_time {self.config.max_queue_time:g} s): the engine is overloaded, retry later")
         log.debug("request %s ended: %s", req.rid, req.error)   # expected under overload: no log flood
+
+    def clock(self) -> float:
+        """The scheduler's clock (deadlines, priority aging): device.streams.now, on Req.arrival_time's scale."""
+        return now()
 
     def in_flight(self) -> set[int]:
         """ids of the requests in a launched, unprocessed step (PP: at most one micro-batch each, pick.py)."""
@@ -230,7 +238,7 @@ class Scheduler:
         req.kv_committed = 0
         req.num_launched = len(req.output_ids)
         req.spec.guess, req.spec.stale = [], False      # nothing in flight; its re-prefill writes the FutureMap
-        self.waiting.appendleft(req)
+        self.waiting.appendleft(req)    # the head under fcfs; the other policies order by its kept arrival
 
     def _release(self, req: Req) -> None:
         if self.spec.drafter is not None:

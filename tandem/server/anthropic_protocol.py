@@ -214,7 +214,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: Int64 | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None     # accepted (user_id), no effect on generation
+    metadata: dict[str, Any] | None = None     # user_id (a string): the tenant (--scheduling-policy fair); else no effect
     cache_control: dict[str, Any] | None = None  # accepted, no effect: the prefix cache is automatic
 
     def to_chat(self) -> ChatCompletionRequest:
@@ -222,6 +222,9 @@ class MessagesRequest(CountTokensRequest):
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 sampling[name] = getattr(self, name)
+        user = (self.metadata or {}).get("user_id")
+        if isinstance(user, str):
+            sampling["user"] = user
         return self.chat_request(**sampling)
 
 

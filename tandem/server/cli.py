@@ -22,6 +22,9 @@ from ..replicas.replica_set import DataParallel, add_dp_args, dp_options, replic
 
 GRACEFUL_S = 5
 ENGINE_FAILURE_GRACE_S = 30.0
+# A CPU step takes well under a minute even for a full prefill chunk of an 8B model: five minutes without one,
+# with requests waiting, is a hang (a stuck device, a deadlock), and a restart serves them sooner (SGLang: 300).
+WATCHDOG_S = 300.0
 
 
 def add_parser(subparsers) -> None:
@@ -56,6 +59,11 @@ def add_parser(subparsers) -> None:
                    help="with --exit-on-engine-failure: seconds the other replicas' in-flight requests get to "
                         f"finish (new ones get 503) before the rest are ended with 503 and the server exits 1 "
                         f"(default {ENGINE_FAILURE_GRACE_S:g})")
+    p.add_argument("--watchdog-timeout", type=float, default=WATCHDOG_S,
+                   help="with requests in flight and no engine step completed for this many seconds, end them with "
+                        "503 (an error event in a stream), kill the engine and exit 1 (as an engine failure), so "
+                        f"that a supervisor restarts a hung server; 0: off (default {WATCHDOG_S:g}: generous, "
+                        "a CPU step takes seconds; raise it for models whose single step takes minutes)")
     add_dp_args(p)
     p.set_defaults(func=serve)
 
@@ -69,9 +77,12 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--health-timeout must be > 0")
     if not args.engine_failure_grace >= 0:
         raise ValueError("--engine-failure-grace must be >= 0")
+    if not 0 <= args.watchdog_timeout < float("inf"):
+        raise ValueError("--watchdog-timeout must be a number of seconds >= 0 (0: off)")
     options = ServeOptions(args.host, args.port, args.served_model_name, args.log_level, args.max_request_bytes,
                            args.max_messages, args.health_timeout, args.exit_on_engine_failure, dp_options(args),
-                           args.engine_failure_grace, args.generation_config, args.reasoning_parser)
+                           args.engine_failure_grace, args.generation_config, args.reasoning_parser,
+                           args.watchdog_timeout)
     replica_cores(config, options.dp)              # a --dp the cores cannot take is a clear error, here
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.node_rank > 0:                       # another machine's tp ranks: no scheduler, no HTTP server
@@ -99,6 +110,7 @@ class ServeOptions:
     engine_failure_grace_s: float = ENGINE_FAILURE_GRACE_S
     generation_config: str = "auto"     # "auto": the model's sampling defaults for omitted fields; "none"
     reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think> text into reasoning_content (reasoning.py)
+    watchdog_timeout_s: float = WATCHDOG_S  # hung this long with requests open: fail them, exit 1 (0: off)
 
 
 async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions()) -> int:
@@ -117,7 +129,7 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
     from ..replicas.router import Router
 
     client = ReplicaSet(replica_clients(config, options.dp), Router(options.dp.size, options.dp.router),
-                        options.health_timeout_s)
+                        options.health_timeout_s, options.watchdog_timeout_s or None)
     life = Lifecycle(client, options.exit_on_engine_failure, options.engine_failure_grace_s)
     life.install()                                 # before any engine process or runtime folder exists
     client.on_dead = life.on_dead

@@ -7,7 +7,7 @@ import json
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from .protocol import RETRY_AFTER_S, APIError, error_body
+from .protocol import RETRY_AFTER_S, APIError, error_body, error_code
 
 
 def sse(obj: dict) -> str:
@@ -23,14 +23,15 @@ class ErrorResponse(JSONResponse):
 
 def error(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return ErrorResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+    return ErrorResponse(error_body(message, type, param, error_code(status, code)), status_code=status,
+                         headers=headers)
 
 
 def engine_error_body(e) -> dict:
     """An EngineError (engine down or stopping, or the request failed) in one shape, the JSON body's and the
-    stream's alike: `code` the status as a string ("503"), so a stream, which has no status line, still says it."""
+    stream's alike, and the same as a refusal's or /health's 503 (protocol.error_code)."""
     return error_body(e.message, {503: "service_unavailable", 400: "invalid_request_error", 408: "timeout"}
-                      .get(e.status, "server_error"), None, str(e.status))
+                      .get(e.status, "server_error"), None, error_code(e.status))
 
 
 def engine_error(e) -> ErrorResponse:

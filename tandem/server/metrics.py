@@ -41,6 +41,7 @@ ENGINE_COUNTERS = {
     "tandem:spec_decode_num_accepted_tokens": ("spec_accepted_tokens",
                                                "Draft tokens speculative decoding accepted."),
 }
+MAX_CLASSES = 64          # distinct priorities or tenants labelled apiece; the rest are counted under "other"
 SPEC_ACCEPTED_LEN = ("tandem:spec_decode_accepted_length", "Accepted drafts per verified speculative run "
                      "(its tokens are that plus one).")
 
@@ -122,18 +123,43 @@ class ServerMetrics:
                              ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(*m)
         self.model_name = model_name
         r.register(_EngineGauges(model_name, replicas))
+        # Per class (a request's priority and tenant, --scheduling-policy): who waits, who is served.
+        by = ["model_name", "priority", "tenant"]
+        self.class_queue = Histogram("tandem:class_queue_time_seconds", "Time from arrival at the engine to first "
+                                     "admission, by priority and tenant (user).", by, buckets=TTFT_BUCKETS, registry=r)
+        self.class_ttft = Histogram("tandem:class_time_to_first_token_seconds", "Time to first token, by priority "
+                                    "and tenant (user).", by, buckets=TTFT_BUCKETS, registry=r)
+        self.class_tokens = Counter("tandem:class_generation_tokens", "Generated tokens, by priority and tenant "
+                                    "(user).", by, registry=r)
+        self._seen: dict[str, set[str]] = {"priority": set(), "tenant": set()}
+
+    def _label(self, kind: str, value: str) -> str:
+        """The value as a label, or "other" once MAX_CLASSES others were seen (clients name tenants freely)."""
+        seen = self._seen[kind]
+        if value in seen or len(seen) < MAX_CLASSES:
+            seen.add(value)
+            return value
+        return "other"
+
+    def _class(self, st: RequestStream) -> tuple[str, str, str]:
+        return self.model_name, self._label("priority", str(st.priority)), self._label("tenant", st.tenant)
 
     def on_output(self, st: RequestStream, o: StepOutput, t: float) -> None:
         """Called by the EngineClient's reader for every StepOutput of a live request."""
         if o.new_token_ids:
+            cls = self._class(st)
             if st.first_token is None:
                 st.first_token = t
                 self.ttft.observe(t - st.arrival)
+                self.class_ttft.labels(*cls).observe(t - st.arrival)
+                if o.queue_time is not None:
+                    self.class_queue.labels(*cls).observe(o.queue_time)
                 self.prompt_tokens.inc(o.num_prompt_tokens)
             else:
                 self.itl.observe(t - st.last_token)
             st.last_token = t
             self.generation_tokens.inc(len(o.new_token_ids))
+            self.class_tokens.labels(*cls).inc(len(o.new_token_ids))
         if o.finished:
             self._success.labels(self.model_name, o.finish_reason or "unknown").inc()
 

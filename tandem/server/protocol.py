@@ -14,6 +14,7 @@ INT64 = 2 ** 63
 Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]   # every integer field: nothing past int64 reaches the engine
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")   # OpenAI's message roles
 RETRY_AFTER_S = 1          # Retry-After of every 503 (a full queue drains, a restarted server comes back)
+STATUS_CODES = (408, 503)  # their errors carry the status as `code` ("503"), in a JSON body and a stream alike
 MAX_MESSAGE_CHARS = 1000   # an error message's length at most: a quoted value never makes it long
 
 
@@ -23,7 +24,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code = status, message, param, error_code(status, code)
         self.type = type or {400: "invalid_request_error", 404: "invalid_request_error",
                              413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
@@ -41,6 +42,12 @@ def check_model(model: str | None, served: str, required: bool = False) -> None:
         return
     raise APIError(404, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
                    "model_not_found")
+
+
+def error_code(status: int, code: str | None = None) -> str | None:
+    """An error's `code`: the one given, else the status as a string for 408 and 503, whose errors a stream (no
+    status line) must still tell apart from a 500; null otherwise. One rule for every route and for streams."""
+    return str(status) if code is None and status in STATUS_CODES else code
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -87,7 +94,7 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None                  # accepted for clients' bookkeeping; no effect on generation
+    user: str | None = None                  # the tenant: --scheduling-policy fair shares by it (else no effect)
     metadata: dict[str, str] | None = None   # likewise
     store: bool | None = None                # likewise (nothing is stored)
     service_tier: str | None = None          # likewise (one tier)
@@ -107,6 +114,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     timeout: float | None = None             # seconds; then the request ends wherever it is (408 `timeout`)
+    priority: Int64 = 0                      # --scheduling-policy priority: lower goes first (vLLM's field)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a value tandem does not implement or a combination OpenAI refuses, else None."""
@@ -146,7 +154,8 @@ class _SamplingFields(_Strict):
                               "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
                               "include_stop_str_in_output": self.include_stop_str_in_output, "n": self.n,
                               "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "timeout": self.timeout}
+                              "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "timeout": self.timeout,
+                              "priority": self.priority, "user": self.user}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

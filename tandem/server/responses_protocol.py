@@ -159,7 +159,7 @@ class ResponsesRequest(_Strict):
     store: bool | None = None                  # accepted; nothing is stored (the response says store: false)
     previous_response_id: str | None = None    # refused: stateless
     metadata: dict[str, str] | None = None     # echoed; no effect on generation
-    user: str | None = None                    # likewise
+    user: str | None = None                    # the tenant (--scheduling-policy fair), as on the chat route
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = None    # refused unless null
     include: list[str] | None = None           # refused unless empty
@@ -256,7 +256,7 @@ class ResponsesRequest(_Strict):
                                   "response_format": self.response_format(), "stream": self.stream,
                                   "max_tokens": self.max_output_tokens, "stop": self.stop, "seed": self.seed,
                                   "chat_template_kwargs": self.chat_template_kwargs}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "user"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         chat = ChatCompletionRequest.model_validate(fields)

@@ -216,6 +216,26 @@ def test_serve_without_usage_counts_chunks(tmp_path):
     assert all(isinstance(b["prompt"], str) and b["model"] == "m" for b in fake.bodies)
 
 
+@pytest.mark.parametrize("mix", ["priority", "tenants"])
+def test_serve_mixed_workload_reports_each_class(tmp_path, mix):
+    fake = FakeOpenAI()
+    with fake_server(fake) as url:
+        r = run_json(tmp_path, "serve", "--base-url", url, "--num-prompts", "10", "--input-len", "8",
+                     "--output-len", "8", "--mixed", mix, "--warmup-requests", "0")
+    assert r["completed"] == 10 and r["mixed"] == mix
+    flood = [b for b in fake.bodies if b["max_tokens"] == 8]
+    trickle = [b for b in fake.bodies if b["max_tokens"] == 2]          # a quarter of the lengths
+    assert len(flood) == 8 and len(trickle) == 2 and all(len(b["prompt"]) == 2 for b in trickle)
+    if mix == "priority":
+        assert {b["priority"] for b in flood} == {10} and {b["priority"] for b in trickle} == {0}
+        assert set(r["classes"]) == {"low-priority flood", "high-priority trickle"}
+    else:
+        assert {b["user"] for b in flood} == {"tenant-0"} and {b["user"] for b in trickle} == {"tenant-1", "tenant-2"}
+        assert set(r["classes"]) == {"tenant-0 flood", "tenant-1", "tenant-2"}
+    assert sum(c["completed"] for c in r["classes"].values()) == 10
+    assert all(c["p99_ttft_ms"] >= c["p50_ttft_ms"] > 0 and c["output_throughput"] > 0 for c in r["classes"].values())
+
+
 def test_serve_unreachable_server_is_counted(tmp_path):
     from tests.helpers.server_utils import free_port
     r = run_json(tmp_path, "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",

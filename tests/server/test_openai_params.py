@@ -25,6 +25,7 @@ COMMON = {
     "min_tokens": (OK, 1), "structured_outputs": (OK, {"regex": "[a-z]+"}), "guided_json": (OK, {"type": "object"}),
     "guided_regex": (OK, "[0-9]+"), "guided_choice": (OK, ["x", "y"]), "guided_grammar": (OK, 'start: "a"'),
     "timeout": (OK, 30),                     # tandem's extra: the request's deadline (test_server_deadlines.py)
+    "priority": (OK, -3),                    # vLLM's extra: --scheduling-policy priority (test_server_policy.py)
     "no_such_parameter": (REFUSED, 1),
 }
 COMPLETIONS = {**COMMON, "echo": (OK, True), "logprobs": (OK, 2), "best_of": (OK, 2), "suffix": (REFUSED, "end")}

@@ -151,7 +151,7 @@ def test_stopped_idle_device_turns_health_503_then_recovers(server):
             assert time.monotonic() - stopped < HEALTH_TIMEOUT_S + 8, "health still 200 with the device stopped"
             time.sleep(0.1)
         err = assert_error(server.http.get("/health"), 503)
-        assert "no progress" in err["message"], err
+        assert "no progress" in err["message"] and err["code"] == "503", err
         late = server.http.post(CMPL, json=SHORT, timeout=10)          # at once, not a hang
         assert_error(late, 503)
         assert late.headers["retry-after"] == "1"

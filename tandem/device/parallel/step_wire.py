@@ -15,7 +15,7 @@ import torch
 
 from ..step import StepInput
 
-QUIT, STEP, NOOP = 0, 1, 2
+QUIT, STEP, NOOP, PROBE = 0, 1, 2, 3   # PROBE: tp's liveness round trip (TPGroup.probe)
 KEEPALIVE_S = 60.0          # an idle sender (tp rank 0, pp's last node-0 stage) sends a NOOP this often
 HEADER = 6
 INLINE = 2048

@@ -85,6 +85,13 @@ class TPGroup(step_wire.WireControl):
         self.comm_s += time.perf_counter() - t
         return torch.cat(parts, dim=1) if parts is not None else None
 
+    def probe(self) -> None:
+        """Rank 0, idle, on the executor's liveness probe: a round trip through every rank (a PROBE message, then
+        an all-reduce each of them joins in recv_step), so it returns only once all of them answered: a stopped or
+        stuck rank > 0 blocks it as a stopped rank 0 would, and /health sees the silence."""
+        self._send(step_wire.PROBE)
+        self.min_int(0)
+
     def min_int(self, v: int) -> int:
         t = torch.tensor([v], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -123,6 +130,8 @@ class TPGroup(step_wire.WireControl):
                 return None
             if kind == step_wire.STEP:
                 break
+            if kind == step_wire.PROBE:
+                self.min_int(0)             # rank 0's liveness round trip (probe)
         prev = torch.from_numpy(extra.copy()).to(self.device).view(2, len(extra) // 2)
         return step, prev[0], prev[1]
 

@@ -339,12 +339,20 @@ class ProcessExecutor:
                 conn.close()
             except (OSError, EOFError):
                 pass
+        starting = not getattr(self, "num_slots", 0)   # start-up cancelled (a signal, a failed stage): still loading
         for p in [self.proc, *self.ranks]:   # rank 0 tells the others to quit; a stuck one is killed
+            if starting:
+                # A loading process reads no quit until its weights are in (seconds under --pp, a stage after
+                # another); it holds nothing this process does not remove, so it is stopped now, not awaited.
+                p.terminate()
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if starting:
+            with contextlib.suppress(OSError):   # wait_ready never ran to close it (its socket is unlinked once)
+                self._listener.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __del__(self) -> None:

@@ -101,6 +101,8 @@ class _StepLoop:
             if idle:
                 self.link.keepalive()            # idle: the other ranks' collective timeout must not fire
             elif msg == PING:
+                if self.tp is not None:          # every tp rank answers too (TPGroup.probe)
+                    self.tp.probe()
                 self.send(PONG)                  # a probe is no step: the heap stays trimmed if it was
                 trimmed = was_trimmed
             elif not self.handle(msg):
