@@ -76,17 +76,19 @@ def test_vector_is_the_models_last_hidden_state(tiny_llama, make_llm, backend):
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")
-@pytest.mark.parametrize("backend", ["inline", "process"])
-def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend):
+@pytest.mark.parametrize("backend,spec", [("inline", None), ("process", None),
+                                          ("process", {"method": "ngram", "num_speculative_tokens": 3})])
+def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend, spec):
     alone_llm = make_llm(q8_gguf, device_backend=backend, prefix_cache=False)
     alone = {f"e{i}": drive(alone_llm, "serial", [(f"e{i}", ids, EMBED)])[f"e{i}"] for i, ids in enumerate(PROMPTS)}
     for v in alone.values():
         assert v[0] == [] and v[2] == "stop" and len(v[1]) == 4 * 128
-    gen = [(f"g{i}", [20 + i] * (3 + 17 * i), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    gen = [(f"g{i}", [20 + i, 30 + i] * (2 + 9 * i), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
            for i in range(4)]
     gen_alone = {g[0]: drive(alone_llm, "serial", [g])[g[0]] for g in gen}
     # Small step budgets: the 93-token prompt is chunked and steps mix decode rows with prefill chunks.
-    llm = make_llm(q8_gguf, device_backend=backend, max_prefill_tokens=32, mixed_prefill_tokens=16)
+    llm = make_llm(q8_gguf, device_backend=backend, max_prefill_tokens=32, mixed_prefill_tokens=16,
+                   speculative_config=spec)
     embeds = [(f"e{i}", ids, EMBED) for i, ids in enumerate(PROMPTS)]
     for loop in ("serial", "overlap"):
         for run in range(2):            # the second run hits the prefix cache the first one filled
@@ -105,3 +107,25 @@ def test_invalid_embeddings_requests_are_refused(tiny_llama, make_llm):
     with pytest.raises(ValueError, match="empty"):
         llm.embed([[]], use_tqdm=False)
     assert llm.embed("hi", use_tqdm=False)[0].outputs.embedding is not None      # the engine is untouched
+
+
+def test_refused_under_tp_and_pp(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    eng, config = llm.engine, llm.engine.config
+    for kw in ({"tp_size": 2}, {"pp_size": 2}):
+        eng.config = config.replace(**kw)
+        try:
+            with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
+                eng.make_request([5, 6], EMBED)
+        finally:
+            eng.config = config
+
+
+def test_vector_crosses_the_replica_ipc():
+    """Data parallelism (LLM(dp_size=...), serve --dp): a StepOutput's vector travels as its bytes."""
+    from tandem.device.embed import normalized, vector
+    from tandem.replicas import ipc
+    from tandem.request import StepOutput
+    data = normalized(np.arange(1, 9, dtype=np.float32))
+    msg = ipc.decode(ipc.encode(ipc.Outputs([StepOutput("r", [], True, "stop", embedding=data)], {})))
+    assert msg.outputs[0].embedding == data and abs(np.linalg.norm(vector(data)) - 1) < 1e-6
