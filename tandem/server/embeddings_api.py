@@ -84,6 +84,10 @@ async def _vector(gen: Generation, st: RequestStream) -> StepOutput:
     raise APIError(500, "the engine ended this request without its vector", type="server_error")
 
 
+async def _vectors(gen: Generation, streams: list[RequestStream]) -> list[StepOutput]:
+    return [await _vector(gen, st) for st in streams]
+
+
 async def embeddings(gen: Generation, served: str, body: EmbeddingRequest, request: Request):
     arrival = now()
     check(body, served)
@@ -98,7 +102,7 @@ async def embeddings(gen: Generation, served: str, body: EmbeddingRequest, reque
         failed = [e for e in subs if isinstance(e, BaseException)]
         if failed:
             raise failed[0]
-        task = asyncio.ensure_future(asyncio.gather(*(_vector(gen, st) for st in streams)))
+        task = asyncio.ensure_future(_vectors(gen, streams))     # a task: cancelled quietly if the client leaves
         watch = asyncio.ensure_future(wait_disconnect(request))
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
