@@ -126,9 +126,9 @@ class Engine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         vocab = self.model_config.vocab_size
         params.validate(vocab)
-        if params.embed and (self.config.tp_size > 1 or self.config.pp_size > 1):
-            raise ValueError("embeddings are not served with tensor or pipeline parallelism (tp_size and "
-                             "pp_size must be 1)")
+        if params.embed and self.config.pp_size > 1 and self.config.nnodes > 1:
+            raise ValueError("embeddings are not served with pipeline stages on several nodes (the last stage's "
+                             "results reach node 0 without them): use pp on one node, or tp")
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):

@@ -109,16 +109,27 @@ def test_invalid_embeddings_requests_are_refused(tiny_llama, make_llm):
     assert llm.embed("hi", use_tqdm=False)[0].outputs.embedding is not None      # the engine is untouched
 
 
-def test_refused_under_tp_and_pp(tiny_llama, make_llm):
-    llm = make_llm(tiny_llama)
-    eng, config = llm.engine, llm.engine.config
-    for kw in ({"tp_size": 2}, {"pp_size": 2}):
-        eng.config = config.replace(**kw)
-        try:
-            with pytest.raises(ValueError, match="tensor or pipeline parallelism"):
-                eng.make_request([5, 6], EMBED)
-        finally:
-            eng.config = config
+def test_tp_and_pp_give_the_same_vectors(tiny_llama, make_llm):
+    """tp rank 0 and the last pipeline stage hold the whole final hidden state: tp 2 gives tp 1's vectors up to
+    the all-reduce's summation order, pp 2 the same bits. Stages on several nodes are refused."""
+    kw = dict(device_threads=1, kv_cache_tokens=4096, max_running_requests=8)
+    ref = [np.array(o.outputs.embedding) for o in make_llm(tiny_llama, **kw).embed(PROMPTS, use_tqdm=False)]
+    for par in ({"tp_size": 2}, {"pp_size": 2}):
+        llm = make_llm(tiny_llama, **kw, **par)
+        got = [np.array(o.outputs.embedding) for o in llm.embed(PROMPTS, use_tqdm=False)]
+        for a, b in zip(ref, got):
+            if "tp_size" in par:
+                np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+            else:
+                np.testing.assert_equal(a, b)
+    eng = llm.engine
+    config = eng.config
+    eng.config = config.replace(nnodes=2, dist_init_addr="127.0.0.1:1")
+    try:
+        with pytest.raises(ValueError, match="several nodes"):
+            eng.make_request([5, 6], EMBED)
+    finally:
+        eng.config = config
 
 
 def test_vector_crosses_the_replica_ipc():
