@@ -134,6 +134,8 @@ class ServerMetrics:
                 self.itl.observe(t - st.last_token)
             st.last_token = t
             self.generation_tokens.inc(len(o.new_token_ids))
+        elif o.embedding is not None:      # an embeddings request: prefilled, nothing generated
+            self.prompt_tokens.inc(o.num_prompt_tokens)
         if o.finished:
             self._success.labels(self.model_name, o.finish_reason or "unknown").inc()
 

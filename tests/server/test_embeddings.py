@@ -56,6 +56,12 @@ def test_base64_decodes_to_the_same_floats(client, server):
     assert [d.embedding for d in auto.data] == [d.embedding for d in floats.data]
 
 
+def test_prompt_tokens_counted_in_metrics(client, server):
+    before = server.metrics()["tandem:prompt_tokens_total"]
+    r = client.embeddings.create(model="tiny", input=TEXTS)
+    assert server.metrics()["tandem:prompt_tokens_total"] == before + r.usage.prompt_tokens
+
+
 def test_refusals_are_openai_shaped(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model="tiny", input="hi", dimensions=16)
