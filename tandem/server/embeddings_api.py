@@ -79,8 +79,10 @@ async def _vector(gen: Generation, st: RequestStream) -> StepOutput:
             if o.error_status in (408, 503):
                 raise EngineError(o.error_status, o.error or "the request's deadline passed")
             raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
-        if o.finished:
+        if o.finished and o.embedding is not None:
             return o
+        if o.finished:
+            break
     raise APIError(500, "the engine ended this request without its vector", type="server_error")
 
 
