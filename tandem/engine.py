@@ -129,6 +129,9 @@ class Engine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         vocab = self.model_config.vocab_size
         params.validate(vocab)
+        if params.embed and self.config.pp_size > 1 and self.config.nnodes > 1:
+            raise ValueError("embeddings are not served with pipeline stages on several nodes (the last stage's "
+                             "results reach node 0 without them): use pp on one node, or tp")
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):

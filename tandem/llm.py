@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
-from .request import CompletionOutput, RequestOutput, StepOutput
+from .device.embed import vector
+from .request import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -58,6 +59,20 @@ class LLM:
         params = self._params_for(sampling_params, len(texts))
         encoded = [(t, self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
         return self._run(encoded, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's vector (`last` pooling: its last token's final-normed hidden state,
+        L2-normalized), in input order. Prefill-only requests through the same scheduler as generate()."""
+        prompts = self._as_list(prompts)
+        encoded = [(p, self._encode(p)) for p in prompts]
+        params = [SamplingParams(max_tokens=1, temperature=0.0, embed=True) for _ in prompts]
+        outs = []
+        for (prompt, ids), [rid] in zip(encoded, self._groups(encoded, params, use_tqdm, "embed")):
+            last = self._results.pop(rid)[-1]
+            vec = vector(last.embedding) if last.embedding is not None else None
+            outs.append(EmbeddingRequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                               EmbeddingOutput(vec), last.error))
+        return outs
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
         if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m for m in conversation):
@@ -116,18 +131,23 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _run(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _groups(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams], use_tqdm: bool,
+                desc: str = "generate") -> list[list[str]]:
+        """Run the requests to the end: the request ids of each prompt's samples (outputs in self._results)."""
         if use_tqdm:
             from tqdm import tqdm
-            self._bar = tqdm(total=sum(p.n for p in params), desc="generate", unit="req")
+            self._bar = tqdm(total=sum(p.n for p in params), desc=desc, unit="req")
         try:
-            groups = self._queue_and_run(encoded, params) if self.pool is None else \
+            return self._queue_and_run(encoded, params) if self.pool is None else \
                 self._run_replicas(encoded, params)
         finally:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+
+    def _run(self, encoded: list[tuple[Prompt, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        groups = self._groups(encoded, params, use_tqdm)
         outs = []
         for (prompt, ids), group, p in zip(encoded, groups, params):
             samples = [self._completion(i, ids, rid, p) for i, rid in enumerate(group)]

@@ -139,6 +139,9 @@ class StepOutput:
     # 503 for a request that waited past max_queue_time, 408 for one whose own timeout passed.
     error_status: int | None = None
     queue_time: float | None = None        # with the first token: seconds it waited for its first admission
+    # With SamplingParams.embed, on its only (finished) output: the prompt's vector, L2-normalized, as
+    # little-endian float32 bytes (device/embed.py).
+    embedding: bytes | None = None
 
 
 @dataclass
@@ -164,3 +167,18 @@ class RequestOutput:
     error: str | None = None               # with finish_reason "error": why the engine failed this request
     num_cached_tokens: int = 0             # prompt tokens served from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (None for the first)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float] | None          # L2-normalized; None when the engine failed the request
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """Returned by LLM.embed, in input order (vLLM's shape: .outputs.embedding)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    error: str | None = None               # why the engine failed this request

@@ -53,6 +53,9 @@ class SamplingParams:
     reasoning_start_id: int | None = None
     priority: int = 0                    # --scheduling-policy priority: lower goes first (vLLM's sign); else no effect
     user: str | None = None              # the tenant (OpenAI's `user`): --scheduling-policy fair shares by it
+    # An embeddings request (prefill only): the prompt's last-token final-normed hidden state, L2-normalized,
+    # comes back in StepOutput.embedding and nothing is generated (max_tokens 1: its one sampled token is dropped).
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +127,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not all(is_utf8(s) for s in self.stop):
             bad("stop", "must be valid Unicode text (no lone UTF-16 surrogates)")
+        if not isinstance(self.embed, bool):
+            bad("embed", "must be a boolean")
+        if self.embed and (self.max_tokens != 1 or self.n != 1 or self.logprobs is not None or self.min_tokens
+                           or self.prompt_logprobs is not None or self.structured_outputs is not None):
+            bad("embed", "an embeddings request generates nothing: max_tokens 1, n 1, no logprobs, min_tokens "
+                         "or structured_outputs")
         if self.reasoning_start_id is not None and not self.reasoning_end_ids:
             bad("reasoning_start_id", "needs reasoning_end_ids")
         for t in self.stop_token_ids + list(self.reasoning_end_ids or []) + \

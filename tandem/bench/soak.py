@@ -25,11 +25,12 @@ OVERSIZED_BYTES = 8 << 20        # above every default --max-request-bytes up to
 PROMPT_IDS_BELOW = 32000         # random prompt ids: valid in every supported vocabulary
 BEYOND_VOCAB = 10 ** 7           # a token id / top_k past every vocabulary (but within int64)
 
-# Kinds and their weights in the mix (the fault kind is added only when the server injects one); the last four
-# are the other routes': /v1/responses, /v1/messages (whole, or streamed and maybe left), /tokenize + /detokenize.
+# Kinds and their weights in the mix (the fault kind is added only when the server injects one); the last five
+# are the other routes': /v1/responses, /v1/messages (whole, or streamed and maybe left), /tokenize + /detokenize,
+# /v1/embeddings (a batch of inputs, or given up on: an abort).
 MIX = {"completion": 30, "chat": 15, "stream": 20, "disconnect": 10, "give_up": 5, "bad": 20,
-       "responses": 5, "messages": 5, "route_stream": 8, "tokenize": 4}
-ROUTE_KINDS = ("responses", "messages", "route_stream", "tokenize")
+       "responses": 5, "messages": 5, "route_stream": 8, "tokenize": 4, "embeddings": 5}
+ROUTE_KINDS = ("responses", "messages", "route_stream", "tokenize", "embeddings")
 
 
 def _bad_bodies() -> list[tuple[str, str, str]]:
@@ -74,6 +75,11 @@ def _bad_bodies() -> list[tuple[str, str, str]]:
         "messages_huge_max": ("/v1/messages", {"max_tokens": 10 ** 30, "messages": msgs}),
         "tokenize_both": ("/tokenize", {"prompt": "a", "messages": msgs}),
         "detokenize_vocab": ("/detokenize", {"tokens": [BEYOND_VOCAB]}),
+        "embeddings_dimensions": ("/v1/embeddings", {"input": "hi", "dimensions": 8}),
+        "embeddings_mean": ("/v1/embeddings", {"input": "hi", "pooling": "mean"}),
+        "embeddings_empty": ("/v1/embeddings", {"input": []}),
+        "embeddings_vocab": ("/v1/embeddings", {"input": [[1, 2], [BEYOND_VOCAB]]}),
+        "embeddings_surrogate": ("/v1/embeddings", {"input": ["a", s]}),
     }
     out = [(name, path, json.dumps(body)) for name, (path, body) in cases.items()]
     out.append(("malformed_json", "/v1/completions", '{"prompt": "a", '))
@@ -156,6 +162,8 @@ async def _route(http, rng: random.Random, kind: str, sampling: dict, text: str)
             r = await http.post("/detokenize", json={"model": model, "tokens": r.json()["tokens"]})
             ok = r.status_code == 200 and isinstance(r.json()["prompt"], str)
         return Outcome(kind, r.status_code, None if ok else f"tokenize: {r.status_code} {r.text[:200]}")
+    if kind == "embeddings":
+        return await _embeddings(http, rng, model, text)
     path = "/v1/messages" if kind == "messages" or (kind == "route_stream" and rng.random() < 0.5) \
         else "/v1/responses"
     body = {"model": model, "max_tokens": sampling["max_tokens"], "temperature": temp,
@@ -184,6 +192,22 @@ async def _route(http, rng: random.Random, kind: str, sampling: dict, text: str)
             if leave_after is not None and events >= leave_after:
                 return Outcome(kind, 200, None)          # leaving closes the connection: an abort
     return Outcome(kind, 200, f"{kind} {path}: stream ended without its last event")
+
+
+async def _embeddings(http, rng: random.Random, model: str, text: str) -> Outcome:
+    """A batch of 1-4 inputs (text or ids) to /v1/embeddings: one unit vector per input; or a client that gives up
+    before the answer (its requests are aborted)."""
+    import httpx
+    inputs = [text[:rng.randint(1, len(text))] for _ in range(rng.randint(1, 4))]
+    body = {"model": model, "input": inputs, "encoding_format": rng.choice(["float", "base64"])}
+    try:
+        r = await http.post("/v1/embeddings", json=body, timeout=rng.choice([120.0, rng.uniform(0.001, 0.05)]))
+    except httpx.TimeoutException:
+        return Outcome("embeddings", None, None)
+    ok = r.status_code == 200 and [d["index"] for d in r.json()["data"]] == list(range(len(inputs)))
+    if ok and body["encoding_format"] == "float":
+        ok = all(abs(sum(x * x for x in d["embedding"]) - 1) < 1e-4 for d in r.json()["data"])
+    return Outcome("embeddings", r.status_code, None if ok else f"embeddings: {r.status_code} {r.text[:200]}")
 
 
 def rss_mb(pids: list[int]) -> float:

@@ -38,6 +38,9 @@ class ResultHandle(Protocol):
     def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same for the step's n prompt positions (step.prompt_logprob_targets), after wait()."""
 
+    def embeddings(self, n: int) -> np.ndarray:
+        """[n, hidden] float32 after wait(): the raw pooled vectors of the step's n embeddings rows (embed.py)."""
+
 
 class Executor(Protocol):
     num_slots: int
@@ -53,8 +56,10 @@ class Executor(Protocol):
 
 class InlineHandle:
     def __init__(self, step: StepInput, host_tokens: torch.Tensor, copy_done: Event, start: float,
-                 end: float | None, events: tuple | None, logprobs=None, prompt_logprobs=None) -> None:
+                 end: float | None, events: tuple | None, logprobs=None, prompt_logprobs=None,
+                 embeddings=None) -> None:
         self._logprobs = logprobs          # the model runner's Logprobs of this step (device tensors), if asked
+        self._embeddings = embeddings      # [E, H] float32 device tensor of its embeddings rows, if any
         self._prompt_logprobs = prompt_logprobs
         self.step_id = step.step_id
         self._step = step                  # host tensors an in-flight step reads stay alive until it is done
@@ -85,6 +90,9 @@ class InlineHandle:
     def prompt_logprobs(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _host_logprobs(self._prompt_logprobs, k)
 
+    def embeddings(self, n: int) -> np.ndarray:
+        return self._embeddings[:n].cpu().numpy()
+
 
 def _host_logprobs(lp, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (lp.chosen.cpu().numpy().astype(np.float64), lp.top_ids[:, :k].cpu().numpy(),
@@ -113,10 +121,11 @@ class InlineExecutor:
             tokens = self.model_runner.run_step(step, lambda: masks)
             finish = self.streams.record(timing=True) if self.streams.cuda else None
         host, copy_done = self.streams.copy_to_host(tokens)
-        lp, plp = self.model_runner.last_logprobs, self.model_runner.last_prompt_logprobs
+        r = self.model_runner
+        lp, plp, emb = r.last_logprobs, r.last_prompt_logprobs, r.last_embeddings
         if self.streams.cuda:
-            return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp)
-        return InlineHandle(step, host, copy_done, start, now(), None, lp, plp)
+            return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp, emb)
+        return InlineHandle(step, host, copy_done, start, now(), None, lp, plp, emb)
 
     def probe(self) -> None:
         """Nothing to probe: the device is driven from this process, whose loop the heartbeat already shows."""

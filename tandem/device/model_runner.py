@@ -27,6 +27,7 @@ from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .runner_spec import RunnerSpec
 from .step import StepInput, prompt_logprob_targets
+from .embed import pooled
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -285,7 +286,7 @@ class ModelRunner:
         hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index)
         if hidden is None:
             return None                             # a pipeline stage but the last: sent on to the next
-        self.last_prompt_logprobs = None
+        self.last_prompt_logprobs, self.last_embeddings = None, pooled(step, hidden[:b])    # embed.py: [E, H]
         if inputs.plp is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]),
                                                               int(step.prompt_logprobs.max()))

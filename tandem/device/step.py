@@ -10,7 +10,7 @@ import numpy as np
 # field], then each ROW_INTS field ([B] each), then each VAR_INTS field. floats (float64): each ROW_FLOATS
 # field ([B] each), then each VAR_FLOATS field.
 ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed", "prefix_lens", "num_logprobs",
-            "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens")
+            "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens", "embed")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
             "bias_rows", "bias_ids", "stash_rows", "stash_ids")
@@ -73,12 +73,15 @@ class StepInput:
     # them in steps the host has waited for since the last launch; the first stage stashes them first.
     stash_rows: np.ndarray = None     # [R]
     stash_ids: np.ndarray = None      # [R]
+    # Embeddings (device/embed.py): 1 at the last prefill chunk of an embeddings request, whose last token's
+    # final-normed hidden state comes back with the step's results (rows in batch order); 0 elsewhere.
+    embed: np.ndarray = None          # [B]
 
     def __post_init__(self) -> None:
         b = len(self.rows)
         defaults = {"prefix_lens": _ints(b), "num_logprobs": _ints(b, -1), "prompt_lens": _ints(b),
                     "prompt_logprobs": _ints(b, -1), "next_ids": _ints(b, -1), "draft_lens": _ints(b),
-                    "pen_reset": _ints(b), "pen_count": _ints(b), "presence_penalty": np.zeros(b),
+                    "pen_reset": _ints(b), "pen_count": _ints(b), "embed": _ints(b), "presence_penalty": np.zeros(b),
                     "frequency_penalty": np.zeros(b), "repetition_penalty": np.ones(b), "bias_vals": np.zeros(0)}
         for name in ROW_INTS + ROW_FLOATS + VAR_INTS + VAR_FLOATS:
             if getattr(self, name) is None:

@@ -14,6 +14,7 @@ import torch
 
 from .. import faults
 from ..device.executor import ResultHandle
+from ..device.embed import normalized
 from ..device.step import prompt_logprob_targets
 from ..device.streams import now
 from ..request import StepOutput
@@ -56,6 +57,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     runs = _accepted_runs(batch, tokens) if batch.speculative else {}
     later = [b for b, _ in s.result_queue]          # the steps launched after this one, still in flight
     toks = tokens.tolist()
+    vectors = _embeddings(batch, handle)
     for i, (req, tok, keep) in enumerate(zip(batch.reqs, toks, batch.samples)):
         if draft_lens[i] < 0:
             continue            # a draft row: its token belongs to its head row's run (below)
@@ -70,6 +72,9 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
             continue
         if not keep:
             continue            # a non-final prefill chunk: its sampled token is discarded (see make_batch)
+        if req.params.embed:
+            outputs.append(_embedded(s, req, vectors[i]))      # prefill done: its vector, no token
+            continue
         run, k = [tok], int(draft_lens[i])
         if k > 0:
             # A verified run (speculative.py): s_0..s_a are kept.
@@ -113,6 +118,20 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
         batch.release = []
     s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s, handle.stage_spans)
     s.emit(outputs)
+
+
+def _embeddings(batch: Batch, handle: ResultHandle) -> dict[int, np.ndarray]:
+    """Batch row -> raw pooled vector [H] of each embeddings row of the step (device/embed.py)."""
+    rows = np.nonzero(batch.step.embed)[0]
+    return dict(zip(rows.tolist(), handle.embeddings(len(rows)))) if len(rows) else {}
+
+
+def _embedded(s: "Scheduler", req, vector: np.ndarray) -> StepOutput:
+    """An embeddings request ends at its last prefill chunk: its vector, normalized, and no output token (its
+    sampled one is dropped); its prompt's KV goes to the prefix cache as any finished request's."""
+    s.finish(req, "stop")
+    return StepOutput(req.rid, [], True, "stop", None, len(req.prompt_ids), 0,
+                      num_cached_tokens=req.num_cached_tokens or 0, embedding=normalized(vector))
 
 
 def _accepted_runs(batch: Batch, tokens: np.ndarray) -> dict[int, int]:

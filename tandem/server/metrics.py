@@ -160,6 +160,8 @@ class ServerMetrics:
             st.last_token = t
             self.generation_tokens.inc(len(o.new_token_ids))
             self.class_tokens.labels(*cls).inc(len(o.new_token_ids))
+        elif o.embedding is not None:      # an embeddings request: prefilled, nothing generated
+            self.prompt_tokens.inc(o.num_prompt_tokens)
         if o.finished:
             self._success.labels(self.model_name, o.finish_reason or "unknown").inc()
 

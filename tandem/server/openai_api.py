@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /health_generate, /metrics; /tokenize and /detokenize (tokenize_api.py); Anthropic's /v1/messages and
 /v1/messages/count_tokens (anthropic_api.py, errors in Anthropic's shape there); OpenAI's /v1/responses
-(responses_api.py, its errors naming the Responses field).
+(responses_api.py, its errors naming the Responses field); /v1/embeddings (embeddings_api.py).
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for anything invalid (FastAPI's
 422 folded in, the field named in `param`), 404 for an unknown model, 413 for an oversized body, 408 `timeout`
@@ -37,7 +37,7 @@ from ..replicas.replica_set import ReplicaSet
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tools import ToolPlan
 from .anthropic_api import add_routes, anthropic_error, is_anthropic_path
-from . import responses_api
+from . import embeddings_api, responses_api
 from .reasoning import ReasoningSplitter, split as reasoning_split
 from .responses_protocol import is_responses_path, param_name
 
@@ -301,6 +301,7 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
 
     add_routes(app, api.gen, model_name)
     responses_api.add_routes(app, api.gen, model_name)
+    embeddings_api.add_routes(app, api.gen, model_name)
 
     @app.get("/v1/models")
     async def models():

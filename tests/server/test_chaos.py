@@ -1,7 +1,7 @@
 """A bounded chaos run in the suite: hundreds of requests against one `tandem serve` (tiny model) with random
 disconnects, clients that give up, hostile inputs and requests an injected engine fault fails, on every
-generation route (completions, chat, Responses, Messages) and /tokenize (tandem/bench/soak.py; `tandem bench
-soak` is the long version).
+generation route (completions, chat, Responses, Messages), /tokenize and /v1/embeddings (tandem/bench/soak.py;
+`tandem bench soak` is the long version).
 
 Afterwards the gauges are back to idle (nothing running, waiting, in the KV cache or held by the frontend),
 no answer was a 500 but the faults', and the service still answers.
@@ -30,7 +30,7 @@ def test_chaos_run_leaves_the_service_idle_and_answering(tiny_qwen2, tmp_path, s
         assert summary["unexpected"] == [], summary["unexpected"][:10]
         kinds, statuses = summary["kinds"], summary["statuses"]
         assert kinds["fault"] >= 1 and kinds["disconnect"] > 10 and kinds["bad"] > 30, kinds
-        assert min(kinds[k] for k in ("responses", "messages", "route_stream", "tokenize")) >= 5, kinds
+        assert min(kinds[k] for k in ("responses", "messages", "route_stream", "tokenize", "embeddings")) >= 5, kinds
         assert statuses.get("500", 0) == kinds["fault"], statuses          # only the injected faults
         for gauge in ("tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_cache_usage_perc",
                       "tandem:frontend_open_requests"):

@@ -114,6 +114,11 @@ class ProcessHandle:
         return read_logprobs(self._executor.buffers.outs[self._buf][o:], self._executor.buffers.lp_outs[self._buf][o:],
                               n, k)
 
+    def embeddings(self, n: int) -> np.ndarray:
+        """[n, hidden] float32 after wait(): the step's embeddings rows' raw pooled vectors (device/embed.py)."""
+        h = self._executor._spec.source.config.hidden_size
+        return self._executor.buffers.emb_outs[self._buf][:n * h].reshape(n, h).copy()
+
     @property
     def device_span(self) -> tuple[float, float]:
         return self._span
@@ -137,9 +142,10 @@ class ProcessExecutor:
         shm_path = os.path.join(self._tmp, "steps")
         out_words = (b + max_tokens_per_step) * (1 + MAX_LOGPROBS)     # sampled rows' part, prompt positions' part
         # One buffer slot per step in flight: 2 (the overlap loop's k and k-1), pp_size under the PP loop.
+        emb_floats = spec.max_running * spec.source.config.hidden_size     # every row an embeddings row at most
         self.buffers = SharedBuffers(shm_path, int_words, float_words, out_words, b,
                                       mask_words(spec.source.config.vocab_size), create=True,
-                                      slots=max(2, spec.pp_size))
+                                      slots=max(2, spec.pp_size), emb_floats=emb_floats)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)

@@ -144,8 +144,9 @@ class _StepLoop:
                 if relay is not None and len(step.grammar_rows):
                     relay.send_masks(self.masks_of(step, buf)())      # to the last stage, on another node
                 return
-            write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, self.model_runner.last_logprobs,
-                          self.model_runner.last_prompt_logprobs)
+            r = self.model_runner
+            write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, r.last_logprobs,
+                          r.last_prompt_logprobs, buffers.emb_outs[buf], r.last_embeddings)
         self.send(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
 
     def masks_of(self, step: StepInput, buf: int) -> Callable[[], np.ndarray]:
@@ -177,7 +178,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     send = _sender(conn)
     try:
         spec, sizes, dist = conn.recv()
-        buffers = SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5])
+        buffers = SharedBuffers(shm_path, *sizes[:5], create=False, slots=sizes[5], emb_floats=sizes[6])
         from ..model_runner import ModelRunner
         tp, pp = _join_group(spec, dist)
         model_runner = ModelRunner(spec, tp=tp, pp=pp)
