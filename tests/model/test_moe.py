@@ -157,3 +157,26 @@ def test_a_row_is_the_same_alone_and_in_a_batch(quantized, tmp_path, monkeypatch
         outs = run_with(llm, scheduler, ps, params)
         for a, o in zip(alone, outs):
             assert o.token_ids == a.token_ids and o.outputs[0].logprobs == a.outputs[0].logprobs
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+def test_synthetic_qwen3_moe_file(tmp_path, monkeypatch, make_llm):
+    """The writer's Qwen3-30B-A3B shape keeps every layer's real shapes and llama.cpp's Q4_K_M types (Q6_K
+    ffn_down_exps on use_more_bits layers, an F32 router); a small shape of the same layout loads and decodes."""
+    import dataclasses
+
+    from tandem.model.gguf.synthetic import SHAPES, Shape, tensor_types, write_synthetic_gguf
+    real = tensor_types(dataclasses.replace(SHAPES["qwen3-30b-a3b"], layers=6))
+    assert real["blk.0.ffn_gate_exps.weight"] == ((128, 768, 2048), 12)
+    assert real["blk.2.ffn_down_exps.weight"] == ((128, 2048, 768), 14)         # use_more_bits(2, 6)
+    assert real["blk.1.ffn_down_exps.weight"] == ((128, 2048, 768), 12)
+    assert real["blk.3.ffn_gate_inp.weight"] == ((128, 2048), 0) and real["blk.3.attn_k.weight"][0] == (512, 2048)
+    small = Shape("qwen3moe", 2, 256, 512, 4, 2, 49152, False, 1e6, head_dim=64, context=512, experts=8,
+                  experts_used=2, expert_width=256, qk_norm=True)
+    path = write_synthetic_gguf(str(tmp_path / "moe.gguf"), small)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    llm = make_llm(path, cache_dir=str(tmp_path / "cache"), kv_cache_tokens=1024)
+    c = llm.engine.model_config
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", 8, 2, 256)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
