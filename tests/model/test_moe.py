@@ -180,3 +180,19 @@ def test_synthetic_qwen3_moe_file(tmp_path, monkeypatch, make_llm):
     assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", 8, 2, 256)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+def test_speculation_changes_no_output(quantized, tmp_path, monkeypatch, make_llm):
+    """n-gram speculation on Q4_K_M experts: verify rows route as plain decode rows, so the tokens are the same."""
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    path = quantized[1]["Q4_K_M"]
+    ps = [p * 4 for p in prompts_for(1000, n=4, seed=13)]           # repeated text: the n-gram finds drafts
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = make_llm(path, cache_dir=str(tmp_path / "cache"), kv_cache_tokens=2048)
+    spec = make_llm(path, cache_dir=str(tmp_path / "cache"), kv_cache_tokens=2048,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    for loop in ("serial", "overlap"):
+        want = [o.token_ids for o in run_with(plain, loop, ps, params)]
+        assert [o.token_ids for o in run_with(spec, loop, ps, params)] == want, loop
+    assert spec.stats()["spec_draft_tokens"] > 0
