@@ -72,7 +72,8 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[arch])

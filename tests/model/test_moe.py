@@ -103,6 +103,9 @@ def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="shared experts"):
         ModelConfig.from_hf_dict({**base, "num_experts": 4, "num_experts_per_tok": 2,
                                   "shared_expert_intermediate_size": 16})
+    from tandem.bench.vllm_peer import hf_config_dict        # the peers' export: refused, not a dense config
+    with pytest.raises(ValueError, match="MoE model for the peers"):
+        hf_config_dict(ModelConfig.from_hf_dict({**base, "num_experts": 4, "num_experts_per_tok": 2}))
 
 
 @pytest.fixture(scope="module")
