@@ -67,6 +67,8 @@ def test_expert_config_the_same_from_hf_and_gguf(tmp_path_factory):
         assert {f: getattr(hf, f) for f in fields} == {f: getattr(gg, f) for f in fields}, arch
         assert [hf.is_moe(i) for i in range(hf.num_layers)] == [gg.is_moe(i) for i in range(gg.num_layers)]
         assert ModelConfig.from_dict(hf.to_dict()) == hf
+        from tandem.device.ranks import num_params           # every expert and router: the threads default
+        assert num_params(hf) == sum(p.numel() for n, p in m["ref"].named_parameters() if "norm" not in n)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
