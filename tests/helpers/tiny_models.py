@@ -242,8 +242,6 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
     glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}
-    k_quant = quant in ("Q4_K_M", "K_MIX")
-    qtype = gguf.GGMLQuantizationType["Q4_K" if k_quant else quant]
     for name, t in sd.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -257,23 +255,7 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
             t = t + 1                                           # llama.cpp stores gemma's (1 + w)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = np.ascontiguousarray(_llamacpp_permute(t, n_head if ".q_proj." in name else n_kv))
-        matrix = t.ndim >= 2 and not gname.endswith("ffn_gate_inp.weight")    # llama.cpp keeps the router F32
-        if matrix and quant == "K_MIX":
-            kt = _k_mix_type(gname)
-            w.add_tensor(gname, _quantize_k_nd(t, int(kt)), raw_dtype=kt)
-        elif matrix and k_quant:
-            q6 = gname in ("output.weight", "blk.0.attn_v.weight") or gname.startswith("blk.0.ffn_down") or (
-                gname == "token_embd.weight" and cfg.get("tie_word_embeddings"))     # the head too, when tied
-            kt = gguf.GGMLQuantizationType.Q6_K if q6 else qtype
-            if t.shape[-1] % 256 == 0:
-                w.add_tensor(gname, _quantize_k_nd(t, int(kt)), raw_dtype=kt)
-            else:                                               # llama.cpp's fallbacks for rows of 32-blocks
-                kt = gguf.GGMLQuantizationType.Q8_0 if q6 else gguf.GGMLQuantizationType.Q5_0
-                w.add_tensor(gname, gguf.quants.quantize(t, kt), raw_dtype=kt)
-        elif matrix and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, t)
+        _add_tensor(w, gname, t, quant, bool(cfg.get("tie_word_embeddings")))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
@@ -281,6 +263,30 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def _add_tensor(w, gname: str, t, quant: str, tied: bool) -> None:
+    """One tensor of write_tiny_gguf, its matrices (2-D, or 3-D expert blocks) in the type `quant` gives them."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    matrix = t.ndim >= 2 and not gname.endswith("ffn_gate_inp.weight")    # llama.cpp keeps the router F32
+    if matrix and quant == "K_MIX":
+        kt = _k_mix_type(gname)
+        w.add_tensor(gname, _quantize_k_nd(t, int(kt)), raw_dtype=kt)
+    elif matrix and quant == "Q4_K_M":
+        q6 = gname in ("output.weight", "blk.0.attn_v.weight") or gname.startswith("blk.0.ffn_down") or (
+            gname == "token_embd.weight" and tied)                             # the head too, when tied
+        if t.shape[-1] % 256 == 0:
+            kt = T.Q6_K if q6 else T.Q4_K
+            w.add_tensor(gname, _quantize_k_nd(t, int(kt)), raw_dtype=kt)
+        else:                                                   # llama.cpp's fallbacks for rows of 32-blocks
+            kt = T.Q8_0 if q6 else T.Q5_0
+            w.add_tensor(gname, gguf.quants.quantize(t, kt), raw_dtype=kt)
+    elif matrix and quant != "F32":
+        w.add_tensor(gname, gguf.quants.quantize(t, T[quant]), raw_dtype=T[quant])
+    else:
+        w.add_tensor(gname, t)
 
 
 def _quantize_k_nd(t, qtype: int):
