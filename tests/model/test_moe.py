@@ -145,6 +145,16 @@ def test_quantized_experts_run_on_their_blocks(quant, quantized):
     assert float((y - y_ref).norm() / y_ref.norm()) < 0.05
     for i in (0, 17, 39):                               # a row's bits alone = among 40 (decode GEMV, prefill GEMM)
         assert torch.equal(moe(x[i:i + 1])[0], y[i])
+    calls = []                                          # only the chosen experts run, each once on its rows
+
+    def counted(e, lin):
+        return lambda rows: (calls.append((e, rows.shape[0])), lin(rows))[1]
+    moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
+    moe(x[:1])
+    assert len(calls) == c.num_experts_per_tok and {n for _, n in calls} == {1}
+    calls.clear()
+    moe(x)
+    assert len({e for e, _ in calls}) == len(calls) and sum(n for _, n in calls) == 40 * c.num_experts_per_tok
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")
