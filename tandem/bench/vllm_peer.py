@@ -55,6 +55,9 @@ def vllm_reason(python: str | None) -> str | None:
 def hf_config_dict(config) -> dict:
     """A transformers config.json for a tandem ModelConfig (any SUPPORTED_ARCHITECTURES), fp32 weights."""
     from ..model.config import SUPPORTED_HF_ARCHITECTURES
+    if config.num_experts:
+        raise ValueError(f"{config.architecture} with experts: exporting an MoE model for the peers is not "
+                         f"supported yet")
     arch = {v: k for k, v in SUPPORTED_HF_ARCHITECTURES.items()}[config.architecture]
     eos = list(config.eos_token_ids)
     model_type = "gemma3_text" if config.architecture == "gemma3" else config.architecture

@@ -34,11 +34,13 @@ SMALL_MODEL_PARAMS = 20_000_000
 
 
 def num_params(c) -> int:
-    """Weights of a decoder with this config (embeddings counted once when tied)."""
-    attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return c.num_layers * (attn + mlp) + embed
+    """Weights of a decoder with this config (embeddings counted once when tied; every expert and router)."""
+    h = c.hidden_size
+    attn = h * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * h
+    mlp = sum(c.num_experts * (3 * h * c.moe_intermediate_size + h) if c.is_moe(i) else 3 * h * c.intermediate_size
+              for i in range(c.num_layers))
+    embed = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
+    return c.num_layers * attn + mlp + embed
 
 
 def default_device_threads(params: int | None = None) -> int:

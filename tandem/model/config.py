@@ -14,10 +14,12 @@ SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # HF model_type -> our architecture name (a config.json without "architectures").
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                   "gemma3_text": "gemma3"}
+                   "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(SUPPORTED_HF_ARCHITECTURES.values())
 
@@ -30,6 +32,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
                "rope_local_theta": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "sliding_window_pattern": 6},
+    "qwen3_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "mixtral": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
 }
 
 
@@ -45,7 +49,10 @@ class ModelConfig:
 
     llama / mistral: the defaults (mistral may set sliding_window). qwen2: attention_bias. qwen3: qk_norm.
     gemma3: qk_norm, sandwich_norm, norm_offset 1, gelu_tanh, embed_scale, query_pre_attn_scalar, and
-    sliding layers (layer_types) with their own RoPE base (rope_local_theta)."""
+    sliding layers (layer_types) with their own RoPE base (rope_local_theta). qwen3_moe: qk_norm and experts
+    (num_experts > 0: a router picks num_experts_per_tok of them per token in place of the dense MLP, except in
+    the mlp_only_layers and the layers decoder_sparse_step skips). mixtral: experts in every layer (and, from a
+    GGUF, llama with expert tensors)."""
     architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
@@ -71,6 +78,12 @@ class ModelConfig:
     hidden_act: str = "silu"         # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False        # embeddings times sqrt(hidden_size) (gemma)
     query_pre_attn_scalar: float | None = None   # attention scale is its -1/2 power; None: head_dim
+    num_experts: int = 0             # experts of an MoE layer; 0: a dense model
+    num_experts_per_tok: int = 0     # experts each token runs (top-k of the router's softmax)
+    moe_intermediate_size: int = 0   # an expert's gated-MLP width; 0: intermediate_size (mixtral)
+    norm_topk_prob: bool = True      # the chosen experts' weights renormalized to sum 1 (mixtral: always)
+    decoder_sparse_step: int = 1     # layer i has experts when (i + 1) % step == 0 (qwen3_moe)
+    mlp_only_layers: tuple[int, ...] = ()   # layers that keep the dense MLP (intermediate_size) all the same
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -96,6 +109,25 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok!r}")
+        if self.moe_intermediate_size < 0 or self.decoder_sparse_step < 1:
+            raise ValueError(f"moe_intermediate_size ({self.moe_intermediate_size}) must be >= 0 and "
+                             f"decoder_sparse_step ({self.decoder_sparse_step}) >= 1")
+        if not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer` runs experts (a router and num_experts gated MLPs) in place of the dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends only its last sliding_window keys."""
@@ -161,6 +193,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["rope_scaling"] = copy.deepcopy(self.rope_scaling)
         return d
 
@@ -169,6 +202,7 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["eos_token_ids"] = tuple(int(i) for i in kw.get("eos_token_ids") or ())
+        kw["mlp_only_layers"] = tuple(int(i) for i in kw.get("mlp_only_layers") or ())
         if kw.get("rope_scaling") is not None:
             kw["rope_scaling"] = copy.deepcopy(dict(kw["rope_scaling"]))
         return cls(**kw)
@@ -227,8 +261,8 @@ def _hf_eos_ids(d: dict) -> tuple[int, ...]:
 def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | None) -> dict[str, Any]:
     """The ModelConfig switches an architecture implies (qk_norm; gemma3's norms, activation, local RoPE base,
     embedding scale and attention scale), after checking its activation is the one the decoder implements."""
-    extra: dict[str, Any] = {}
-    if arch in ("qwen3", "gemma3"):
+    extra: dict[str, Any] = _hf_experts(arch, d)
+    if arch in ("qwen3", "gemma3", "qwen3_moe"):
         extra["qk_norm"] = True
     if arch == "gemma3":
         local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
@@ -248,6 +282,25 @@ def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | N
     return extra
 
 
+def _hf_experts(arch: str, d: dict) -> dict[str, Any]:
+    """The expert switches of an MoE config (qwen3_moe, mixtral); transformers 5 writes qwen3_moe's num_experts
+    as num_local_experts."""
+    if arch not in ("qwen3_moe", "mixtral"):
+        return {}
+    n = d.get("num_experts") or d.get("num_local_experts")
+    if not n or not d.get("num_experts_per_tok"):
+        raise ValueError(f"{arch}: config.json needs num_experts (or num_local_experts) and num_experts_per_tok")
+    if d.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{arch}: shared experts are not supported")
+    out = dict(num_experts=int(n), num_experts_per_tok=int(d["num_experts_per_tok"]))
+    if arch == "qwen3_moe":
+        out.update(moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
+    return out
+
+
 def _sliding(arch: str, d: dict, num_layers: int, defaults: dict) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) of an HF config: mistral slides every layer when sliding_window is set;
     qwen2/qwen3 only with use_sliding_window (layers from max_window_layers on); gemma3 interleaves by
@@ -260,13 +313,13 @@ def _sliding(arch: str, d: dict, num_layers: int, defaults: dict) -> tuple[int |
             pattern = int(d.get("sliding_window_pattern") or defaults["sliding_window_pattern"])
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         return window, tuple(types)
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         if not d.get("use_sliding_window") or not window:
             return None, None
         types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers") or 0)
                                          else "full_attention" for i in range(num_layers)]
         return int(window), tuple(types)
-    if arch == "mistral" and window:
+    if arch in ("mistral", "mixtral") and window:
         return int(window), None
     return None, None
 

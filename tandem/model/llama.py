@@ -1,6 +1,7 @@
-"""The one decoder definition (Llama, Mistral, Qwen2, Qwen3, Gemma 3): RMSNorm, RoPE, GQA, a gated MLP over a
-paged KV cache. Architectures differ only by ModelConfig switches: q/k/v bias, QK-norm, sandwich norms, (1 + w)
-norms, GeGLU, a scaled embedding, the attention scale, and sliding-window layers with their own RoPE base.
+"""The one decoder definition (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral): RMSNorm, RoPE, GQA, a
+gated MLP (or a mixture of experts: moe.py) over a paged KV cache. Architectures differ only by ModelConfig
+switches: q/k/v bias, QK-norm, sandwich norms, (1 + w) norms, GeGLU, a scaled embedding, the attention scale,
+sliding-window layers with their own RoPE base, and expert layers.
 
 Ragged prefill and batched decode take the same path: every layer writes the step's new K/V at its KV slots,
 then attends over the slots the request table maps each row's positions to. A sliding-window layer keeps
@@ -17,6 +18,7 @@ from .attention_paths import Attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
+from .moe import build_moe
 from .rope import apply_rope, rope_inv_freq
 from .row_parallel import ChunkedRows, add_in_order, chunked_rows
 from .shard import TPLayout, cols
@@ -104,8 +106,10 @@ class LlamaModel:
         self.layers = []
         for i in range(c.num_layers) if pp is None else pp.layers:
             self.layers.append(layer := self._layer(ws, i))
-            hold_once([lin for k in ("qkv", "o", "gate_up", "down") for lin in getattr(layer[k], "lins", [layer[k]])],
-                      self.prefill_bf16)
+            hold_once([lin for k in ("qkv", "o", "gate_up", "down") if k in layer
+                       for lin in getattr(layer[k], "lins", [layer[k]])], self.prefill_bf16)
+            if "moe" in layer:              # experts keep the int8 kernels at every row count (no bf16 copy)
+                hold_once(layer["moe"].linears(), False)
         hold_once([self.lm_head], False)
         if c.tie_word_embeddings and first and last:    # one stage (rank) holds both: the head's copy serves both
             self.embed = tied_table(self.embed, self.lm_head)
@@ -133,10 +137,13 @@ class LlamaModel:
             attn_norm=ws.norm(p + "input_layernorm.weight"),
             qkv=ws.lin(qkv, qkv_bias),
             o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight"),
-            gate_up=ws.lin(cat_rows([ws.w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),  # [2I, hidden]
-            down=self._row_parallel_lin(ws, p + "mlp.down_proj.weight"),
             window=c.window(i),                                         # 0: a global layer
         )
+        if c.is_moe(i):                     # a router and its experts in place of the dense MLP
+            layer["moe"] = build_moe(ws, c, i, self.native)
+        else:
+            layer.update(gate_up=ws.lin(cat_rows([ws.w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
+                         down=self._row_parallel_lin(ws, p + "mlp.down_proj.weight"))   # gate_up: [2I, hidden]
         if c.sandwich_norm:                 # gemma3: post_attention_layernorm is the norm *after* attention
             layer.update(post_attn_norm=ws.norm(p + "post_attention_layernorm.weight"),
                          mlp_norm=ws.norm(p + "pre_feedforward_layernorm.weight"),
@@ -158,10 +165,12 @@ class LlamaModel:
         """A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
         linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
         tensor-parallel rank reduces between them (the caller's test), and the layer is a plain Llama / Qwen2
-        one (a global layer, SiLU, no QK-norm or sandwich norms: the others keep the op-by-op body)."""
+        one (a global layer, SiLU, no QK-norm or sandwich norms, a dense MLP: the others keep the op-by-op body)."""
         c = self.config
         plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
         for layer in self.layers if plain else []:
+            if "moe" in layer:
+                continue
             lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
             if (not layer["window"] and all(isinstance(lin, QLinear) and not lin.gemm_always for lin in lins)
                     and all(len(lin.parts) == 1 for lin in lins[1:])):
@@ -281,9 +290,12 @@ class LlamaModel:
                 h = rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
             x = x + h
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-            act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-            h = self._row_parallel(layer["down"], act * up, act.shape[0])
+            if "moe" in layer:
+                h = self._reduce(layer["moe"](h))
+            else:
+                gate, up = layer["gate_up"](h).chunk(2, dim=-1)
+                act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+                h = self._row_parallel(layer["down"], act * up, act.shape[0])
             if c.sandwich_norm:
                 h = rms_norm(h, layer["post_mlp_norm"], c.rms_norm_eps)
             x = x + h
@@ -326,12 +338,12 @@ class LlamaModel:
                 h = ops.add_rms_norm_(x, ops.rms_norm(o, layer["post_attn_norm"], eps), layer["mlp_norm"], eps)
             else:
                 h = ops.add_rms_norm_(x, o, layer["mlp_norm"], eps)
-            gate_up = run_rows(layer["gate_up"], h, b0)                 # [T, 2I]
-            if c.hidden_act == "gelu_tanh":
-                act = ops.gelu_tanh_mul(gate_up)
+            if "moe" in layer:
+                delta = self._reduce(layer["moe"](h))
             else:
-                act = ops.silu_mul(gate_up)
-            delta = self._row_parallel(layer["down"], act, b0)
+                gate_up = run_rows(layer["gate_up"], h, b0)             # [T, 2I]
+                act = ops.gelu_tanh_mul(gate_up) if c.hidden_act == "gelu_tanh" else ops.silu_mul(gate_up)
+                delta = self._row_parallel(layer["down"], act, b0)
             if c.sandwich_norm:
                 delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
         return x, delta

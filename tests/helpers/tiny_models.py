@@ -25,7 +25,12 @@ ARCH_DEFAULTS: dict[str, dict] = {
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
                    tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+    # 8 experts, top-2; qwen3_moe keeps layer 1 dense (mlp_only_layers) between two expert layers
+    "qwen3_moe": dict(num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "mixtral": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def smollm2_tokenizer(cache_dir: str | None = None):
@@ -66,7 +71,9 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[arch])
@@ -95,6 +102,8 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):              # a router with clear choices (HF's may be zeros)
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     os.makedirs(tmp_dir, exist_ok=True)
     model.save_pretrained(str(tmp_dir))
     tok.save_pretrained(str(tmp_dir))
@@ -147,7 +156,7 @@ def _smollm2_tokenizer_metadata() -> dict:
 
 
 def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None = None,
-                    rope_freqs=None, with_tokenizer: bool = True) -> str:
+                    rope_freqs=None, with_tokenizer: bool = True, split_experts: bool = False) -> str:
     """Write the HF model in ``hf_dir`` (from make_tiny_model) as a llama.cpp-style GGUF file.
 
     Mimics convert_hf_to_gguf: tensor names, reversed shapes, q/k row permutation for llama
@@ -161,8 +170,11 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     Q4_K ffn_down in layer 0 (Q4_K and Q5_K in the others), Q6_K head and Q3_K embedding.
     ``arch_name`` overrides general.architecture (to test errors); ``rope_freqs``: optional
     float32 array written as rope_freqs.weight. ``with_tokenizer=False`` skips the tokenizer
-    metadata (faster; the file then only works with a patched tokenizer builder).
+    metadata (faster; the file then only works with a patched tokenizer builder). MoE models (qwen3moe; Mixtral as
+    llama): tiny_moe's expert tensors, 3-D blocks quantized like ffn_down (layer 0's down at Q6_K), the router F32;
+    split_experts: the older layout, one tensor per expert.
     """
+    from tests.helpers.tiny_moe import EXPERT_NAMES, add_expert_metadata, stack_experts
     import json
 
     import gguf
@@ -171,14 +183,15 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    arch = {"gemma3_text": "gemma3", "mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])  # llama.cpp's
+    arch = {"gemma3_text": "gemma3", "mistral": "llama", "mixtral": "llama",
+            "qwen3_moe": "qwen3moe"}.get(cfg["model_type"], cfg["model_type"])                      # llama.cpp's
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = cfg.get("rope_parameters") or {}
     local_rope = rope.get("sliding_attention")
     if "full_attention" in rope:
         rope = rope["full_attention"]
-    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+    sd = stack_experts(load_file(os.path.join(hf_dir, "model.safetensors")), split_experts)
 
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -193,6 +206,7 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
+    add_expert_metadata(w, cfg)
     if cfg.get("sliding_window") and (arch == "gemma3" or cfg["model_type"] == "mistral"):
         w.add_sliding_window(cfg["sliding_window"])
     if arch == "gemma3":
@@ -221,19 +235,18 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
         block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
     for p in "qk":
         block[f"self_attn.{p}_norm.weight"] = f"attn_{p}_norm.weight"
+    block.update(EXPERT_NAMES)
     if arch == "gemma3":                                        # llama.cpp's names of the sandwich norms
         block.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
     glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}
-    k_quant = quant in ("Q4_K_M", "K_MIX")
-    qtype = gguf.GGMLQuantizationType["Q4_K" if k_quant else quant]
     for name, t in sd.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        if name in glob:
-            gname = glob[name]
+        if name in glob or name.startswith("blk."):
+            gname = glob.get(name, name)
         else:
             parts = name.split(".")  # model.layers.N.rest
             gname = f"blk.{parts[2]}.{block['.'.join(parts[3:])]}"
@@ -242,22 +255,7 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
             t = t + 1                                           # llama.cpp stores gemma's (1 + w)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = np.ascontiguousarray(_llamacpp_permute(t, n_head if ".q_proj." in name else n_kv))
-        if t.ndim == 2 and quant == "K_MIX":
-            kt = _k_mix_type(gname)
-            w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
-        elif t.ndim == 2 and k_quant:
-            q6 = gname in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight") or (
-                gname == "token_embd.weight" and cfg.get("tie_word_embeddings"))     # the head too, when tied
-            kt = gguf.GGMLQuantizationType.Q6_K if q6 else qtype
-            if t.shape[1] % 256 == 0:
-                w.add_tensor(gname, quantize_k(t, int(kt)), raw_dtype=kt)
-            else:                                               # llama.cpp's fallbacks for rows of 32-blocks
-                kt = gguf.GGMLQuantizationType.Q8_0 if q6 else gguf.GGMLQuantizationType.Q5_0
-                w.add_tensor(gname, gguf.quants.quantize(t, kt), raw_dtype=kt)
-        elif t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, t)
+        _add_tensor(w, gname, t, quant, bool(cfg.get("tie_word_embeddings")))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
@@ -265,6 +263,35 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def _add_tensor(w, gname: str, t, quant: str, tied: bool) -> None:
+    """One tensor of write_tiny_gguf, its matrices (2-D, or 3-D expert blocks) in the type `quant` gives them."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    matrix = t.ndim >= 2 and not gname.endswith("ffn_gate_inp.weight")    # llama.cpp keeps the router F32
+    if matrix and quant == "K_MIX":
+        kt = _k_mix_type(gname)
+        w.add_tensor(gname, _quantize_k_nd(t, int(kt)), raw_dtype=kt)
+    elif matrix and quant == "Q4_K_M":
+        q6 = gname in ("output.weight", "blk.0.attn_v.weight") or gname.startswith("blk.0.ffn_down") or (
+            gname == "token_embd.weight" and tied)                             # the head too, when tied
+        if t.shape[-1] % 256 == 0:
+            kt = T.Q6_K if q6 else T.Q4_K
+            w.add_tensor(gname, _quantize_k_nd(t, int(kt)), raw_dtype=kt)
+        else:                                                   # llama.cpp's fallbacks for rows of 32-blocks
+            kt = T.Q8_0 if q6 else T.Q5_0
+            w.add_tensor(gname, gguf.quants.quantize(t, kt), raw_dtype=kt)
+    elif matrix and quant != "F32":
+        w.add_tensor(gname, gguf.quants.quantize(t, T[quant]), raw_dtype=T[quant])
+    else:
+        w.add_tensor(gname, t)
+
+
+def _quantize_k_nd(t, qtype: int):
+    """quantize_k over the last dim of a 2-D or 3-D (experts) array."""
+    return quantize_k(t.reshape(-1, t.shape[-1]), qtype).reshape(*t.shape[:-1], -1)
 
 
 def _k_mix_type(gname: str):

@@ -82,7 +82,9 @@ def three_layers(tmp_path_factory):
     llama = make_tiny_model(tmp_path_factory.mktemp("pp-llama"), "llama", num_hidden_layers=3)
     qwen2 = make_tiny_model(tmp_path_factory.mktemp("pp-qwen2"), "qwen2", num_hidden_layers=3)
     q8 = write_tiny_gguf(tmp_path_factory.mktemp("pp-q8") / "tiny-q8_0.gguf", llama, quant="Q8_0")
-    return {"llama": llama, "qwen2": qwen2, "llama-q8_0": q8}
+    moe = make_tiny_model(tmp_path_factory.mktemp("pp-moe"), "qwen3_moe")      # expert, dense, expert layers
+    moe_q8 = write_tiny_gguf(tmp_path_factory.mktemp("pp-moe-q8") / "tiny-moe-q8_0.gguf", moe, quant="Q8_0")
+    return {"llama": llama, "qwen2": qwen2, "llama-q8_0": q8, "qwen3_moe-q8_0": moe_q8}
 
 
 def test_stages_split_layers_contiguously_and_evenly():
@@ -115,7 +117,7 @@ def test_a_stage_holds_only_its_layers(three_layers):
         assert (ex.model.lm_head is not None) == (ex.model.final_norm is not None) == ex.samples == (stage == 1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-q8_0", "qwen3_moe-q8_0"])
 def test_pp2_and_pp3_equal_pp1(arch, three_layers, monkeypatch):
     path, ps = three_layers[arch], prompts()
     ref = LLM(path, **ENGINE)

@@ -79,15 +79,17 @@ def test_tp3_on_smollm2_equals_tp1(tp_comm, smollm):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch, source", [("qwen3", "hf"), ("gemma3", "hf"), ("gemma3", "gguf")])
+@pytest.mark.parametrize("arch, source", [("qwen3", "hf"), ("gemma3", "hf"), ("gemma3", "gguf"), ("qwen3_moe", "hf"),
+                                          ("mixtral", "gguf")])
 def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
     """Qwen3 (q/k norms) and Gemma 3 (one KV head of 256: tp 2 replicates it, each rank keeping the head its
     2 query heads read; an 8-key sliding window, sandwich norms, tied embeddings scaled by sqrt(hidden)),
     from safetensors and from the GGUF test_architectures writes: tp 2 gives tp 1's greedy tokens through
-    both loops, on prompts longer than the window."""
-    from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_model, write_tiny_gguf
+    both loops, on prompts longer than the window. Qwen3-MoE and Mixtral: every expert split by its intermediate
+    rows (32 of 64 a rank), the router whole on each rank."""
+    from tests.helpers.tiny_models import MOE_ARCHS, TINY_ARCHS, make_tiny_model, write_tiny_gguf
     root = tmp_path_factory.mktemp(f"tp-{arch}")
-    path = make_tiny_model(root / "hf", arch, seed=TINY_ARCHS.index(arch) + 20)
+    path = make_tiny_model(root / "hf", arch, seed=(TINY_ARCHS + MOE_ARCHS).index(arch) + 20)
     if source == "gguf":
         path = write_tiny_gguf(root / f"{arch}.gguf", path)
     prompts = prompts_for(49152, n=4, seed=2) + [[3 + (11 * i + j) % 40000 for j in range(40)] for i in range(2)]
@@ -96,6 +98,7 @@ def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
     try:
         c = llm.engine.model_config
         layouts = [TPLayout.of(c, 2, r) for r in range(2)]
+        assert [lay.moe_inter_start for lay in layouts] == ([0, 32] if c.num_experts else [0, 0])
         assert [(lay.heads, lay.kv_heads, lay.kv_head_start) for lay in layouts] == (
             [(2, 1, 0), (2, 1, 0)] if arch == "gemma3" else [(2, 1, 0), (2, 1, 1)])
         with pytest.raises(ValueError, match=r"tp_size 3 does not fit .*4 attention heads .*fit it: 1, 2, 4\)"):

