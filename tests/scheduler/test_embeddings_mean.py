@@ -1,8 +1,9 @@
 """Mean pooling (SamplingParams.pooling="mean", LLM.embed(pooling="mean")): the vector is the mean of the
 transformers model's last hidden states (final-normed) over every prompt position, L2-normalized; it is the same bits
-alone, batched with generation, over several prefill chunks and with the prompt's prefix already cached (a mean
-request never takes a prefix-cache hit), under both loops and both executors; the device's per-row sums start at zero
-for a row's next request; bad values are refused before anything is queued.
+alone, batched with generation (speculative too), over several prefill chunks, beside prompt logprobs rows and with
+the prompt's prefix already cached (a mean request never takes a prefix-cache hit), under both loops, both executors,
+tp and pp; the device's per-row sums start at zero for a row's next request (an aborted one's partial sum dropped);
+bad values are refused before anything is queued.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def test_vector_is_the_mean_of_the_models_last_hidden_states(tiny_llama, make_ll
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")
-@pytest.mark.parametrize("backend", ["inline", "process"])
-def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend):  # noqa: F811
+@pytest.mark.parametrize("backend,spec", [("inline", None), ("process", None),
+                                          ("process", {"method": "ngram", "num_speculative_tokens": 3})])
+def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend, spec):  # noqa: F811
     alone_llm = make_llm(q8_gguf, device_backend=backend, prefix_cache=False)
     alone = {f"m{i}": drive(alone_llm, "serial", [(f"m{i}", ids, MEAN_EMBED)])[f"m{i}"]
              for i, ids in enumerate(PROMPTS)}
@@ -48,7 +50,8 @@ def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend):
            for i in range(4)]
     gen_alone = {g[0]: drive(alone_llm, "serial", [g])[g[0]] for g in gen}
     # Small step budgets: the 93-token prompt spans several chunks, steps mix decode rows with prefill chunks.
-    llm = make_llm(q8_gguf, device_backend=backend, max_prefill_tokens=16, mixed_prefill_tokens=8)
+    llm = make_llm(q8_gguf, device_backend=backend, max_prefill_tokens=16, mixed_prefill_tokens=8,
+                   speculative_config=spec)
     # The prompts' prefixes already cached (last pooling and a generation share them): mean must compute anyway.
     warm = [(f"w{i}", ids, SamplingParams(max_tokens=1, temperature=0.0, embed=True)) for i, ids in enumerate(PROMPTS)]
     drive(llm, "serial", warm + [("p", PROMPTS[1][:60], SamplingParams(temperature=0.0, max_tokens=2))])
@@ -144,3 +147,36 @@ def test_tp_and_pp_give_the_same_mean_vectors(tiny_llama, make_llm):
                 np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
             else:
                 np.testing.assert_equal(a, b)
+
+
+@pytest.mark.parametrize("loop", ["serial", "overlap"])
+def test_aborted_mid_prefill_then_the_row_is_reused(tiny_llama, make_llm, loop):
+    """A mean request aborted between its chunks leaves a partial sum on its row; the next mean request takes that
+    row (the only free one beside a generation's) and starts from zero: its vector is the one it gets alone."""
+    llm = make_llm(tiny_llama, device_backend="process", max_prefill_tokens=16, max_running_requests=2)
+    eng = llm.engine
+    eng.config = eng.config.replace(scheduler=loop)
+    alone = llm.embed(PROMPTS[:1], use_tqdm=False, pooling="mean")[0].outputs.embedding
+    got: dict = {}
+    gen = eng.make_request([4, 5, 6], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    first = eng.make_request(list(PROMPTS[1]), MEAN_EMBED)
+    second = eng.make_request(list(PROMPTS[0]), MEAN_EMBED)
+
+    def sink(outputs):               # the generation's outputs come once a step
+        for o in outputs:
+            got.setdefault(o.rid, []).append(o)
+        if len(got.get(gen.rid, ())) == 3 and second.rid not in got:
+            got[second.rid] = []
+            eng.abort(first.rid)
+            eng.add_request(second, bounded=False)
+
+    old, eng._sink = eng._sink, sink
+    try:
+        for r in (gen, first):
+            eng.add_request(r, bounded=False)
+        eng.run()
+    finally:
+        eng._sink = old
+    assert got[first.rid][-1].finish_reason == "abort" and got[first.rid][-1].embedding is None
+    assert second.row == 0 and first.row == 0      # both freed
+    np.testing.assert_allclose(np.frombuffer(got[second.rid][-1].embedding, "<f4"), alone, atol=1e-6)
