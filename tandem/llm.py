@@ -60,12 +60,14 @@ class LLM:
         encoded = [(t, self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
         return self._run(encoded, params, use_tqdm)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """vLLM's LLM.embed: each prompt's vector (`last` pooling: its last token's final-normed hidden state,
-        L2-normalized), in input order. Prefill-only requests through the same scheduler as generate()."""
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True,
+              pooling: str = "last") -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's vector, L2-normalized, in input order. pooling: "last" (its last
+        token's final-normed hidden state) or "mean" (the mean of every prompt position's; no prefix-cache hit).
+        Prefill-only requests through the same scheduler as generate()."""
         prompts = self._as_list(prompts)
+        params = [SamplingParams(max_tokens=1, temperature=0.0, embed=True, pooling=pooling) for _ in prompts]
         encoded = [(p, self._encode(p)) for p in prompts]
-        params = [SamplingParams(max_tokens=1, temperature=0.0, embed=True) for _ in prompts]
         outs = []
         for (prompt, ids), [rid] in zip(encoded, self._groups(encoded, params, use_tqdm, "embed")):
             last = self._results.pop(rid)[-1]

@@ -53,9 +53,10 @@ class SamplingParams:
     reasoning_start_id: int | None = None
     priority: int = 0                    # --scheduling-policy priority: lower goes first (vLLM's sign); else no effect
     user: str | None = None              # the tenant (OpenAI's `user`): --scheduling-policy fair shares by it
-    # An embeddings request (prefill only): the prompt's last-token final-normed hidden state, L2-normalized,
+    # An embeddings request (prefill only): the prompt's pooled final-normed hidden state, L2-normalized,
     # comes back in StepOutput.embedding and nothing is generated (max_tokens 1: its one sampled token is dropped).
     embed: bool = False
+    pooling: str = "last"                # with embed: "last" token's state, or "mean" of every prompt position
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +130,8 @@ class SamplingParams:
             bad("stop", "must be valid Unicode text (no lone UTF-16 surrogates)")
         if not isinstance(self.embed, bool):
             bad("embed", "must be a boolean")
+        if self.pooling not in ("last", "mean") or (self.pooling == "mean" and not self.embed):
+            bad("pooling", "must be 'last' or 'mean', and 'mean' only with embed")
         if self.embed and (self.max_tokens != 1 or self.n != 1 or self.logprobs is not None or self.min_tokens
                            or self.prompt_logprobs is not None or self.structured_outputs is not None):
             bad("embed", "an embeddings request generates nothing: max_tokens 1, n 1, no logprobs, min_tokens "

@@ -76,7 +76,7 @@ def _bad_bodies() -> list[tuple[str, str, str]]:
         "tokenize_both": ("/tokenize", {"prompt": "a", "messages": msgs}),
         "detokenize_vocab": ("/detokenize", {"tokens": [BEYOND_VOCAB]}),
         "embeddings_dimensions": ("/v1/embeddings", {"input": "hi", "dimensions": 8}),
-        "embeddings_mean": ("/v1/embeddings", {"input": "hi", "pooling": "mean"}),
+        "embeddings_pooling": ("/v1/embeddings", {"input": "hi", "pooling": "max"}),
         "embeddings_empty": ("/v1/embeddings", {"input": []}),
         "embeddings_vocab": ("/v1/embeddings", {"input": [[1, 2], [BEYOND_VOCAB]]}),
         "embeddings_surrogate": ("/v1/embeddings", {"input": ["a", s]}),

@@ -27,7 +27,7 @@ from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .runner_spec import RunnerSpec
 from .step import StepInput, prompt_logprob_targets
-from .embed import pooled
+from .embed import mean_index, pooled
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,7 +136,7 @@ class ModelRunner:
                                         device=self.device)
         self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
-        self.last_prompt_logprobs = None  # and of its prompt positions (prompt_logprob_targets)
+        self.last_prompt_logprobs, self.embed_sums = None, {}   # prompt positions' logprobs; mean pooling's sums
         self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
 
     def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
@@ -271,7 +271,7 @@ class ModelRunner:
             input_ids[fut] = self.future_map.gather(tok_req_row[fut])
         meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
-        index = meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])])
+        index = mean_index(step, meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])]))
         penalized = self.samples and step.has_penalties
         if penalized:
             self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
@@ -282,11 +282,11 @@ class ModelRunner:
         None where this model runner does not sample: a pipeline stage but the last (its hidden states went on
         to the next) or a tp rank other than 0 (the logits gather ends on rank 0)."""
         b = step.batch_size
-        # [B (+ prompt positions), H]: each row's last token, then the prompt positions whose logprobs were asked
+        # [B (+ N + M), H]: each row's last token, the prompt positions whose logprobs were asked, mean pooling's
         hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index)
         if hidden is None:
             return None                             # a pipeline stage but the last: sent on to the next
-        self.last_prompt_logprobs, self.last_embeddings = None, pooled(step, hidden[:b])    # embed.py: [E, H]
+        self.last_prompt_logprobs, self.last_embeddings = None, pooled(step, hidden, self.embed_sums)   # [E, H]
         if inputs.plp is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]),
                                                               int(step.prompt_logprobs.max()))
@@ -337,8 +337,8 @@ class ModelRunner:
         an [N, vocab] tensor (2048 x 49,152 fp32 logits and their log_softmax were 0.8 GB at a time). Under
         tp every rank runs the pieces (the logits gather is a collective); rank 0 returns them, others None."""
         parts = []
-        for i in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
-            logits = self.model.logits(hidden[i:i + PROMPT_LOGPROB_ROWS])
+        for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):       # hidden's rows after N: mean pooling's
+            logits = self.model.logits(hidden[i:min(i + PROMPT_LOGPROB_ROWS, len(targets))])
             if logits is not None:
                 parts.append(prompt_logprobs(logits, targets[i:i + PROMPT_LOGPROB_ROWS], k))
         if not parts:

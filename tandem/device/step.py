@@ -73,8 +73,9 @@ class StepInput:
     # them in steps the host has waited for since the last launch; the first stage stashes them first.
     stash_rows: np.ndarray = None     # [R]
     stash_ids: np.ndarray = None      # [R]
-    # Embeddings (device/embed.py): 1 at the last prefill chunk of an embeddings request, whose last token's
-    # final-normed hidden state comes back with the step's results (rows in batch order); 0 elsewhere.
+    # Embeddings (device/embed.py): flags of an embeddings request's prefill chunk: OUT (its last chunk: the pooled
+    # vector comes back with the step's results, rows in batch order), MEAN (mean pooling: its positions add to the
+    # row's sum), RESET (that sum starts at zero); 0 elsewhere.
     embed: np.ndarray = None          # [B]
 
     def __post_init__(self) -> None:

@@ -34,13 +34,18 @@ class KVCacheManager:
         """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
         The last token is always computed: its logits sample the next token. Returns the hit length."""
         req.cached_len = 0
-        if self.cache is not None and req.params.prompt_logprobs is None:   # those need every prompt position
+        if self.takes_hits(req):
             fill = req.fill_ids()
             slots, node = self.cache.match_prefix(fill[:-1])
             self.cache.lock(node)
             req.slots, req.cached_len, req.cache_node = slots, len(slots), node
         req.filled = req.cached_len
         return req.cached_len
+
+    def takes_hits(self, req: Req) -> bool:
+        """Whether the request may start from a cached prefix: not with prompt logprobs or mean pooling, which
+        need every prompt position computed (their KV still goes into the cache as anyone's)."""
+        return self.cache is not None and req.params.prompt_logprobs is None and req.params.pooling != "mean"
 
     def unmatch(self, req: Req) -> None:
         """Undo match_prefix for a request that was not admitted after all."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..device.embed import flags as embed_flags
 from ..device.step import StepInput
 from ..request import Req
 from ..sampler import draw_seeds
@@ -127,7 +128,7 @@ def make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
         next_ids=np.array([-1] * len(decode) + [-1 if c.last else c.req.fill_ids()[c.start + c.n] for c in chunks],
                           np.int64),
         draft_lens=np.array(draft_lens + [0] * len(chunks), np.int64),
-        embed=np.array([0] * len(decode) + [int(c.last and c.req.params.embed) for c in chunks], np.int64),
+        embed=np.array([0] * len(decode) + [embed_flags(c.req.params, c.start, c.last) for c in chunks], np.int64),
         **_penalty_fields(decode, chunks, positions),
     )
     for c in chunks:

@@ -98,10 +98,11 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         cached = s.memory.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         n = len(fill) - cached                    # tokens this prefill computes
         mates = [c.req for c in chunks] + (started if aside else [])
-        if s.memory.cache is not None and any(common_prefix(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE
+        if s.memory.takes_hits(req) and any(common_prefix(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE
                                               for m in mates):
             # A batch mate computes the same uncached prefix in this step: wait one step and hit its KV
             # (a burst of requests behind one system prompt computes it once, not once per step's admission).
+            # Not one that takes no hits (memory.takes_hits): it would wait for nothing.
             s.memory.unmatch(req)
             break
         if aside and n > budget - tokens:

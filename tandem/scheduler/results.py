@@ -14,7 +14,7 @@ import torch
 
 from .. import faults
 from ..device.executor import ResultHandle
-from ..device.embed import normalized
+from ..device.embed import OUT, normalized
 from ..device.step import prompt_logprob_targets
 from ..device.streams import now
 from ..request import StepOutput
@@ -122,7 +122,7 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
 
 def _embeddings(batch: Batch, handle: ResultHandle) -> dict[int, np.ndarray]:
     """Batch row -> raw pooled vector [H] of each embeddings row of the step (device/embed.py)."""
-    rows = np.nonzero(batch.step.embed)[0]
+    rows = np.nonzero(batch.step.embed & OUT)[0]
     return dict(zip(rows.tolist(), handle.embeddings(len(rows)))) if len(rows) else {}
 
 

@@ -2,15 +2,17 @@
 
 Each input is a prefill-only request through the same engine queue and scheduler as generation
 (SamplingParams.embed): it never decodes, and its vector is its last token's final-normed hidden state
-(`last` pooling, the default for causal LMs), L2-normalized, the same bits alone or batched (device/embed.py).
+(`last` pooling, the default for causal LMs) or the mean of every prompt position's (`pooling: "mean"`, tandem's
+field, SamplingParams.pooling), L2-normalized, the same bits alone or batched (device/embed.py).
 `input` is a string, a list of strings, a list of token ids or a list of token-id lists; `encoding_format` "float"
 or "base64" (little-endian float32, as OpenAI); `user` is accepted; `dimensions` is refused (the model's width is
-fixed), so is `pooling` "mean" (tandem's field: "last" only). Unknown fields are refused, as on every route.
+fixed). Unknown fields are refused, as on every route.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import uuid
 from typing import Literal
 
@@ -35,7 +37,7 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"      # base64: little-endian float32 bytes
     dimensions: Int64 | None = None     # refused: a decoder's hidden width is fixed (no Matryoshka truncation)
     user: str | None = None             # accepted and unused, as OpenAI's end-user id
-    pooling: Literal["last", "mean"] = "last"   # extra: the last token's hidden state; "mean" refused (see docs)
+    pooling: Literal["last", "mean"] = "last"   # extra: the last token's hidden state, or the mean of all positions
 
 
 def prompts_of(fe: Frontend, body: EmbeddingRequest) -> list[list[int]]:
@@ -67,9 +69,6 @@ def check(body: EmbeddingRequest, served: str) -> None:
     if body.dimensions is not None:
         raise APIError(400, "dimensions is not supported: this model's embeddings have a fixed width (its hidden "
                             "size); leave dimensions out", "dimensions")
-    if body.pooling != "last":
-        raise APIError(400, "pooling 'mean' is not supported: only 'last' (the last token's final-normed hidden "
-                            "state, the default for causal LMs)", "pooling")
 
 
 async def _vector(gen: Generation, st: RequestStream) -> StepOutput:
@@ -95,7 +94,7 @@ async def embeddings(gen: Generation, served: str, body: EmbeddingRequest, reque
     check(body, served)
     prompts = await gen.fe.off_loop(prompts_of, gen.fe, body)
     rid = f"embd-{uuid.uuid4().hex}"
-    params = gen.fe.params_dict(EMBED_PARAMS)
+    params = gen.fe.params_dict(dataclasses.replace(EMBED_PARAMS, pooling=body.pooling))
     subs = await asyncio.gather(*(gen.client.submit(f"{rid}-{k}", ids, params, arrival)
                                   for k, ids in enumerate(prompts)), return_exceptions=True)
     streams = [st for st in subs if isinstance(st, RequestStream)]

@@ -1,7 +1,8 @@
 """/v1/embeddings through `tandem serve` with the official openai client: every input shape, float and base64 (the
-same float32 bits), unit vectors, the usage; OpenAI-shaped 400s for dimensions, pooling "mean", unknown fields and
-bad inputs; on a quantized model (the batch-invariant mode), the same vector alone and while other clients
-generate, and the generated outputs unchanged by the embeddings beside them.
+same float32 bits), unit vectors, the usage, `pooling: "mean"` (the transformers model's mean hidden state);
+OpenAI-shaped 400s for dimensions, an unknown pooling, unknown fields and bad inputs; on a quantized model (the
+batch-invariant mode), the same vectors (last and mean pooling) alone and while other clients generate, and the
+generated outputs unchanged by the embeddings beside them.
 """
 from __future__ import annotations
 
@@ -56,6 +57,21 @@ def test_base64_decodes_to_the_same_floats(client, server):
     assert [d.embedding for d in auto.data] == [d.embedding for d in floats.data]
 
 
+def test_mean_pooling_is_the_models_mean_hidden_state(client, server, tiny_llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    mean = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float", extra_body={"pooling": "mean"})
+    last = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
+    assert mean.usage.prompt_tokens == sum(len(i) for i in ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
+    for i, d, lst in zip(ids, mean.data, last.data):
+        with torch.no_grad():
+            h = model(torch.tensor([i]), output_hidden_states=True).hidden_states[-1][0].double().mean(0).numpy()
+        np.testing.assert_allclose(_unit(d.embedding), h / np.linalg.norm(h), atol=2e-4)
+        assert len(i) == 1 or not np.allclose(d.embedding, lst.embedding)
+
+
 def test_prompt_tokens_counted_in_metrics(client, server):
     before = server.metrics()["tandem:prompt_tokens_total"]
     r = client.embeddings.create(model="tiny", input=TEXTS)
@@ -70,7 +86,7 @@ def test_refusals_are_openai_shaped(client, server):
     def post(body):
         return httpx.post(server.url + "/v1/embeddings", json=body)
     assert_error(post({"input": "hi", "dimensions": 16}), 400, "dimensions")
-    assert "mean" in assert_error(post({"input": "hi", "pooling": "mean"}), 400, "pooling")["message"]
+    assert_error(post({"input": "hi", "pooling": "max"}), 400, "pooling")
     assert_error(post({"input": "hi", "bogus": 1}), 400)
     assert_error(post({"input": []}), 400, "input")
     assert_error(post({"input": ""}), 400, "input")
@@ -103,14 +119,16 @@ def test_same_vector_alone_and_beside_generation(q8_server):
     prompts = [" ".join(words[(i * 5 + j) % len(words)] for j in range(n)) for i, n in enumerate((4, 70, 120))]
 
     def embed():
-        return [d.embedding for d in client.embeddings.create(model="tiny", input=texts).data]
+        return [d.embedding for pooling in ("last", "mean")
+                for d in client.embeddings.create(model="tiny", input=texts, extra_body={"pooling": pooling}).data]
 
     def generate(p):
         r = client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, logprobs=2)
         return r.choices[0].text, r.choices[0].logprobs.token_logprobs
 
     try:
-        alone = [client.embeddings.create(model="tiny", input=t).data[0].embedding for t in texts]
+        alone = [client.embeddings.create(model="tiny", input=t, extra_body={"pooling": pooling}).data[0].embedding
+                 for pooling in ("last", "mean") for t in texts]      # 90 words: mean pooling over several chunks
         assert embed() == alone                                   # batched together: the same bits
         gen_alone = [generate(p) for p in prompts]
         stop, seen, got = threading.Event(), [], {}
