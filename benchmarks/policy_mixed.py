@@ -1,0 +1,90 @@
+"""The scheduling policies on `tandem bench serve --mixed` (issue 45): for each policy pair, one `tandem serve` per
+policy in turn (default model, --max-running-requests as given so the flood queues), the same seeded mixed
+workload at a rate that saturates it, and each class's p50 / p99 TTFT and output throughput; plus the trickle's
+TTFT on an idle server (its requests one at a time), the reference of the priority goal.
+
+    flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/policy_mixed.py --json results/policy_mixed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+RUNS = (("priority", "fcfs"), ("priority", "priority"), ("tenants", "fcfs"), ("tenants", "fair"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(policy: str, running: int, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--log-level",
+                             "warning", "--scheduling-policy", policy, "--max-running-requests", str(running)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def bench(port: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url",
+                        f"http://127.0.0.1:{port}", "--json", out, *extra], check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=120, help="requests of the mixed workload")
+    ap.add_argument("--input-len", type=int, default=256, help="the flood's prompt tokens (the trickle: a quarter)")
+    ap.add_argument("--output-len", type=int, default=64, help="the flood's output tokens (the trickle: a quarter)")
+    ap.add_argument("--request-rate", default="inf", help="arrivals per s (inf: all at once, saturating)")
+    ap.add_argument("--max-running", type=int, default=16, help="the server's --max-running-requests")
+    ap.add_argument("--json", default=None, help="write the summary here")
+    args = ap.parse_args()
+    work = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
+            str(args.output_len), "--request-rate", args.request_rate, "--seed", "7"]
+    summary: dict = {}
+    port = free_port()
+    proc = serve("fcfs", args.max_running, port)
+    try:                                                   # the trickle's shape, one request at a time, idle
+        idle = bench(port, ["--num-prompts", "16", "--input-len", str(args.input_len // 4), "--output-len",
+                            str(args.output_len // 4), "--max-concurrency", "1", "--seed", "8"])
+        summary["idle trickle"] = {"p50_ttft_ms": idle["median_ttft_ms"], "p99_ttft_ms": idle["p99_ttft_ms"]}
+    finally:
+        proc.terminate()
+        proc.wait()
+    print(json.dumps(summary), flush=True)
+    for mix, policy in RUNS:
+        port = free_port()
+        proc = serve(policy, args.max_running, port)
+        try:
+            r = bench(port, [*work, "--mixed", mix])
+        finally:
+            proc.terminate()
+            proc.wait()
+        summary[f"{mix} / {policy}"] = {"output_throughput": r["output_throughput"], "classes": r["classes"]}
+        print(json.dumps({f"{mix} / {policy}": summary[f"{mix} / {policy}"]}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args) | {"json": None}, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
