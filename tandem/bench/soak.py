@@ -31,10 +31,12 @@ BEYOND_VOCAB = 10 ** 7           # a token id / top_k past every vocabulary (but
 MIX = {"completion": 30, "chat": 15, "stream": 20, "disconnect": 10, "give_up": 5, "bad": 20,
        "responses": 5, "messages": 5, "route_stream": 8, "tokenize": 4, "embeddings": 5}
 ROUTE_KINDS = ("responses", "messages", "route_stream", "tokenize", "embeddings")
+ROUTE_PATHS = ("/v1/responses", "/v1/messages", "/v1/embeddings")    # routes whose bodies name the model
 
 
-def _bad_bodies() -> list[tuple[str, str, str]]:
-    """(name, path, raw JSON body) of requests a server must refuse with a 4xx, and never crash on."""
+def _bad_bodies(model: str) -> list[tuple[str, str, str]]:
+    """(name, path, raw JSON body) of requests a server must refuse with a 4xx, and never crash on; the other
+    routes' bodies name the served model, so each is refused for the field it targets."""
     ok = {"prompt": "hello", "max_tokens": 2}
     msgs = [{"role": "user", "content": "hi"}]
     s = "\ud800"                  # a lone surrogate: valid JSON (as an escape), not valid Unicode text
@@ -81,7 +83,8 @@ def _bad_bodies() -> list[tuple[str, str, str]]:
         "embeddings_vocab": ("/v1/embeddings", {"input": [[1, 2], [BEYOND_VOCAB]]}),
         "embeddings_surrogate": ("/v1/embeddings", {"input": ["a", s]}),
     }
-    out = [(name, path, json.dumps(body)) for name, (path, body) in cases.items()]
+    out = [(name, path, json.dumps({"model": model, **body} if path in ROUTE_PATHS else body))
+           for name, (path, body) in cases.items()]
     out.append(("malformed_json", "/v1/completions", '{"prompt": "a", '))
     out.append(("oversized_body", "/v1/completions",
                 json.dumps({**ok, "prompt": "x" * OVERSIZED_BYTES})))
@@ -230,7 +233,7 @@ async def run_soak(base_url: str, requests: int, concurrency: int, seed: int = 0
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, trust_env=False) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        bad = _bad_bodies()
+        bad = _bad_bodies(model)
         mix = dict(MIX, **({"fault": 1} if fault else {}))
         kinds = rng.choices(list(mix), weights=list(mix.values()), k=requests)
         if fault and "fault" not in kinds:

@@ -119,7 +119,7 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(t, *vocab, pad_to=lay.vocab)
         elif ".experts." in name:               # before the dense MLP's names, which an expert's also match
-            out[name] = _cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
+            out[name] = cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
         elif ".q_proj." in name:
             out[name] = _rows(t, *q)
         elif ".k_proj." in name or ".v_proj." in name:

@@ -28,6 +28,18 @@ def q8_gguf(tmp_path_factory) -> str:
     return str(write_tiny_gguf(d / "q8.gguf", hf, quant="Q8_0"))
 
 
+def alone_runs(llm, tag: str, params: SamplingParams) -> tuple[dict, list, dict]:
+    """Each of PROMPTS embedded alone (checked: no tokens, finished, a 128-wide vector), four generation requests,
+    and each of those alone: what the batched runs must reproduce bit for bit."""
+    alone = {f"{tag}{i}": drive(llm, "serial", [(f"{tag}{i}", ids, params)])[f"{tag}{i}"]
+             for i, ids in enumerate(PROMPTS)}
+    for v in alone.values():
+        assert v[0] == [] and v[2] == "stop" and len(v[1]) == 4 * 128
+    gen = [(f"g{i}", [20 + i, 30 + i] * (2 + 9 * i), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+           for i in range(4)]
+    return alone, gen, {g[0]: drive(llm, "serial", [g])[g[0]] for g in gen}
+
+
 def drive(llm, loop: str, items: list, later: list = ()) -> dict:
     """Run (label, ids, params) requests (`later` ones added after the first processed step) on the engine's own
     loop; label -> (output ids, embedding bytes, finish reason)."""
@@ -80,12 +92,7 @@ def test_vector_is_the_models_last_hidden_state(tiny_llama, make_llm, backend):
                                           ("process", {"method": "ngram", "num_speculative_tokens": 3})])
 def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend, spec):
     alone_llm = make_llm(q8_gguf, device_backend=backend, prefix_cache=False)
-    alone = {f"e{i}": drive(alone_llm, "serial", [(f"e{i}", ids, EMBED)])[f"e{i}"] for i, ids in enumerate(PROMPTS)}
-    for v in alone.values():
-        assert v[0] == [] and v[2] == "stop" and len(v[1]) == 4 * 128
-    gen = [(f"g{i}", [20 + i, 30 + i] * (2 + 9 * i), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
-           for i in range(4)]
-    gen_alone = {g[0]: drive(alone_llm, "serial", [g])[g[0]] for g in gen}
+    alone, gen, gen_alone = alone_runs(alone_llm, "e", EMBED)
     # Small step budgets: the 93-token prompt is chunked and steps mix decode rows with prefill chunks.
     llm = make_llm(q8_gguf, device_backend=backend, max_prefill_tokens=32, mixed_prefill_tokens=16,
                    speculative_config=spec)

@@ -15,7 +15,7 @@ from tandem import SamplingParams
 from tandem.device.embed import MEAN, OUT, RESET, pooled
 from tandem.device.step import StepInput
 from tandem.kernels import available
-from tests.scheduler.test_embeddings import PROMPTS, drive, q8_gguf  # noqa: F401 (the fixture)
+from tests.scheduler.test_embeddings import PROMPTS, alone_runs, drive, q8_gguf  # noqa: F401 (the fixture)
 
 MEAN_EMBED = SamplingParams(max_tokens=1, temperature=0.0, embed=True, pooling="mean")
 
@@ -42,13 +42,7 @@ def test_vector_is_the_mean_of_the_models_last_hidden_states(tiny_llama, make_ll
                                           ("process", {"method": "ngram", "num_speculative_tokens": 3})])
 def test_same_bits_alone_batched_chunked_and_cached(q8_gguf, make_llm, backend, spec):  # noqa: F811
     alone_llm = make_llm(q8_gguf, device_backend=backend, prefix_cache=False)
-    alone = {f"m{i}": drive(alone_llm, "serial", [(f"m{i}", ids, MEAN_EMBED)])[f"m{i}"]
-             for i, ids in enumerate(PROMPTS)}
-    for v in alone.values():
-        assert v[0] == [] and v[2] == "stop" and len(v[1]) == 4 * 128
-    gen = [(f"g{i}", [20 + i, 30 + i] * (2 + 9 * i), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
-           for i in range(4)]
-    gen_alone = {g[0]: drive(alone_llm, "serial", [g])[g[0]] for g in gen}
+    alone, gen, gen_alone = alone_runs(alone_llm, "m", MEAN_EMBED)
     # Small step budgets: the 93-token prompt spans several chunks, steps mix decode rows with prefill chunks.
     llm = make_llm(q8_gguf, device_backend=backend, max_prefill_tokens=16, mixed_prefill_tokens=8,
                    speculative_config=spec)
