@@ -1,5 +1,8 @@
-"""Checks on engines shared by the tests: the leak audit every fixture ends with, a run through a chosen loop."""
+"""Checks on engines shared by the tests: the leak audit every fixture ends with, a run through a chosen loop, a
+run to idle with the step outputs sent to the test's own sink."""
 from __future__ import annotations
+
+from typing import Callable
 
 
 def assert_no_leaks(llm) -> None:
@@ -19,3 +22,15 @@ def run_with(llm, scheduler: str, prompts, params, **kw):
     outs = llm.generate(prompts, params, use_tqdm=False, **kw)
     assert_no_leaks(llm)
     return outs
+
+
+def run_to_idle(llm, sink: Callable, start: Callable[[], None]) -> None:
+    """start() queues the first requests, then the engine runs until idle with each step's outputs sent to
+    sink (which may add or abort requests); the engine's own sink is back afterwards."""
+    eng = llm.engine
+    old, eng._sink = eng._sink, sink
+    try:
+        start()
+        eng.run()
+    finally:
+        eng._sink = old

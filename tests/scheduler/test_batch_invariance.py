@@ -17,7 +17,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.kernels import available
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_to_idle
 from tests.helpers.tiny_models import make_tiny_model, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not available(), reason="native kernels not built")
@@ -77,13 +77,7 @@ def drive(llm, scheduler: str, initial: list, events: dict[int, list]) -> dict:
             elif ev[1] in rid_of.values():
                 eng.abort(next(r for r, lab in rid_of.items() if lab == ev[1]))
 
-    old, eng._sink = eng._sink, sink
-    try:
-        for r in initial:
-            add(*r)
-        eng.run()
-    finally:
-        eng._sink = old
+    run_to_idle(llm, sink, lambda: [add(*r) for r in initial])
     assert_no_leaks(llm)
     return out
 

@@ -11,7 +11,7 @@ import torch
 
 from tandem import SamplingParams
 from tandem.kernels import available
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_to_idle
 from tests.helpers.tiny_models import make_tiny_model, write_tiny_gguf
 
 EMBED = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
@@ -60,13 +60,7 @@ def drive(llm, loop: str, items: list, later: list = ()) -> dict:
         while pending:
             add(*pending.pop())
 
-    old, eng._sink = eng._sink, sink
-    try:
-        for item in items:
-            add(*item)
-        eng.run()
-    finally:
-        eng._sink = old
+    run_to_idle(llm, sink, lambda: [add(*item) for item in items])
     assert_no_leaks(llm)
     return out
 

@@ -15,6 +15,7 @@ from tandem import SamplingParams
 from tandem.device.embed import MEAN, OUT, RESET, pooled
 from tandem.device.step import StepInput
 from tandem.kernels import available
+from tests.helpers.engine_checks import run_to_idle
 from tests.scheduler.test_embeddings import PROMPTS, alone_runs, drive, q8_gguf  # noqa: F401 (the fixture)
 
 MEAN_EMBED = SamplingParams(max_tokens=1, temperature=0.0, embed=True, pooling="mean")
@@ -103,15 +104,13 @@ def test_mean_rows_beside_prompt_logprobs_rows(tiny_llama, make_llm):
 
     def run(items):
         got, rids = {}, []
-        old, eng._sink = eng._sink, lambda outs: [got.setdefault(o.rid, []).append(o) for o in outs]
-        try:
+
+        def start():
             for ids, params in items:
                 req = eng.make_request(list(ids), params)
                 rids.append(req.rid)
                 eng.add_request(req, bounded=False)
-            eng.run()
-        finally:
-            eng._sink = old
+        run_to_idle(llm, lambda outs: [got.setdefault(o.rid, []).append(o) for o in outs], start)
         return [got[r] for r in rids]
 
     def prompt_lp(outs):
@@ -164,13 +163,7 @@ def test_aborted_mid_prefill_then_the_row_is_reused(tiny_llama, make_llm, loop):
             eng.abort(first.rid)
             eng.add_request(second, bounded=False)
 
-    old, eng._sink = eng._sink, sink
-    try:
-        for r in (gen, first):
-            eng.add_request(r, bounded=False)
-        eng.run()
-    finally:
-        eng._sink = old
+    run_to_idle(llm, sink, lambda: [eng.add_request(r, bounded=False) for r in (gen, first)])
     assert got[first.rid][-1].finish_reason == "abort" and got[first.rid][-1].embedding is None
     assert second.row == 0 and first.row == 0      # both freed
     np.testing.assert_allclose(np.frombuffer(got[second.rid][-1].embedding, "<f4"), alone, atol=1e-6)

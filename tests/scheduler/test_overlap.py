@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_to_idle
 from tandem import SamplingParams
 from tandem.device.future_map import FutureMap
 
@@ -46,14 +46,7 @@ def run_script(llm, scheduler: str, initial: list, events: dict[int, list]) -> d
                 label = ev[1]
                 eng.abort(next(r for r, lab in rid_of.items() if lab == label))
 
-    old = eng._sink
-    eng._sink = sink
-    try:
-        for label, ids, params in initial:
-            add(label, ids, params)
-        eng.run()
-    finally:
-        eng._sink = old
+    run_to_idle(llm, sink, lambda: [add(label, ids, params) for label, ids, params in initial])
     assert_no_leaks(llm)
     return out
 

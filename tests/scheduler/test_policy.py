@@ -9,7 +9,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.scheduler.policy import parse_weights
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_to_idle
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -39,13 +39,7 @@ def drive(llm, initial: list, events: dict[int, list] | None = None, loop: str =
         steps[0] += 1
         for ev in (events or {}).get(steps[0], []):
             add(*ev)
-    old, eng._sink = eng._sink, sink
-    try:
-        for ev in initial:
-            add(*ev)
-        eng.run()
-    finally:
-        eng._sink = old
+    run_to_idle(llm, sink, lambda: [add(*ev) for ev in initial])
     assert_no_leaks(llm)
     return order, tokens
 
