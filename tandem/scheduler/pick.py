@@ -45,10 +45,14 @@ def pick_batch(s: "Scheduler") -> Batch | None:
     if s.policy.preempts and s.waiting:
         preempt(s)
     decode = s.decode_candidates()
+    lead = prefill_lead(s)
+    if lead is not None:          # the policy's step rule (policy.lead): nothing the lead outranks rides along
+        t = s.clock()
+        decode = [r for r in decode if not s.policy.outranks(lead, r, t)]
     mixed = s.config.enable_mixed_chunk and bool(decode)
     budget = min(s.config.max_prefill_tokens, s.config.mixed_prefill_tokens) if mixed else \
         s.config.max_prefill_tokens
-    chunks = pick_prefill(s, budget)
+    chunks = pick_prefill(s, budget, lead)
     if chunks:
         # Mixed step: the decode rows ride along if their slots are there; retraction needs host truth and
         # is left to the next decode-only step.
@@ -68,9 +72,17 @@ def _decode_reserve(s: "Scheduler", reqs: list[Req]) -> int:
     return int(left * s.new_token_ratio)
 
 
-def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
+def prefill_lead(s: "Scheduler") -> Req | None:
+    """The policy's lead among the prefills that could run now (started ones, then ready waiting ones)."""
+    ready = [r for r in s.waiting if s.grammars is None or s.grammars.ready(r)]
+    started = [r for r in s.running if r.prefilling and not r.aborted]
+    return s.policy.lead(started + ready, s.clock()) if started or ready else None
+
+
+def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None) -> list[Chunk]:
     """Prefill chunks of at most `budget` tokens in all: a started chunked prefill first, then admissions;
-    but once a chunk, arrivals whose whole prefill fits go first, alone, for one step.
+    but once a chunk, arrivals whose whole prefill fits go first, alone, for one step. No chunk of a request
+    the `lead` outranks (the policy's step rule, pick_batch).
 
     A request is admitted whole (its prompt's KV is allocated at once, so a chunked prefill never stalls for
     memory) and prefilled in chunks: it keeps its row and KV across chunks and joins decode after its last.
@@ -80,7 +92,11 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
         s.end(s.waiting.popleft(), "length")
     chunks: list[Chunk] = []
     tokens = 0
-    started = [r for r in s.running if r.prefilling and not r.aborted]    # in flight or not (module docstring)
+    t = s.clock()
+
+    def outranked(req: Req) -> bool:
+        return lead is not None and s.policy.outranks(lead, req, t)
+    started = [r for r in s.running if r.prefilling and not r.aborted and not outranked(r)]  # in flight or not
     # Arrivals go first for one step, once per chunk of a started prefill: a short request behind a long prompt
     # waits for the chunk in flight, not also for the next chunk in the step that would carry it.
     aside = bool(s.waiting) and bool(started) and not any(r.stood_aside for r in started)
@@ -90,8 +106,8 @@ def pick_prefill(s: "Scheduler", budget: int) -> list[Chunk]:
     admitted: list[Req] = []
     reserved = 0
     for req in s.waiting:
-        if tokens >= budget or len(s.running) + len(admitted) >= s.config.max_running_requests:
-            break
+        if tokens >= budget or len(s.running) + len(admitted) >= s.config.max_running_requests or outranked(req):
+            break                                 # (the queue is in the policy's order: the rest are outranked too)
         if s.grammars is not None and not s.grammars.ready(req):
             continue                              # its grammar still compiles: the requests behind it go on
         fill = req.fill_ids()
@@ -185,8 +201,9 @@ def _charge(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> None:
 
 
 def preempt(s: "Scheduler") -> None:
-    """Priority preemption: the first waiting request that may be admitted (its grammar ready) but for the
-    running cap or the KV memory retracts running requests it outranks, worst first, until it fits; none is
+    """Preemption (priority, fair): the first waiting request that may be admitted (its grammar ready) but for
+    the running cap or the KV memory retracts the running requests the policy gives it (policy.victims), in
+    that order, until it fits; none is
     retracted when even all of them would not make room. Retraction needs host truth (process_pending first),
     and retracted requests keep their outputs, which they re-prefill when they resume (Scheduler.retract)."""
     req = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
@@ -201,7 +218,7 @@ def preempt(s: "Scheduler") -> None:
                 and (not running or need <= s.available() + freed - _decode_reserve(s, running)))
     if fits(s.running, 0):
         return
-    victims = [r for r in s.policy.retract_order(s.running, t) if not r.aborted and s.policy.outranks(req, r, t)]
+    victims = s.policy.victims(req, [r for r in s.running if not r.aborted], t, s.config.max_running_requests)
     keep, freed, chosen = list(s.running), 0, []
     for v in victims:
         if fits(keep, freed):

@@ -5,14 +5,24 @@
 - priority: a request's `priority` (lower first, vLLM's sign), then arrival. Aging: a request's rank is its
   priority minus the seconds since its arrival over `priority_aging`, so a low-priority request rises one level
   per `priority_aging` seconds and none starves: every request arriving `priority_aging` x k seconds after it
-  ranks k levels worse (all age alike, so two ranks differ by a constant and the order never flips back). A waiting request that cannot be admitted (running cap or KV)
-  retracts running requests of a worse rank (the existing retraction: their outputs are unchanged when they
-  resume); a retracted request keeps its arrival, so it keeps its place among the waiting.
+  ranks k levels worse (all age alike, so two ranks differ by a constant and the order never flips back). A
+  waiting request that cannot be admitted (running cap or KV) retracts running requests of a worse rank (the
+  existing retraction: their outputs are unchanged when they resume); a retracted request keeps its arrival, so
+  it keeps its place among the waiting. The step follows the rank too: a step that prefills a request (its
+  `lead`, the best-ranked prefill to run) carries no prefill chunk or decode row the lead outranks, so a
+  high-priority prompt is computed in a step of its own rank, not beside a flood's chunks and streams. And the
+  overlap loop picks the step after a prefill step once that step has ended (picks_after_prefill), so an
+  arrival waits for at most the long step in flight, not also for one picked behind it.
 - fair: virtual token counters (VTC, Sheng et al., OSDI '24) per tenant (a request's `user`): each prefill
   token adds `fair_prefill_weight`, each decode token `fair_decode_weight`, divided by the tenant's weight
   (`fair_weights`). Admission takes the waiting tenant with the smallest counter first; retraction for KV takes
   the running request of the tenant with the largest first. A tenant that comes back after its queue emptied
-  starts at the smallest counter among the tenants that have requests (no credit banked while away).
+  starts at the smallest counter among the tenants that have requests (no credit banked while away). The
+  running set (so the decode batch) follows the counters too: a waiting request that cannot be admitted retracts
+  running requests of tenants with a larger counter that hold more than their share of the running rows
+  (max_running_requests split by weight among the tenants running or asking), never below that share, so a
+  flood that filled every row before the others arrived gives rows back at once, and no two tenants can take
+  rows back and forth (each keeps its share).
 
 Every method is a pure function of the queues and the clock `t` the scheduler passes: no state but the fair
 counters, which change only through charge().
@@ -31,6 +41,7 @@ POLICIES = ("fcfs", "priority", "fair")
 class FCFS:
     name = "fcfs"
     preempts = False
+    picks_after_prefill = False     # the overlap loop waits for a prefill step in flight before the next pick
 
     def order(self, waiting: collections.deque[Req], t: float) -> None:
         """Put the waiting queue in admission order (in place)."""
@@ -40,8 +51,19 @@ class FCFS:
         return sorted(pool, key=lambda r: (len(r.output_ids), -r.arrival_time))
 
     def outranks(self, req: Req, other: Req, t: float) -> bool:
-        """May waiting `req` retract running `other` to be admitted?"""
+        """Does `req` go strictly before `other` (a level better)? Then `other` may be retracted for it and
+        does not share a step it prefills in."""
         return False
+
+    def victims(self, req: Req, running: list[Req], t: float, cap: int) -> list[Req]:
+        """The running requests waiting `req` may retract to be admitted, in the order they go (`cap`: the
+        running rows, max_running_requests)."""
+        return []
+
+    def lead(self, reqs: Iterable[Req], t: float) -> Req | None:
+        """The request a prefill step is picked for: the step carries nothing it outranks. None: no such
+        rule (fcfs, fair: every prefill and decode row may share a step)."""
+        return None
 
     def charge(self, req: Req, prefill: int, decode: int) -> None:
         """Tokens a picked step computes for `req` (the fair policy's counters)."""
@@ -53,6 +75,7 @@ class FCFS:
 class Priority(FCFS):
     name = "priority"
     preempts = True
+    picks_after_prefill = True
 
     def __init__(self, aging_s: float) -> None:
         self.aging_s = aging_s          # seconds of waiting that raise a request one priority level
@@ -71,9 +94,16 @@ class Priority(FCFS):
         # Strictly better by a whole level: equal priorities never preempt each other, whatever their ages.
         return self.rank(req, t) <= self.rank(other, t) - 1
 
+    def victims(self, req: Req, running: list[Req], t: float, cap: int) -> list[Req]:
+        return [r for r in self.retract_order(running, t) if self.outranks(req, r, t)]
+
+    def lead(self, reqs: Iterable[Req], t: float) -> Req | None:
+        return min(reqs, key=lambda r: (self.rank(r, t), r.arrival_time), default=None)
+
 
 class Fair(FCFS):
     name = "fair"
+    preempts = True
 
     def __init__(self, weights: dict[str, float], prefill_weight: float, decode_weight: float) -> None:
         self.weights, self.prefill_weight, self.decode_weight = weights, prefill_weight, decode_weight
@@ -115,6 +145,23 @@ class Fair(FCFS):
     def retract_order(self, pool: list[Req], t: float) -> list[Req]:
         return sorted(pool, key=lambda r: (-self.counters.get(self.tenant(r), 0.0), len(r.output_ids),
                                            -r.arrival_time))
+
+    def victims(self, req: Req, running: list[Req], t: float, cap: int) -> list[Req]:
+        """Requests of tenants with a larger counter than req's that hold more than their share of the rows,
+        the largest counter first, each tenant kept at its share."""
+        u = self.tenant(req)
+        rows = collections.Counter(self.tenant(r) for r in running)
+        asking = set(rows) | {u}
+        total = sum(self.weights.get(v, 1.0) for v in asking)
+        mine = self.counters.get(u, 0.0)
+        out = []
+        for r in self.retract_order(running, t):
+            v = self.tenant(r)
+            if v == u or self.counters.get(v, 0.0) <= mine or rows[v] - 1 < cap * self.weights.get(v, 1.0) / total:
+                continue
+            rows[v] -= 1
+            out.append(r)
+        return out
 
     def charge(self, req: Req, prefill: int, decode: int) -> None:
         u = self.tenant(req)

@@ -123,3 +123,55 @@ def test_policy_options_are_checked(tiny_llama, tmp_path):
         parse_weights(f"@{tmp_path / 'missing'}")
     with pytest.raises(ValueError, match="priority"):
         greedy(1, priority=1.5)
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """Every picked batch as (prefill requests, decode requests)."""
+    from tandem.scheduler import loops
+    seen: list[tuple[list, list]] = []
+
+    def recording(s):
+        b = loops_pick(s)
+        if b is not None:
+            seen.append((b.reqs[b.num_decode:], b.reqs[:b.num_decode]))
+        return b
+    loops_pick = loops.pick_batch
+    monkeypatch.setattr(loops, "pick_batch", recording)
+    return seen
+
+
+@pytest.mark.parametrize("loop", ["overlap", "serial"])
+def test_a_high_priority_prefill_runs_in_a_step_of_its_own_rank(tiny_llama, make_llm, batches, loop):
+    # Two low-priority streams decode and a low-priority prompt waits when "high" arrives: high's prefill step
+    # carries none of them (their decode rows and the waiting prompt's chunk wait one step), and none of them
+    # changes its tokens.
+    llm = make_llm(tiny_llama, max_running_requests=4, scheduling_policy="priority")
+    lows = [(f"low{i}", prompt(i), greedy(16, priority=3)) for i in range(2)]
+    alone = {label: drive(llm, [(label, ids, p)], loop=loop)[1][label] for label, ids, p in lows}
+    batches.clear()
+    arrivals = {4: [("high", prompt(5), greedy(4, priority=0)), ("late", prompt(6), greedy(4, priority=3))]}
+    order, tokens = drive(llm, lows, arrivals, loop)
+    high_steps = [(pre, dec) for pre, dec in batches if any(r.params.priority == 0 for r in pre)]
+    assert len(high_steps) == 1
+    pre, dec = high_steps[0]
+    assert all(r.params.priority == 0 for r in pre + dec)
+    assert order.index("high") < order.index("late")
+    assert {label: tokens[label] for label in alone} == alone
+
+
+def test_fair_takes_rows_back_from_a_tenant_over_its_share(tiny_llama, make_llm):
+    # Tenant a fills all 4 rows before b arrives: under fair, b retracts one of a's requests at once (a keeps
+    # its share, 2 of 4 rows, so b's second request waits) and finishes first; a's tokens are those it gives
+    # alone. Under fcfs b waits for an a to finish.
+    flood = [(f"a{i}", prompt(i), greedy(24, user="a")) for i in range(4)]
+    late = {3: [("b0", prompt(10), greedy(4, user="b")), ("b1", prompt(11), greedy(4, user="b")),
+                ("b2", prompt(12), greedy(4, user="b"))]}
+    fcfs = make_llm(tiny_llama, max_running_requests=4)
+    order, alone = drive(fcfs, flood, late)
+    assert order[:4] == ["a0", "a1", "a2", "a3"] and fcfs.engine.scheduler.retractions == 0
+    llm = make_llm(tiny_llama, max_running_requests=4, scheduling_policy="fair")
+    order, tokens = drive(llm, flood, late)
+    assert llm.engine.scheduler.retractions == 2           # a down to its share of 2 rows, never below
+    assert order[:2] == ["b0", "b1"]
+    assert tokens == alone
