@@ -1,7 +1,8 @@
 """The scheduling policies on `tandem bench serve --mixed` (issue 45): for each policy pair, one `tandem serve` per
 policy in turn (default model, --max-running-requests as given so the flood queues), the same seeded mixed
-workload at a rate that saturates it, and each class's p50 / p99 TTFT and output throughput; plus the trickle's
-TTFT on an idle server (its requests one at a time), the reference of the priority goal.
+workload at a rate that saturates it, and each class's p50 / p99 TTFT, output throughput and (the backlog mix, sent
+at once) share of tokens while every tenant waits; plus the trickle's TTFT on an idle server (its requests one at a
+time), the reference of the priority goal.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/policy_mixed.py --json results/policy_mixed.json
 """
@@ -17,7 +18,11 @@ import tempfile
 import time
 import urllib.request
 
-RUNS = (("priority", "fcfs"), ("priority", "priority"), ("tenants", "fcfs"), ("tenants", "fair"))
+# (workload, policy, extra serve flags): the priority policy also with a smaller prefill chunk beside decode rows
+# (the longest low-priority step bounds a high-priority arrival's wait); backlog always sent at once.
+RUNS = (("priority", "fcfs", ()), ("priority", "priority", ()),
+        ("priority", "priority", ("--mixed-prefill-tokens", "64")), ("tenants", "fcfs", ()), ("tenants", "fair", ()),
+        ("backlog", "fcfs", ()), ("backlog", "fair", ()))
 
 
 def free_port() -> int:
@@ -26,9 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(policy: str, running: int, port: int) -> subprocess.Popen:
+def serve(policy: str, running: int, port: int, extra: tuple = ()) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--log-level",
-                             "warning", "--scheduling-policy", policy, "--max-running-requests", str(running)],
+                             "warning", "--scheduling-policy", policy, "--max-running-requests", str(running),
+                             *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
@@ -71,16 +77,18 @@ def main() -> None:
         proc.terminate()
         proc.wait()
     print(json.dumps(summary), flush=True)
-    for mix, policy in RUNS:
+    for mix, policy, extra in RUNS:
         port = free_port()
-        proc = serve(policy, args.max_running, port)
+        proc = serve(policy, args.max_running, port, extra)
         try:
-            r = bench(port, [*work, "--mixed", mix])
+            rate = ["--request-rate", "inf"] if mix == "backlog" else []
+            r = bench(port, [*work, *rate, "--mixed", mix])
         finally:
             proc.terminate()
             proc.wait()
-        summary[f"{mix} / {policy}"] = {"output_throughput": r["output_throughput"], "classes": r["classes"]}
-        print(json.dumps({f"{mix} / {policy}": summary[f"{mix} / {policy}"]}), flush=True)
+        key = " ".join((mix, "/", policy, *extra))
+        summary[key] = {"output_throughput": r["output_throughput"], "classes": r["classes"]}
+        print(json.dumps({key: summary[key]}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args) | {"json": None}, "summary": summary}, f, indent=1)

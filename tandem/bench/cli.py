@@ -119,10 +119,11 @@ def _serve_parser(sub) -> None:
                    help="ids: prompt as a list of token ids; text: words, about one token each")
     p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
     p.add_argument("--warmup-requests", type=int, default=1, help="uncounted requests sent first")
-    p.add_argument("--mixed", choices=("priority", "tenants"), default=None,
+    p.add_argument("--mixed", choices=("priority", "tenants", "backlog"), default=None,
                    help="a flood of long requests plus a trickle of short ones (a quarter of the lengths), each class "
-                        "reported apart: 'priority' (flood priority 10, trickle 0) or 'tenants' (flood from tenant-0, "
-                        "trickle from tenant-1..3, the user field); see tandem/bench/mixed.py")
+                        "reported apart: 'priority' (flood priority 10, trickle 0), 'tenants' (flood from tenant-0, "
+                        "trickle from tenant-1..3, the user field) or 'backlog' (equal requests, half tenant-0's, "
+                        "each tenant's share of tokens while all wait); see tandem/bench/mixed.py")
     _workload_args(p)
     p.set_defaults(func=_runner(_serve))
 

@@ -34,6 +34,7 @@ class RequestResult:
     ttft: float = 0.0                                     # seconds from send to the first text chunk
     latency: float = 0.0                                  # seconds from send to the end of the stream
     itl: list[float] = field(default_factory=list)        # seconds between consecutive text chunks
+    sent: float = 0.0                                     # perf_counter() when it was sent
     error: str = ""
 
 
@@ -47,7 +48,7 @@ async def request_completion(session, url: str, model: str | None, req: BenchReq
         payload["model"] = model
     out = RequestResult(prompt_len=req.prompt_len)
     chunks, usage, done = 0, None, False
-    start = last = time.perf_counter()
+    start = last = out.sent = time.perf_counter()
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:

@@ -236,6 +236,32 @@ def test_serve_mixed_workload_reports_each_class(tmp_path, mix):
     assert all(c["p99_ttft_ms"] >= c["p50_ttft_ms"] > 0 and c["output_throughput"] > 0 for c in r["classes"].values())
 
 
+def test_serve_backlog_mix_reports_each_tenants_share(tmp_path):
+    fake = FakeOpenAI()
+    with fake_server(fake) as url:
+        r = run_json(tmp_path, "serve", "--base-url", url, "--num-prompts", "12", "--input-len", "8",
+                     "--output-len", "4", "--mixed", "backlog", "--warmup-requests", "0")
+    users = [b["user"] for b in fake.bodies]
+    assert users.count("tenant-0") == 6 and {users.count(f"tenant-{i}") for i in (1, 2, 3)} == {2}
+    assert all(b["max_tokens"] == 4 and len(b["prompt"]) == 8 for b in fake.bodies)
+    shares = [c["backlog_share"] for c in r["classes"].values()]
+    assert len(shares) == 4 and sum(shares) == pytest.approx(1.0)
+
+
+def test_backlog_shares_count_tokens_until_the_first_class_is_done():
+    from tandem.bench.mixed import backlog_shares
+    from tandem.bench.serving import RequestResult
+
+    def done(sent, ttft, itl, tokens):
+        return RequestResult(success=True, output_tokens=tokens, sent=sent, ttft=ttft, itl=itl,
+                             latency=ttft + sum(itl))
+    # a: a token at 1, 2, 3 (its last at 3: the window); b: 2 tokens at each of 1.5, 2.5, 3.5, 4.5
+    results = [done(0.0, 1.0, [1.0, 1.0], 3), done(0.0, 1.5, [1.0, 1.0, 1.0], 8)]
+    assert backlog_shares(["a", "b"], results) == pytest.approx({"a": 3 / 7, "b": 4 / 7})
+    failed = RequestResult(success=False)
+    assert backlog_shares(["a", "b"], [results[0], failed]) == {}
+
+
 def test_serve_unreachable_server_is_counted(tmp_path):
     from tests.helpers.server_utils import free_port
     r = run_json(tmp_path, "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
