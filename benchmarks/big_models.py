@@ -6,9 +6,11 @@ at an empty context), prefill tokens/s of a 512-token prompt (llama-bench pp512)
 (anonymous and file-backed) right after the prefills and once idle, and the bandwidth bound: bytes a decode step reads (the file's
 matrices as blocks, KV at the context) over the best read bandwidth measured with the engine's threads before,
 between and after the two engines' runs of the file; TPOT is reported as a ratio to that bound and to llama-bench.
+An MoE shape's bound counts the active bytes: of its experts only the chosen top-k (roofline.decode_bytes_per_token).
 
     python benchmarks/big_models.py --shapes qwen2.5-1.5b,llama-3.2-3b,llama-3.1-8b \
         --json benchmarks/results/big_models.json
+    python benchmarks/big_models.py --shapes qwen3-30b-a3b --layers 6 --json benchmarks/results/moe_a3b.json
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ def main() -> int:
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/tandem/models"),
                    help="where the synthetic GGUF files are written (once) and read")
     p.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of each file (default: the shape's), each of the real shape (e.g. 6 of qwen3-30b-a3b)")
     p.add_argument("--gen", type=int, default=32, help="decode tokens timed per TPOT measurement")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
     p.add_argument("--skip-llamacpp", action="store_true", help="tandem only")
@@ -98,13 +102,13 @@ def main() -> int:
     bin_dir = None if args.skip_llamacpp else build_tools()
     rows = []
     for shape in args.shapes.split(","):
-        path = synthetic_file(shape, args.models_dir)
+        path = synthetic_file(shape, args.models_dir, args.layers)
         mc = read_gguf_config(GGUFFile(path))
         step = decode_bytes_per_token(path, mc, context=32 + args.gen // 2)
         # the read bandwidth around each engine's run: on shared hosts it moves (31 or 48 GB/s on one EPYC), and
         # the bound takes the best seen, so that a slow phase never flatters a ratio
         bws = [bw]
-        row = {"shape": shape, "file_bytes": os.path.getsize(path), "bytes_per_token": step,
+        row = {"shape": shape, "layers": mc.num_layers, "file_bytes": os.path.getsize(path), "bytes_per_token": step,
                "tandem": tandem_run(path, args.threads, args.gen, args.prompt)}
         bws.append(read_bandwidth())
         if bin_dir:

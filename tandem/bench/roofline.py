@@ -56,9 +56,11 @@ def matmul_seconds(out_f: int, in_f: int, batch: int, min_s: float) -> float:
         return time_call(lambda: F.linear(x, w), min_s)
 
 
-def quantized_bytes(model_path: str | None, tied: bool) -> dict | None:
+def quantized_bytes(model_path: str | None, tied: bool, expert_share: float = 1.0) -> dict | None:
     """Bytes of weights one decode step reads under kernels="native", from the GGUF file (None otherwise):
-    per ggml type kept as blocks, plus what is dequantized to fp32 at load."""
+    per ggml type kept as blocks, plus what is dequantized to fp32 at load. An MoE file's expert blocks (3-D
+    `*_exps` tensors) count `expert_share` of their bytes: at batch 1 a token reads only its chosen experts
+    (top-k over the experts)."""
     if not model_path or not model_path.endswith(".gguf"):
         return None
     import gguf
@@ -68,9 +70,11 @@ def quantized_bytes(model_path: str | None, tied: bool) -> dict | None:
     for t in gguf.GGUFReader(model_path).tensors:
         if t.name == "token_embd.weight" and not tied:
             continue                                      # a lookup of one row per token, not a matmul
-        kept = int(t.tensor_type) in NATIVE_QTYPES and len(t.shape) == 2
+        experts = "_exps." in t.name
+        kept = int(t.tensor_type) in NATIVE_QTYPES and (len(t.shape) == 2 or experts)
         key = t.tensor_type.name if kept else "fp32"
-        by_type[key] = by_type.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * FP32)
+        n = int(t.n_bytes) if kept else int(t.n_elements) * FP32
+        by_type[key] = by_type.get(key, 0) + int(n * expert_share if experts else n)
     return {"total": sum(by_type.values()), "by_type": by_type}
 
 
@@ -90,8 +94,10 @@ def read_bandwidth(megabytes: int = 1024, min_s: float = 0.5) -> float:
 
 def decode_bytes_per_token(model_path: str, mc, context: int, kv_bytes: float = 2) -> dict:
     """Bytes one batch-1 decode step reads: every matrix of the GGUF as its blocks (the embedding only as the
-    tied head; its lookup is one row), plus the KV cache at `context` tokens (kv_bytes an element)."""
-    q = quantized_bytes(model_path, mc.tie_word_embeddings) or {"total": 0}
+    tied head; its lookup is one row; of an MoE's experts only the chosen: the active bytes), plus the KV cache
+    at `context` tokens (kv_bytes an element)."""
+    share = mc.num_experts_per_tok / mc.num_experts if getattr(mc, "num_experts", 0) else 1.0
+    q = quantized_bytes(model_path, mc.tie_word_embeddings, share) or {"total": 0}
     kv = int(2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * kv_bytes)
     return {"weights": q["total"], "kv": kv, "total": q["total"] + kv}
 

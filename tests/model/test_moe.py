@@ -196,6 +196,13 @@ def test_synthetic_qwen3_moe_file(tmp_path, monkeypatch, make_llm):
     assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", 8, 2, 256)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+    # the roofline's bound counts the active bytes: of each 3-D expert block only top-k / experts (2 of 8)
+    import gguf
+
+    from tandem.bench.roofline import decode_bytes_per_token, quantized_bytes
+    exps = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name)
+    every = quantized_bytes(path, tied=False)["total"]
+    assert every - decode_bytes_per_token(path, c, context=0)["weights"] == pytest.approx(exps * 6 / 8, abs=8)
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")

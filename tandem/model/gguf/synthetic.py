@@ -190,13 +190,13 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
     return path
 
 
-def synthetic_file(shape: str, folder: str) -> str:
-    """The SHAPES key `shape` as `folder`/SHAPE-q4km.gguf, written once (through a temporary name, so an
-    interrupted write never leaves a file that looks whole) and reused after."""
-    path = os.path.join(folder, f"{shape}-q4km.gguf")
+def synthetic_file(shape: str, folder: str, layers: int | None = None) -> str:
+    """The SHAPES key `shape` as `folder`/SHAPE-q4km.gguf (SHAPE-<layers>l-q4km.gguf with fewer layers), written
+    once (through a temporary name, so an interrupted write never leaves a file that looks whole) and reused."""
+    path = os.path.join(folder, f"{shape}{'' if layers is None else f'-{layers}l'}-q4km.gguf")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
-        write_synthetic_gguf(path + ".tmp", shape)
+        write_synthetic_gguf(path + ".tmp", shape, layers=layers)
         os.replace(path + ".tmp", path)
     return path
 
