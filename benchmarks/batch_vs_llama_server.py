@@ -22,6 +22,8 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="a tandem.model.gguf.synthetic SHAPES key")
     ap.add_argument("--models-dir", default=os.path.expanduser("~/.cache/tandem/models"),
                     help="where the synthetic GGUF files are written (once) and read")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the file (default: the shape's), each of the real shape (e.g. 6 of qwen3-30b-a3b)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (median taken)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine")
     ap.add_argument("--rows", type=int, default=64, help="requests sent together")
@@ -38,7 +40,7 @@ def main() -> int:
     from tandem.bench.llamacpp_tools import build_tools
     from tandem.model.gguf.synthetic import synthetic_file
 
-    path = synthetic_file(args.shape, args.models_dir)
+    path = synthetic_file(args.shape, args.models_dir, args.layers)
     bin_dir = build_tools()
     llm = LLM(model=path, device_threads=args.threads, max_running_requests=args.rows,
               max_model_len=args.prompt + args.out + 16)
@@ -62,7 +64,7 @@ def main() -> int:
           f"tandem / llama-server = {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "rows": args.rows, "slots": args.slots, "prompt": args.prompt,
+            json.dump({"shape": args.shape, "layers": args.layers, "rows": args.rows, "slots": args.slots, "prompt": args.prompt,
                        "out": args.out, "threads": args.threads, "output_tok_s": res, "median": med,
                        "tandem_over_llama_server": ratio, "machine": machine_info(args.threads)}, f, indent=1)
     return 0
