@@ -7,6 +7,7 @@ concurrent first imports wait for one build. `python -m tandem.kernels.build` bu
 """
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import hashlib
 import logging
@@ -23,7 +24,7 @@ CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("isa.cpp", "qlinear.cpp", "qlinear_q8.cpp", "qgemm_q8.cpp", "qgemv_q8.cpp", "qgemv_packed.cpp",
            "qgemv_packed_k.cpp", "packed_x.cpp", "packed_gather.cpp",
            "decode_attention.cpp", "extend_attention.cpp", "rms_norm.cpp", "rope.cpp", "act_mul.cpp", "race_argmax.cpp",
-           "decode_layer.cpp", "registration.cpp")
+           "decode_layer.cpp", "moe_experts.cpp", "registration.cpp")
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-psabi",
          "-Wno-maybe-uninitialized")
 
@@ -63,6 +64,18 @@ def library_path() -> str | None:
     return None if cxx is None else os.path.join(build_dir(), f"tandem_kernels-{_key(cxx)}.so")
 
 
+def compile_jobs() -> int:
+    """Compiler processes at a time: one a core, and none past ~1 GiB of available memory each (a source's
+    cc1plus takes ~0.5 GiB; all sources at once on a small machine beside another build ran it out of memory)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) // 2 ** 20 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return max(1, min(os.cpu_count() or 1, avail if avail is not None else 4))
+
+
 def build(verbose: bool = False) -> str:
     """Build the library if it is not cached; return its path. Raises RuntimeError when it cannot."""
     from torch.utils.cpp_extension import library_paths
@@ -81,18 +94,19 @@ def build(verbose: bool = False) -> str:
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=build_dir())
         try:
             flags = _compile_flags()
-            objs, procs = [], []
-            for src in SOURCES:                  # one compiler process per source, in parallel
-                obj = os.path.join(tmp, src + ".o")
-                objs.append(obj)
-                procs.append((src, subprocess.Popen([cxx, *flags, "-c", os.path.join(CSRC, src), "-o", obj],
-                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-            for src, p in procs:
-                out = p.communicate()[0]
-                if p.returncode != 0:
-                    raise RuntimeError(f"compiling {src} failed:\n{out}")
-                if verbose and out:
-                    print(out, file=sys.stderr)
+            objs = [os.path.join(tmp, src + ".o") for src in SOURCES]
+
+            def compile_one(src: str, obj: str) -> subprocess.CompletedProcess:
+                return subprocess.run([cxx, *flags, "-c", os.path.join(CSRC, src), "-o", obj],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # a compiler process per source, compile_jobs() at a time
+            with concurrent.futures.ThreadPoolExecutor(compile_jobs()) as pool:
+                done = list(pool.map(compile_one, SOURCES, objs))
+            for src, res in zip(SOURCES, done):
+                if res.returncode != 0:
+                    raise RuntimeError(f"compiling {src} failed:\n{res.stdout}")
+                if verbose and res.stdout:
+                    print(res.stdout, file=sys.stderr)
             libs = [f"-L{d}" for d in library_paths()] + [f"-Wl,-rpath,{d}" for d in library_paths()]
             so = os.path.join(tmp, "lib.so")
             res = subprocess.run([cxx, "-shared", "-fopenmp", *objs, "-o", so, *libs, "-lc10", "-ltorch_cpu"],
