@@ -50,6 +50,23 @@ class MoE:
                  act: str = "silu") -> None:
         self.router, self.experts = router, experts          # router: [E, hidden] fp32
         self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
+        self._one_op = self._plan_one_op()
+
+    def _plan_one_op(self) -> tuple | None:
+        """moe_experts' arguments (csrc/moe_experts.cpp: a decode row's experts in one op, the same bits) where
+        every expert's linears are one packed part of one type each; else None (the op-by-op path)."""
+        if not self.native:
+            return None
+        gus, downs = [gu for gu, _ in self.experts], [d for _, d in self.experts]
+        lins = gus + downs
+        if not all(getattr(lin, "packed", None) is not None and lin.bias is None for lin in lins):
+            return None
+        types = {lin.parts[0].qtype for lin in gus}, {lin.parts[0].qtype for lin in downs}
+        if len(types[0]) != 1 or len(types[1]) != 1:
+            return None
+        inter = downs[0].parts[0].k
+        return ([lin.packed for lin in gus], types[0].pop(), [lin.packed for lin in downs], types[1].pop(), inter,
+                0 if self.act == "silu" else 1)
 
     def linears(self) -> list:
         return [lin for pair in self.experts for lin in pair]
@@ -69,6 +86,10 @@ class MoE:
         """x [T, hidden] (the normed residual) -> [T, hidden], the experts' weighted sum per row."""
         t, k = x.shape[0], self.top_k
         weights, ids = route(router_logits(x, self.router), k, self.renormalize)
+        if t == 1 and self._one_op is not None:      # a decode row: one op, the bits of the path below
+            gus, gu_type, downs, down_type, inter, act = self._one_op
+            return torch.ops.tandem.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, weights.to(x.dtype),
+                                                act)
         flat = ids.reshape(-1)                                           # slot s = row * k + rank
         order = torch.argsort(flat, stable=True)                         # slots grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

@@ -146,11 +146,23 @@ def test_quantized_experts_run_on_their_blocks(quant, quantized):
     assert float((y - y_ref).norm() / y_ref.norm()) < 0.05
     for i in (0, 17, 39) if quant != "F16" else ():     # a row's bits alone = among 40 (decode GEMV, prefill GEMM)
         assert torch.equal(moe(x[i:i + 1])[0], y[i])
+    # A decode row takes the one-op path (csrc/moe_experts.cpp) where every expert is one packed part: its bits are
+    # the op-by-op path's just above; the op's own row loop gives three rows those bits too.
+    assert (moe._one_op is not None) == (quant not in ("F16", "Q5_1"))     # no packed copy of these types
+    if moe._one_op is not None:
+        from tandem.model.moe import route, router_logits
+        gus, gu_type, downs, down_type, inter, act = moe._one_op
+        w, ids = route(router_logits(x[:3], moe.router), c.num_experts_per_tok, moe.renormalize)
+        assert torch.equal(torch.ops.tandem.moe_experts(x[:3], gus, gu_type, downs, down_type, inter, ids, w, act),
+                           y[:3])
+        with pytest.raises(RuntimeError, match="out of"):
+            torch.ops.tandem.moe_experts(x[:1], gus, gu_type, downs, down_type, inter, ids[:1] + 1000, w[:1], act)
     calls = []                                          # only the chosen experts run, each once on its rows
 
     def counted(e, lin):
         return lambda rows: (calls.append((e, rows.shape[0])), lin(rows))[1]
     moe.experts = [(counted(e, gate_up), down) for e, (gate_up, down) in enumerate(moe.experts)]
+    moe._one_op = moe._plan_one_op()                    # wrapped experts: the op-by-op path, counted
     moe(x[:1])
     assert len(calls) == c.num_experts_per_tok and {n for _, n in calls} == {1}
     calls.clear()
