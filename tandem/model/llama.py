@@ -164,14 +164,13 @@ class LlamaModel:
     def _plan_decode_layer_ops(self) -> None:
         """A pure decode step of up to small_m() rows runs each layer as one native op (decode_layer_) where its
         linears are GGUF blocks (qkv one part or q, k, v of mixed types; the others one part), no
-        tensor-parallel rank reduces between them (the caller's test), and the layer is a plain Llama / Qwen2
-        one (a global layer, SiLU, no QK-norm or sandwich norms, a dense MLP: the others keep the op-by-op body)."""
+        tensor-parallel rank reduces between them (the caller's test), and the layer is a Llama / Qwen2 / Qwen3
+        one (a global layer, SiLU, QK-norm or none, no sandwich norms: Gemma 3 keeps the op-by-op body). An MoE
+        layer's op stops at its MLP's normed input ("blocks" without gate_up and down; the experts run after)."""
         c = self.config
-        plain = not (c.qk_norm or c.sandwich_norm) and c.hidden_act == "silu"
+        plain = not c.sandwich_norm and c.hidden_act == "silu"
         for layer in self.layers if plain else []:
-            if "moe" in layer:
-                continue
-            lins = [layer[k] for k in ("qkv", "o", "gate_up", "down")]
+            lins = [layer[k] for k in (("qkv", "o") if "moe" in layer else ("qkv", "o", "gate_up", "down"))]
             if (not layer["window"] and all(isinstance(lin, QLinear) and not lin.gemm_always for lin in lins)
                     and all(len(lin.parts) == 1 for lin in lins[1:])):
                 parts = [p for lin in lins for p in lin.parts]          # qkv: one part, or q, k, v
@@ -355,7 +354,10 @@ class LlamaModel:
         updated in place; returns the layer's MLP output (the next layer's delta)."""
         c, kv = self.config, meta.kv
         w, qtypes, packed = layer["blocks"]
-        return torch.ops.tandem.decode_layer_.default(
+        moe = "moe" in layer
+        out = torch.ops.tandem.decode_layer_.default(
             x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, packed, layer["qkv"].bias,
             self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
-            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16)
+            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16,
+            layer.get("qk_norm"), not moe)
+        return layer["moe"](out) if moe else out      # an MoE layer's op returns its experts' input

@@ -198,23 +198,35 @@ def test_real_model_parity_both_loops(kernels_opt, hf_reference, smollm, make_ll
 # attention: tests/kernels/test_decode_attention.py
 
 
+TINY_LAYERS = {"llama": dict(hidden_size=256, intermediate_size=512),
+               "qwen3": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=64),
+               "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)}
+
+
+@pytest.mark.parametrize("arch", list(TINY_LAYERS))
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
-def test_fused_decode_layers_equal_op_by_op(quant, tmp_path, make_llm, monkeypatch):
+def test_fused_decode_layers_equal_op_by_op(arch, quant, tmp_path, make_llm, monkeypatch):
     """A decode step's layers as one decode_layer_ op each give, bit for bit, the op-by-op layers' tokens and
     logprobs, in both activation modes, also where the qkv projection mixes block types (Q4_K_M's layer 0:
-    Q4_K q / k beside a Q6_K v, three parts)."""
+    Q4_K q / k beside a Q6_K v, three parts), with Qwen3's QK-norm, and for an MoE layer the op's attention half
+    (its experts run after it)."""
     from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 
     from tandem import SamplingParams
     skip_gguf_tokenizer_build(monkeypatch)
-    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512)
+    hf_dir = make_tiny_model(tmp_path / "hf", arch, **TINY_LAYERS[arch])
     path = write_tiny_gguf(tmp_path / f"t-{quant}.gguf", hf_dir, quant=quant, with_tokenizer=False)
     for act in ("int8", "fp32"):
         llm = make_llm(path, kernels_act=act, cache_dir=str(tmp_path / "cache"), device_backend="inline",
                        prefix_cache=False)
         layers = llm.engine.executor.model_runner.model.layers
         assert all("blocks" in layer for layer in layers)
-        assert [len(layer["blocks"][0]) for layer in layers[:2]] == ([6, 4] if quant == "Q4_K_M" else [4, 4])
+        assert any("moe" in layer for layer in layers) == (arch == "qwen3_moe")
+        for layer in layers:
+            assert len(layer["blocks"][0]) == len(layer["qkv"].parts) + (1 if "moe" in layer else 3)
+        assert len(layers[0]["qkv"].parts) == (3 if quant == "Q4_K_M" else 1)
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
         runs = []

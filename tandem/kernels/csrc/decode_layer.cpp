@@ -13,7 +13,10 @@
 //   packed   per entry of w, its repacked copy (tandem.pack_gemv; an empty tensor: none), run by qgemv_packed
 //            up to qgemv_packed_rows() rows (the same bits as qlinear_q8)
 //   int8     whether a linear of an integer block type rounds its input to int8 (kernels_act="int8")
-//   returns  fp32 [B, E]         this layer's MLP output (the next layer's delta)
+//   qk_norm  fp32 [H + KVH, D] or none: Qwen3's QK-norm (head_rms_norm_ on the fused qkv before RoPE)
+//   mlp      false: w is [qkv, o] or [q, k, v, o] and the op returns the MLP's normed input instead (an MoE layer,
+//            whose experts run after it: moe.py)
+//   returns  fp32 [B, E]         this layer's MLP output (the next layer's delta), or with mlp false its input
 // The rest as decode_attention_qkv_ (cache, layer, loc, kv_index, seq_lens, scale, heads, bf16_products) and
 // rope_ (cos, sin, positions; RoPE on heads + kv_heads heads of head_dim).
 #include <ATen/ATen.h>
@@ -32,10 +35,13 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
                          at::TensorList packed, const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
-                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, bool bf16_products) {
-  TORCH_CHECK((w.size() == 4 || w.size() == 6) && qtypes.size() == w.size() && packed.size() == w.size(),
-              "tandem.decode_layer_: w, qtypes and packed are [qkv, o, gate_up, down] or [q, k, v, o, gate_up, down]");
-  const int nq = (int)w.size() - 3;                                     // parts of the qkv projection
+                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, bool bf16_products,
+                         const std::optional<at::Tensor>& qk_norm, bool mlp) {
+  const size_t tail = mlp ? 3 : 1;                                      // o (, gate_up, down)
+  TORCH_CHECK((w.size() == tail + 1 || w.size() == tail + 3) && qtypes.size() == w.size() && packed.size() == w.size(),
+              "tandem.decode_layer_: w, qtypes and packed are [qkv, o, gate_up, down] or [q, k, v, o, gate_up, down]",
+              " (mlp false: without gate_up and down)");
+  const int nq = (int)(w.size() - tail);                                // parts of the qkv projection
   auto lin = [&](const at::Tensor& in, int i, const std::optional<at::Tensor>& bias) {
     if (int8 && packed[i].numel() && in.size(0) <= qgemv_packed_rows(qtypes[i])) {
       RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
@@ -62,6 +68,10 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
     qkv = at::cat(parts, 1);
     if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   }
+  if (qk_norm.has_value()) {
+    RECORD_FUNCTION("tandem::head_rms_norm_", std::vector<c10::IValue>());
+    head_rms_norm_(qkv, *qk_norm, eps);
+  }
   {
     RECORD_FUNCTION("tandem::rope_", std::vector<c10::IValue>());
     rope_(qkv, cos, sin, positions, heads + kv_heads, head_dim);
@@ -77,6 +87,7 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
     RECORD_FUNCTION("tandem::add_rms_norm_", std::vector<c10::IValue>());
     h = add_rms_norm_(x, o, mlp_norm, eps);
   }
+  if (!mlp) return h;
   at::Tensor gu = lin(h, nq + 1, std::nullopt), act;
   {
     RECORD_FUNCTION("tandem::silu_mul", std::vector<c10::IValue>());

@@ -99,7 +99,8 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
                          at::TensorList packed, const std::optional<at::Tensor>& qkv_bias, bool int8, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& positions, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
-                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, bool bf16_products);
+                         const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, bool bf16_products,
+                         const std::optional<at::Tensor>& qk_norm, bool mlp);
 at::Tensor moe_experts(const at::Tensor& x, at::TensorList gate_up, int64_t gu_qtype, at::TensorList down,
                        int64_t down_qtype, int64_t inter, const at::Tensor& ids, const at::Tensor& weights,
                        int64_t act);

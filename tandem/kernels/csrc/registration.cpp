@@ -43,7 +43,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("decode_layer_(Tensor(a!) x, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] w, "
         "int[] qtypes, Tensor[] packed, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
-        "Tensor seq_lens, float scale, bool bf16_products=False) -> Tensor");
+        "Tensor seq_lens, float scale, bool bf16_products=False, Tensor? qk_norm=None, bool mlp=True) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor[] gate_up, int gu_qtype, Tensor[] down, int down_qtype, int inter, Tensor ids, "
         "Tensor weights, int act) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
