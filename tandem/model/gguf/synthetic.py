@@ -51,6 +51,7 @@ SHAPES = {
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 151936, True, 1e6, qkv_bias=True),
     "llama-3.2-3b": Shape("llama", 28, 3072, 8192, 24, 8, 128256, True, 5e5),
     "llama-3.1-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128256, False, 5e5),
+    "qwen3-1.7b": Shape("qwen3", 28, 2048, 6144, 16, 8, 151936, True, 1e6, context=40960, qk_norm=True),
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 151936, False, 1e6, context=40960, experts=128,
                            experts_used=8, expert_width=768, qk_norm=True),
 }
