@@ -71,7 +71,7 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
     rec, queue = s.recorder, s.result_queue
     while True:
         mark = rec.appended
-        if queue and s.policy.picks_after_prefill and queue[-1][0].is_prefill:
+        if queue and s.policy.ranks_steps and queue[-1][0].is_prefill:
             # The priority policy's rule: a prefill step in flight is long, and the next step picked before it
             # ends would run before anything that arrives meanwhile; wait for it, then pick (only the host's
             # share of a long step is not overlapped).

@@ -73,7 +73,10 @@ def _decode_reserve(s: "Scheduler", reqs: list[Req]) -> int:
 
 
 def prefill_lead(s: "Scheduler") -> Req | None:
-    """The policy's lead among the prefills that could run now (started ones, then ready waiting ones)."""
+    """The policy's lead among the prefills that could run now (started ones, then ready waiting ones); None
+    where the policy has no step rule (not looked for: the waiting queue may be long)."""
+    if not s.policy.ranks_steps:
+        return None
     ready = [r for r in s.waiting if s.grammars is None or s.grammars.ready(r)]
     started = [r for r in s.running if r.prefilling and not r.aborted]
     return s.policy.lead(started + ready, s.clock()) if started or ready else None

@@ -11,7 +11,7 @@
   it keeps its place among the waiting. The step follows the rank too: a step that prefills a request (its
   `lead`, the best-ranked prefill to run) carries no prefill chunk or decode row the lead outranks, so a
   high-priority prompt is computed in a step of its own rank, not beside a flood's chunks and streams. And the
-  overlap loop picks the step after a prefill step once that step has ended (picks_after_prefill), so an
+  overlap loop picks the step after a prefill step once that step has ended (ranks_steps), so an
   arrival waits for at most the long step in flight, not also for one picked behind it.
 - fair: virtual token counters (VTC, Sheng et al., OSDI '24) per tenant (a request's `user`): each prefill
   token adds `fair_prefill_weight`, each decode token `fair_decode_weight`, divided by the tenant's weight
@@ -41,7 +41,9 @@ POLICIES = ("fcfs", "priority", "fair")
 class FCFS:
     name = "fcfs"
     preempts = False
-    picks_after_prefill = False     # the overlap loop waits for a prefill step in flight before the next pick
+    # The step rule (priority): a prefill step carries nothing its lead outranks (lead()), and the overlap loop
+    # waits for a prefill step in flight before its next pick.
+    ranks_steps = False
 
     def order(self, waiting: collections.deque[Req], t: float) -> None:
         """Put the waiting queue in admission order (in place)."""
@@ -75,7 +77,7 @@ class FCFS:
 class Priority(FCFS):
     name = "priority"
     preempts = True
-    picks_after_prefill = True
+    ranks_steps = True
 
     def __init__(self, aging_s: float) -> None:
         self.aging_s = aging_s          # seconds of waiting that raise a request one priority level
