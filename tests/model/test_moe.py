@@ -171,6 +171,42 @@ def test_quantized_experts_run_on_their_blocks(quant, quantized):
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_moe_experts_op_on_every_isa_body(quant, quantized):
+    """tandem.moe_experts on each ISA body of the packed GEMV (AVX2, AVX-512 where the CPU has it; none is scalar,
+    and the op says so) against its composition
+    from the single ops on that body (each chosen expert's packed GEMVs and SiLU x up, summed in rank order),
+    bit for bit, and against the dequantized torch experts."""
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
+    from tandem.model.gguf.weights import gguf_weights
+    from tandem.model.llama import LlamaModel
+    from tandem.model.moe import route, router_logits
+    path = quantized[1][quant]
+    c = read_gguf_config(GGUFFile(path))
+    moe = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True).layers[0]["moe"]
+    ref = LlamaModel(c, gguf_weights(path, c, quantized=False), 64).layers[0]["moe"]
+    gus, gu_type, downs, down_type, inter, act = moe._one_op
+    x = torch.randn(3, c.hidden_size, generator=torch.Generator().manual_seed(5))
+    w, ids = route(router_logits(x, moe.router), c.num_experts_per_tok, moe.renormalize)
+    ops, h = torch.ops.tandem, c.hidden_size
+    with pytest.raises(RuntimeError, match="needs AVX2"):
+        ops.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act, 0)
+    for isa in range(1, ops.isa(2) + 1):
+        got = ops.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act, isa)
+        for t in range(3):
+            row, out = x[t:t + 1], None
+            for r, e in enumerate(ids[t].tolist()):
+                gu = ops.qgemv_packed(row, gus[e], gu_type, h, 2 * inter, None, isa)
+                a = ops.silu_mul(gu, isa)
+                y = ops.qgemv_packed(a, downs[e], down_type, inter, h, None, isa) * w[t:t + 1, r:r + 1]
+                out = y if out is None else out + y
+            assert torch.equal(got[t], out[0]), (isa, t)
+        expect = ref(x)
+        assert float((got - expect).norm() / expect.norm()) < 0.05, isa
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
 def test_a_row_is_the_same_alone_and_in_a_batch(quantized, tmp_path, monkeypatch, make_llm):
     """Default int8 kernels on Q4_K_M experts: a target's greedy tokens and logprobs the same bits alone and among
     other prompts, in both loops (chunked: 16-token steps)."""

@@ -11,6 +11,7 @@
 //   inter     I, the expert width
 //   ids       int64 [T, k]   each row's experts by rank; weights fp32 [T, k] their router weights
 //   act       0 SiLU, 1 GELU(tanh)
+//   isa       the body of its GEMVs and activation (-1: the best here; tests force each)
 //   returns   fp32 [T, H]
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -21,7 +22,7 @@ namespace tandem {
 
 at::Tensor moe_experts(const at::Tensor& x, at::TensorList gate_up, int64_t gu_qtype, at::TensorList down,
                        int64_t down_qtype, int64_t inter, const at::Tensor& ids, const at::Tensor& weights,
-                       int64_t act) {
+                       int64_t act, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tandem.moe_experts: x must be fp32 [T, H]");
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.size(0) == x.size(0),
               "tandem.moe_experts: ids must be int64 [T, k]");
@@ -43,15 +44,15 @@ at::Tensor moe_experts(const at::Tensor& x, at::TensorList gate_up, int64_t gu_q
       at::Tensor gu, a, y;
       {
         RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-        gu = qgemv_packed(row, gate_up[e], gu_qtype, H, 2 * inter, std::nullopt, -1);
+        gu = qgemv_packed(row, gate_up[e], gu_qtype, H, 2 * inter, std::nullopt, isa);
       }
       {
         RECORD_FUNCTION(act == 0 ? "tandem::silu_mul" : "tandem::gelu_tanh_mul", std::vector<c10::IValue>());
-        a = act == 0 ? silu_mul(gu) : gelu_tanh_mul(gu);
+        a = act == 0 ? silu_mul(gu, isa) : gelu_tanh_mul(gu, isa);
       }
       {
         RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-        y = qgemv_packed(a, down[e], down_qtype, inter, H, std::nullopt, -1);
+        y = qgemv_packed(a, down[e], down_qtype, inter, H, std::nullopt, isa);
       }
       const at::Tensor part = at::mul(y, w.narrow(1, r, 1));
       sum = r == 0 ? part : at::add(sum, part);

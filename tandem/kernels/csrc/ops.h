@@ -103,5 +103,5 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
                          const std::optional<at::Tensor>& qk_norm, bool mlp);
 at::Tensor moe_experts(const at::Tensor& x, at::TensorList gate_up, int64_t gu_qtype, at::TensorList down,
                        int64_t down_qtype, int64_t inter, const at::Tensor& ids, const at::Tensor& weights,
-                       int64_t act);
+                       int64_t act, int64_t isa);
 }  // namespace tandem

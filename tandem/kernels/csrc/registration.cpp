@@ -45,7 +45,7 @@ TORCH_LIBRARY(tandem, m) {
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
         "Tensor seq_lens, float scale, bool bf16_products=False, Tensor? qk_norm=None, bool mlp=True) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor[] gate_up, int gu_qtype, Tensor[] down, int down_qtype, int inter, Tensor ids, "
-        "Tensor weights, int act) -> Tensor");
+        "Tensor weights, int act, int isa=-1) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
   m.def("shared_prefix_attention(int on=-1) -> int", &tandem::shared_prefix_attention);
 }
