@@ -2,14 +2,9 @@
 `bench serve` counts successes and failures against servers started here. No assertion depends on speed."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import threading
-
 import pytest
 
-from tandem.cli import main
+from tests.helpers.fake_openai import FakeOpenAI, fake_server, run_json
 
 ENGINE = ["--kv-cache-tokens", "2048", "--device-threads", "1", "--max-running-requests", "8"]
 OFFLINE_KEYS = {"model", "scheduler", "num_prompts", "successful_requests", "duration_s", "total_input_tokens",
@@ -24,12 +19,6 @@ PEER_KEYS = {"engine", "output_tokens_per_s", "rounds_tokens_per_s", "ratio_to_t
              "batch_size", "prompts_timed", "probe_tokens_per_s", "skipped"}
 ROOF_ROW_KEYS = {"batch_size", "matmul_ms", "matmul_ms_per_step", "attention_ms_per_step", "step_ms",
                  "matmul_gflops", "bound_tokens_per_s", "tandem_decode_tokens_per_s", "percent_of_bound"}
-
-
-def run_json(tmp_path, *argv) -> dict:
-    out = tmp_path / "result.json"
-    assert main(["bench", *argv, "--json", str(out)]) == 0
-    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("scheduler", ["overlap", "serial"])
@@ -122,71 +111,7 @@ def test_quantized_bytes_of_the_default_gguf():
     assert quantized_bytes(path, tied=False)["total"] < q["total"]   # untied: the embedding is a lookup
 
 
-# ---- bench serve against a fake OpenAI-compatible server --------------------------------------------------
-class FakeOpenAI:
-    """Streams one chunk per token. Request number n (0-based, in arrival order) in `fail_http` gets a 500;
-    one in `drop` has its connection closed after two chunks. `usage=False`: no usage chunk."""
-
-    def __init__(self, fail_http=(), drop=(), usage=True) -> None:
-        self.fail_http, self.drop, self.usage = set(fail_http), set(drop), usage
-        self.bodies: list[dict] = []
-
-    def app(self):
-        from aiohttp import web
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        return app
-
-    async def models(self, request):
-        from aiohttp import web
-        return web.json_response({"data": [{"id": "fake-model"}]})
-
-    async def completions(self, request):
-        from aiohttp import web
-        body = await request.json()
-        n = len(self.bodies)
-        self.bodies.append(body)
-        if n in self.fail_http:
-            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(body["max_tokens"]):
-            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}], "usage": None}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await asyncio.sleep(0.001)
-            if n in self.drop and i == 1:
-                request.transport.close()
-                return resp
-        if self.usage:
-            plen = len(body["prompt"]) if isinstance(body["prompt"], list) else len(body["prompt"].split())
-            use = {"prompt_tokens": plen, "completion_tokens": body["max_tokens"],
-                   "total_tokens": plen + body["max_tokens"]}
-            await resp.write(f"data: {json.dumps({'choices': [], 'usage': use})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
-@contextlib.contextmanager
-def fake_server(fake: FakeOpenAI):
-    from aiohttp import web
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(fake.app())
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-
+# ---- bench serve against a fake OpenAI-compatible server (tests/helpers/fake_openai.py)
 def test_serve_counts_failures(tmp_path):
     fake = FakeOpenAI(fail_http={1}, drop={3})
     with fake_server(fake) as url:
@@ -214,52 +139,6 @@ def test_serve_without_usage_counts_chunks(tmp_path):
     assert r["completed"] == 3 and r["failed"] == 0
     assert sorted(r["output_lens"]) == sorted(b["max_tokens"] for b in fake.bodies[1:])   # a token per chunk
     assert all(isinstance(b["prompt"], str) and b["model"] == "m" for b in fake.bodies)
-
-
-@pytest.mark.parametrize("mix", ["priority", "tenants"])
-def test_serve_mixed_workload_reports_each_class(tmp_path, mix):
-    fake = FakeOpenAI()
-    with fake_server(fake) as url:
-        r = run_json(tmp_path, "serve", "--base-url", url, "--num-prompts", "10", "--input-len", "8",
-                     "--output-len", "8", "--mixed", mix, "--warmup-requests", "0")
-    assert r["completed"] == 10 and r["mixed"] == mix
-    flood = [b for b in fake.bodies if b["max_tokens"] == 8]
-    trickle = [b for b in fake.bodies if b["max_tokens"] == 2]          # a quarter of the lengths
-    assert len(flood) == 8 and len(trickle) == 2 and all(len(b["prompt"]) == 2 for b in trickle)
-    if mix == "priority":
-        assert {b["priority"] for b in flood} == {10} and {b["priority"] for b in trickle} == {0}
-        assert set(r["classes"]) == {"low-priority flood", "high-priority trickle"}
-    else:
-        assert {b["user"] for b in flood} == {"tenant-0"} and {b["user"] for b in trickle} == {"tenant-1", "tenant-2"}
-        assert set(r["classes"]) == {"tenant-0 flood", "tenant-1", "tenant-2"}
-    assert sum(c["completed"] for c in r["classes"].values()) == 10
-    assert all(c["p99_ttft_ms"] >= c["p50_ttft_ms"] > 0 and c["output_throughput"] > 0 for c in r["classes"].values())
-
-
-def test_serve_backlog_mix_reports_each_tenants_share(tmp_path):
-    fake = FakeOpenAI()
-    with fake_server(fake) as url:
-        r = run_json(tmp_path, "serve", "--base-url", url, "--num-prompts", "12", "--input-len", "8",
-                     "--output-len", "4", "--mixed", "backlog", "--warmup-requests", "0")
-    users = [b["user"] for b in fake.bodies]
-    assert users.count("tenant-0") == 6 and {users.count(f"tenant-{i}") for i in (1, 2, 3)} == {2}
-    assert all(b["max_tokens"] == 4 and len(b["prompt"]) == 8 for b in fake.bodies)
-    shares = [c["backlog_share"] for c in r["classes"].values()]
-    assert len(shares) == 4 and sum(shares) == pytest.approx(1.0)
-
-
-def test_backlog_shares_count_tokens_until_the_first_class_is_done():
-    from tandem.bench.mixed import backlog_shares
-    from tandem.bench.serving import RequestResult
-
-    def done(sent, ttft, itl, tokens):
-        return RequestResult(success=True, output_tokens=tokens, sent=sent, ttft=ttft, itl=itl,
-                             latency=ttft + sum(itl))
-    # a: a token at 1, 2, 3 (its last at 3: the window); b: 2 tokens at each of 1.5, 2.5, 3.5, 4.5
-    results = [done(0.0, 1.0, [1.0, 1.0], 3), done(0.0, 1.5, [1.0, 1.0, 1.0], 8)]
-    assert backlog_shares(["a", "b"], results) == pytest.approx({"a": 3 / 7, "b": 4 / 7})
-    failed = RequestResult(success=False)
-    assert backlog_shares(["a", "b"], [results[0], failed]) == {}
 
 
 def test_serve_unreachable_server_is_counted(tmp_path):
