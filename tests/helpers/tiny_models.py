@@ -174,7 +174,7 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     llama): tiny_moe's expert tensors, 3-D blocks quantized like ffn_down (layer 0's down at Q6_K), the router F32;
     split_experts: the older layout, one tensor per expert.
     """
-    from tests.helpers.tiny_moe import EXPERT_NAMES, add_expert_metadata, stack_experts
+    from tests.helpers.tiny_moe import stack_experts
     import json
 
     import gguf
@@ -194,54 +194,9 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     sd = stack_experts(load_file(os.path.join(hf_dir, "model.safetensors")), split_experts)
 
     w = gguf.GGUFWriter(str(path), arch_name or arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_vocab_size(cfg["vocab_size"])
-    add_expert_metadata(w, cfg)
-    if cfg.get("sliding_window") and (arch == "gemma3" or cfg["model_type"] == "mistral"):
-        w.add_sliding_window(cfg["sliding_window"])
-    if arch == "gemma3":
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
-        w.add_rope_freq_base_swa(float(local_rope["rope_theta"]))
-
-    if with_tokenizer:
-        tm = _smollm2_tokenizer_metadata()
-        w.add_tokenizer_model(tm["tokenizer.ggml.model"])
-        w.add_tokenizer_pre(tm["tokenizer.ggml.pre"])
-        w.add_token_list(tm["tokenizer.ggml.tokens"])
-        w.add_token_types(tm["tokenizer.ggml.token_type"])
-        w.add_token_merges(tm["tokenizer.ggml.merges"])
-        w.add_unk_token_id(tm["tokenizer.ggml.unknown_token_id"])
-        w.add_pad_token_id(tm["tokenizer.ggml.padding_token_id"])
-        w.add_add_bos_token(False)
-        w.add_chat_template(tm["tokenizer.chat_template"])
-    w.add_bos_token_id(1 if cfg.get("bos_token_id") is None else cfg["bos_token_id"])
-    w.add_eos_token_id(2 if cfg.get("eos_token_id") is None else cfg["eos_token_id"])
-
-    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.o_proj.weight": "attn_output.weight"}
-    for p in "qkv":
-        block[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
-        block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
-    for p in "qk":
-        block[f"self_attn.{p}_norm.weight"] = f"attn_{p}_norm.weight"
-    block.update(EXPERT_NAMES)
-    if arch == "gemma3":                                        # llama.cpp's names of the sandwich norms
-        block.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
-                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}
+    _add_metadata(w, cfg, arch, head_dim, rope, local_rope)
+    _add_tokenizer(w, cfg, with_tokenizer)
+    block, glob = _tensor_names(arch)
     for name, t in sd.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -263,6 +218,70 @@ def write_tiny_gguf(path, hf_dir: str, quant: str = "F32", arch_name: str | None
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def _add_metadata(w, cfg: dict, arch: str, head_dim: int, rope: dict, local_rope: dict | None) -> None:
+    """write_tiny_gguf's model keys: shapes, norms, RoPE, experts, sliding windows."""
+    from tests.helpers.tiny_moe import add_expert_metadata
+
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    add_expert_metadata(w, cfg)
+    if cfg.get("sliding_window") and (arch == "gemma3" or cfg["model_type"] == "mistral"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma3":
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_rope_freq_base_swa(float(local_rope["rope_theta"]))
+
+
+def _add_tokenizer(w, cfg: dict, with_tokenizer: bool) -> None:
+    """SmolLM2's tokenizer metadata and chat template (with_tokenizer), and the config's bos / eos ids."""
+    if with_tokenizer:
+        tm = _smollm2_tokenizer_metadata()
+        w.add_tokenizer_model(tm["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(tm["tokenizer.ggml.pre"])
+        w.add_token_list(tm["tokenizer.ggml.tokens"])
+        w.add_token_types(tm["tokenizer.ggml.token_type"])
+        w.add_token_merges(tm["tokenizer.ggml.merges"])
+        w.add_unk_token_id(tm["tokenizer.ggml.unknown_token_id"])
+        w.add_pad_token_id(tm["tokenizer.ggml.padding_token_id"])
+        w.add_add_bos_token(False)
+        w.add_chat_template(tm["tokenizer.chat_template"])
+    w.add_bos_token_id(1 if cfg.get("bos_token_id") is None else cfg["bos_token_id"])
+    w.add_eos_token_id(2 if cfg.get("eos_token_id") is None else cfg["eos_token_id"])
+
+
+def _tensor_names(arch: str) -> tuple[dict, dict]:
+    """HF names -> llama.cpp's: (a block's, by the name after model.layers.N.; the global ones)."""
+    from tests.helpers.tiny_moe import EXPERT_NAMES
+
+    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.o_proj.weight": "attn_output.weight"}
+    for p in "qkv":
+        block[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
+        block[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
+    for p in "qk":
+        block[f"self_attn.{p}_norm.weight"] = f"attn_{p}_norm.weight"
+    block.update(EXPERT_NAMES)
+    if arch == "gemma3":                                        # llama.cpp's names of the sandwich norms
+        block.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"})
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    return block, glob
 
 
 def _add_tensor(w, gname: str, t, quant: str, tied: bool) -> None:
