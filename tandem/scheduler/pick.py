@@ -73,13 +73,14 @@ def _decode_reserve(s: "Scheduler", reqs: list[Req]) -> int:
 
 
 def prefill_lead(s: "Scheduler") -> Req | None:
-    """The policy's lead among the prefills that could run now (started ones, then ready waiting ones); None
-    where the policy has no step rule (not looked for: the waiting queue may be long)."""
+    """The policy's lead among the prefills that could run now: the started ones and the first ready waiting
+    one (pick_batch has put the queue in the policy's order, so it is the best waiting); None where the policy
+    has no step rule."""
     if not s.policy.ranks_steps:
         return None
-    ready = [r for r in s.waiting if s.grammars is None or s.grammars.ready(r)]
+    ready = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
     started = [r for r in s.running if r.prefilling and not r.aborted]
-    return s.policy.lead(started + ready, s.clock()) if started or ready else None
+    return s.policy.lead(started + ([ready] if ready else []), s.clock())
 
 
 def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None) -> list[Chunk]:
