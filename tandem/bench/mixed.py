@@ -37,19 +37,16 @@ def mixed_requests(kind: str, n: int, input_len: int, output_len: int, vocab_siz
     if kind == "backlog":
         reqs = random_requests(n, input_len, output_len, vocab_size, 0.0, seed, text)
         n_flood = max(1, round(n * BACKLOG_FLOOD))
-        out = [(r, "tenant-0 flood" if i < n_flood else f"tenant-{1 + i % TRICKLE_TENANTS}",
-                {"user": "tenant-0" if i < n_flood else f"tenant-{1 + i % TRICKLE_TENANTS}"})
-               for i, r in enumerate(reqs)]
-        random.Random(seed).shuffle(out)
-        return out
-    n_short = max(1, round(n * (1 - FLOOD_SHARE)))
-    flood = random_requests(n - n_short, input_len, output_len, vocab_size, 0.0, seed, text)
-    short = random_requests(n_short, max(1, input_len // 4), max(1, output_len // 4), vocab_size, 0.0, seed + 1,
-                            text)
+        flood, short = reqs[:n_flood], reqs[n_flood:]
+    else:
+        n_short = max(1, round(n * (1 - FLOOD_SHARE)))
+        flood = random_requests(n - n_short, input_len, output_len, vocab_size, 0.0, seed, text)
+        short = random_requests(n_short, max(1, input_len // 4), max(1, output_len // 4), vocab_size, 0.0,
+                                seed + 1, text)
     if kind == "priority":
         out = [(r, "low-priority flood", {"priority": FLOOD_PRIORITY}) for r in flood] + \
               [(r, "high-priority trickle", {"priority": 0}) for r in short]
-    else:
+    else:                                         # tenants, backlog: the flood tenant-0's, the rest shared
         out = [(r, "tenant-0 flood", {"user": "tenant-0"}) for r in flood] + \
               [(r, f"tenant-{1 + i % TRICKLE_TENANTS}", {"user": f"tenant-{1 + i % TRICKLE_TENANTS}"})
                for i, r in enumerate(short)]
