@@ -1,5 +1,6 @@
 """The native extend attention op (csrc/extend_attention.cpp) next to what it replaced, the gather of the step's
-keys from the paged cache (widened to fp32, padded) + ATen's flash SDPA with the causal bool mask, on SmolLM2-135M's
+keys from the paged cache (widened to fp32, padded) + ATen's flash SDPA with the causal bool mask, and the
+batch-invariant causal op (decode rows' bits, csrc/causal_attention.inc; fp32 products), on SmolLM2-135M's
 heads (9 over 3 KV heads, head_dim 64, bf16 cache, 30 layers' slots), on the chunks the workloads of issue 22
 prefill: a 256-token mixed chunk on 768 and 2,560 cached keys (the long workload), a fresh 924-token prompt, 32 rows
 of 24 tokens on one 900-key prefix (shared prefix). Interleaved in one process, best of --reps, for each SIMD body
@@ -40,6 +41,9 @@ def case(rows: int, new: int, cached: int, isa: int, g: torch.Generator):
     def native():
         return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa)
 
+    def causal():                     # the batch-invariant op (csrc/causal_attention.inc): decode rows' bits
+        return torch.ops.tandem.causal_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa)
+
     def native_bf16():
         return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa, True)
 
@@ -49,7 +53,7 @@ def case(rows: int, new: int, cached: int, isa: int, g: torch.Generator):
         return F.scaled_dot_product_attention(q.view(rows, new, H, D).transpose(1, 2), k, v, attn_mask=mask,
                                               scale=0.125, enable_gqa=True)
     flops = 4 * H * D * rows * new * (cached + new / 2)                       # the causal part only
-    return native, native_bf16, sdpa, flops
+    return native, native_bf16, sdpa, causal, flops
 
 
 def main() -> None:
@@ -64,17 +68,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     isas = [i for i in (1, 2) if i <= torch.ops.tandem.isa(2)]
     bf16 = torch.cpu._is_avx512_bf16_supported()
-    rows, lines = [], ["| body | chunk | extend op, ms | GFLOP/s | gather + SDPA, ms | SDPA / op |", "|---|---|---|---|---|---|"]
+    rows, lines = [], ["| body | chunk | extend op, ms | GFLOP/s | gather + SDPA, ms | SDPA / op | causal op, ms | causal / op |",
+                       "|---|---|---|---|---|---|---|---|"]
     for isa in isas:
         bodies = [kernels.ISA_NAMES[isa]] + (["avx512, bf16 products"] if isa == 2 and bf16 else [])
         for name, shape in CASES.items():
-            native, native_bf16, sdpa, flops = case(*shape, isa, g)
-            best = interleaved_best([native, sdpa] + ([native_bf16] if len(bodies) > 1 else []), args.reps)
-            for body, op in zip(bodies, [best[0]] + best[2:]):
+            native, native_bf16, sdpa, causal, flops = case(*shape, isa, g)
+            best = interleaved_best([native, sdpa, causal] + ([native_bf16] if len(bodies) > 1 else []), args.reps)
+            for body, op in zip(bodies, [best[0]] + best[3:]):
                 rows.append({"body": body, "chunk": name, "op_ms": op * 1e3, "sdpa_ms": best[1] * 1e3,
-                             "op_gflops": flops / op / 1e9})
+                             "op_gflops": flops / op / 1e9, "causal_ms": best[2] * 1e3})
                 lines.append(f"| {body} | {name} | {op * 1e3:.2f} | {flops / op / 1e9:.0f} | "
-                             f"{best[1] * 1e3:.2f} | {best[1] / op:.2f}x |")
+                             f"{best[1] * 1e3:.2f} | {best[1] / op:.2f}x | {best[2] * 1e3:.2f} | {best[2] / op:.2f}x |")
                 print(lines[-1], flush=True)
     info = machine_info(args.threads)
     md = ("# Extend attention: the native op against gather + SDPA\n\n"

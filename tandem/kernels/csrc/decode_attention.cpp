@@ -145,26 +145,32 @@ static void value_block(float* const* acc, const float* const* p, int64_t nq, co
 #include "decode_attention_task.inc"
 }  // namespace scalar
 
+// out[d] = sum_c exp(m_c - M) acc_c[d] / sum_c exp(m_c - M) l_c over one query head's n chunk partials, M =
+// max_c m_c: chunk c's acc at acc + c as (D floats), its (m, l) at ml + c ms. The one merge of split rows (the
+// decode op's and causal_gemm_simd.inc's).
+static void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out) {
+  float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+  for (int64_t c = 0; c < n; ++c) mx = std::max(mx, ml[c * ms]);
+  std::fill(out, out + D, 0.f);
+  for (int64_t c = 0; c < n; ++c) {
+    const float w = std::exp(ml[c * ms] - mx);
+    total += w * ml[c * ms + 1];
+    const float* p = acc + c * as;
+    for (int64_t d = 0; d < D; ++d) out[d] += w * p[d];
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] /= total;
+}
+// merge_head for the H query heads of a row: acc [n, H, D] and ml [n, H, 2] (its chunks); out [H, D].
+static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64_t D, float* out) {
+  for (int64_t i = 0; i < H; ++i) merge_head(acc + i * D, H * D, ml + i * 2, H * 2, n, D, out + i * D);
+}
+
+// A causal_attention call's tokens for causal_gemm_simd.inc: token t attends keys [start[t], lens[t]) of kv row
+// srow[t].
+struct CausalCols { const int64_t *start, *lens, *srow; };
+
 #define TANDEM_SIMD_BODY "decode_attention_simd.inc"      // its helpers, then the task over them
 #include "simd_namespaces.inc"
-
-// out[i] = sum_c exp(m_c - M) acc_c[i] / sum_c exp(m_c - M) l_c over a row's n chunks, M = max_c m_c, for
-// the H query heads. acc: [n, H, D] and ml: [n, H, 2] (the row's chunks); out: [H, D].
-static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64_t D, float* out) {
-  for (int64_t i = 0; i < H; ++i) {
-    float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
-    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, ml[(c * H + i) * 2]);
-    float* o = out + i * D;
-    std::fill(o, o + D, 0.f);
-    for (int64_t c = 0; c < n; ++c) {
-      const float w = std::exp(ml[(c * H + i) * 2] - mx);
-      total += w * ml[(c * H + i) * 2 + 1];
-      const float* p = acc + (c * H + i) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += w * p[d];
-    }
-    for (int64_t d = 0; d < D; ++d) o[d] /= total;
-  }
-}
 
 static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   const auto t = cache.scalar_type();
