@@ -4,7 +4,8 @@ weights. It stands in place of the dense MLP of a decoder layer (llama.py).
 
 Batch invariance (attention_paths.py states the rule): a row's routing and its experts' arithmetic depend only
 on the row. The router's logits are fp32 products summed along hidden within each (token, expert) pair, never a
-GEMM whose kernel follows the row count; softmax, top-k and the renormalization are per row; each expert's
+GEMM whose kernel follows the row count (native: tandem.moe_route, one chain an expert in order of hidden, and
+the routing in the same op; else torch's sum); softmax, top-k and the renormalization are per row; each expert's
 linears are the decoder's own (QLinear gives a row the same bits at any row count: gemv_is_gemm, gemm_always);
 a row's expert outputs are added in the order of their rank in its top-k, elementwise.
 
@@ -51,6 +52,9 @@ class MoE:
         self.router, self.experts = router, experts          # router: [E, hidden] fp32
         self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
         self._one_op = self._plan_one_op()
+        # tandem.moe_route's router (csrc/moe_route.cpp): transposed, experts zero-padded to a multiple of 64
+        e = router.shape[0]
+        self.router_t = (F.pad(router.t(), (0, -e % 64)).contiguous() if native else None)
 
     def _plan_one_op(self) -> tuple | None:
         """moe_experts' arguments (csrc/moe_experts.cpp: a decode row's experts in one op, the same bits) where
@@ -65,7 +69,7 @@ class MoE:
         if len(types[0]) != 1 or len(types[1]) != 1:
             return None
         inter = downs[0].parts[0].k
-        return ([lin.packed for lin in gus], types[0].pop(), [lin.packed for lin in downs], types[1].pop(), inter,
+        return (stack_packed(gus), types[0].pop(), stack_packed(downs), types[1].pop(), inter,
                 0 if self.act == "silu" else 1)
 
     def linears(self) -> list:
@@ -85,7 +89,10 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the normed residual) -> [T, hidden], the experts' weighted sum per row."""
         t, k = x.shape[0], self.top_k
-        weights, ids = route(router_logits(x, self.router), k, self.renormalize)
+        if self.native:
+            weights, ids = torch.ops.tandem.moe_route(x, self.router_t, len(self.experts), k, self.renormalize)
+        else:
+            weights, ids = route(router_logits(x, self.router), k, self.renormalize)
         if t == 1 and self._one_op is not None:      # a decode row: one op, the bits of the path below
             gus, gu_type, downs, down_type, inter, act = self._one_op
             return torch.ops.tandem.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, weights.to(x.dtype),
@@ -105,6 +112,19 @@ class MoE:
         for r in range(1, k):                                            # rank order: a row's own sum
             out = out + y[:, r] * w[:, r:r + 1]
         return out
+
+
+def stack_packed(lins: list) -> torch.Tensor:
+    """The linears' packed copies as one tensor [E, groups, bytes] (moe_experts takes it: a list of 128 tensors
+    cost ~60 us a call to pass), each linear's copy then a view of it: held once. Copied in one at a time, so
+    loading holds one expert's copy twice at most."""
+    first = lins[0].packed
+    stacked = first.new_empty((len(lins), *first.shape))
+    for e, lin in enumerate(lins):
+        if lin.packed.data_ptr() != stacked[e].data_ptr():
+            stacked[e].copy_(lin.packed)
+            lin.packed_parts[0] = stacked[e]
+    return stacked
 
 
 def build_moe(ws, c: ModelConfig, i: int, native: bool) -> MoE:

@@ -94,6 +94,43 @@ def test_router_matches_transformers_and_its_rows_stand_alone(arch, tmp_path_fac
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+@pytest.mark.parametrize("experts,k", [(8, 2), (70, 6), (128, 8)])
+def test_native_router_matches_torch_and_its_rows_stand_alone(experts, k):
+    """tandem.moe_route (the native path's router) against route(router_logits()) in torch: the same experts and
+    weights within fp32 rounding; each ISA body (scalar, AVX2, AVX-512) the same bits; a row's result the same
+    bits alone and among 37 (1 and 2 threads); bad arguments refused."""
+    import torch.nn.functional as F
+    from tandem.model.moe import route, router_logits
+    g = torch.Generator().manual_seed(experts)
+    x, w = torch.randn(37, 96, generator=g), torch.randn(experts, 96, generator=g) / 8
+    wt = F.pad(w.t(), (0, -experts % 64)).contiguous()
+    ops = torch.ops.tandem
+    for renorm in (True, False):
+        ref_w, ref_ids = route(router_logits(x, w), k, renorm)
+        got_w, got_ids = ops.moe_route(x, wt, experts, k, renorm)
+        assert torch.equal(got_ids, ref_ids)
+        torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
+        for isa in range(0, ops.isa(2) + 1):
+            bw, bids = ops.moe_route(x, wt, experts, k, renorm, isa)
+            assert torch.equal(bw, got_w) and torch.equal(bids, got_ids), isa
+    threads, (all_w, all_ids) = torch.get_num_threads(), ops.moe_route(x, wt, experts, k, True)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for i in (0, 5, 36):
+                one = ops.moe_route(x[i:i + 1], wt, experts, k, True)
+                assert torch.equal(one[0][0], all_w[i]) and torch.equal(one[1][0], all_ids[i])
+    finally:
+        torch.set_num_threads(threads)
+    tie_w, tie_ids = ops.moe_route(torch.zeros(1, 96), wt, experts, k, True)   # all logits 0: the lowest ids
+    assert tie_ids[0].tolist() == list(range(k)) and torch.allclose(tie_w, torch.full((1, k), 1 / k))
+    with pytest.raises(RuntimeError, match="top_k"):
+        ops.moe_route(x, wt, experts, experts + 1, True)
+    with pytest.raises(RuntimeError, match="router_t"):
+        ops.moe_route(x, w, experts, k, True)          # not transposed
+
+
 def test_config_errors_are_clear():
     from tandem.model.config import ModelConfig
     base = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
@@ -150,9 +187,9 @@ def test_quantized_experts_run_on_their_blocks(quant, quantized):
     # the op-by-op path's just above; the op's own row loop gives three rows those bits too.
     assert (moe._one_op is not None) == (quant not in ("F16", "Q5_1"))     # no packed copy of these types
     if moe._one_op is not None:
-        from tandem.model.moe import route, router_logits
         gus, gu_type, downs, down_type, inter, act = moe._one_op
-        w, ids = route(router_logits(x[:3], moe.router), c.num_experts_per_tok, moe.renormalize)
+        w, ids = torch.ops.tandem.moe_route(x[:3], moe.router_t, c.num_experts, c.num_experts_per_tok,
+                                            moe.renormalize)
         assert torch.equal(torch.ops.tandem.moe_experts(x[:3], gus, gu_type, downs, down_type, inter, ids, w, act),
                            y[:3])
         with pytest.raises(RuntimeError, match="out of"):

@@ -3,8 +3,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 namespace tandem {
 // An index tensor as contiguous int64 (the attention ops' kv_index, seq_lens, ...): no dispatch when it already is
@@ -58,6 +62,27 @@ bool packable_k(int64_t qtype);
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                           const at::Tensor& bias, at::Tensor y, int body);
+// Several packed GEMVs of one type in one thread split (an MoE row's chosen experts, moe_experts.cpp): job j
+// multiplies row j / rep of x (fp32 [J / rep, K]) by packed[j] (pack_gemv's copy of an [N, K] weight) into row j
+// of y (fp32 [J, N]). Each output is the tile qgemv_packed computes for that row and weight alone (the same x
+// rounding, the same groups), so the same bits; one parallel region for all the jobs instead of one a job.
+void qgemv_packed_jobs(const at::Tensor& x, const std::vector<at::Tensor>& packed, int64_t rep, int64_t qtype,
+                       int64_t K, int64_t N, float* y, int64_t isa);
+void qgemv_packed_k_jobs(const at::Tensor& x, const std::vector<at::Tensor>& packed, int64_t rep, int64_t qtype,
+                         int64_t K, int64_t N, float* y, int body);
+// Their thread split: J jobs of NG groups each, in chunks of `per` groups; fn(j, g0, g1) for each job's part of
+// a thread's contiguous share of all the chunks (so a thread streams whole jobs one after another).
+template <class F>
+void split_jobs(int64_t J, int64_t NG, int64_t per, const F& fn) {
+  const int64_t cpj = (NG + per - 1) / per;                     // chunks a job
+  at::parallel_for(0, J * cpj, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1;) {
+      const int64_t j = c / cpj, end = std::min(c1, (j + 1) * cpj);
+      fn(j, per * (c - j * cpj), std::min(per * (end - j * cpj), NG));
+      c = end;
+    }
+  });
+}
 // The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs
@@ -101,7 +126,9 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
                          int64_t head_dim, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                          const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, bool bf16_products,
                          const std::optional<at::Tensor>& qk_norm, bool mlp);
-at::Tensor moe_experts(const at::Tensor& x, at::TensorList gate_up, int64_t gu_qtype, at::TensorList down,
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router_t, int64_t experts,
+                                             int64_t top_k, bool renormalize, int64_t isa);
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, int64_t gu_qtype, const at::Tensor& down,
                        int64_t down_qtype, int64_t inter, const at::Tensor& ids, const at::Tensor& weights,
                        int64_t act, int64_t isa);
 }  // namespace tandem

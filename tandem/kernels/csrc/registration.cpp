@@ -44,7 +44,9 @@ TORCH_LIBRARY(tandem, m) {
         "int[] qtypes, Tensor[] packed, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
         "Tensor seq_lens, float scale, bool bf16_products=False, Tensor? qk_norm=None, bool mlp=True) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor[] gate_up, int gu_qtype, Tensor[] down, int down_qtype, int inter, Tensor ids, "
+  m.def("moe_route(Tensor x, Tensor router_t, int experts, int top_k, bool renormalize, int isa=-1) -> "
+        "(Tensor, Tensor)");
+  m.def("moe_experts(Tensor x, Tensor gate_up, int gu_qtype, Tensor down, int down_qtype, int inter, Tensor ids, "
         "Tensor weights, int act, int isa=-1) -> Tensor");
   m.def("isa(int requested=-1) -> int", &tandem::isa_op);
   m.def("shared_prefix_attention(int on=-1) -> int", &tandem::shared_prefix_attention);
@@ -73,5 +75,6 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("race_argmax", &tandem::race_argmax);
   m.impl("race_noise", &tandem::race_noise);
   m.impl("decode_layer_", &tandem::decode_layer_);
+  m.impl("moe_route", &tandem::moe_route);
   m.impl("moe_experts", &tandem::moe_experts);
 }
