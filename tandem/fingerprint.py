@@ -2,7 +2,8 @@
 
 With batch invariance (model/attention_paths.py) a request's tokens and logprobs are a function of the request
 (its prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version,
-the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto" choices follow (AVX512-BF16,
+the native kernels' build (their sources, the compiler and its flags: the compiler decides where a product and a
+sum fuse into one fma), the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto" choices follow (AVX512-BF16,
 AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV cache dtype, bf16 prefill
 and products, batch_invariant, dtype, tensor and pipeline parallel sizes; not the tensor-parallel size under
 tp_reduce_chunks, which gives every tp size dividing it the same bits). Options that change no bit (the loop,
@@ -42,6 +43,13 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def kernel_build() -> str | None:
+    """The native library's build key (kernels/build.py: its sources, compiler version, flags and torch's)."""
+    from .kernels import build
+    path = build.library_path()
+    return None if path is None else os.path.basename(path)
+
+
 def system_fingerprint(config: EngineConfig, weight_files: tuple[str, ...] | list[str]) -> str:
     """"fp_" and 12 hex digits of the hash of what decides the bits (the module docstring)."""
     from . import kernels
@@ -49,6 +57,7 @@ def system_fingerprint(config: EngineConfig, weight_files: tuple[str, ...] | lis
         "tandem": __version__,
         "weights": [file_digest(p) for p in sorted(weight_files)],
         "isa": kernels.isa() if kernels.available() else "torch",
+        "kernel_build": kernel_build() if kernels.available() else None,
         "cpu_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
         "cpu_amx": bool(torch.cpu._is_amx_tile_supported()),
         "options": {f: getattr(config, f) for f in ARITHMETIC_FIELDS

@@ -1,6 +1,6 @@
 """OpenAI's system_fingerprint (tandem/fingerprint.py): on every completion, chat completion and stream chunk,
 the same across requests of one server; a hash that moves with what decides the bits (the weights, an arithmetic
-option, the kernel body) and not with what does not (the loop, threads, the prefix cache)."""
+option, the kernel build and body) and not with what does not (the loop, threads, the prefix cache)."""
 from __future__ import annotations
 
 from tandem.config import EngineConfig
@@ -37,4 +37,8 @@ def test_the_hash_follows_what_decides_the_bits(tmp_path, monkeypatch):
     from tandem import kernels
     monkeypatch.setattr(kernels, "isa", lambda: "another-body")     # TANDEM_ISA=avx2, or another CPU
     monkeypatch.setattr(kernels, "available", lambda: True)
-    assert system_fingerprint(EngineConfig(), [str(w)]) != flipped
+    body = system_fingerprint(EngineConfig(), [str(w)])
+    assert body != flipped
+    from tandem.kernels import build
+    monkeypatch.setattr(build, "library_path", lambda: "/x/tandem_kernels-0123456789abcdef.so")   # other sources
+    assert system_fingerprint(EngineConfig(), [str(w)]) != body
