@@ -40,16 +40,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, int64_t g
   const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), E = gate_up.size(0);
   const at::Tensor idc = ids.contiguous(), wc = weights.contiguous(), xc = x.contiguous();
   const int64_t* idp = idc.data_ptr<int64_t>();
-  std::vector<at::Tensor> gus(T * k), downs(T * k);             // job t k + r: row t's expert of rank r
-  for (int64_t j = 0; j < T * k; ++j) {
-    TORCH_CHECK(idp[j] >= 0 && idp[j] < E, "tandem.moe_experts: expert id ", idp[j], " out of [0, ", E, ")");
-    gus[j] = gate_up.select(0, idp[j]);
-    downs[j] = down.select(0, idp[j]);
-  }
+  const std::vector<int64_t> jobs(idp, idp + T * k);            // job t k + r: row t's expert of rank r
+  for (const int64_t e : jobs)
+    TORCH_CHECK(e >= 0 && e < E, "tandem.moe_experts: expert id ", e, " out of [0, ", E, ")");
   at::Tensor gu = at::empty({T * k, 2 * inter}, x.options()), y = at::empty({T * k, H}, x.options());
   {
     RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-    qgemv_packed_jobs(xc, gus, k, gu_qtype, H, 2 * inter, gu.data_ptr<float>(), isa);   // row t for its k jobs
+    qgemv_packed_jobs(xc, gate_up, jobs, k, gu_qtype, H, 2 * inter, gu.data_ptr<float>(), isa);   // x row t: k jobs
   }
   at::Tensor a;
   {
@@ -58,7 +55,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, int64_t g
   }
   {
     RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-    qgemv_packed_jobs(a, downs, 1, down_qtype, inter, H, y.data_ptr<float>(), isa);
+    qgemv_packed_jobs(a, down, jobs, 1, down_qtype, inter, H, y.data_ptr<float>(), isa);
   }
   // A row's outputs times their weights, added in rank order: each product rounded, then each sum, as at::mul
   // then at::add compute them (no fma: this function is built for the baseline x86-64, which has none to contract

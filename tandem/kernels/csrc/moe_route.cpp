@@ -25,10 +25,10 @@ namespace tandem {
 namespace {
 
 namespace scalar {
-void route_logits(const float* x, const float* wt, int64_t H, int64_t EP, float* acc) {
-  for (int64_t e = 0; e < EP; ++e) acc[e] = 0.f;
+void route_logits(const float* x, const float* wt, int64_t H, int64_t EP, int64_t e0, int64_t e1, float* acc) {
+  for (int64_t e = e0; e < e1; ++e) acc[e] = 0.f;
   for (int64_t h = 0; h < H; ++h)
-    for (int64_t e = 0; e < EP; ++e) acc[e] = std::fma(x[h], wt[h * EP + e], acc[e]);
+    for (int64_t e = e0; e < e1; ++e) acc[e] = std::fma(x[h], wt[h * EP + e], acc[e]);
 }
 }  // namespace scalar
 
@@ -76,12 +76,19 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::T
   int64_t* ip = ids.data_ptr<int64_t>();
   const Isa isa = resolve_isa(isa_req);
   auto logits = isa == kAvx512 ? avx512::route_logits : isa == kAvx2 ? avx2::route_logits : scalar::route_logits;
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {          // rows are independent: any split
-    std::vector<float> l(EP);
-    for (int64_t t = t0; t < t1; ++t) {
-      logits(xp + t * H, wt, H, EP, l.data());
-      choose(l.data(), experts, top_k, renormalize, wp + t * top_k, ip + t * top_k);
+  // Logits in blocks of 64 experts (a decode row's 128 on both threads: the router is 1 MB of fp32 a layer to
+  // stream), then each row's choice. Rows and blocks are independent: any split gives the same bits.
+  std::vector<float> l(T * EP);
+  const int64_t blocks = EP / 64;
+  at::parallel_for(0, T * blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t = b / blocks, e0 = b % blocks * 64;
+      logits(xp + t * H, wt, H, EP, e0, e0 + 64, l.data() + t * EP);
     }
+  });
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      choose(l.data() + t * EP, experts, top_k, renormalize, wp + t * top_k, ip + t * top_k);
   });
   return {w, ids};
 }

@@ -63,13 +63,14 @@ at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                           const at::Tensor& bias, at::Tensor y, int body);
 // Several packed GEMVs of one type in one thread split (an MoE row's chosen experts, moe_experts.cpp): job j
-// multiplies row j / rep of x (fp32 [J / rep, K]) by packed[j] (pack_gemv's copy of an [N, K] weight) into row j
-// of y (fp32 [J, N]). Each output is the tile qgemv_packed computes for that row and weight alone (the same x
-// rounding, the same groups), so the same bits; one parallel region for all the jobs instead of one a job.
-void qgemv_packed_jobs(const at::Tensor& x, const std::vector<at::Tensor>& packed, int64_t rep, int64_t qtype,
-                       int64_t K, int64_t N, float* y, int64_t isa);
-void qgemv_packed_k_jobs(const at::Tensor& x, const std::vector<at::Tensor>& packed, int64_t rep, int64_t qtype,
-                         int64_t K, int64_t N, float* y, int body);
+// multiplies row j / rep of x (fp32 [J / rep, K]) by stacked[ids[j]] (stacked: pack_gemv's copies of E [N, K]
+// weights, uint8 [E, groups, bytes]) into row j of y (fp32 [J, N]). Each output is the tile qgemv_packed
+// computes for that row and weight alone (the same x rounding, the same groups), so the same bits; one parallel
+// region for all the jobs instead of one a job.
+void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                       int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa);
+void qgemv_packed_k_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                         int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body);
 // Their thread split: J jobs of NG groups each, in chunks of `per` groups; fn(j, g0, g1) for each job's part of
 // a thread's contiguous share of all the chunks (so a thread streams whole jobs one after another).
 template <class F>

@@ -439,28 +439,32 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   return y;
 }
 
-void qgemv_packed_jobs(const at::Tensor& x, const std::vector<at::Tensor>& packed, int64_t rep, int64_t qtype,
-                       int64_t K, int64_t N, float* y, int64_t isa_req) {
+void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                       int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa_req) {
   const int body = packed_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
-  const int64_t J = (int64_t)packed.size();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K && rep > 0 &&
-              x.size(0) * rep == J, "tandem.qgemv_packed: x must be contiguous fp32 [jobs / rep, ", K, "]");
-  if (packable_k(qtype)) return qgemv_packed_k_jobs(x, packed, rep, qtype, K, N, y, body);
+              x.size(0) * rep == (int64_t)ids.size(),
+              "tandem.qgemv_packed: x must be contiguous fp32 [jobs / rep, ", K, "]");
+  if (packable_k(qtype)) return qgemv_packed_k_jobs(x, stacked, ids, rep, qtype, K, N, y, body);
   TORCH_CHECK(packable(qtype), "tandem.qgemv_packed: no packed layout for ggml type ", qtype);
   TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
-  for (const at::Tensor& p : packed)
-    TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.is_contiguous() && p.size(0) == NG &&
-                p.size(1) == gbytes, "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes,
-                "] for N = ", N);
+  TORCH_CHECK(stacked.dim() == 3 && stacked.scalar_type() == at::kByte && stacked.is_contiguous() &&
+              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.qgemv_packed: stacked must be pack_gemv's "
+              "copies, uint8 [E, ", NG, ", ", gbytes, "] for N = ", N);
+  for (const int64_t e : ids)
+    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.qgemv_packed: expert id ", e, " out of [0, ",
+                stacked.size(0), ")");
+  const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
+  const uint8_t* base = stacked.data_ptr<uint8_t>();
   const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
   split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // qgemv_packed's chunks for one row
     const int64_t m = j / rep;
     const XRows xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
-    const uint8_t* wp = packed[j].data_ptr<uint8_t>();
+    const uint8_t* wp = base + ids[j] * NG * gbytes;
     float* yj = y + j * N;
     if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);
     else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);

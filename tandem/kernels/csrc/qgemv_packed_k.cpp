@@ -368,21 +368,24 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
 }
 
 
-void qgemv_packed_k_jobs(const at::Tensor& x, const std::vector<at::Tensor>& packed, int64_t rep, int64_t qtype,
-                         int64_t K, int64_t N, float* y, int body) {
+void qgemv_packed_k_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                         int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.qgemv_packed: K must be a positive multiple of 256 for K-quants");
   const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
-  for (const at::Tensor& p : packed)
-    TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.is_contiguous() && p.size(0) == NG &&
-                p.size(1) == gbytes, "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes,
-                "] for N = ", N);
-  const int64_t J = (int64_t)packed.size();
+  TORCH_CHECK(stacked.dim() == 3 && stacked.scalar_type() == at::kByte && stacked.is_contiguous() &&
+              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.qgemv_packed: stacked must be pack_gemv's "
+              "copies, uint8 [E, ", NG, ", ", gbytes, "] for N = ", N);
+  for (const int64_t e : ids)
+    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.qgemv_packed: expert id ", e, " out of [0, ",
+                stacked.size(0), ")");
+  const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
+  const uint8_t* base = stacked.data_ptr<uint8_t>();
   const PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);
   split_jobs(J, NG, body == 1 ? 1 : 4, [&](int64_t j, int64_t g0, int64_t g1) {   // qgemv_packed_k's, one row
     const int64_t m = j / rep;
     const KX xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
-    const uint8_t* wp = packed[j].data_ptr<uint8_t>();
+    const uint8_t* wp = base + ids[j] * NG * gbytes;
     float* yj = y + j * N;
     switch (qtype) {
       case kQ2_K: kgroups<kQ2_K>(body, wp, gbytes, ns, xr, 1, nullptr, yj, N, g0, g1); break;
