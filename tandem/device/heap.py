@@ -2,18 +2,11 @@
 one holds no activations."""
 from __future__ import annotations
 
+from ..model.host_heap import give_back_heap
+
 IDLE_TRIM_S = 1.0       # a device process with no step for this long gives its heap's free pages back
 
-
-def give_back_heap() -> None:
-    """malloc_trim(0): glibc keeps freed memory in the heap once its dynamic mmap threshold has grown, and torch
-    frees a step's activations there. Measured on the 3B-shaped Q4_K_M file (one process, inline device): after a
-    512-token prefill 254 MB of such pages were resident (RSS 2706 -> 2452 MB by a trim)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+__all__ = ["IDLE_TRIM_S", "give_back_heap", "release_load_memory"]
 
 
 def release_load_memory() -> None:
