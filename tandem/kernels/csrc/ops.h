@@ -71,6 +71,17 @@ void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std
                        int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa);
 void qgemv_packed_k_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
                          int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body);
+// Their check of the stacked copies ([E, NG, gbytes]) and the ids (each in [0, E)); returns the first copy.
+inline const uint8_t* stacked_copies(const at::Tensor& stacked, const std::vector<int64_t>& ids, int64_t NG,
+                                     int64_t gbytes, int64_t N) {
+  TORCH_CHECK(stacked.dim() == 3 && stacked.scalar_type() == at::kByte && stacked.is_contiguous() &&
+              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.qgemv_packed: stacked must be pack_gemv's "
+              "copies, uint8 [E, ", NG, ", ", gbytes, "] for N = ", N);
+  for (const int64_t e : ids)
+    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.qgemv_packed: expert id ", e, " out of [0, ",
+                stacked.size(0), ")");
+  return stacked.data_ptr<uint8_t>();
+}
 // Their thread split: J jobs of NG groups each, in chunks of `per` groups; fn(j, g0, g1) for each job's part of
 // a thread's contiguous share of all the chunks (so a thread streams whole jobs one after another).
 template <class F>

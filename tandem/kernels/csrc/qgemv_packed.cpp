@@ -451,15 +451,9 @@ void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std
   TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
-  TORCH_CHECK(stacked.dim() == 3 && stacked.scalar_type() == at::kByte && stacked.is_contiguous() &&
-              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.qgemv_packed: stacked must be pack_gemv's "
-              "copies, uint8 [E, ", NG, ", ", gbytes, "] for N = ", N);
-  for (const int64_t e : ids)
-    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.qgemv_packed: expert id ", e, " out of [0, ",
-                stacked.size(0), ")");
+  const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
-  const uint8_t* base = stacked.data_ptr<uint8_t>();
   const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
   split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // qgemv_packed's chunks for one row
     const int64_t m = j / rep;

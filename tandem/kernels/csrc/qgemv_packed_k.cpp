@@ -372,15 +372,9 @@ void qgemv_packed_k_jobs(const at::Tensor& x, const at::Tensor& stacked, const s
                          int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.qgemv_packed: K must be a positive multiple of 256 for K-quants");
   const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
-  TORCH_CHECK(stacked.dim() == 3 && stacked.scalar_type() == at::kByte && stacked.is_contiguous() &&
-              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.qgemv_packed: stacked must be pack_gemv's "
-              "copies, uint8 [E, ", NG, ", ", gbytes, "] for N = ", N);
-  for (const int64_t e : ids)
-    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.qgemv_packed: expert id ", e, " out of [0, ",
-                stacked.size(0), ")");
+  const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
-  const uint8_t* base = stacked.data_ptr<uint8_t>();
   const PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);
   split_jobs(J, NG, body == 1 ? 1 : 4, [&](int64_t j, int64_t g0, int64_t g1) {   // qgemv_packed_k's, one row
     const int64_t m = j / rep;
