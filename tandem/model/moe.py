@@ -50,12 +50,13 @@ class MoE:
 
     def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
                  act: str = "silu") -> None:
-        self.router, self.experts = router, experts          # router: [E, hidden] fp32
+        self.experts = experts
         self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
         self._one_op = self._plan_one_op()
-        # tandem.moe_route's router (csrc/moe_route.cpp): transposed, experts zero-padded to a multiple of 64
-        e = router.shape[0]
-        self.router_t = (F.pad(router.t(), (0, -e % 64)).contiguous() if native else None)
+        # The router ([E, hidden] fp32) as its path reads it, held once: native, tandem.moe_route's layout
+        # (csrc/moe_route.cpp: transposed, experts zero-padded to a multiple of 64); else as it is (router_logits).
+        self.router = None if native else router
+        self.router_t = F.pad(router.t(), (0, -router.shape[0] % 64)).contiguous() if native else None
 
     def _plan_one_op(self) -> tuple | None:
         """moe_experts' arguments (csrc/moe_experts.cpp: a decode row's experts in one op, the same bits) where
@@ -124,9 +125,8 @@ def stack_packed(lins: list) -> torch.Tensor:
     first = lins[0].packed
     stacked = first.new_empty((len(lins), *first.shape))
     for e, lin in enumerate(lins):
-        if lin.packed.data_ptr() != stacked[e].data_ptr():
-            stacked[e].copy_(lin.packed)
-            lin.packed_parts[0] = stacked[e]
+        stacked[e].copy_(lin.packed)
+        lin.packed_parts[0] = stacked[e]
     give_back_heap()
     return stacked
 

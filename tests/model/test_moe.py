@@ -218,14 +218,13 @@ def test_moe_experts_op_on_every_isa_body(quant, quantized):
     from tandem.model.gguf.file import GGUFFile
     from tandem.model.gguf.weights import gguf_weights
     from tandem.model.llama import LlamaModel
-    from tandem.model.moe import route, router_logits
     path = quantized[1][quant]
     c = read_gguf_config(GGUFFile(path))
     moe = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True).layers[0]["moe"]
     ref = LlamaModel(c, gguf_weights(path, c, quantized=False), 64).layers[0]["moe"]
     gus, gu_type, downs, down_type, inter, act = moe._one_op
     x = torch.randn(3, c.hidden_size, generator=torch.Generator().manual_seed(5))
-    w, ids = route(router_logits(x, moe.router), c.num_experts_per_tok, moe.renormalize)
+    w, ids = torch.ops.tandem.moe_route(x, moe.router_t, c.num_experts, c.num_experts_per_tok, moe.renormalize)
     ops, h = torch.ops.tandem, c.hidden_size
     with pytest.raises(RuntimeError, match="needs AVX2"):
         ops.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act, 0)
