@@ -44,9 +44,10 @@ def file_digest(path: str) -> str:
 
 
 def kernel_build() -> str | None:
-    """The native library's build key (kernels/build.py: its sources, compiler version, flags and torch's)."""
-    from .kernels import build
-    path = build.library_path()
+    """The loaded native library's name, which holds its build key (kernels/build.py: its sources, compiler
+    version, flags and torch's)."""
+    from .kernels.library import loaded_library
+    path = loaded_library()
     return None if path is None else os.path.basename(path)
 
 

@@ -10,17 +10,19 @@ log = logging.getLogger("tandem.kernels")
 
 _loaded: bool | None = None
 _error: str | None = None
+_path: str | None = None        # the file loaded: its name holds the build key (build.py: sources, compiler, flags)
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
 
 def available() -> bool:
     """True once torch.ops.tandem is loaded (building it first if needed); never raises."""
-    global _loaded, _error
+    global _loaded, _error, _path
     if _loaded is None:
         try:
             from .build import build
-            torch.ops.load_library(build())
-            _loaded = True
+            path = build()
+            torch.ops.load_library(path)
+            _loaded, _path = True, path
         except Exception as e:  # no compiler, a failed build: the torch path still works
             _loaded, _error = False, str(e).splitlines()[0] if str(e) else type(e).__name__
             log.warning("tandem native kernels unavailable (%s); using the torch path", _error)
@@ -39,6 +41,11 @@ def use_native(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 def unavailable_reason() -> str | None:
     return _error
+
+
+def loaded_library() -> str | None:
+    """The library file loaded (None: none loaded)."""
+    return _path
 
 
 def isa(requested: int = -1) -> str:

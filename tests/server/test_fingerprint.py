@@ -39,6 +39,6 @@ def test_the_hash_follows_what_decides_the_bits(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda: True)
     body = system_fingerprint(EngineConfig(), [str(w)])
     assert body != flipped
-    from tandem.kernels import build
-    monkeypatch.setattr(build, "library_path", lambda: "/x/tandem_kernels-0123456789abcdef.so")   # other sources
+    from tandem.kernels import library
+    monkeypatch.setattr(library, "_path", "/x/tandem_kernels-0123456789abcdef.so")   # other sources or compiler
     assert system_fingerprint(EngineConfig(), [str(w)]) != body
