@@ -58,6 +58,9 @@ class SamplingBatch:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
 
         sampled = np.nonzero(temperature > 0)[0]
+        if not len(sampled):            # every row greedy: sample() reads none of the tensors
+            none = torch.empty(0, device=device)
+            return cls(none, none, none, none, none, None, none, False, False, False)
         all_rows = len(sampled) == len(temperature)
         sel = slice(None) if all_rows else sampled
         tk, tp = top_k[sel], top_p[sel]

@@ -27,6 +27,7 @@ from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .runner_spec import RunnerSpec
 from .step import StepInput, prompt_logprob_targets
+from .step_layout import TokenLayout, row_groups, token_layout
 from .embed import mean_index, pooled
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
@@ -49,16 +50,6 @@ def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _decode_split(seq_lens: np.ndarray) -> list[int]:
-    """Where to cut decode rows (sorted by length) in two groups, if that saves over half the padded keys."""
-    n = len(seq_lens)
-    if n < 2:
-        return []
-    cost = np.arange(1, n) * seq_lens[:-1] + (n - np.arange(1, n)) * seq_lens[-1]     # cut before row i
-    i = int(np.argmin(cost))
-    return [i + 1] if 2 * cost[i] < n * seq_lens[-1] else []
 
 
 class _StepTensors(NamedTuple):
@@ -237,12 +228,9 @@ class ModelRunner:
     def _prepare(self, step: StepInput) -> _StepTensors:
         """The step's inputs on the device, from its host index arrays: the request table written (prefix hits,
         new slots), the FutureMap relayed, poisoned and read, the attention layout, the penalties' input ids."""
-        dev = self.device
         if self.model.native:     # a process-wide switch of the op: set per step, engines may share a process
             torch.ops.tandem.shared_prefix_attention(int(self.spec.shared_prefix_attention))
         rows = self._tensor(step.rows)
-        ext = self._tensor(step.extend_lens)
-        seq = self._tensor(step.seq_lens)
         reads_ids = self.pp is None or self.pp.first or self.pp.last     # middle stages take hidden states
         if len(step.stash_rows) and (self.pp is None or self.pp.first):
             # The FutureMap relay (device/parallel/pp.py): ids the last stage sampled, through the host, before the
@@ -250,32 +238,37 @@ class ModelRunner:
             self.future_map.stash(self._tensor(step.stash_rows), self._tensor(step.stash_ids))
         if len(step.poison_rows) and reads_ids:
             self.future_map.poison(self._tensor(step.poison_rows))
-        b, t = step.batch_size, step.num_tokens
-        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
-        starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
-        positions = (seq - ext)[tok_row] + torch.arange(t, device=dev) - starts[tok_row]   # [T]
+        lay = token_layout(step.extend_lens, step.seq_lens)
+        positions = self._tensor(lay.positions)                                  # [T]
         out_cache_loc = self._tensor(step.out_cache_loc)
-        tok_req_row = rows[tok_row]
+        tok_req_row = rows if lay.one_each else self._tensor(step.rows[lay.tok_row])
         if len(step.prefix_slots):
             # Prefix cache hit: the row's leading positions point at KV slots the radix tree owns.
-            plen = self._tensor(step.prefix_lens)
-            p_row = torch.repeat_interleave(rows, plen, output_size=len(step.prefix_slots))
-            p_start = torch.repeat_interleave(torch.cumsum(plen, 0) - plen, plen, output_size=len(step.prefix_slots))
-            p_pos = torch.arange(len(step.prefix_slots), device=dev) - p_start
-            self.req_to_token[p_row, p_pos] = self._tensor(step.prefix_slots, torch.int32)
+            plen = step.prefix_lens
+            p_pos = np.arange(len(step.prefix_slots)) - np.repeat(np.cumsum(plen) - plen, plen)
+            self.req_to_token[self._tensor(np.repeat(step.rows, plen)), self._tensor(p_pos)] = \
+                self._tensor(step.prefix_slots, torch.int32)
         self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
-        input_ids = self._tensor(step.input_ids)
-        if step.use_future.any() and reads_ids:
-            # FutureMap read: decode input ids are the tokens the previous step sampled, gathered on the device.
-            fut = self._tensor(step.use_future, torch.bool)[tok_row].nonzero().squeeze(1)
-            input_ids[fut] = self.future_map.gather(tok_req_row[fut])
-        meta = self._step_attention(step, rows, ext, seq, positions, out_cache_loc)
+        input_ids = self._input_ids(step, lay, tok_req_row, reads_ids)
+        meta = self._step_attention(step, rows, positions, out_cache_loc, lay)
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
         index = mean_index(step, meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])]))
         penalized = self.samples and step.has_penalties
         if penalized:
-            self.penalties.update_inputs(step, rows, tok_row, positions, input_ids)
+            self.penalties.update_inputs(step, rows, self._tensor(lay.tok_row), positions, input_ids)
         return _StepTensors(rows, positions, input_ids, meta, index, plp, penalized)
+
+    def _input_ids(self, step: StepInput, lay: TokenLayout, tok_req_row: torch.Tensor, reads_ids: bool) -> torch.Tensor:
+        """[T]: the host's ids, where a row reads the FutureMap (decode) the token the previous step sampled for it,
+        gathered on the device. A step whose every token reads it (pure decode) is the gather alone."""
+        fut = step.use_future[lay.tok_row] != 0 if reads_ids else None
+        if fut is not None and fut.all():
+            return self.future_map.gather(tok_req_row)
+        input_ids = self._tensor(step.input_ids)
+        if fut is not None and fut.any():
+            at = self._tensor(np.flatnonzero(fut))
+            input_ids[at] = self.future_map.gather(tok_req_row[at])
+        return input_ids
 
     def _forward(self, step: StepInput, inputs: _StepTensors) -> torch.Tensor | None:
         """The layers, then the LM head: the prompt positions' logprobs (in pieces) and the rows' logits [B, V].
@@ -345,35 +338,33 @@ class ModelRunner:
             return None
         return Logprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("chosen", "top_ids", "top")))
 
-    def _step_attention(self, step: StepInput, rows, ext, seq, positions, out_cache_loc) -> AttentionMeta:
+    def _step_attention(self, step: StepInput, rows, positions, out_cache_loc, lay: TokenLayout) -> AttentionMeta:
         """One attention layout for the step, or one per group of rows: a mixed step's leading one-token
         rows (decode) and its prefill rows; and decode rows split in two where one padded [B, Lk] layout
         would cost much more than two. Padded together, every decode row would carry a chunk's Lq query
         slots (x30 the attention work at 32 decode rows + a 256 chunk), or one 4k-token row's Lk keys
         (x15 the gather at 16 rows of ~250 tokens). The scheduler puts decode rows first, shortest first."""
         e, sl = step.extend_lens, step.seq_lens
-        b = len(e)
-        nd = int(np.argmin(e == 1)) if (e != 1).any() else b            # leading rows with one new token
-        last_index = torch.cumsum(ext, 0) - 1                            # [B] flat index of each row's last token
-        bounds = [0] + _decode_split(sl[:nd]) + [nd, b]
-        groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        last_index = self._tensor(lay.last)                              # [B] flat index of each row's last token
+        nd, groups = row_groups(e, sl)
         if len(groups) == 1:
-            return self._attention_meta(sl, e, rows, ext, seq, positions, out_cache_loc, last_index)
+            return self._attention_meta(sl, e, rows, positions, out_cache_loc, last_index, lay)
         parts = []
         for part, (lo, hi) in enumerate(groups):
             t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
             r = slice(lo, hi)
-            parts.append((slice(t0, t1), self._attention_meta(sl[r], e[r], rows[r], ext[r], seq[r], positions[t0:t1],
-                                                              out_cache_loc[t0:t1], None, part=part)))
+            parts.append((slice(t0, t1), self._attention_meta(sl[r], e[r], rows[r], positions[t0:t1],
+                                                              out_cache_loc[t0:t1], None, token_layout(e[r], sl[r]),
+                                                              part=part)))
         return AttentionMeta(None, None, None, None, last_index, parts)
 
-    def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, ext, seq, positions, out_cache_loc,
-                        last_index, part: int = 0) -> AttentionMeta:
+    def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, positions, out_cache_loc, last_index,
+                        lay: TokenLayout, part: int = 0) -> AttentionMeta:
+        """The layout of rows (a group of the step's, lay its token layout): the KV view, masks, query index."""
         dev = self.device
-        b, t = len(ext_np), len(positions)
-        tok_row = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)  # [T]
-        starts = torch.cumsum(ext, 0) - ext                                        # [B] flat start of each row
-        tok_col = torch.arange(t, device=dev) - starts[tok_row]                    # [T] index within the row
+        t = len(positions)
+        tok_row = self._tensor(lay.tok_row)                                        # [T]
+        seq = self._tensor(seq_np)
         lk = int(seq_np.max())
         lq = int(ext_np.max())
         k_pos = torch.arange(lk, device=dev)
@@ -391,6 +382,7 @@ class ModelRunner:
                                      bool((seq_np - ext_np > p).any()), part)
         if lq == 1:
             return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
+        ext, starts, tok_col = self._tensor(ext_np), self._tensor(lay.starts), self._tensor(lay.token_cols())
         q_col = torch.arange(lq, device=dev)
         q_pos = (seq - ext)[:, None] + q_col[None, :]                              # [B, Lq]
         causal = k_pos[None, None, :] <= q_pos[:, :, None]                         # [B, Lq, Lk]

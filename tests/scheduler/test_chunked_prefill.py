@@ -116,10 +116,10 @@ def test_randomized_cache_chunks_mixed_aborts(tiny_qwen2, make_llm, seed):
 
 
 def test_decode_rows_of_very_different_lengths(tiny_llama, make_llm):
-    """Short and long rows decode in two attention groups (executor._decode_split): outputs as if alone."""
-    from tandem.device.model_runner import _decode_split
+    """Short and long rows decode in two attention groups (step_layout.decode_split): outputs as if alone."""
+    from tandem.device.step_layout import decode_split
     import numpy as np
-    assert _decode_split(np.array([4, 5, 6, 200])) == [3] and _decode_split(np.array([50, 60, 70])) == []
+    assert decode_split(np.array([4, 5, 6, 200])) == [3] and decode_split(np.array([50, 60, 70])) == []
     llm = make_llm(tiny_llama, prefix_cache=False)
     reqs = [("long", _prompt(1, 150), greedy(8, ignore_eos=True))] + \
         [(f"s{i}", _prompt(2 + i, 3), seeded(8, i)) for i in range(3)]
