@@ -22,6 +22,7 @@ CASES = [  # batch, query heads, KV heads, head_dim, keys per row
     (5, 8, 2, 64, [31, 32, 33, 1000, 2]),      # GQA 4, tile edges
     (2, 4, 4, 64, [600, 513]),                 # GQA 1
     (3, 6, 2, 24, [7, 130, 64]),               # head_dim not a multiple of the SIMD width
+    (1, 32, 4, 128, [200]),                    # Qwen3-30B-A3B's heads: one chunk, its KV heads split over threads
 ]
 
 
@@ -83,6 +84,33 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(isa):
                 assert torch.equal(alone, full[r:r + 1]), (r, nthreads)
             pair = torch.ops.tandem.decode_attention(q[1:3], cache, 1, kv_index[1:3], seq_lens[1:3], 0.125, isa)
             assert torch.equal(pair, full[1:3])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_split_by_kv_heads_has_the_bits_of_one_task(isa, dtype):
+    """Fewer tasks than threads: a row of one chunk is split into groups of its KV heads (split_heads), 2 or 3
+    groups, even or not (12 heads over 3 KV heads), yet every head's output has the bits of one thread's single
+    task, alone or beside another row."""
+    if isa not in isas():
+        pytest.skip("this CPU lacks the ISA")
+    threads = torch.get_num_threads()
+    try:
+        for h, kvh, lens in ((32, 4, [200, 31]), (12, 3, [256, 129])):
+            q, cache, kv_index, seq_lens = inputs(2, h, kvh, 128, lens, seed=h)
+            cache = cache.to(dtype)
+            torch.set_num_threads(1)
+            one = [torch.ops.tandem.decode_attention(q[r:r + 1], cache, 0, kv_index[r:r + 1], seq_lens[r:r + 1],
+                                                     0.1, isa) for r in range(2)]
+            for nthreads in (2, 3, 4):
+                torch.set_num_threads(nthreads)
+                pair = torch.ops.tandem.decode_attention(q, cache, 0, kv_index, seq_lens, 0.1, isa)
+                for r in range(2):
+                    alone = torch.ops.tandem.decode_attention(q[r:r + 1], cache, 0, kv_index[r:r + 1],
+                                                              seq_lens[r:r + 1], 0.1, isa)
+                    assert torch.equal(alone, one[r]) and torch.equal(pair[r:r + 1], one[r]), (h, r, nthreads)
     finally:
         torch.set_num_threads(threads)
 

@@ -42,11 +42,13 @@
 // Batch invariance: a row's chunk size is a function of its own key count only (about 16 chunks, at least
 // MIN_CHUNK keys, whole tiles), and its chunks and tiles lie at absolute key positions (a sliding window's first
 // ones begin part-way, the keys before its start scored -inf), so its summation order never depends on the
-// other rows of the batch or the thread count; causal_attention.inc gives a prompt's tokens these same bits. The int8-activation linears round x to integers, which turns any last-bit difference into a
-// visible one; with this, a row's output is the same in any batch (the overlap loop's riding rows, a
-// speculative verify step, another loop) and under any device_threads. (The old policy sized chunks from B
-// and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a step in merges.) MIN_CHUNK
-// 256, not 64: every chunk of a task costs its queries' setup, the (max, sum, output) state and a merge, and a
+// other rows of the batch or the thread count (nor does split_heads' split of a row's KV heads over tasks);
+// causal_attention.inc gives a prompt's tokens these same bits. The int8-activation linears round x to integers,
+// which turns any last-bit difference into a visible one; with this, a row's output is the same in any batch
+// (the overlap loop's riding rows, a speculative verify step, another loop) and under any device_threads. (The
+// old policy sized chunks from B and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a
+// step in merges.) MIN_CHUNK 256,
+// not 64: every chunk of a task costs its queries' setup, the (max, sum, output) state and a merge, and a
 // last part-tile; measured (benchmarks/decode_attention_chunks.py, 2 threads, bf16 cache; results/
 // decode_attention_chunks.md): 256 takes 0.82-0.95x the time of 64 on every batch there (64 rows of ~160
 // keys, 32 rows on a 930-key shared prefix, 16 rows of 300-900, 8 of 3,000, batch 1 at 500 and 2,000), on the
@@ -184,7 +186,7 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
 }
 
 using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*,
-                         float* const*, float* const*, Scratch&);
+                         float* const*, float* const*, Scratch&, int64_t, int64_t);
 template <typename T>
 static AttendFn attend_for(Isa isa) {
   return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
@@ -220,7 +222,8 @@ static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, Att
     part_ml.reset(new float[(size_t)chunks * H * 2]);
   }
   std::vector<std::atomic<int64_t>> pending(B);         // a row's chunks not yet done
-  for (int64_t b = 0; b < B; ++b) pending[b].store(first[b + 1] - first[b], std::memory_order_relaxed);
+  for (int64_t b = 0; b < B; ++b)
+    pending[b].store((first[b + 1] - first[b]) * plan.head_groups, std::memory_order_relaxed);
   float* pacc = part_acc.get();
   float* pml = part_ml.get();
   auto run = [&](const Task& t, Scratch& scratch) {
@@ -237,13 +240,14 @@ static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, Att
         mls[r] = pml + (first[b] + plan.ord[t.m0 + r]) * H * 2;
       }
     }
+    const int64_t h1 = t.h1 ? t.h1 : a.KVH, G = H / a.KVH;
     attend(a, rows, t.R, a.kv_index + t.srow * a.Lk, plan.lo.data() + t.m0, plan.hi.data() + t.m0, accs, mls,
-           scratch);
+           scratch, t.h0, h1);
     for (int64_t r = 0; r < t.R; ++r) {
       const int64_t b = rows[r], n = first[b + 1] - first[b];
       float* orow = o + b * H * D;
-      if (n == 1) {
-        for (int64_t i = 0; i < H; ++i)
+      if (n == 1) {                                      // its heads' outputs; a head split's other tasks the rest
+        for (int64_t i = t.h0 * G; i < h1 * G; ++i)
           for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= mls[r][2 * i + 1];
       } else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {   // the row's last chunk: merge
         merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
@@ -268,6 +272,27 @@ static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, Att
 // Row b of a query set attends keys [start, lens) (a sliding window's start, else 0) in chunks of `chunk` keys
 // at absolute positions (chunk j: keys [j c, (j + 1) c)), so a key's chunk and tile follow its position alone.
 // Its chunks are [first[b], first[b + 1]) in the partial buffers.
+// Fewer one-row tasks than threads (batch 1, a context of one chunk: 256 keys or fewer): each task split into
+// groups of its row's KV heads, so that every thread works, where the tasks' work (keys x H x D products) is
+// worth a parallel region (~5 us). Measured (one layer's attention, 2 threads against 1, bf16 cache): Qwen3-30B-A3B's
+// 32 heads of 128 at 32 / 128 / 256 keys 0.88x / 0.68x / 0.64x the time; SmolLM2's 9 heads of 64 at 128 keys (74k
+// products) 1.19x, so below kSplitWork the task stays whole. Bits unchanged: a head's operations are the same in
+// any group (attend), whatever the split.
+constexpr int64_t kSplitWork = 1 << 17;
+static void split_heads(Plan& plan, const AttnArgs& a) {
+  const int64_t n = (int64_t)plan.tasks.size(), threads = at::get_num_threads(), KVH = a.KVH;
+  if (plan.any_shared || n == 0 || n >= threads || KVH < 2) return;
+  int64_t work = 0;                                      // one-row tasks (no shared ones): member m0 is the task's
+  for (const Task& t : plan.tasks) work += (plan.hi[t.m0] - plan.lo[t.m0]) * a.H * a.D;
+  if (work < kSplitWork) return;
+  const int64_t g = std::min(KVH, (threads + n - 1) / n);
+  std::vector<Task> split;
+  for (const Task& t : plan.tasks)
+    for (int64_t k = 0; k < g; ++k) split.push_back({t.m0, t.R, t.srow, k * KVH / g, (k + 1) * KVH / g});
+  plan.tasks.swap(split);
+  plan.head_groups = g;
+}
+
 static void chunk_rows(Queries& qs, int64_t chunk_keys, int64_t Lk) {
   const int64_t B = (int64_t)qs.lens.size();
   qs.chunk.resize(B);
@@ -299,6 +324,7 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   Plan plan;
   if (shared_prefix_on() && B > 1 && qs.first[B] > B) plan_shared(a, qs, plan);
   plan_rest(qs, plan);
+  split_heads(plan, a);
   run_plan(a, qs, plan, pick_attend(resolve_isa(isa_req), kv, bf16_products, a.D), o);
 }
 
