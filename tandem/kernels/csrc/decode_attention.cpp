@@ -47,10 +47,9 @@
 // which turns any last-bit difference into a visible one; with this, a row's output is the same in any batch
 // (the overlap loop's riding rows, a speculative verify step, another loop) and under any device_threads. (The
 // old policy sized chunks from B and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a
-// step in merges.) MIN_CHUNK 256,
-// not 64: every chunk of a task costs its queries' setup, the (max, sum, output) state and a merge, and a
-// last part-tile; measured (benchmarks/decode_attention_chunks.py, 2 threads, bf16 cache; results/
-// decode_attention_chunks.md): 256 takes 0.82-0.95x the time of 64 on every batch there (64 rows of ~160
+// step in merges.) MIN_CHUNK 256, not 64: every chunk of a task costs its queries' setup, the (max, sum, output)
+// state and a merge, and a last part-tile; measured (benchmarks/decode_attention_chunks.py, 2 threads, bf16
+// cache; results/decode_attention_chunks.md): 256 takes 0.82-0.95x the time of 64 on every batch there (64 rows of ~160
 // keys, 32 rows on a 930-key shared prefix, 16 rows of 300-900, 8 of 3,000, batch 1 at 500 and 2,000), on the
 // AVX2 and the AVX-512 bodies; 128 lies between. A shared prefix now shares in 256-key chunks: prefixes
 // shorter than that are read once a row.
@@ -269,15 +268,12 @@ static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, Att
   });
 }
 
-// Row b of a query set attends keys [start, lens) (a sliding window's start, else 0) in chunks of `chunk` keys
-// at absolute positions (chunk j: keys [j c, (j + 1) c)), so a key's chunk and tile follow its position alone.
-// Its chunks are [first[b], first[b + 1]) in the partial buffers.
 // Fewer one-row tasks than threads (batch 1, a context of one chunk: 256 keys or fewer): each task split into
 // groups of its row's KV heads, so that every thread works, where the tasks' work (keys x H x D products) is
-// worth a parallel region (~5 us). Measured (one layer's attention, 2 threads against 1, bf16 cache): Qwen3-30B-A3B's
-// 32 heads of 128 at 32 / 128 / 256 keys 0.88x / 0.68x / 0.64x the time; SmolLM2's 9 heads of 64 at 128 keys (74k
-// products) 1.19x, so below kSplitWork the task stays whole. Bits unchanged: a head's operations are the same in
-// any group (attend), whatever the split.
+// worth a parallel region (~5 us). Measured at 2 threads against 1 (results/decode_attention_heads.md, bf16
+// cache): Qwen3-30B-A3B's 32 heads of 128 at 32 / 128 / 256 keys 0.84x / 0.66x / 0.62x the time, Qwen3-1.7B's at
+// 128 keys 0.73x; split, SmolLM2's 9 heads of 64 at 128 keys (74k products) took 1.19x, so below kSplitWork a
+// task stays whole. Bits unchanged: a head's operations are the same in any group (attend), whatever the split.
 constexpr int64_t kSplitWork = 1 << 17;
 static void split_heads(Plan& plan, const AttnArgs& a) {
   const int64_t n = (int64_t)plan.tasks.size(), threads = at::get_num_threads(), KVH = a.KVH;
@@ -293,6 +289,9 @@ static void split_heads(Plan& plan, const AttnArgs& a) {
   plan.head_groups = g;
 }
 
+// Row b of a query set attends keys [start, lens) (a sliding window's start, else 0) in chunks of `chunk` keys
+// at absolute positions (chunk j: keys [j c, (j + 1) c)), so a key's chunk and tile follow its position alone.
+// Its chunks are [first[b], first[b + 1]) in the partial buffers.
 static void chunk_rows(Queries& qs, int64_t chunk_keys, int64_t Lk) {
   const int64_t B = (int64_t)qs.lens.size();
   qs.chunk.resize(B);
