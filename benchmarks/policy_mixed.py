@@ -18,11 +18,12 @@ import tempfile
 import time
 import urllib.request
 
-# (workload, policy, extra serve flags): the priority policy also with a smaller prefill chunk beside decode rows
-# (the longest low-priority step bounds a high-priority arrival's wait); backlog always sent at once.
-RUNS = (("priority", "fcfs", ()), ("priority", "priority", ()),
-        ("priority", "priority", ("--mixed-prefill-tokens", "64")), ("tenants", "fcfs", ()), ("tenants", "fair", ()),
-        ("backlog", "fcfs", ()), ("backlog", "fair", ()))
+# (workload, policy, extra serve flags): the priority policy also without urgent steps (a high-priority arrival
+# then waits for the low-priority step in flight) and with a smaller prefill chunk beside decode rows (which bounds
+# that wait); backlog always sent at once.
+RUNS = (("priority", "fcfs", ()), ("priority", "priority", ()), ("priority", "priority", ("--no-urgent-steps",)),
+        ("priority", "priority", ("--no-urgent-steps", "--mixed-prefill-tokens", "64")), ("tenants", "fcfs", ()),
+        ("tenants", "fair", ()), ("backlog", "fcfs", ()), ("backlog", "fair", ()))
 
 
 def free_port() -> int:
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--request-rate", default="inf", help="arrivals per s (inf: all at once, saturating)")
     ap.add_argument("--max-running", type=int, default=16, help="the server's --max-running-requests")
     ap.add_argument("--json", default=None, help="write the summary here")
+    ap.add_argument("--workloads", default="priority,tenants,backlog", help="which mixes to run (comma-separated)")
     args = ap.parse_args()
     work = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
             str(args.output_len), "--request-rate", args.request_rate, "--seed", "7"]
@@ -78,6 +80,8 @@ def main() -> None:
         proc.wait()
     print(json.dumps(summary), flush=True)
     for mix, policy, extra in RUNS:
+        if mix not in args.workloads.split(","):
+            continue
         port = free_port()
         proc = serve(policy, args.max_running, port, extra)
         try:

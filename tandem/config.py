@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+SPARE_ROWS = 4      # request-table rows for urgent steps' requests (spare_rows)
 _FIELD_COMMENT = re.compile(r"^    (\w+): [^=]+=[^#]*#\s*(.+)$")
 
 
@@ -35,6 +36,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
     # ---- who goes first (tandem/scheduler/policy.py) ----
     scheduling_policy: str = "fcfs"     # "fcfs" (arrival order), "priority" (a request's priority, lower first; a waiting one retracts running ones of a worse rank), "fair" (virtual token counters per tenant, a request's user)
+    urgent_steps: bool = True           # priority: an arrival that outranks every request of the long (prefill) step in flight is prefilled between two of its layers, not after it (CPU device process, no tp or pp)
     priority_aging: float = 60.0        # priority: a request rises one priority level per this many seconds since its arrival (so one that arrived that much earlier ranks a level better), so none starves
     fair_weights: str | None = None     # fair: tenants' shares as "alice=2,bob=0.5", or "@FILE" with such pairs a line (a tenant not named weighs 1)
     fair_prefill_weight: float = 1.0    # fair: what a prefill token adds to its tenant's counter
@@ -202,6 +204,17 @@ class EngineConfig:
         if self.tp_size > 1 or self.pp_size > 1:
             return "process"
         return "inline" if self.resolved_device() == "cuda" else "process"
+
+    def runs_urgent_steps(self) -> bool:
+        """Urgent steps (scheduler/urgent.py) need the priority policy and one CPU device process: tp ranks and
+        pipeline stages run a step in lockstep, so none of them can run another between two layers."""
+        return (self.urgent_steps and self.scheduling_policy == "priority" and self.resolved_backend() == "process"
+                and self.tp_size == 1 and self.pp_size == 1 and self.nnodes == 1)
+
+    def spare_rows(self) -> int:
+        """Request-table rows past max_running_requests: where urgent steps' requests go while the rows of
+        requests released during the long step wait for its end (Scheduler._release)."""
+        return SPARE_ROWS if self.runs_urgent_steps() else 0
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

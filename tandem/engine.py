@@ -56,7 +56,8 @@ class Engine:
             # Prefix-cache hits send their cached slots once; no row's prefix is longer than the context.
             prefix_slots = cap * config.max_running_requests if config.prefix_cache else 0
             self.executor = ProcessExecutor(spec, threads, step_tokens, max_prefix_slots=prefix_slots,
-                                        nnodes=config.nnodes, dist_init_addr=config.dist_init_addr)
+                                        nnodes=config.nnodes, dist_init_addr=config.dist_init_addr,
+                                        nests_steps=config.runs_urgent_steps())
             self.device_threads = threads
         else:
             from .device.executor import InlineExecutor

@@ -47,9 +47,12 @@ class Executor(Protocol):
     max_context: int
 
     defers_masks: bool      # the grammar branch: a step's token masks may follow its launch
+    nests_steps: bool       # the urgent-step branch: runs a step between two layers of a long one (urgent.py)
 
     def wait_ready(self) -> None: ...
     def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ResultHandle: ...
+    # With nests_steps: launch_step(step, masks, yields=..., urgent=...), poll_done(timeout), buffer_slots and
+    # handle.ready() (process/executor.py)
     def shutdown(self) -> None: ...
     def probe(self) -> None: ...        # liveness of an idle device: a no-op round trip (blocks while it is stuck)
 
@@ -113,6 +116,7 @@ class InlineExecutor:
         return None
 
     defers_masks = False      # it samples within launch_step: grammar masks come with the launch
+    nests_steps = False       # each step runs whole within its launch
 
     def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> InlineHandle:
         start = now()

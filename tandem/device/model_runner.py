@@ -123,12 +123,12 @@ class ModelRunner:
                          and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
-        self.req_to_token = torch.zeros(spec.max_running + 1, self.max_context, dtype=torch.int32,
-                                        device=self.device)
-        self.future_map = FutureMap(spec.max_running + 1, self.device, poison=spec.poison_future_map)
+        rows = spec.max_running + spec.spare_rows + 1
+        self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)
+        self.future_map = FutureMap(rows, self.device, poison=spec.poison_future_map)
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
         self.last_prompt_logprobs, self.embed_sums = None, {}   # prompt positions' logprobs; mean pooling's sums
-        self.penalties = PenaltyState(spec.max_running + 1, c.vocab_size, self.device) if self.samples else None
+        self.penalties = PenaltyState(rows, c.vocab_size, self.device) if self.samples else None
 
     def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type (q8_0: uint8 blocks, kernels/kv_quant.py). "auto": bfloat16 on CPU where
@@ -210,15 +210,17 @@ class ModelRunner:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None) -> torch.Tensor | None:
+    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
+                 between: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device (None on a
         tp rank other than 0 and on a pipeline stage but the last: they run the forward only).
 
         The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
         called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
-        the device only the wait for what is left of it."""
+        the device only the wait for what is left of it. The urgent-step branch: `between(i)` before each
+        layer i > 0 may run other steps there, in nested() (process/main.py)."""
         inputs = self._prepare(step)
-        logits = self._forward(step, inputs)
+        logits = self._forward(step, inputs, between)
         if logits is None:
             return None
         tokens, accepted = self._sample(step, inputs, logits, masks)
@@ -270,13 +272,18 @@ class ModelRunner:
             input_ids[at] = self.future_map.gather(tok_req_row[at])
         return input_ids
 
-    def _forward(self, step: StepInput, inputs: _StepTensors) -> torch.Tensor | None:
+    def nested(self):
+        """The context of a step run between two layers of another (urgent steps): its own gather buffers.
+        Nothing else of a step outlives a layer but its residual stream (LlamaModel.final_hidden)."""
+        return self.kv_cache.nested()
+
+    def _forward(self, step: StepInput, inputs: _StepTensors, between=None) -> torch.Tensor | None:
         """The layers, then the LM head: the prompt positions' logprobs (in pieces) and the rows' logits [B, V].
         None where this model runner does not sample: a pipeline stage but the last (its hidden states went on
         to the next) or a tp rank other than 0 (the logits gather ends on rank 0)."""
         b = step.batch_size
         # [B (+ N + M), H]: each row's last token, the prompt positions whose logprobs were asked, mean pooling's
-        hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index)
+        hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index, between)
         if hidden is None:
             return None                             # a pipeline stage but the last: sent on to the next
         self.last_prompt_logprobs, self.last_embeddings = None, pooled(step, hidden, self.embed_sums)   # [E, H]

@@ -84,7 +84,7 @@ def runner_spec(config: EngineConfig, source) -> RunnerSpec:
     """What every rank builds itself from (the engine's options that reach the device side)."""
     return RunnerSpec(
         source=source, device=config.resolved_device(), dtype=config.resolved_dtype(),
-        max_running=config.max_running_requests, max_model_len=config.max_model_len,
+        max_running=config.max_running_requests, spare_rows=config.spare_rows(), max_model_len=config.max_model_len,
         kv_cache_tokens=config.kv_cache_tokens, kv_memory_fraction=config.kv_memory_fraction,
         kv_cache_dtype=config.kv_cache_dtype, shared_prefix_attention=config.shared_prefix_attention,
         poison_future_map=config.poison_future_map, kernels=config.kernels, kernels_act=config.kernels_act,

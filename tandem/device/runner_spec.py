@@ -18,6 +18,7 @@ class RunnerSpec:
     max_model_len: int | None
     kv_cache_tokens: int | None
     kv_memory_fraction: float
+    spare_rows: int = 0           # request-table rows past max_running, for urgent steps (scheduler/urgent.py)
     kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16 / q8_0 (kernels/kv_quant.py)
     shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
     poison_future_map: bool = False

@@ -15,6 +15,7 @@ whichever step reads it (so a prefix-cache hit reads what a fresh prefill would 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,17 @@ class PagedKVCache:
         self.data = torch.empty(num_slots + 1, num_layers, 2, num_kv_heads, row, dtype=dtype, device=device)
         self.data[self.pad_slot].zero_()
         self._bufs: dict[int, torch.Tensor] = {}
+        self._nested_bufs: dict[int, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def nested(self):
+        """A step run between two layers of another (the urgent-step branch, process/main.py) gathers into
+        buffers of its own: the other's view of its current layer group stays in the usual ones."""
+        outer, self._bufs = self._bufs, self._nested_bufs
+        try:
+            yield
+        finally:
+            self._nested_bufs, self._bufs = self._bufs, outer
 
     def step_view(self, kv_index: torch.Tensor, tok_row: torch.Tensor, positions: torch.Tensor,
                   out_cache_loc: torch.Tensor, has_prefix: bool, part: int = 0) -> "StepKV":

@@ -10,6 +10,8 @@ or the key range the decode kernel reads (native path) starts W positions back.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -242,10 +244,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                     index: torch.Tensor) -> torch.Tensor:
+                     index: torch.Tensor, between: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; index: [N] flat token indices. The final-normed hidden states there:
         [N, hidden], for logits() (which callers may apply to a few rows at a time); None on a pipeline stage
-        but the last (it sent its hidden states on)."""
+        but the last (it sent its hidden states on). `between(i)` is called before each layer i > 0, when
+        nothing of the step is in flight but its residual stream (the urgent-step branch: process/main.py)."""
         c = self.config
         if self.pp is None or self.pp.first:
             x, delta = self._embed(input_ids), None                     # [T, hidden]
@@ -254,9 +257,9 @@ class LlamaModel:
         else:
             x, delta = self.pp.recv_hidden((input_ids.shape[0], c.hidden_size), self.dtype), None
         if self.native:
-            x, delta = self._forward_native(x, delta, positions, meta)
+            x, delta = self._forward_native(x, delta, positions, meta, between)
         else:
-            x = self._forward_torch(x, positions, meta)
+            x = self._forward_torch(x, positions, meta, between)
         if self.pp is not None and not self.pp.last:
             # To the next stage: the hidden states, and the native layers' residual still to be added.
             self.pp.send_hidden(x if delta is None else torch.stack([x, delta]))
@@ -266,11 +269,14 @@ class LlamaModel:
             return torch.ops.tandem.rms_norm(x[index], self.final_norm, c.rms_norm_eps)   # [N, hidden]
         return rms_norm(x[index], self.final_norm, c.rms_norm_eps)
 
-    def _forward_torch(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def _forward_torch(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
+                       between: Callable[[int], None] | None = None) -> torch.Tensor:
         """The layers op by op in torch (kernels="torch"): x [T, hidden] in, the residual stream out."""
         c = self.config
         tables = {}                                                     # cos/sin at the positions, per table
         for i, layer in enumerate(self.layers):
+            if between is not None and i:
+                between(i)
             cos_t, sin_t = self._rope(layer)
             if id(cos_t) not in tables:
                 tables[id(cos_t)] = (cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1))   # [T, 1, D]
@@ -301,7 +307,8 @@ class LlamaModel:
         return x
 
     def _forward_native(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                        meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
+                        meta: AttentionMeta, between: Callable[[int], None] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
         RoPE in place on the fused qkv, SiLU x up, and a pure decode step's K/V write + attention in one op
         (decode_attention_qkv_): a batch-1 decode step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer
@@ -313,6 +320,8 @@ class LlamaModel:
         fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
         b0 = self._bulk_from(x.shape[0], meta)                          # rows from b0 on: bf16 linears
         for i, layer in enumerate(self.layers):
+            if between is not None and i:
+                between(i)
             if fused and "blocks" in layer:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)
                 continue

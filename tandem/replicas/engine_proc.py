@@ -22,6 +22,7 @@ from ..device.streams import now
 from ..engine import Engine
 from ..lifeline import die_with_parent
 from ..request import StepOutput
+from ..trace.recorder import busy_time
 from ..sampling_params import SamplingParams
 from . import ipc
 
@@ -136,13 +137,13 @@ class EngineProc:
         t = now()
         if t - self._idle_at >= IDLE_EVERY_S:
             self._idle_at = t
-            busy, first, last = 0.0, None, None
+            recent = []
             for d in reversed(self.engine.recorder.devices):     # newest first
                 if d.end < t - IDLE_WINDOW_S:
                     break
-                busy += d.end - d.start
-                first, last = d.start, last if last is not None else d.end
-            window = (last - first) if first is not None else 0.0
+                recent.append(d)
+            busy = busy_time(recent)                            # urgent steps' spans lie inside others'
+            window = (max(d.end for d in recent) - min(d.start for d in recent)) if recent else 0.0
             self._idle = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
         return self._idle
 

@@ -24,6 +24,12 @@ class Batch:
     # been waited for (the last in-flight step that may touch them).
     dropped: set = field(default_factory=set)
     release: list = field(default_factory=list)
+    # The urgent-step branch (scheduler/urgent.py): a long step the device may run urgent steps in (yields),
+    # such a step (urgent), and the requests released while this step was in flight, whose rows and KV it may
+    # still write: they are given back once it has been waited for (deferred, Scheduler._release).
+    yields: bool = False
+    urgent: bool = False
+    deferred: list = field(default_factory=list)
 
     @property
     def speculative(self) -> bool:
@@ -46,3 +52,12 @@ class Chunk:
     start: int
     n: int
     last: bool            # ends the fill: only this chunk samples
+
+
+@dataclass
+class InFlight:
+    """What the steps in flight hold, which a pick made while they run (an urgent step, scheduler/urgent.py)
+    must leave alone: their requests, and the KV slots they write (cache_prefill shares a chunk's KV in the
+    prefix cache when it is picked, so a hit on one of these slots would read it half written)."""
+    reqs: set[int]        # id() of each request
+    slots: set[int]

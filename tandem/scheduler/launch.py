@@ -13,16 +13,21 @@ from ..device.executor import ResultHandle
 from .batch import Batch
 from .results import process_pending
 from .scheduler import NEW_TOKEN_RATIO_DECAY, NEW_TOKEN_RATIO_MIN
+from .urgent import yields
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 
 def launch_step(s: "Scheduler", batch: Batch) -> ResultHandle:
+    """The urgent-step branch (urgent.py) decides here whether the step yields: runs urgent steps between layers."""
     if batch.num_decode:
         s.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, s.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
     masks = launch_masks(s, batch)
     s.recorder.launched(batch)
+    batch.yields = yields(s, batch)
+    if batch.yields:
+        return s.executor.launch_step(batch.step, masks, yields=True)
     return s.executor.launch_step(batch.step, masks)
 
 

@@ -24,6 +24,13 @@ them was waited for. Penalized and draft-model requests, and those whose runs se
 a step, a wait only the host's share of one), are not picked on an assumption: a drafting step of theirs is
 processed before the next pick, so it runs serially, like a grammar row's mask in the inline executor.
 
+The urgent-step branch (scheduler/urgent.py, the priority policy) changes *what a wait for a long step does*:
+a prefill step is launched as one that yields, and while the loop waits for it, an arrival that outranks every
+request in flight is picked into an urgent step that the device runs between two of the long step's layers and
+whose results are processed at once, before the long step's. Rules: an urgent step shares no request, row or KV
+slot with a step in flight, and a request released while riding in a yielding step keeps its row and KV until
+that step is processed (Scheduler._release).
+
 The PP loop (pp_size P > 1, device/parallel/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
 per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
 in-flight micro-batch, but for a started prefill's next chunk (the chunked pipeline: it samples nothing, and
@@ -46,6 +53,7 @@ from .launch import launch_step
 from .pick import pick_batch
 from .results import process_oldest, process_pending, process_results
 from .scheduler import Scheduler
+from .urgent import wait_long_step
 
 
 def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
@@ -59,6 +67,11 @@ def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
         if batch is not None:
             with rec.span("launch", batch.step_id):
                 handle = launch_step(s, batch)
+            if batch.yields:                          # the urgent-step branch: arrivals that outrank it go first
+                s.result_queue.append((batch, handle))
+                wait_long_step(s)
+                process_pending(s)
+                continue
             with rec.span("process", batch.step_id):
                 process_results(s, batch, handle)
         else:
@@ -74,7 +87,10 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
         if queue and s.policy.ranks_steps and queue[-1][0].is_prefill:
             # The priority policy's rule: a prefill step in flight is long, and the next step picked before it
             # ends would run before anything that arrives meanwhile; wait for it, then pick (only the host's
-            # share of a long step is not overlapped).
+            # share of a long step is not overlapped). The urgent-step branch: while it runs, an arrival that
+            # outranks it is prefilled between two of its layers (urgent.py).
+            if queue[-1][0].yields:
+                wait_long_step(s)
             process_pending(s)
         with rec.span("recv"):
             s.recv_requests()

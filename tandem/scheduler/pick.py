@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..memory.radix_cache import common_prefix
 from ..request import Req, ReqStatus
-from .batch import Batch, Chunk
+from .batch import Batch, Chunk, InFlight
 from .make_batch import make_batch
 from .results import process_pending
 from .speculative import must_sync, propose
@@ -58,7 +58,7 @@ def pick_batch(s: "Scheduler") -> Batch | None:
         # is left to the next decode-only step.
         decode = decode if mixed and s.available() >= len(decode) else []
         batch = make_batch(s, chunks, _alloc_decode(s, decode))
-        _charge(s, chunks, decode)
+        charge(s, chunks, decode)
         # Optional hook: a prefill right behind a prefill waits for k-1 first (better TTFT, less overlap).
         batch.needs_previous = s.config.process_prev_before_prefill and any(
             b.is_prefill for b, _ in s.result_queue)
@@ -83,10 +83,11 @@ def prefill_lead(s: "Scheduler") -> Req | None:
     return s.policy.lead(started + ([ready] if ready else []), s.clock())
 
 
-def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None) -> list[Chunk]:
+def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None, held: InFlight | None = None) -> list[Chunk]:
     """Prefill chunks of at most `budget` tokens in all: a started chunked prefill first, then admissions;
     but once a chunk, arrivals whose whole prefill fits go first, alone, for one step. No chunk of a request
-    the `lead` outranks (the policy's step rule, pick_batch).
+    the `lead` outranks (the policy's step rule, pick_batch). `held`: an urgent pick (urgent.py): no request
+    in flight, and no admission whose prefix hit reads a slot a step in flight writes.
 
     A request is admitted whole (its prompt's KV is allocated at once, so a chunked prefill never stalls for
     memory) and prefilled in chunks: it keeps its row and KV across chunks and joins decode after its last.
@@ -100,7 +101,8 @@ def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None) -> list[C
 
     def outranked(req: Req) -> bool:
         return lead is not None and s.policy.outranks(lead, req, t)
-    started = [r for r in s.running if r.prefilling and not r.aborted and not outranked(r)]  # in flight or not
+    started = [r for r in s.running if r.prefilling and not r.aborted and not outranked(r)   # in flight or not
+               and (held is None or id(r) not in held.reqs)]
     # Arrivals go first for one step, once per chunk of a started prefill: a short request behind a long prompt
     # waits for the chunk in flight, not also for the next chunk in the step that would carry it.
     aside = bool(s.waiting) and bool(started) and not any(r.stood_aside for r in started)
@@ -110,12 +112,16 @@ def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None) -> list[C
     admitted: list[Req] = []
     reserved = 0
     for req in s.waiting:
-        if tokens >= budget or len(s.running) + len(admitted) >= s.config.max_running_requests or outranked(req):
+        if (tokens >= budget or len(s.running) + len(admitted) >= s.config.max_running_requests or outranked(req)
+                or len(admitted) >= s.memory.rows.available()):   # (rows: some may wait for a step, urgent.py)
             break                                 # (the queue is in the policy's order: the rest are outranked too)
         if s.grammars is not None and not s.grammars.ready(req):
             continue                              # its grammar still compiles: the requests behind it go on
         fill = req.fill_ids()
         cached = s.memory.match_prefix(req)              # locks the hit, so it no longer counts as evictable
+        if held is not None and not held.slots.isdisjoint(req.slots[:cached]):
+            s.memory.unmatch(req)                 # its hit is still being written: after that step, not in it
+            break
         n = len(fill) - cached                    # tokens this prefill computes
         mates = [c.req for c in chunks] + (started if aside else [])
         if s.memory.takes_hits(req) and any(common_prefix(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE
@@ -192,11 +198,11 @@ def pick_decode(s: "Scheduler") -> Batch | None:
     if not reqs:
         return None
     batch = make_batch(s, [], _alloc_decode(s, reqs, drafts), drafts, bonus)
-    _charge(s, [], reqs)
+    charge(s, [], reqs)
     return batch
 
 
-def _charge(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> None:
+def charge(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> None:
     """The tokens a picked step computes, to each request's account (the fair policy's counters)."""
     for c in chunks:
         s.policy.charge(c.req, c.n, 0)
@@ -204,14 +210,18 @@ def _charge(s: "Scheduler", chunks: list[Chunk], decode: list[Req]) -> None:
         s.policy.charge(req, 0, 1)
 
 
-def preempt(s: "Scheduler") -> None:
+def preempt(s: "Scheduler", held: InFlight | None = None) -> None:
     """Preemption (priority, fair): the first waiting request that may be admitted (its grammar ready) but for
     the running cap or the KV memory retracts the running requests the policy gives it (policy.victims), in
     that order, until it fits; none is
     retracted when even all of them would not make room. Retraction needs host truth (process_pending first),
-    and retracted requests keep their outputs, which they re-prefill when they resume (Scheduler.retract)."""
+    and retracted requests keep their outputs, which they re-prefill when they resume (Scheduler.retract).
+
+    `held`: an urgent pick (urgent.py), the steps in flight go on. A victim's rows in them are dropped instead
+    (batch.dropped: host truth is the processed steps'), and its KV and row come back only once they are
+    processed (Scheduler._release), so only the running cap counts as room made, and a free row is needed."""
     req = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
-    if req is None:
+    if req is None or (held is not None and not s.memory.rows.available()):
         return
     t = s.clock()
     need = len(req.fill_ids()) + int(min(req.max_new_tokens() - len(req.output_ids), NEW_TOKEN_CLIP)
@@ -228,11 +238,14 @@ def preempt(s: "Scheduler") -> None:
         if fits(keep, freed):
             break
         keep.remove(v)
-        freed += len(v.slots)
+        freed += len(v.slots) if held is None or id(v) not in held.reqs else 0
         chosen.append(v)
     if not chosen or not fits(keep, freed):
         return
-    process_pending(s)
+    if held is None:
+        process_pending(s)
+    for b, _ in s.result_queue if held is not None else ():
+        b.dropped.update(v for v in chosen if v in b.reqs)
     for v in chosen:
         if v in s.running and not v.finished:     # processing k-1 may have finished it
             s.retract(v)

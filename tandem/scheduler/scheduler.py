@@ -51,13 +51,15 @@ class Scheduler:
         self.executor = executor
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
-        self.memory = KVCacheManager(executor.num_slots, config.max_running_requests, config.prefix_cache)
+        # Request-table rows: the running cap's, and spare ones urgent steps' requests take (urgent.py)
+        self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
+                                     config.prefix_cache)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe
         self.result_queue: collections.deque[tuple[Batch, ResultHandle]] = collections.deque()
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
-        self._step_ids = itertools.count()
+        self._next_step_id = 0
         self._live: dict[str, Req] = {}
         self.retractions = 0
         self.failures = 0                   # requests ended by an error in their own path (fail)
@@ -204,6 +206,10 @@ class Scheduler:
         one, so once micro-batch k is processed none in flight still reads or writes its request's slots or
         row; and every stage runs micro-batches in launch order, so a slot handed to a later launch (freed,
         or evicted from the cache) is rewritten on each stage after every in-flight micro-batch there.
+
+        Urgent steps (urgent.py) run *before the rest of* the long step they are launched in, so "later
+        launches run after" does not hold for it: a request that rides in such a step (batch.yields) keeps its
+        slots and row until that step has been processed (_release defers them to it).
         """
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -241,6 +247,14 @@ class Scheduler:
         self.waiting.appendleft(req)    # the head under fcfs; the other policies order by its kept arrival
 
     def _release(self, req: Req) -> None:
+        for batch, _ in self.result_queue:
+            if batch.yields and req in batch.reqs:
+                batch.deferred.append(req)     # urgent steps may run before this step's last layers (finish())
+                return
+        self.release_now(req)
+
+    def release_now(self, req: Req) -> None:
+        """Give back a request's KV slots (prefix cache or free list), row and drafter state."""
         if self.spec.drafter is not None:
             self.spec.drafter.release(req)
         self.memory.release(req)
@@ -255,14 +269,21 @@ class Scheduler:
     def audit_kv(self) -> None:
         """Debug check: every KV slot is free, held by a live request, owned by the tree, or a dropped speculative
         row's slot freed once its step is waited for (Batch.release), exactly once."""
-        self.memory.audit(self._live.values(), [s for batch, _ in self.result_queue for s in batch.release])
+        deferred = [r for batch, _ in self.result_queue for r in batch.deferred if r.rid not in self._live]
+        self.memory.audit([*self._live.values(), *deferred],
+                          [s for batch, _ in self.result_queue for s in batch.release])
 
     def take_freed_rows(self) -> np.ndarray:
         rows = self.memory.take_freed_rows()
         return np.array(rows if self.config.poison_future_map else [], dtype=np.int64)
 
     def next_step_id(self) -> int:
-        return next(self._step_ids)
+        self._next_step_id += 1
+        return self._next_step_id - 1
+
+    def peek_step_id(self) -> int:
+        """The id the next picked step gets (urgent.py: which buffer slot it would write)."""
+        return self._next_step_id
 
     # ---- state ---------------------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -84,7 +84,7 @@ class Recorder:
     def summary(self, wall_s: float | None = None, output_tokens: int | None = None) -> dict:
         dev = sorted(self.devices, key=lambda d: d.start)
         steps = len(dev)
-        busy = sum(d.end - d.start for d in dev)
+        busy = busy_time(dev)
         window = (dev[-1].end - dev[0].start) if dev else 0.0
         host_total = sum(e - s for n, _, s, e in self.host if n in ("recv", "pick", "launch", "process"))
         waited = sum(e - s for n, _, s, e in self.host if n == "wait")
@@ -102,6 +102,17 @@ class Recorder:
             "comm_ms_per_step": 1e3 * sum(d.comm for d in dev) / steps if steps else 0.0,
             **({"pp_stages": stage_summary(dev)} if any(d.stages for d in dev) else {}),
         }
+
+
+def busy_time(spans) -> float:
+    """Seconds covered by the device spans (with .start, .end): an urgent step runs inside the span of the step it
+    was run in (scheduler/urgent.py), so their union, not their sum."""
+    busy, reach = 0.0, float("-inf")
+    for d in sorted(spans, key=lambda d: d.start):
+        if d.end > reach:
+            busy += d.end - max(d.start, reach)
+            reach = d.end
+    return busy
 
 
 def stage_summary(dev: list[DeviceSpan]) -> list[dict]:

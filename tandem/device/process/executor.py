@@ -93,6 +93,10 @@ class ProcessHandle:
         self._executor._write_masks(self._buf, masks)
         self._executor._send(_LAUNCH.pack(b"M", self.step_id, self._buf))
 
+    def ready(self) -> bool:
+        """Has the step's "done" come (read by wait() or the executor's poll_done)? Never blocks."""
+        return self._result is not None or self.step_id in self._executor._done
+
     def wait(self) -> np.ndarray:
         if self._result is None:
             *span, self.comm_s = self._executor._wait_done(self.step_id)  # copy_done.wait()
@@ -127,7 +131,10 @@ class ProcessHandle:
 class ProcessExecutor:
     def __init__(self, spec: RunnerSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0, max_prefix_slots: int = 0, nnodes: int = 1,
-                 dist_init_addr: str | None = None) -> None:
+                 dist_init_addr: str | None = None, nests_steps: bool = False) -> None:
+        # Urgent steps (scheduler/urgent.py): the device runs them between two layers of a long step, so a third
+        # buffer slot lets one be launched while the long step and the step before it hold theirs.
+        self.nests_steps = nests_steps and spec.pp_size == 1 and spec.tp_size == 1
         b = spec.max_running + spec.max_draft_rows      # batch rows a step may carry (draft rows included)
         # StepInput.pack: header, the row fields, then the VAR fields, each bounded: ids and slots (a token
         # each), poisoned and grammar rows (<= rows), prefix slots and the penalized rows' prefix ids (<= the
@@ -145,7 +152,7 @@ class ProcessExecutor:
         emb_floats = spec.max_running * spec.source.config.hidden_size     # every row an embeddings row at most
         self.buffers = SharedBuffers(shm_path, int_words, float_words, out_words, b,
                                       mask_words(spec.source.config.vocab_size), create=True,
-                                      slots=max(2, spec.pp_size), emb_floats=emb_floats)
+                                      slots=max(3 if self.nests_steps else 2, spec.pp_size), emb_floats=emb_floats)
         sock = os.path.join(self._tmp, "sock")
         authkey = os.urandom(16)
         listener = Listener(sock, family="AF_UNIX", authkey=authkey)
@@ -221,7 +228,15 @@ class ProcessExecutor:
 
     defers_masks = True       # a step's grammar masks may follow its launch (the device waits before sampling)
 
-    def launch_step(self, step: StepInput, masks: np.ndarray | None = None) -> ProcessHandle:
+    @property
+    def buffer_slots(self) -> int:
+        """Steps in flight at most: step k writes buffer slot k % buffer_slots."""
+        return self.buffers.slots
+
+    def launch_step(self, step: StepInput, masks: np.ndarray | None = None, yields: bool = False,
+                    urgent: bool = False) -> ProcessHandle:
+        """`yields`: the device runs urgent steps sent while this one runs between two of its layers; `urgent`:
+        such a step (only with nests_steps; the scheduler keeps their invariants, scheduler/urgent.py)."""
         # Slot k % slots is rewritten only once step k - slots has been processed: at most `slots` in flight.
         buf = step.step_id % self.buffers.slots
         if masks is not None:
@@ -232,9 +247,30 @@ class ProcessExecutor:
             step.stash_ids = np.fromiter(self.relay.values(), np.int64, len(self.relay))
             self.relay = {}
         step.pack(self.buffers.ints[buf], self.buffers.floats[buf])
+        kind = b"U" if urgent else b"Y" if yields else b"L"
         for conn in self.conns:             # every pipeline stage reads the step from the buffers
-            self._send(_LAUNCH.pack(b"L", step.step_id, buf), conn)
+            self._send(_LAUNCH.pack(kind, step.step_id, buf), conn)
         return ProcessHandle(self, step, buf)
+
+    def poll_done(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a message of the device process and take the "done"s that came
+        (ProcessHandle.ready reads them); an error or a death raises DeviceProcessError, as wait() does."""
+        try:
+            if not self.conn.poll(timeout):
+                if self._dead() is not None:
+                    raise self._died()
+                return
+        except (OSError, EOFError) as e:
+            raise self._died() from e
+        while True:
+            kind, sid, *times = self._recv()
+            if kind == "done":
+                self._done[sid] = tuple(times)
+            try:
+                if not self.conn.poll(0):
+                    return
+            except (OSError, EOFError) as e:
+                raise self._died() from e
 
     def probe(self) -> None:
         """Liveness: a no-op round trip to each device process of this node (its step loop answers at once).

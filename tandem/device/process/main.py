@@ -26,7 +26,9 @@ from .buffers import SharedBuffers, write_results
 from ..step import StepInput
 from ..streams import now
 
-_LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written
+_LAUNCH = struct.Struct("<cqq")    # b"L", step id, buffer index; b"M" (same layout): its token masks are written;
+#                                   b"Y": a launch whose step runs the urgent steps (b"U") sent meanwhile between
+#                                   two of its layers (_StepLoop.between)
 _DONE = struct.Struct("<cqddd")    # b"D", step id, forward start, forward end, seconds in tp collectives;
 #                                   b"S" (same layout): a pipeline stage's own span and seconds in its sends
 PING = b"P"                        # the executor's liveness probe (ProcessExecutor.probe): answered with PONG at
@@ -86,6 +88,7 @@ class _StepLoop:
         self.tp, self.pp, self.relay, self.profile, self.link = tp, pp, relay, profile, link
         self.early: set[int] = set()              # steps whose mask message came before they were run
         self.later: collections.deque[bytes] = collections.deque()   # launches that came while a step waited
+        self.nested = False                       # an urgent step runs between two layers of another
 
     def run(self) -> None:
         trimmed = True                           # no step ran since the heap was last given back
@@ -118,11 +121,34 @@ class _StepLoop:
         kind, step_id, buf = _LAUNCH.unpack(msg)
         if kind == b"M":                # the masks of a step not yet run (it is next)
             self.early.add(step_id)
-        else:
-            self.launched(step_id, buf, start)
+        else:                           # b"U" read here came after its long step's last layer: run as any
+            self.launched(step_id, buf, start, yields=kind == b"Y")
         return True
 
-    def launched(self, step_id: int, buf: int, start: float) -> None:
+    def between(self, layer: int) -> None:
+        """The urgent-step branch, before layer `layer` of a step launched with b"Y": run each urgent step sent
+        meanwhile here, to its end ("done" before the long step's); keep any other message for after. What
+        makes this safe is on the scheduler's side (scheduler/urgent.py): an urgent step shares no request,
+        request-table row or KV slot with the step it runs in."""
+        while True:
+            with _scheduler_link():
+                if not self.conn.poll(0):
+                    return
+                msg = self.conn.recv_bytes()
+            if msg[:1] == b"U":
+                _, step_id, buf = _LAUNCH.unpack(msg)
+                self.nested = True
+                try:
+                    with self.model_runner.nested():
+                        self.launched(step_id, buf, now())
+                finally:
+                    self.nested = False
+            elif msg[:1] == b"M":
+                self.early.add(_LAUNCH.unpack(msg)[1])
+            else:
+                self.later.append(msg)
+
+    def launched(self, step_id: int, buf: int, start: float, yields: bool = False) -> None:
         """A launched step: pass it on (tp ranks, the relay, the next stage on another node), run it, write its results
         and send "done" (a pipeline stage also its own span)."""
         buffers, tp, pp, relay = self.buffers, self.tp, self.pp, self.relay
@@ -136,8 +162,9 @@ class _StepLoop:
         if self.link is pp and pp is not None:       # the next stage is on another node: the step goes first
             pp.send_step(step_wire.STEP, step_id, step, buffers.ints[buf], buffers.floats[buf])
         b = step.batch_size
-        with self.profile.step(b, step.num_tokens) if self.profile is not None else contextlib.nullcontext():
-            tokens = self.model_runner.run_step(step, self.masks_of(step, buf))
+        profiled = self.profile is not None and not self.nested
+        with self.profile.step(b, step.num_tokens) if profiled else contextlib.nullcontext():
+            tokens = self.model_runner.run_step(step, self.masks_of(step, buf), self.between if yields else None)
             if pp is not None:          # this stage's own span: from its input in hand (the trace's pipeline)
                 self.send(_DONE.pack(b"S", step_id, start if pp.first else pp.recv_done, now(), pp.comm_s))
             if tokens is None:          # a pipeline stage but the last: its hidden states went on
