@@ -36,7 +36,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096    # bound on the waiting queue (server answers 503 past it)
     # ---- who goes first (tandem/scheduler/policy.py) ----
     scheduling_policy: str = "fcfs"     # "fcfs" (arrival order), "priority" (a request's priority, lower first; a waiting one retracts running ones of a worse rank), "fair" (virtual token counters per tenant, a request's user)
-    urgent_steps: bool = True           # priority: an arrival that outranks every request of the long (prefill) step in flight is prefilled between two of its layers, not after it (CPU device process, no tp or pp)
+    urgent_steps: bool = True           # priority: an arrival that outranks every prefill chunk of the long step in flight is prefilled between two of its layers, not after it (CPU device process, no tp or pp)
     priority_aging: float = 60.0        # priority: a request rises one priority level per this many seconds since its arrival (so one that arrived that much earlier ranks a level better), so none starves
     fair_weights: str | None = None     # fair: tenants' shares as "alice=2,bob=0.5", or "@FILE" with such pairs a line (a tenant not named weighs 1)
     fair_prefill_weight: float = 1.0    # fair: what a prefill token adds to its tenant's counter

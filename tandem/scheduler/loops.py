@@ -26,7 +26,7 @@ processed before the next pick, so it runs serially, like a grammar row's mask i
 
 The urgent-step branch (scheduler/urgent.py, the priority policy) changes *what a wait for a long step does*:
 a prefill step is launched as one that yields, and while the loop waits for it, an arrival that outranks every
-request in flight is picked into an urgent step that the device runs between two of the long step's layers and
+prefill chunk in flight is picked into an urgent step that the device runs between two of the long step's layers and
 whose results are processed at once, before the long step's. Rules: an urgent step shares no request, row or KV
 slot with a step in flight, and a request released while riding in a yielding step keeps its row and KV until
 that step is processed (Scheduler._release).

@@ -117,6 +117,8 @@ def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None, held: InF
             break                                 # (the queue is in the policy's order: the rest are outranked too)
         if s.grammars is not None and not s.grammars.ready(req):
             continue                              # its grammar still compiles: the requests behind it go on
+        if held is not None and id(req) in held.reqs:
+            break                                 # retracted, its rows still in flight (urgent.py): after them
         fill = req.fill_ids()
         cached = s.memory.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         if held is not None and not held.slots.isdisjoint(req.slots[:cached]):

@@ -1,17 +1,18 @@
-"""The urgent-step branch of the priority policy: an arrival that outranks every request of the long step in flight
-is prefilled between two of that step's layers, not after the step.
+"""The urgent-step branch of the priority policy: an arrival that outranks every prefill chunk of the long step in
+flight is prefilled between two of that step's layers, not after the step.
 
 Why: a step cannot be cut short, and a prefill step of a flood's 256-token chunk beside its decode rows runs
 ~240 ms on 2 CPU cores; a high-priority arrival that landed at its start waited for all of it
 (benchmarks/results/policy_mixed.md). So a prefill step is launched as one that yields (batch.yields, b"Y"), and
 the loops wait for it in wait_long_step: arrivals are taken in as they come, and an urgent step is picked for
-those that outrank everything in flight (pick_urgent) and launched (b"U"). The device process runs it before the
+those that outrank every chunk in flight (pick_urgent) and launched (b"U"). The device process runs it before the
 long step's next layer (process/main.py: _StepLoop.between) and reports it first; its results are processed at
 once, out of order (first tokens streamed), while the long step goes on.
 
 Invariants, each kept where it is named:
-- An urgent step shares no request with a step in flight: its requests outrank all of theirs (pick_urgent), and
-  it carries prefill chunks only, so no row of it reads a FutureMap entry a step in flight has yet to write.
+- An urgent step shares no request with a step in flight (pick_prefill's `held`: no started prefill in flight,
+  no retracted request whose rows are), and it carries prefill chunks only, so no row of it reads a FutureMap
+  entry a step in flight has yet to write.
 - No request-table row or KV slot it is given is one a step in flight may still write: a request released while
   it rides in a yielding step (finished, or retracted for the urgent one: pick.preempt) keeps them until that
   step has been processed (Scheduler._release), and the table has spare rows meanwhile (EngineConfig.spare_rows).
@@ -47,7 +48,7 @@ def yields(s: "Scheduler", batch: Batch) -> bool:
 
 def wait_long_step(s: "Scheduler") -> None:
     """Wait until the last yielding step in flight is done; meanwhile take arrivals in, launch an urgent step
-    for those that outrank every request in flight, and process each urgent step as soon as it is done."""
+    for those that outrank every prefill chunk in flight, and process each urgent step as soon as it is done."""
     queue = s.result_queue
     long_handle = next(h for b, h in reversed(queue) if b.yields)
     while not long_handle.ready():
@@ -70,9 +71,12 @@ def wait_long_step(s: "Scheduler") -> None:
 
 
 def pick_urgent(s: "Scheduler") -> Batch | None:
-    """Prefill chunks of the waiting requests that outrank every request in flight (the best of them leads, the
-    step rule of pick_batch), retracting running requests the lead outranks where the running cap is full; None
-    when there are none, or when the next step's buffer slot is still held."""
+    """Prefill chunks of waiting requests led by one that outranks every prefill chunk in flight (the step rule
+    of pick_batch: nothing the lead outranks rides along), retracting running requests the lead outranks where the
+    running cap is full; None when there is no such lead, or when the next step's buffer slot is still held. The
+    decode rows in flight are not asked: the long step carries the rows its lead does not outrank, often ones of
+    the arrival's own rank (an earlier high-priority request's), and those wait the urgent step's time, as for
+    any step of the arrival's."""
     queue = s.result_queue
     nxt = s.peek_step_id()
     if not s.waiting or any((nxt - b.step_id) % s.executor.buffer_slots == 0 for b, _ in queue):
@@ -82,7 +86,8 @@ def pick_urgent(s: "Scheduler") -> Batch | None:
     s.policy.order(s.waiting, t)
     lead = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
     riding = [r for b, _ in queue for r in b.reqs]
-    if lead is None or not all(s.policy.outranks(lead, r, t) for r in riding):
+    chunks_of = [r for b, _ in queue for r in b.reqs[b.num_decode:]]       # what makes a step long
+    if lead is None or lead in riding or not all(s.policy.outranks(lead, r, t) for r in chunks_of):
         return None
     held = InFlight({id(r) for r in riding}, {x for b, _ in queue for x in b.step.out_cache_loc.tolist()})
     preempt(s, held)

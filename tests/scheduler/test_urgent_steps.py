@@ -25,7 +25,8 @@ LAUNCH_URGENT = urgent_branch.launch_urgent
 
 def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch) -> tuple[dict, list]:
     """Run `initial` [(label, ids, params)]; each of `arrivals` is added at a poll of the scheduler while a step
-    that yields is in flight (one a poll). Returns (label -> tokens, labels launched in urgent steps)."""
+    that yields, with a low-priority chunk, is in flight (one a poll). Returns (label -> tokens, labels launched in
+    urgent steps)."""
     eng = llm.engine
     s = eng.scheduler
     eng.config = eng.config.replace(scheduler=loop)
@@ -42,7 +43,8 @@ def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch) -> tuple[d
 
     def poll() -> None:
         s.audit_kv()                            # deferred releases included: still a partition
-        if pending and any(b.yields for b, _ in s.result_queue):
+        if pending and any(b.yields and any(r.params.priority > 0 for r in b.reqs[b.num_decode:])
+                           for b, _ in s.result_queue):
             add(*pending.pop(0))
     def spy(s, batch) -> None:
         urgent.extend(label_of[r.rid] for r in batch.reqs)
@@ -108,3 +110,15 @@ def test_only_the_priority_policy_on_the_device_process_runs_urgent_steps(tiny_l
     llm = make_llm(tiny_llama, **{"scheduling_policy": "priority", "max_running_requests": 4, **kw})
     assert not llm.engine.executor.nests_steps and llm.stats()["total_req_rows"] == 4
     assert len(llm.generate([LONG], greedy(3, 0), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_decode_rows_of_the_arrivals_own_rank_in_the_long_step_do_not_hold_it_back(urgent_llm, monkeypatch):
+    # "high1" decodes in the low prefill's step (the low lead does not outrank it); "high2" still goes in between.
+    llm = urgent_llm(max_running_requests=4)
+    low, high = greedy(8, 5), greedy(12, 0)
+    other = [21, 22, 23, 24, 25, 26, 27]
+    ref = {"low": alone(llm, LONG, low, monkeypatch), "high1": alone(llm, other, high, monkeypatch),
+           "high2": alone(llm, SHORT, high, monkeypatch)}
+    tokens, urgent = drive(llm, [("high1", other, high), ("low", LONG, low)], [("high2", SHORT, high)], "overlap",
+                           monkeypatch)
+    assert urgent == ["high2"] and tokens == ref
