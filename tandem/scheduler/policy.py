@@ -12,7 +12,8 @@
   `lead`, the best-ranked prefill to run) carries no prefill chunk or decode row the lead outranks, so a
   high-priority prompt is computed in a step of its own rank, not beside a flood's chunks and streams. And the
   overlap loop picks the step after a prefill step once that step has ended (ranks_steps), so an
-  arrival waits for at most the long step in flight, not also for one picked behind it.
+  arrival waits for at most the long step in flight, not also for one picked behind it; and not for that one
+  either where it outranks its chunks: it is prefilled between two of its layers (urgent.py).
 - fair: virtual token counters (VTC, Sheng et al., OSDI '24) per tenant (a request's `user`): each prefill
   token adds `fair_prefill_weight`, each decode token `fair_decode_weight`, divided by the tenant's weight
   (`fair_weights`). Admission takes the waiting tenant with the smallest counter first; retraction for KV takes

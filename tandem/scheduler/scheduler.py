@@ -64,6 +64,7 @@ class Scheduler:
         self.retractions = 0
         self.failures = 0                   # requests ended by an error in their own path (fail)
         self.expired = 0                    # requests ended by a deadline (max_queue_time, their own timeout)
+        self.arrivals = 0                   # requests taken in (urgent.py: a new one may allow an urgent step)
         self._next_deadline = math.inf      # the earliest deadline of a live request: none is looked at before
 
     # ---- requests in ---------------------------------------------------------------------------------------
@@ -85,6 +86,7 @@ class Scheduler:
         while self.inbox:
             kind, item = self.inbox.popleft()
             if kind == "add":
+                self.arrivals += 1
                 self._live[item.rid] = item
                 try:
                     faults.check("prepare", item.prompt_ids)

@@ -18,8 +18,8 @@ Invariants, each kept where it is named:
   step has been processed (Scheduler._release), and the table has spare rows meanwhile (EngineConfig.spare_rows).
 - None of its prefix hits reads KV a step in flight writes (pick_prefill's `held`: cache_prefill shares a
   chunk's KV when the chunk is picked, before it is written).
-- Step k writes buffer slot k % buffer_slots: an urgent step is picked only where its slot is free, and one at a
-  time (the next once the last is processed).
+- Step k writes buffer slot k % buffer_slots: an urgent step is picked only where its slot is free (with 3 slots,
+  two urgent steps may be in flight; the device runs the second after the first, at the long step's next layer).
 - What the long step computes does not change: the urgent step writes only its own rows, slots and FutureMap
   entries, and gathers into buffers of its own (ModelRunner.nested). Processing it first changes no host state
   the long step's processing reads, but for requests it retracted, whose rows there are dropped (batch.dropped).
@@ -48,21 +48,26 @@ def yields(s: "Scheduler", batch: Batch) -> bool:
 
 def wait_long_step(s: "Scheduler") -> None:
     """Wait until the last yielding step in flight is done; meanwhile take arrivals in, launch an urgent step
-    for those that outrank every prefill chunk in flight, and process each urgent step as soon as it is done."""
+    for those that outrank every prefill chunk in flight, and process each urgent step as soon as it is done.
+    A pick is tried only when something that could allow one changed (an arrival, an urgent step processed or
+    launched): the device's threads share the cores with this loop."""
     queue = s.result_queue
     long_handle = next(h for b, h in reversed(queue) if b.yields)
+    looked = None                                # s.arrivals when a pick last found nothing
     while not long_handle.ready():
-        urgent = next((e for e in queue if e[0].urgent), None)
-        if urgent is not None and urgent[1].ready():
-            del queue[next(i for i, e in enumerate(queue) if e is urgent)]
-            with s.recorder.span("process", urgent[0].step_id):
-                process_results(s, *urgent)      # out of order: its requests are in no other step
+        done = next((e for e in queue if e[0].urgent and e[1].ready()), None)
+        if done is not None:
+            del queue[next(i for i, e in enumerate(queue) if e is done)]
+            with s.recorder.span("process", done[0].step_id):
+                process_results(s, *done)        # out of order: its requests are in no other step
+            looked = None
             continue
         with s.recorder.span("recv"):
             s.recv_requests()
-        if urgent is None:
+        if looked != s.arrivals:
             with s.recorder.span("pick"):
                 batch = pick_urgent(s)
+            looked = s.arrivals if batch is None else None
             if batch is not None:
                 with s.recorder.span("launch", batch.step_id):
                     launch_urgent(s, batch)
@@ -86,7 +91,7 @@ def pick_urgent(s: "Scheduler") -> Batch | None:
     s.policy.order(s.waiting, t)
     lead = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
     riding = [r for b, _ in queue for r in b.reqs]
-    chunks_of = [r for b, _ in queue for r in b.reqs[b.num_decode:]]       # what makes a step long
+    chunks_of = [r for b, _ in queue if not b.urgent for r in b.reqs[b.num_decode:]]   # what makes a step long
     if lead is None or lead in riding or not all(s.policy.outranks(lead, r, t) for r in chunks_of):
         return None
     held = InFlight({id(r) for r in riding}, {x for b, _ in queue for x in b.step.out_cache_loc.tolist()})

@@ -6,6 +6,9 @@ long step is still writing waits for it instead; and every release keeps the KV 
 Decisions and tokens only: nothing depends on how fast a step is."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from tandem import SamplingParams
@@ -23,10 +26,11 @@ SHORT = [11, 12, 13, 14, 15, 16]
 LAUNCH_URGENT = urgent_branch.launch_urgent
 
 
-def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch) -> tuple[dict, list]:
+def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch, hold: bool = False) -> tuple[dict, list]:
     """Run `initial` [(label, ids, params)]; each of `arrivals` is added at a poll of the scheduler while a step
-    that yields, with a low-priority chunk, is in flight (one a poll). Returns (label -> tokens, labels launched in
-    urgent steps)."""
+    that yields, with a low-priority chunk, is in flight (one a poll; `hold`: the device process stopped from the
+    first arrival to the poll after the last, so that step is still in flight for all). Returns (label -> tokens,
+    labels launched in urgent steps, in launch order)."""
     eng = llm.engine
     s = eng.scheduler
     eng.config = eng.config.replace(scheduler=loop)
@@ -41,10 +45,18 @@ def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch) -> tuple[d
         for o in outputs:
             tokens[label_of[o.rid]] += o.new_token_ids
 
+    pid, stopped = eng.executor.proc.pid, []
+
     def poll() -> None:
         s.audit_kv()                            # deferred releases included: still a partition
+        if stopped and not pending:
+            os.kill(pid, signal.SIGCONT)
+            stopped.clear()
         if pending and any(b.yields and any(r.params.priority > 0 for r in b.reqs[b.num_decode:])
                            for b, _ in s.result_queue):
+            if hold and not stopped:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
             add(*pending.pop(0))
     def spy(s, batch) -> None:
         urgent.extend(label_of[r.rid] for r in batch.reqs)
@@ -55,6 +67,8 @@ def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch) -> tuple[d
         run_to_idle(llm, sink, lambda: [add(*r) for r in initial])
     finally:
         s.poll = None
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
     assert not pending
     assert_no_leaks(llm)
     return tokens, urgent
@@ -122,3 +136,16 @@ def test_decode_rows_of_the_arrivals_own_rank_in_the_long_step_do_not_hold_it_ba
     tokens, urgent = drive(llm, [("high1", other, high), ("low", LONG, low)], [("high2", SHORT, high)], "overlap",
                            monkeypatch)
     assert urgent == ["high2"] and tokens == ref
+
+
+def test_two_arrivals_during_one_long_step_go_in_two_urgent_steps(urgent_llm, monkeypatch):
+    # The device is stopped while both arrive: the long step is in flight for both picks, and the second urgent
+    # step is launched while the first is still in flight (each in a buffer slot of its own).
+    llm = urgent_llm(max_running_requests=4)
+    low, high = greedy(8, 5), greedy(6, 0)
+    other = [31, 32, 33, 34, 35]
+    ref = {"low": alone(llm, LONG, low, monkeypatch), "high": alone(llm, SHORT, high, monkeypatch),
+           "high2": alone(llm, other, high, monkeypatch)}
+    tokens, urgent = drive(llm, [("low", LONG, low)], [("high", SHORT, high), ("high2", other, high)], "overlap",
+                           monkeypatch, hold=True)
+    assert urgent == ["high", "high2"] and tokens == ref
