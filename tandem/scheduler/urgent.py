@@ -109,6 +109,4 @@ def launch_urgent(s: "Scheduler", batch: Batch) -> None:
     """Launch it with its token masks: its rows are new, so their grammars are current already."""
     masks = s.grammars.masks(batch, s.recorder) if len(batch.step.grammar_rows) else None
     s.recorder.launched(batch)
-    from ..device.streams import now as _now
-    batch._lt = _now()
     s.result_queue.append((batch, s.executor.launch_step(batch.step, masks, urgent=True)))
