@@ -18,7 +18,6 @@ class RunnerSpec:
     max_model_len: int | None
     kv_cache_tokens: int | None
     kv_memory_fraction: float
-    spare_rows: int = 0           # request-table rows past max_running, for urgent steps (scheduler/urgent.py)
     kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16 / q8_0 (kernels/kv_quant.py)
     shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
     poison_future_map: bool = False
@@ -33,6 +32,7 @@ class RunnerSpec:
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
     pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
+    spare_rows: int = 0           # request-table rows past max_running, for urgent steps (scheduler/urgent.py)
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""

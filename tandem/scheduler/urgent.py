@@ -42,8 +42,8 @@ URGENT_POLL_S = 0.004    # a wait for a long step looks for arrivals this often 
 def yields(s: "Scheduler", batch: Batch) -> bool:
     """Is `batch` launched as a step that runs urgent ones between its layers? A prefill step under the priority
     policy, where the executor can (one CPU device process: EngineConfig.runs_urgent_steps)."""
-    return (batch.is_prefill and s.policy.ranks_steps and s.config.urgent_steps and s.executor.nests_steps
-            and not batch.urgent)
+    return (batch.is_prefill and s.policy.ranks_steps and s.config.urgent_steps and not batch.urgent
+            and getattr(s.executor, "nests_steps", False))
 
 
 def wait_long_step(s: "Scheduler") -> None:
