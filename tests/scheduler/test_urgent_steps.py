@@ -2,8 +2,10 @@
 is in flight is launched as an urgent step (the device runs it between two of that step's layers), with the tokens
 each request gives alone, in both loops; a full running cap retracts the low request riding in the long step (its
 row and KV wait for that step) and it resumes with the same tokens; an arrival whose prefix hit would read KV the
-long step is still writing waits for it instead; and every release keeps the KV slots a partition throughout.
-Decisions and tokens only: nothing depends on how fast a step is."""
+long step is still writing waits for it instead; decode rows of the arrival's own rank in the long step do not
+hold it back; two arrivals during one long step go in two urgent steps; only the priority policy on the device
+process runs them; and every release keeps the KV slots a partition throughout. Decisions and tokens only:
+nothing depends on how fast a step is (where it could, the device process is stopped meanwhile)."""
 from __future__ import annotations
 
 import os
@@ -58,6 +60,7 @@ def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch, hold: bool
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
             add(*pending.pop(0))
+
     def spy(s, batch) -> None:
         urgent.extend(label_of[r.rid] for r in batch.reqs)
         LAUNCH_URGENT(s, batch)

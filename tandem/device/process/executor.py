@@ -132,8 +132,8 @@ class ProcessExecutor:
     def __init__(self, spec: RunnerSpec, device_threads: int, max_tokens_per_step: int,
                  start_timeout: float = 600.0, max_prefix_slots: int = 0, nnodes: int = 1,
                  dist_init_addr: str | None = None, nests_steps: bool = False) -> None:
-        # Urgent steps (scheduler/urgent.py): the device runs them between two layers of a long step, so a third
-        # buffer slot lets one be launched while the long step and the step before it hold theirs.
+        # Urgent steps (scheduler/urgent.py): the device runs them between two layers of a long step, which holds
+        # its buffer slot meanwhile; a third slot lets a second urgent step follow the first before it ends.
         self.nests_steps = nests_steps and spec.pp_size == 1 and spec.tp_size == 1
         b = spec.max_running + spec.max_draft_rows      # batch rows a step may carry (draft rows included)
         # StepInput.pack: header, the row fields, then the VAR fields, each bounded: ids and slots (a token
