@@ -85,7 +85,7 @@ class Recorder:
         dev = sorted(self.devices, key=lambda d: d.start)
         steps = len(dev)
         busy = busy_time(dev)
-        window = (dev[-1].end - dev[0].start) if dev else 0.0
+        window = (max(d.end for d in dev) - dev[0].start) if dev else 0.0     # the last to start may end first
         host_total = sum(e - s for n, _, s, e in self.host if n in ("recv", "pick", "launch", "process"))
         waited = sum(e - s for n, _, s, e in self.host if n == "wait")
         wall = wall_s if wall_s is not None else window

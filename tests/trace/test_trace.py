@@ -232,3 +232,15 @@ def test_report_and_trace_from_hand_made_spans(tmp_path):
     data = embedded_data(open(paths["report.html"], encoding="utf-8").read())
     assert data["msPerSecond"] > 0 and len(data["loops"]) == 2
     assert summarize(recs)["overlap_speedup_bound"] == pytest.approx(4.0 / 3.0)
+
+
+def test_busy_time_is_the_union_of_nested_device_spans():
+    # An urgent step's span lies inside the long step it ran in (scheduler/urgent.py), and it starts last.
+    from tandem.trace.recorder import Recorder, busy_time
+    spans = [DeviceSpan(0, 0.0, 10.0, 1, 256, True, 0.0), DeviceSpan(1, 2.0, 5.0, 1, 64, True, 1.0),
+             DeviceSpan(2, 12.0, 15.0, 1, 1, False, 11.0), DeviceSpan(3, 13.0, 14.0, 1, 64, True, 12.5)]
+    assert busy_time(spans) == 13.0
+    rec = Recorder()
+    rec.devices.extend(spans)
+    s = rec.summary()
+    assert s["wall_s"] == 15.0 and s["device_idle_fraction"] == pytest.approx(2 / 15)
