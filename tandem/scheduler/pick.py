@@ -246,8 +246,9 @@ def preempt(s: "Scheduler", held: InFlight | None = None) -> None:
         return
     if held is None:
         process_pending(s)
-    for b, _ in s.result_queue if held is not None else ():
-        b.dropped.update(v for v in chosen if v in b.reqs)
+    else:
+        for b, _ in s.result_queue:
+            b.dropped.update(v for v in chosen if v in b.reqs)
     for v in chosen:
         if v in s.running and not v.finished:     # processing k-1 may have finished it
             s.retract(v)

@@ -90,11 +90,11 @@ def pick_urgent(s: "Scheduler") -> Batch | None:
     t = s.clock()
     s.policy.order(s.waiting, t)
     lead = next((r for r in s.waiting if s.grammars is None or s.grammars.ready(r)), None)
-    riding = [r for b, _ in queue for r in b.reqs]
+    riding = s.in_flight()
     chunks_of = [r for b, _ in queue if not b.urgent for r in b.reqs[b.num_decode:]]   # what makes a step long
-    if lead is None or lead in riding or not all(s.policy.outranks(lead, r, t) for r in chunks_of):
+    if lead is None or id(lead) in riding or not all(s.policy.outranks(lead, r, t) for r in chunks_of):
         return None
-    held = InFlight({id(r) for r in riding}, {x for b, _ in queue for x in b.step.out_cache_loc.tolist()})
+    held = InFlight(riding, {x for b, _ in queue for x in b.step.out_cache_loc.tolist()})
     preempt(s, held)
     chunks = pick_prefill(s, s.config.max_prefill_tokens, lead, held)
     if not chunks:

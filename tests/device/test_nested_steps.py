@@ -4,6 +4,8 @@ the torch layers and on the native ones; and the device process's step loop runs
 a yielding step runs there, keeping every other message for after it."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -87,16 +89,13 @@ class FakeRunner:
     def __init__(self):
         self.depth = 0
 
+    @contextlib.contextmanager
     def nested(self):
-        runner = self
-
-        class Ctx:
-            def __enter__(self):
-                runner.depth += 1
-
-            def __exit__(self, *exc):
-                runner.depth -= 1
-        return Ctx()
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
 
 def test_the_step_loop_runs_an_urgent_launch_between_layers_and_keeps_the_rest():

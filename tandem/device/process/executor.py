@@ -255,22 +255,19 @@ class ProcessExecutor:
     def poll_done(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for a message of the device process and take the "done"s that came
         (ProcessHandle.ready reads them); an error or a death raises DeviceProcessError, as wait() does."""
-        try:
-            if not self.conn.poll(timeout):
+        while True:
+            try:
+                ready = self.conn.poll(timeout)
+            except (OSError, EOFError) as e:
+                raise self._died() from e
+            if not ready:
                 if self._dead() is not None:
                     raise self._died()
                 return
-        except (OSError, EOFError) as e:
-            raise self._died() from e
-        while True:
             kind, sid, *times = self._recv()
             if kind == "done":
                 self._done[sid] = tuple(times)
-            try:
-                if not self.conn.poll(0):
-                    return
-            except (OSError, EOFError) as e:
-                raise self._died() from e
+            timeout = 0                     # then only what has come already
 
     def probe(self) -> None:
         """Liveness: a no-op round trip to each device process of this node (its step loop answers at once).
