@@ -67,6 +67,28 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(name):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+def test_the_thread_split_gives_every_output_once_with_the_same_bits(name):
+    """The GEMVs' threads take pieces from one another (csrc/steal.h): at 2, 3 and 8 threads (past the cores:
+    threads are descheduled mid-region and others take their pieces), one and two rows, every output is written
+    once (y starts unwritten) with the bits of one thread and of qgemm_q8."""
+    qtype = TYPES[name]
+    k, n = whole(256, qtype), 16 * 4 * 37 + 5         # 149 chunks of 4 groups, the last one partial
+    q = _weight(n, k, qtype, seed=11)
+    packed = T.pack_gemv(q.data, qtype, k)
+    x = torch.randn(2, k)
+    gemm = T.qgemm_q8(x, q.data, qtype, k, None)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3, 8):
+            torch.set_num_threads(t)
+            for m in (1, 2):
+                for _ in range(3):
+                    assert torch.equal(T.qgemv_packed(x[:m], packed, qtype, k, n, None), gemm[:m]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_qlinear_runs_the_packed_copy_with_the_same_bits():
     """QLinear makes the copy for int8 activations only, runs it up to packed_rows() rows and the row layout's
     ops past them: every row count gives the GEMM's bits, as without the copy where the row layout's GEMV runs

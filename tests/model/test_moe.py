@@ -240,6 +240,14 @@ def test_moe_experts_op_on_every_isa_body(quant, quantized):
             assert torch.equal(got[t], out[0]), (isa, t)
         expect = ref(x)
         assert float((got - expect).norm() / expect.norm()) < 0.05, isa
+    threads, outs = torch.get_num_threads(), []
+    try:        # its GEMVs' thread split (steal.h): the same bits whichever thread takes a piece, oversubscribed too
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            outs.append(ops.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")

@@ -10,6 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "steal.h"
+
 namespace tandem {
 // An index tensor as contiguous int64 (the attention ops' kv_index, seq_lens, ...): no dispatch when it already is
 // (the engine's case).
@@ -83,11 +85,12 @@ inline const uint8_t* stacked_copies(const at::Tensor& stacked, const std::vecto
   return stacked.data_ptr<uint8_t>();
 }
 // Their thread split: J jobs of NG groups each, in chunks of `per` groups; fn(j, g0, g1) for each job's part of
-// a thread's contiguous share of all the chunks (so a thread streams whole jobs one after another).
+// a piece of the chunks (stealing_for: a thread walks its contiguous share, whole jobs one after another, then
+// takes chunks from the back of another's).
 template <class F>
 void split_jobs(int64_t J, int64_t NG, int64_t per, const F& fn) {
   const int64_t cpj = (NG + per - 1) / per;                     // chunks a job
-  at::parallel_for(0, J * cpj, 1, [&](int64_t c0, int64_t c1) {
+  stealing_for(J * cpj, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1;) {
       const int64_t j = c / cpj, end = std::min(c1, (j + 1) * cpj);
       fn(j, per * (c - j * cpj), std::min(per * (end - j * cpj), NG));

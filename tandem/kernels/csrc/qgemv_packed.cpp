@@ -429,7 +429,7 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   // Chunks of 4 groups (a one-row tile's width), so a thread's share never splits a tile; AVX2 past 2 rows takes
   // a group at a time, so chunks of one (SmolLM2's 576 outputs are 36 groups: 9 chunks of 4 split 5 / 4).
   const int64_t per = body == 1 && M > 2 ? 1 : 4, chunks = (NG + per - 1) / per;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  stealing_for(chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
     if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);

@@ -354,7 +354,7 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t per = body == 1 || M > 2 ? 1 : 4, chunks = (NG + per - 1) / per;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  stealing_for(chunks, 1, [&](int64_t c0, int64_t c1) {
     const int64_t g0 = per * c0, g1 = std::min(per * c1, NG);
     switch (qtype) {
       case kQ2_K: kgroups<kQ2_K>(body, wp, gbytes, ns, xr, M, bp, yp, N, g0, g1); break;
