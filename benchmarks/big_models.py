@@ -6,6 +6,9 @@ at an empty context), prefill tokens/s of a 512-token prompt (llama-bench pp512)
 (anonymous and file-backed) right after the prefills and once idle, and the bandwidth bound: bytes a decode step reads (the file's
 matrices as blocks, KV at the context) over the best read bandwidth measured with the engine's threads before,
 between and after the two engines' runs of the file; TPOT is reported as a ratio to that bound and to llama-bench.
+The paired ratio ("xbound paired") takes each TPOT round against the bandwidth probed right before and after it
+(the better of the two) and reports the median round: this machine's bandwidth drifts by up to 30 % within
+minutes, and a bound from another minute than its TPOT's misstates the ratio either way.
 An MoE shape's bound counts the active bytes: of its experts only the chosen top-k (roofline.decode_bytes_per_token).
 
     python benchmarks/big_models.py --shapes qwen2.5-1.5b,llama-3.2-3b,llama-3.1-8b \
@@ -41,7 +44,9 @@ def device_rss() -> dict:
     return out
 
 
-def tandem_run(path: str, threads: int, gen: int, prompt: int) -> dict:
+def tandem_run(path: str, threads: int, gen: int, prompt: int, probe=None, rounds: int = 3) -> dict:
+    """probe(): the read bandwidth now, measured before and after each TPOT round (rounds[i] = (bandwidth before,
+    TPOT s, bandwidth after)), so that a round's bound sees the machine its TPOT saw."""
     from tandem.device.heap import IDLE_TRIM_S
     from tandem.llm import LLM
     from tandem.sampling_params import SamplingParams
@@ -56,10 +61,13 @@ def tandem_run(path: str, threads: int, gen: int, prompt: int) -> dict:
             return time.perf_counter() - t
         short = [1 + i % 1000 for i in range(32)]
         run(short, 4)
-        tpots = []
-        for _ in range(3):
+        tpots, paired = [], []
+        for _ in range(rounds):
+            before = probe() if probe else None
             one, many = run(short, 1), run(short, 1 + gen)
             tpots.append((many - one) / gen)
+            if probe:
+                paired.append((before, tpots[-1], probe()))
         # a new prompt each time: a repeated one would be a prefix-cache hit, not a prefill
         longs = [[1 + (7 * i + 13 * r) % 30000 for i in range(prompt)] for r in range(3)]
         run(longs[0], 1)
@@ -69,8 +77,8 @@ def tandem_run(path: str, threads: int, gen: int, prompt: int) -> dict:
         rss = device_rss()
     finally:
         llm.shutdown()
-    tpot = sorted(tpots)[1]
-    return {"load_s": load_s, "tpot_ms": 1e3 * tpot, "decode_tokens_per_s": 1 / tpot,
+    tpot = sorted(tpots)[len(tpots) // 2]
+    return {"load_s": load_s, "tpot_ms": 1e3 * tpot, "rounds": paired, "decode_tokens_per_s": 1 / tpot,
             "prefill_tokens_per_s": prompt / pp, "device_rss_mb": rss, "device_rss_busy_mb": busy}
 
 
@@ -84,6 +92,7 @@ def main() -> int:
                    help="layers of each file (default: the shape's), each of the real shape (e.g. 6 of qwen3-30b-a3b)")
     p.add_argument("--gen", type=int, default=32, help="decode tokens timed per TPOT measurement")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
+    p.add_argument("--rounds", type=int, default=5, help="TPOT rounds, each between two read-bandwidth probes")
     p.add_argument("--skip-llamacpp", action="store_true", help="tandem only")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
@@ -109,7 +118,7 @@ def main() -> int:
         # the bound takes the best seen, so that a slow phase never flatters a ratio
         bws = [bw]
         row = {"shape": shape, "layers": mc.num_layers, "file_bytes": os.path.getsize(path), "bytes_per_token": step,
-               "tandem": tandem_run(path, args.threads, args.gen, args.prompt)}
+               "tandem": tandem_run(path, args.threads, args.gen, args.prompt, read_bandwidth, args.rounds)}
         bws.append(read_bandwidth())
         if bin_dir:
             row["llama_bench"] = llama_bench(bin_dir, path, args.threads, args.prompt, 64, 3)
@@ -123,19 +132,27 @@ def main() -> int:
             row["prefill_vs_llama_bench"] = row["tandem"]["prefill_tokens_per_s"] / lb[f"pp{args.prompt}"]["tokens_per_s"]
             row["llama_bench_tpot_vs_bound"] = 1e3 / lb["tg64"]["tokens_per_s"] / bound_ms
         row["tpot_vs_bound"] = row["tandem"]["tpot_ms"] / bound_ms
+        # each round against the bandwidth probed right around it (the better of the two): the bandwidth drifts
+        # by up to 30 % within minutes here, so a bound from another minute than its TPOT's misstates the ratio
+        paired = sorted(t / (step["total"] / max(b0, b1)) for b0, t, b1 in row["tandem"]["rounds"])
+        row["tpot_vs_paired_bound"] = paired[len(paired) // 2]
+        row["tpot_vs_paired_bound_rounds"] = paired
+        if bin_dir:
+            row["llama_bench_tpot_vs_paired_bound"] = (1 / lb["tg64"]["tokens_per_s"]) / (step["total"] / max(bws[-2:]))
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     out = {"threads": args.threads, "rows": rows, "machine": machine_info(args.threads)}
     print(f"read bandwidth ({args.threads} threads, the best around each file's runs): "
           + ", ".join(f"{max(r['read_bandwidth_gb_s']):.1f}" for r in rows) + " GB/s")
     print(f"{'shape':14s} {'file MB':>8s} {'TPOT ms':>8s} {'bound':>6s} {'xbound':>6s} {'x llama':>7s} "
-          f"{'llama xbound':>12s} {'prefill x':>9s} {'RSS MB':>7s}")
+          f"{'llama xbound':>12s} {'prefill x':>9s} {'RSS MB':>7s} {'xbound paired':>13s} {'llama paired':>12s}")
     for r in rows:
         t = r["tandem"]
         print(f"{r['shape']:14s} {r['file_bytes'] / 1e6:8.0f} {t['tpot_ms']:8.1f} {r['bound_tpot_ms']:6.1f} "
               f"{r['tpot_vs_bound']:6.2f} {r.get('tpot_vs_llama_bench', float('nan')):7.2f} "
               f"{r.get('llama_bench_tpot_vs_bound', float('nan')):12.2f} {r.get('prefill_vs_llama_bench', float('nan')):9.2f} "
-              f"{t['device_rss_mb'].get('VmRSS', 0):7.0f}")
+              f"{t['device_rss_mb'].get('VmRSS', 0):7.0f} {r['tpot_vs_paired_bound']:13.2f} "
+              f"{r.get('llama_bench_tpot_vs_paired_bound', float('nan')):12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
