@@ -298,6 +298,7 @@ class Scheduler:
                                    "total_req_rows", "free_req_rows")},
             "num_running": len(self.running),
             "num_waiting": self.num_queued(),
+            "num_preemptions": self.retractions,
             **{k: mem[k] for k in ("kv_usage", "prefix_cache_queries", "prefix_cache_hits")},
             **self.spec.stats.as_stats(),
         }

@@ -37,6 +37,8 @@ GAUGES = {
 ENGINE_COUNTERS = {
     "tandem:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "tandem:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held."),
+    "tandem:num_preemptions": ("num_preemptions", "Running requests retracted (their KV freed, re-prefilled when "
+                               "they resume): the KV cache ran short or a request that outranks them needed room."),
     "tandem:spec_decode_num_draft_tokens": ("spec_draft_tokens", "Draft tokens verified by speculative decoding."),
     "tandem:spec_decode_num_accepted_tokens": ("spec_accepted_tokens",
                                                "Draft tokens speculative decoding accepted."),

@@ -105,6 +105,7 @@ def test_retraction_under_both_loops(tiny_llama, make_llm):
         llm = make_llm(tiny_llama, kv_cache_tokens=260)
         outs[scheduler] = run_script(llm, scheduler, initial, {})
         assert llm.engine.scheduler.retractions > 0
+        assert llm.stats()["num_preemptions"] == llm.engine.scheduler.retractions     # /metrics' counter
         aborted = run_script(llm, scheduler, initial, {3: [("abort", "r2")]})
         assert aborted["r2"][1] == "abort"
         assert {k: v for k, v in aborted.items() if k != "r2"} == {k: v for k, v in outs[scheduler].items()

@@ -1,7 +1,7 @@
 """--scheduling-policy priority on a real `tandem serve` with one running row: a request with a better
 `priority` (lower) retracts the long stream that holds the row, finishes while that stream is still open, and
-the stream then goes on; /metrics counts the request under its class (priority, tenant); `priority` and `user`
-are checked at the boundary (400 naming the field)."""
+the stream then goes on; /metrics counts the retraction and the request under its class (priority, tenant);
+`priority` and `user` are checked at the boundary (400 naming the field)."""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +33,10 @@ def test_a_better_priority_preempts_the_running_stream(server):
     finally:
         occupant.stop()
     assert not any('"error"' in line for line in occupant.lines), occupant.lines[-3:]
+    metrics = server.metrics()
+    assert metrics["tandem:num_preemptions_total"] >= 1           # the occupant's retraction
     # Its class in /metrics: its tokens, queue time and TTFT under its priority and tenant.
-    m = {k: v for k, v in server.metrics().items() if 'priority="-100"' in k and 'tenant="alice"' in k}
+    m = {k: v for k, v in metrics.items() if 'priority="-100"' in k and 'tenant="alice"' in k}
     assert [v for k, v in m.items() if k.startswith("tandem:class_generation_tokens_total")] == [SHORT["max_tokens"]]
     for name in ("tandem:class_queue_time_seconds_count", "tandem:class_time_to_first_token_seconds_count"):
         assert [v for k, v in m.items() if k.startswith(name)] == [1], m
