@@ -2,14 +2,16 @@
 // qgemv_packed_k.cpp, and split_jobs for an MoE row's experts).
 //
 // Why: at::parallel_for splits statically, so a region ends when its slowest thread does. The device threads
-// share the machine's cores with the host (on 2 cores the scheduler's few hundred microseconds of Python a step,
-// the server's frontend): a thread descheduled for a time slice holds the whole region up while its partner
+// share the machine's cores with the host (on 2 cores the scheduler's ~0.8 ms of Python a decode step, the
+// server's frontend): a thread descheduled for a time slice holds the whole region up while its partner
 // waits at the barrier. Here each thread starts on the share parallel_for would give it and walks it forward a
 // piece at a time, and a thread done with its own takes pieces from the back of the share with the most left.
+// What it cannot do: the region still ends only once a descheduled thread runs again (to finish the piece in
+// its hands and reach the barrier); the others do the rest of its share meanwhile.
 //
 // The invariant callers keep: a piece is whole output tiles, computed by the same operations whoever runs it,
-// so the bits never depend on which thread ran which piece (tests compare the ops with their references at 1-4
-// threads).
+// so the bits never depend on which thread ran which piece (tests compare the ops with their references at 1-8
+// threads, past the cores).
 #pragma once
 
 #include <ATen/Parallel.h>
