@@ -130,15 +130,16 @@ def main() -> int:
             lb = row["llama_bench"]
             row["tpot_vs_llama_bench"] = lb["tg64"]["tokens_per_s"] / row["tandem"]["decode_tokens_per_s"]
             row["prefill_vs_llama_bench"] = row["tandem"]["prefill_tokens_per_s"] / lb[f"pp{args.prompt}"]["tokens_per_s"]
-            row["llama_bench_tpot_vs_bound"] = 1e3 / lb["tg64"]["tokens_per_s"] / bound_ms
+            llama_tpot_s = 1 / lb["tg64"]["tokens_per_s"]
+            row["llama_bench_tpot_vs_bound"] = 1e3 * llama_tpot_s / bound_ms
+            # against the bandwidth probed right before and after it, as tandem's rounds below
+            row["llama_bench_tpot_vs_paired_bound"] = llama_tpot_s / (step["total"] / max(bws[-2:]))
         row["tpot_vs_bound"] = row["tandem"]["tpot_ms"] / bound_ms
         # each round against the bandwidth probed right around it (the better of the two): the bandwidth drifts
         # by up to 30 % within minutes here, so a bound from another minute than its TPOT's misstates the ratio
         paired = sorted(t / (step["total"] / max(b0, b1)) for b0, t, b1 in row["tandem"]["rounds"])
         row["tpot_vs_paired_bound"] = paired[len(paired) // 2]
         row["tpot_vs_paired_bound_rounds"] = paired
-        if bin_dir:
-            row["llama_bench_tpot_vs_paired_bound"] = (1 / lb["tg64"]["tokens_per_s"]) / (step["total"] / max(bws[-2:]))
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     out = {"threads": args.threads, "rows": rows, "machine": machine_info(args.threads)}
