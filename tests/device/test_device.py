@@ -1,6 +1,8 @@
 """The device-stream abstraction and the step message: importable and testable without a GPU."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -62,3 +64,20 @@ def test_prefix_cache_and_chunk_flags_reach_the_config():
     args = build_parser().parse_args(["generate", "x", "--no-prefix-cache", "--mixed-prefill-tokens", "64"])
     config = engine_config(args)
     assert config.prefix_cache is False and config.mixed_prefill_tokens == 64 and config.enable_mixed_chunk
+
+
+def test_the_device_process_spins_briefly_before_its_workers_sleep(tiny_llm, monkeypatch):
+    """The device process starts with ranks.DEVICE_SPINCOUNT as libgomp's spin (so an idle worker yields its core to
+    the scheduler sooner), and a GOMP_SPINCOUNT of the user's own wins."""
+    from tandem.device.process.executor import ProcessExecutor
+    from tandem.device.ranks import DEVICE_SPINCOUNT, device_env
+    executor = tiny_llm.engine.executor
+    if not isinstance(executor, ProcessExecutor):
+        pytest.skip("the engine runs the device inline here")
+    with open(f"/proc/{executor.proc.pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert env[b"GOMP_SPINCOUNT"].decode() == os.environ.get("GOMP_SPINCOUNT", DEVICE_SPINCOUNT)
+    assert device_env(2)["GOMP_SPINCOUNT"] == os.environ.get("GOMP_SPINCOUNT", DEVICE_SPINCOUNT)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    assert device_env(2)["GOMP_SPINCOUNT"] == "123"
+    assert device_env(3)["OMP_NUM_THREADS"] == "3"
