@@ -10,8 +10,8 @@ The paired ratio ("xbound paired") takes each TPOT round against the bandwidth p
 (the better of the two) and reports the median round: this machine's bandwidth drifts by up to 30 % within
 minutes, and a bound from another minute than its TPOT's misstates the ratio either way.
 An MoE shape's bound counts the active bytes: of its experts only the chosen top-k (roofline.decode_bytes_per_token).
-Where a machine's memory speed is drawn per start (a start's weights are placed anew), `--starts N` runs N starts of
-tandem, each followed by a llama-bench run, and reports the median start of each engine.
+Where a machine's memory speed moves between regimes that last minutes, `--starts N` runs N starts of tandem, each
+followed by a llama-bench run (pairs in the same minutes), and reports the median start of each engine.
 
     python benchmarks/big_models.py --shapes qwen2.5-1.5b,llama-3.2-3b,llama-3.1-8b \
         --json benchmarks/results/big_models.json
@@ -87,8 +87,8 @@ def tandem_run(path: str, threads: int, gen: int, prompt: int, probe=None, round
 
 def measure_shape(shape: str, args, bin_dir: str | None, bw: float) -> tuple[dict, float]:
     """One file's row: `args.starts` starts of tandem, each followed by a llama-bench run, the read bandwidth
-    around each; TPOTs as the median start (this machine's memory speed can be drawn per start: a start's
-    weights are placed anew, and the same file decoded 8.3 or 12.3 ms a token on an AMD EPYC)."""
+    around each; TPOTs as the median start (memory speed can move between regimes that last minutes: on an AMD
+    EPYC the same file decoded 8.3 or 12.7 ms a token, llama-bench 11.05 or 12.8)."""
     from tandem.bench.llamacpp_tools import llama_bench
     from tandem.bench.roofline import decode_bytes_per_token, read_bandwidth
     from tandem.model.gguf.config import read_gguf_config
