@@ -5,7 +5,8 @@ heads (9 over 3 KV heads, head_dim 64, bf16 cache, 30 layers' slots), on the chu
 prefill: a 256-token mixed chunk on 768 and 2,560 cached keys (the long workload), a fresh 924-token prompt, 32 rows
 of 24 tokens on one 900-key prefix (shared prefix). Interleaved in one process, best of --reps, for each SIMD body
 this CPU has (SDPA's own ISA is whatever torch picks: pass ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS to cap it),
-and on CPUs with AVX512-BF16 the AVX-512 body's bf16 products (prefill_attention="bf16") beside them.
+and on CPUs with AVX512-BF16 the AVX-512 body's bf16 products (prefill_attention="bf16"; the causal op's with
+decode_attention="bf16") beside them.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/extend_attention.py [--threads 2] [--json F]
 """
@@ -47,13 +48,16 @@ def case(rows: int, new: int, cached: int, isa: int, g: torch.Generator):
     def native_bf16():
         return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa, True)
 
+    def causal_bf16():                # the same with the decode op's bf16 products (csrc/causal_gemm_bf16.inc)
+        return torch.ops.tandem.causal_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa, True)
+
     def sdpa():
         kv = cache[kv_index.reshape(-1), 3].float().view(rows, lk, 2, KVH, D)
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         return F.scaled_dot_product_attention(q.view(rows, new, H, D).transpose(1, 2), k, v, attn_mask=mask,
                                               scale=0.125, enable_gqa=True)
     flops = 4 * H * D * rows * new * (cached + new / 2)                       # the causal part only
-    return native, native_bf16, sdpa, causal, flops
+    return native, native_bf16, sdpa, causal, causal_bf16, flops
 
 
 def main() -> None:
@@ -73,13 +77,14 @@ def main() -> None:
     for isa in isas:
         bodies = [kernels.ISA_NAMES[isa]] + (["avx512, bf16 products"] if isa == 2 and bf16 else [])
         for name, shape in CASES.items():
-            native, native_bf16, sdpa, causal, flops = case(*shape, isa, g)
-            best = interleaved_best([native, sdpa, causal] + ([native_bf16] if len(bodies) > 1 else []), args.reps)
-            for body, op in zip(bodies, [best[0]] + best[3:]):
+            native, native_bf16, sdpa, causal, causal_bf16, flops = case(*shape, isa, g)
+            best = interleaved_best([native, sdpa, causal] + ([native_bf16, causal_bf16] if len(bodies) > 1 else []),
+                                    args.reps)
+            for body, op, cop in zip(bodies, best[0::3], best[2::2]):    # (extend, causal) of each body
                 rows.append({"body": body, "chunk": name, "op_ms": op * 1e3, "sdpa_ms": best[1] * 1e3,
-                             "op_gflops": flops / op / 1e9, "causal_ms": best[2] * 1e3})
+                             "op_gflops": flops / op / 1e9, "causal_ms": cop * 1e3})
                 lines.append(f"| {body} | {name} | {op * 1e3:.2f} | {flops / op / 1e9:.0f} | "
-                             f"{best[1] * 1e3:.2f} | {best[1] / op:.2f}x | {best[2] * 1e3:.2f} | {best[2] / op:.2f}x |")
+                             f"{best[1] * 1e3:.2f} | {best[1] / op:.2f}x | {cop * 1e3:.2f} | {cop / op:.2f}x |")
                 print(lines[-1], flush=True)
     info = machine_info(args.threads)
     md = ("# Extend attention: the native op against gather + SDPA\n\n"

@@ -84,11 +84,42 @@ def test_thread_count_and_slices_change_no_bit():
 
 
 @native
-def test_bf16_products_are_the_decode_ops():
-    """bf16 products (where the CPU has AVX512-BF16; elsewhere the fp32 body on both sides)."""
-    q, cache, kv_index, tok_row, pos = _case([40, 3], [300, 0], 8, 2, 64, torch.bfloat16, seed=5)
-    got = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, -1, True)
-    assert torch.equal(got, _as_decode_rows(q, cache, kv_index, tok_row, pos, 0, -1, True))
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (8, 2, 64)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_bf16_products_are_the_decode_ops(h, kvh, d, window):
+    """bf16 products (where the CPU has AVX512-BF16: the GEMM form's bf16 body, csrc/causal_gemm_bf16.inc;
+    elsewhere the fp32 body on both sides): each token its decode row, bit for bit, within bf16's rounding of
+    the reference."""
+    q, cache, kv_index, tok_row, pos = _case([40, 3, 70, 1], [300, 0, 33, 130], h, kvh, d, torch.bfloat16, seed=5)
+    got = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, window, -1, True)
+    assert torch.equal(got, _as_decode_rows(q, cache, kv_index, tok_row, pos, window, -1, True))
+    want = extend_attention_ref(q, cache, 1, kv_index, tok_row, pos, 0.125, window)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
+
+
+@native
+@pytest.mark.parametrize("cut", [[1] * 11, [3, 8], [11]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_products_over_split_rows_chunks_and_threads(cut, threads):
+    """bf16 products on 4,200 cached keys (split rows), a prompt prefilled in pieces beside another request, one
+    thread or two: the same bits as in one call, and each token its decode row."""
+    q, cache, kv_index, tok_row, pos = _case([11, 50], [4200, 10], 9, 3, 64, torch.bfloat16, seed=6)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        whole = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, -1, True)
+        t0, pieces = 0, []
+        for n in cut:
+            sel = torch.cat([torch.arange(t0, t0 + n), torch.arange(11, 16)])
+            out = torch.ops.tandem.causal_attention(q[sel], cache, 1, kv_index, tok_row[sel], pos[sel], 0.125, 0,
+                                                    -1, True)
+            pieces.append(out[:n])
+            t0 += n
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(torch.cat(pieces), whole[:11])
+    sel = torch.tensor([0, 5, 10, 11, 60])
+    assert torch.equal(whole[sel], _as_decode_rows(q[sel], cache, kv_index, tok_row[sel], pos[sel], 0, -1, True))
 
 
 @native
