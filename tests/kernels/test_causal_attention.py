@@ -87,9 +87,9 @@ def test_thread_count_and_slices_change_no_bit():
 @pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (8, 2, 64)])
 @pytest.mark.parametrize("window", [0, 37])
 def test_bf16_products_are_the_decode_ops(h, kvh, d, window):
-    """bf16 products (where the CPU has AVX512-BF16: the GEMM form's bf16 body, csrc/causal_gemm_bf16.inc;
-    elsewhere the fp32 body on both sides): each token its decode row, bit for bit, within bf16's rounding of
-    the reference."""
+    """bf16 products (where the CPU has AVX512-BF16: the decode task's bf16 body for the prompt's tokens; elsewhere
+    the fp32 body on both sides): each token its decode row, bit for bit, within bf16's rounding of the
+    reference."""
     q, cache, kv_index, tok_row, pos = _case([40, 3, 70, 1], [300, 0, 33, 130], h, kvh, d, torch.bfloat16, seed=5)
     got = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, window, -1, True)
     assert torch.equal(got, _as_decode_rows(q, cache, kv_index, tok_row, pos, window, -1, True))
