@@ -95,14 +95,14 @@ def runner_spec(config: EngineConfig, source) -> RunnerSpec:
         max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
 
 
-# How long an idle OpenMP worker of a device process spins before it sleeps (libgomp's GOMP_SPINCOUNT; its
-# default is 300,000). The device's threads take every core the scheduler shares: while the device's main thread
-# runs Python between two parallel regions, or waits for the next launch, a spinning worker holds a core that the
-# scheduler's "process results" of the step before needs. Measured (AMD EPYC, 2 vCPUs, 2 device threads, each
-# pair run back to back): SmolLM2 overlap TPOT 4.58-5.13 -> 3.91-4.57 ms (3,000 and 30,000 between; 0 sleeps on
-# every region: 7.4-7.8 ms), the 6-layer Qwen3-30B-A3B-shaped file 8.9-9.4 -> 8.5-8.9 ms in six pairs, `tandem
-# bench offline` 64 x 32 -> 128 11.35 / 11.95 -> 12.20 / 12.52 req/s; serial TPOT and a
-# 2,000-token prefill (1.0-1.1 s) unchanged within their noise.
+# How long an idle OpenMP worker of a device process spins before it sleeps (libgomp's GOMP_SPINCOUNT; its default
+# is 300,000). The device's threads take every core the scheduler shares: while the device's main thread runs Python
+# between two parallel regions, or waits for the next launch, a spinning worker holds a core that the scheduler's
+# "process results" of the step before needs. Measured (AMD EPYC, 2 vCPUs, 2 device threads, each pair run back to
+# back): SmolLM2 overlap TPOT 4.58-5.13 -> 3.91-4.57 ms (3,000 and 30,000 between; 0 sleeps on every region: 7.4-7.8
+# ms), the 6-layer Qwen3-30B-A3B-shaped file 8.9-9.4 -> 8.5-8.9 ms in six pairs, `tandem bench offline` 64 x 32 ->
+# 128 11.35 / 11.95 -> 12.20 / 12.52 req/s; serial TPOT, a 2,000-token prefill (1.0-1.1 s) and the 1.5B-shaped dense
+# file (25.9-26.7 ms) unchanged within their noise.
 DEVICE_SPINCOUNT = "10000"
 
 
