@@ -104,23 +104,25 @@ def measure_shape(shape: str, args, bin_dir: str | None, bw: float) -> tuple[dic
         starts.append(tandem_run(path, args.threads, args.gen, args.prompt, read_bandwidth, args.rounds))
         bws.append(read_bandwidth())
         if bin_dir:
-            llama.append(llama_bench(bin_dir, path, args.threads, args.prompt, 64, 3))
+            run = llama_bench(bin_dir, path, args.threads, args.prompt, 64, 3)
             bws.append(read_bandwidth())
+            llama.append((run, max(bws[-2:])))        # with the better of the probes right before and after it
     starts.sort(key=lambda t: t["tpot_ms"])
     row = {"shape": shape, "layers": mc.num_layers, "file_bytes": os.path.getsize(path), "bytes_per_token": step,
            "tandem": starts[len(starts) // 2], "tandem_tpot_ms_starts": [t["tpot_ms"] for t in starts],
            "read_bandwidth_gb_s": [b / 1e9 for b in bws]}
     bound_ms = row["bound_tpot_ms"] = 1e3 * step["total"] / max(bws)
     if bin_dir:
-        llama.sort(key=lambda r: -r["tg64"]["tokens_per_s"])
-        lb = row["llama_bench"] = llama[len(llama) // 2]
-        row["llama_bench_tg64_ms_starts"] = [1e3 / r["tg64"]["tokens_per_s"] for r in llama]
+        llama.sort(key=lambda r: -r[0]["tg64"]["tokens_per_s"])
+        lb, lb_bw = llama[len(llama) // 2]
+        row["llama_bench"] = lb
+        row["llama_bench_tg64_ms_starts"] = [1e3 / r["tg64"]["tokens_per_s"] for r, _ in llama]
         row["tpot_vs_llama_bench"] = lb["tg64"]["tokens_per_s"] / row["tandem"]["decode_tokens_per_s"]
         row["prefill_vs_llama_bench"] = row["tandem"]["prefill_tokens_per_s"] / lb[f"pp{args.prompt}"]["tokens_per_s"]
         llama_tpot_s = 1 / lb["tg64"]["tokens_per_s"]
         row["llama_bench_tpot_vs_bound"] = 1e3 * llama_tpot_s / bound_ms
-        # against the bandwidth probed right before and after it, as tandem's rounds below (one start: the last)
-        row["llama_bench_tpot_vs_paired_bound"] = llama_tpot_s / (step["total"] / max(bws[-2:]))
+        # against the bandwidth probed right before and after that run, as tandem's rounds below
+        row["llama_bench_tpot_vs_paired_bound"] = llama_tpot_s / (step["total"] / lb_bw)
     row["tpot_vs_bound"] = row["tandem"]["tpot_ms"] / bound_ms
     # each round against the bandwidth probed right around it (the better of the two): the bandwidth drifts
     # by up to 30 % within minutes here, so a bound from another minute than its TPOT's misstates the ratio

@@ -48,7 +48,7 @@ def case(rows: int, new: int, cached: int, isa: int, g: torch.Generator):
     def native_bf16():
         return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa, True)
 
-    def causal_bf16():                # the same with the decode op's bf16 products (csrc/causal_gemm_bf16.inc)
+    def causal_bf16():                # the same with the decode op's bf16 products (csrc/decode_attention_bf16.inc)
         return torch.ops.tandem.causal_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa, True)
 
     def sdpa():
