@@ -52,35 +52,42 @@ def test_each_token_is_its_decode_row(isa, dtype, h, kvh, d, window):
 @native
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cut", [[1] * 11, [3, 8], [7, 4], [11]])
-def test_chunking_and_batch_mates_change_no_bit(isa, cut):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_chunking_and_batch_mates_change_no_bit(isa, cut, bf16):
     """One prompt of 11 tokens on 4,200 cached keys (rows split into chunks, past 4,096 keys where the chunk size
-    grows), prefilled in pieces, each piece beside another request's tokens: the same bits as in one call."""
+    grows), prefilled in pieces, each piece beside another request's tokens: the same bits as in one call, and
+    each token its decode row; with fp32 and with bf16 products (the latter where the body takes them)."""
     q, cache, kv_index, tok_row, pos = _case([11, 50], [4200, 10], 9, 3, 64, torch.bfloat16, seed=3)
-    whole = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, isa)
+    whole = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, isa, bf16)
     t0, pieces = 0, []
     for n in cut:
         sel = torch.cat([torch.arange(t0, t0 + n), torch.arange(11, 11 + 5 * len(cut))[:5]])
-        out = torch.ops.tandem.causal_attention(q[sel], cache, 1, kv_index, tok_row[sel], pos[sel], 0.125, 0, isa)
+        out = torch.ops.tandem.causal_attention(q[sel], cache, 1, kv_index, tok_row[sel], pos[sel], 0.125, 0, isa,
+                                                bf16)
         pieces.append(out[:n])
         t0 += n
     assert torch.equal(torch.cat(pieces), whole[:11])
+    sel = torch.tensor([0, 5, 10, 11, 60])
+    assert torch.equal(whole[sel], _as_decode_rows(q[sel], cache, kv_index, tok_row[sel], pos[sel], 0, isa, bf16))
 
 
 @native
-def test_thread_count_and_slices_change_no_bit():
-    """Two threads or one; and a chunk long enough to be cut into several slices of partials."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_thread_count_and_slices_change_no_bit(bf16):
+    """Two threads or one; and a chunk long enough to be cut into several slices of partials; fp32 and bf16
+    products."""
     q, cache, kv_index, tok_row, pos = _case([1200, 40], [3000, 0], 4, 2, 32, torch.bfloat16, seed=4)
     threads = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append(torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125))
+            outs.append(torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, -1, bf16))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
     sel = torch.tensor([0, 600, 1199, 1200, 1239])
-    assert torch.equal(outs[0][sel], _as_decode_rows(q[sel], cache, kv_index, tok_row[sel], pos[sel], 0, -1))
+    assert torch.equal(outs[0][sel], _as_decode_rows(q[sel], cache, kv_index, tok_row[sel], pos[sel], 0, -1, bf16))
 
 
 @native
@@ -95,31 +102,6 @@ def test_bf16_products_are_the_decode_ops(h, kvh, d, window):
     assert torch.equal(got, _as_decode_rows(q, cache, kv_index, tok_row, pos, window, -1, True))
     want = extend_attention_ref(q, cache, 1, kv_index, tok_row, pos, 0.125, window)
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
-
-
-@native
-@pytest.mark.parametrize("cut", [[1] * 11, [3, 8], [11]])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_products_over_split_rows_chunks_and_threads(cut, threads):
-    """bf16 products on 4,200 cached keys (split rows), a prompt prefilled in pieces beside another request, one
-    thread or two: the same bits as in one call, and each token its decode row."""
-    q, cache, kv_index, tok_row, pos = _case([11, 50], [4200, 10], 9, 3, 64, torch.bfloat16, seed=6)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        whole = torch.ops.tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, -1, True)
-        t0, pieces = 0, []
-        for n in cut:
-            sel = torch.cat([torch.arange(t0, t0 + n), torch.arange(11, 16)])
-            out = torch.ops.tandem.causal_attention(q[sel], cache, 1, kv_index, tok_row[sel], pos[sel], 0.125, 0,
-                                                    -1, True)
-            pieces.append(out[:n])
-            t0 += n
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(torch.cat(pieces), whole[:11])
-    sel = torch.tensor([0, 5, 10, 11, 60])
-    assert torch.equal(whole[sel], _as_decode_rows(q[sel], cache, kv_index, tok_row[sel], pos[sel], 0, -1, True))
 
 
 @native
