@@ -11,6 +11,10 @@ a row's expert outputs are added in the order of their rank in its top-k, elemen
 
 Only the chosen experts run: an expert's linears read its own bytes (a GGUF 3-D block's expert is a contiguous
 slice of it), one GEMV a chosen expert at decode, one GEMM over the tokens routed to it at prefill.
+
+Expert parallelism (shard.py): a tp rank may hold a range of whole experts (experts[e] None for the others). It
+routes every row over all experts as every rank does, runs the chosen experts it holds and adds their weighted
+outputs in rank order; the ranks' sums are then all-reduced (llama.py), as a split dense MLP's are.
 """
 from __future__ import annotations
 
@@ -46,12 +50,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class MoE:
-    """A layer's router and experts. experts[e] = (gate_up [2I, hidden], down [hidden, I]) linears."""
+    """A layer's router and experts. experts[e] = (gate_up [2I, hidden], down [hidden, I]) linears, or None for an
+    expert another tp rank holds."""
 
     def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
                  act: str = "silu") -> None:
         self.experts = experts
         self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
+        self._held = self.held
         self._one_op = self._plan_one_op()
         # The router ([E, hidden] fp32) as its path reads it, held once: native, tandem.moe_route's layout
         # (csrc/moe_route.cpp: transposed, experts zero-padded to a multiple of 64); else as it is (router_logits).
@@ -63,7 +69,8 @@ class MoE:
         every expert's linears are one packed part of one type each; else None (the op-by-op path)."""
         if not self.native:
             return None
-        gus, downs = [gu for gu, _ in self.experts], [d for _, d in self.experts]
+        held = [pair for pair in self.experts if pair is not None]
+        gus, downs = [gu for gu, _ in held], [d for _, d in held]
         lins = gus + downs
         if not all(getattr(lin, "packed", None) is not None and lin.bias is None for lin in lins):
             return None
@@ -75,7 +82,13 @@ class MoE:
                 0 if self.act == "silu" else 1)
 
     def linears(self) -> list:
-        return [lin for pair in self.experts for lin in pair]
+        return [lin for pair in self.experts if pair is not None for lin in pair]
+
+    @property
+    def held(self) -> range | None:
+        """The experts this rank holds, a range of ids (shard.py); None: all of them."""
+        ids = [e for e, pair in enumerate(self.experts) if pair is not None]
+        return None if len(ids) == len(self.experts) else range(ids[0], ids[-1] + 1)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's gated MLP on the rows routed to it: [n, hidden] -> [n, hidden]."""
@@ -97,8 +110,13 @@ class MoE:
             weights, ids = route(router_logits(x, self.router), k, self.renormalize)
         if t == 1 and self._one_op is not None:      # a decode row: one op, the bits of the path below
             gus, gu_type, downs, down_type, inter, act = self._one_op
-            return torch.ops.tandem.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, weights.to(x.dtype),
-                                                act)
+            held, w = self._held, weights.to(x.dtype)
+            if held is not None:                     # this rank's chosen experts, in rank order, as local ids
+                mine = (ids >= held.start) & (ids < held.stop)
+                if not bool(mine.any()):
+                    return x.new_zeros(x.shape)
+                ids, w = (ids[mine] - held.start).view(1, -1), w[mine].view(1, -1)
+            return torch.ops.tandem.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act)
         flat = ids.reshape(-1)                                           # slot s = row * k + rank
         order = torch.argsort(flat, stable=True)                         # slots grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -107,7 +125,8 @@ class MoE:
         start = 0
         for e, n in enumerate(counts):
             if n:
-                y[order[start:start + n]] = self._expert(e, x[rows[start:start + n]])
+                slots = order[start:start + n]
+                y[slots] = self._expert(e, x[rows[start:start + n]]) if self.experts[e] is not None else 0
                 start += n
         y, w = y.view(t, k, -1), weights.to(x.dtype)
         out = y[:, 0] * w[:, :1]
@@ -131,14 +150,18 @@ def stack_packed(lins: list) -> torch.Tensor:
     return stacked
 
 
-def build_moe(ws, c: ModelConfig, i: int, native: bool) -> MoE:
-    """Layer i's MoE from the state reader ws (llama._StateReader): gate and up fused per expert."""
+def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = None) -> MoE:
+    """Layer i's MoE from the state reader ws (llama._StateReader): gate and up fused per expert; of the experts
+    only `held` (a tp rank's whole experts; None: all), the others None."""
     p = f"model.layers.{i}.mlp."
     router = ws.w(p + "gate.weight")
     router = (router.dequantize() if not isinstance(router, torch.Tensor) else router).float().contiguous()
-    experts = []
+    experts: list = []
     for e in range(c.num_experts):
         q = f"{p}experts.{e}."
+        if held is not None and e not in held:
+            experts.append(None)
+            continue
         experts.append((ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
                         ws.lin(ws.w(q + "down_proj.weight"))))
     return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act)

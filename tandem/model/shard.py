@@ -1,11 +1,15 @@
 """Tensor-parallel layout of one rank and the slicing of its weights (Megatron style, as SGLang and vLLM do).
 
 Column-parallel (output rows split): q/k/v by heads, gate/up by intermediate rows. Row-parallel (input
-columns split, partial sums all-reduced): o and down. Experts likewise, each by its own intermediate rows (every
-rank holds a slice of every expert; the router is whole on each rank, so all route alike), the layer's weighted
-sum of partial outputs all-reduced like down's. Vocab-parallel: the embedding and LM head by vocab
-rows (padded to equal shards, so the logits gather is even). KV heads are split when tp_size divides them
-and replicated when tp_size is a multiple of them (each rank keeps the one KV head its query heads read).
+columns split, partial sums all-reduced): o and down. Experts: whole experts a rank (expert parallelism: rank r
+holds experts [r E / n, (r + 1) E / n) with their blocks as the file has them) where tp_size divides the expert
+count, else each expert split by its own intermediate rows like the dense MLP. Measured on a Qwen3-30B-A3B-shaped
+Q4_K_M file at tp 2 (benchmarks/results/moe_tp.md): splitting the expert width of 768 cuts the down experts'
+256-weight super-blocks, so they were held and read as fp32 (7x their bytes). Either way the router is whole on
+each rank, so all route alike, and the layer's weighted sum of each rank's part is all-reduced like down's.
+Vocab-parallel: the embedding and LM head by vocab rows (padded to equal shards, so the logits gather is even).
+KV heads are split when tp_size divides them and replicated when tp_size is a multiple of them (each rank keeps
+the one KV head its query heads read).
 
 The whole state is read, then sliced (every rank of a node reads the file; fine for the models this engine
 runs on CPU). GGUF blocks slice by rows freely; a row-parallel slice keeps its blocks only when it cuts K on
@@ -33,8 +37,9 @@ def _fits(c: ModelConfig, n: int) -> list[str]:
         why.append(f"its {c.num_kv_heads} KV heads neither divide nor are divisible by {n}")
     if c.intermediate_size % n:
         why.append(f"its MLP width {c.intermediate_size} is not divisible by {n}")
-    if c.num_experts and c.moe_intermediate_size % n:
-        why.append(f"its expert width {c.moe_intermediate_size} is not divisible by {n}")
+    if c.num_experts and c.num_experts % n and c.moe_intermediate_size % n:
+        why.append(f"neither its {c.num_experts} experts nor their width {c.moe_intermediate_size} "
+                   f"are divisible by {n}")
     return why
 
 
@@ -62,6 +67,12 @@ class TPLayout:
     vocab_start: int
     moe_inter: int = 0       # rows of each expert's gate / up (columns of its down) on this rank
     moe_inter_start: int = 0
+    experts: int = 0         # experts held on this rank (whole, or split by moe_inter)
+    expert_start: int = 0
+
+    @property
+    def held_experts(self) -> range:
+        return range(self.expert_start, self.expert_start + self.experts)
 
     @staticmethod
     def of(c: ModelConfig, size: int, rank: int) -> "TPLayout":
@@ -73,9 +84,14 @@ class TPLayout:
             kv, kv_start = 1, rank // (size // c.num_kv_heads)
         inter = c.intermediate_size // size
         vocab = -(-c.vocab_size // size)
-        moe = c.moe_intermediate_size // size
+        if c.num_experts % size == 0:          # expert parallelism: whole experts, blocks as the file has them
+            moe, moe_start = c.moe_intermediate_size, 0
+            experts, expert_start = c.num_experts // size, rank * (c.num_experts // size)
+        else:                                  # every expert split by its intermediate rows
+            moe, moe_start = c.moe_intermediate_size // size, rank * (c.moe_intermediate_size // size)
+            experts, expert_start = c.num_experts, 0
         return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab,
-                        moe, rank * moe)
+                        moe, moe_start, experts, expert_start)
 
 
 def _rows(t, a: int, b: int, pad_to: int | None = None):
@@ -119,7 +135,12 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(t, *vocab, pad_to=lay.vocab)
         elif ".experts." in name:               # before the dense MLP's names, which an expert's also match
-            out[name] = cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
+            if int(name.split(".experts.")[1].split(".")[0]) not in lay.held_experts:
+                continue                       # another rank's expert
+            if lay.moe_inter == c.moe_intermediate_size:
+                out[name] = t                  # a whole expert
+            else:
+                out[name] = cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
         elif ".q_proj." in name:
             out[name] = _rows(t, *q)
         elif ".k_proj." in name or ".v_proj." in name:

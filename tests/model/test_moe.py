@@ -267,6 +267,59 @@ def test_a_row_is_the_same_alone_and_in_a_batch(quantized, tmp_path, monkeypatch
             assert o.token_ids == a.token_ids and o.outputs[0].logprobs == a.outputs[0].logprobs
 
 
+def test_tp_layout_holds_whole_experts_where_the_count_divides():
+    """Expert parallelism where tp_size divides the expert count; else each expert split by its width; else refused."""
+    from tandem.model.config import ModelConfig
+    from tandem.model.shard import TPLayout
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+            "num_hidden_layers": 1, "intermediate_size": 32, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+    c = ModelConfig.from_hf_dict({**base, "num_experts": 8})
+    assert [(lay.expert_start, lay.experts, lay.moe_inter) for lay in (TPLayout.of(c, 4, r) for r in range(4))] == [
+        (0, 2, 48), (2, 2, 48), (4, 2, 48), (6, 2, 48)]
+    c = ModelConfig.from_hf_dict({**base, "num_experts": 6})
+    assert [(lay.experts, lay.moe_inter, lay.moe_inter_start) for lay in (TPLayout.of(c, 4, r) for r in range(4))] == [
+        (6, 12, 0), (6, 12, 12), (6, 12, 24), (6, 12, 36)]
+    c = ModelConfig.from_hf_dict({**base, "num_experts": 6, "moe_intermediate_size": 50})
+    with pytest.raises(ValueError, match="neither its 6 experts nor their width 50 are divisible by 4"):
+        TPLayout.of(c, 4, 0)
+
+
+@pytest.mark.skipif(not available(), reason="native kernels not built")
+def test_expert_parallel_ranks_add_up_to_the_layer(quantized):
+    """tp 2 over 8 experts (shard.py): each rank holds 4 whole experts, their blocks as the file has them, and adds
+    the chosen ones it holds in rank order. Top-2, so the two ranks' outputs add up to the whole layer's bit for
+    bit; on each rank a decode row's one op gives the row its batch path's bits, and zeros where the rank holds
+    neither of its experts."""
+    from types import SimpleNamespace
+
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
+    from tandem.model.gguf.weights import gguf_weights
+    from tandem.model.llama import LlamaModel
+    from tandem.model.shard import TPLayout, shard_state
+    path = quantized[1]["Q4_K_M"]
+    c = read_gguf_config(GGUFFile(path))
+    whole = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True).layers[0]["moe"]
+    x = torch.randn(40, c.hidden_size, generator=torch.Generator().manual_seed(7))
+    _, ids = torch.ops.tandem.moe_route(x, whole.router_t, c.num_experts, c.num_experts_per_tok, whole.renormalize)
+    outs = []
+    for r in range(2):
+        lay = TPLayout.of(c, 2, r)
+        assert (lay.expert_start, lay.experts, lay.moe_inter) == (4 * r, 4, c.moe_intermediate_size)
+        state = shard_state(gguf_weights(path, c, quantized=True), c, lay)
+        assert not any(f".experts.{e}." in k for k in state for e in range(4 - 4 * r, 8 - 4 * r))
+        moe = LlamaModel(c, state, 64, native=True, int8_act=True, tp=SimpleNamespace(size=2, rank=r)).layers[0]["moe"]
+        assert moe.held == range(4 * r, 4 * r + 4) and moe._one_op is not None and len(moe.linears()) == 8
+        y = moe(x)
+        for i in range(40):
+            alone = moe(x[i:i + 1])[0]
+            assert torch.equal(alone, y[i]), (r, i)
+            if not ((ids[i] >= 4 * r) & (ids[i] < 4 * r + 4)).any():
+                assert not alone.any()
+        outs.append(y)
+    assert torch.equal(outs[0] + outs[1], whole(x))
+
+
 @pytest.mark.skipif(not available(), reason="native kernels not built")
 def test_synthetic_qwen3_moe_file(tmp_path, monkeypatch, make_llm):
     """The writer's Qwen3-30B-A3B shape keeps every layer's real shapes and llama.cpp's Q4_K_M types (Q6_K

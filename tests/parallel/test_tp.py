@@ -85,8 +85,9 @@ def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
     """Qwen3 (q/k norms) and Gemma 3 (one KV head of 256: tp 2 replicates it, each rank keeping the head its
     2 query heads read; an 8-key sliding window, sandwich norms, tied embeddings scaled by sqrt(hidden)),
     from safetensors and from the GGUF test_architectures writes: tp 2 gives tp 1's greedy tokens through
-    both loops, on prompts longer than the window. Qwen3-MoE and Mixtral: every expert split by its intermediate
-    rows (32 of 64 a rank), the router whole on each rank."""
+    both loops, on prompts longer than the window. Qwen3-MoE and Mixtral: whole experts a rank (4 of 8 each: the
+    decode rows through moe_experts with the rank's share of a row's chosen experts, or none), the router whole on
+    each rank."""
     from tests.helpers.tiny_models import MOE_ARCHS, TINY_ARCHS, make_tiny_model, write_tiny_gguf
     root = tmp_path_factory.mktemp(f"tp-{arch}")
     path = make_tiny_model(root / "hf", arch, seed=(TINY_ARCHS + MOE_ARCHS).index(arch) + 20)
@@ -98,7 +99,8 @@ def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
     try:
         c = llm.engine.model_config
         layouts = [TPLayout.of(c, 2, r) for r in range(2)]
-        assert [lay.moe_inter_start for lay in layouts] == ([0, 32] if c.num_experts else [0, 0])
+        assert [(lay.expert_start, lay.experts) for lay in layouts] == ([(0, 4), (4, 4)] if c.num_experts else
+                                                                           [(0, 0), (0, 0)])
         assert [(lay.heads, lay.kv_heads, lay.kv_head_start) for lay in layouts] == (
             [(2, 1, 0), (2, 1, 0)] if arch == "gemma3" else [(2, 1, 0), (2, 1, 1)])
         with pytest.raises(ValueError, match=r"tp_size 3 does not fit .*4 attention heads .*fit it: 1, 2, 4\)"):
