@@ -1,7 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral) as tiny random models built by transformers: greedy parity with
 transformers in the exact mode on both loops from safetensors and from GGUF (3-D expert blocks and the older
 per-expert layout), quantized GGUF experts (Q8_0, Q5_1, F16, Q4_K_M, every K-quant) on the native kernels, the router against
-transformers' own, and a row's tokens and logprobs the same alone and in a batch."""
+transformers' own, a row's tokens and logprobs the same alone and in a batch, whole experts a tp rank, and a
+grammar and the trace on an MoE model."""
 from __future__ import annotations
 
 import json
@@ -348,6 +349,28 @@ def test_synthetic_qwen3_moe_file(tmp_path, monkeypatch, make_llm):
     exps = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name)
     every = quantized_bytes(path, tied=False)["total"]
     assert every - decode_bytes_per_token(path, c, context=0)["weights"] == pytest.approx(exps * 6 / 8, abs=8)
+
+
+def test_grammar_and_trace_on_an_moe_model(tmp_path_factory, make_llm):
+    """A regex-constrained request on the tiny Qwen3-MoE through both loops (the grammar's masks on the logits
+    of a model whose MLPs are expert layers), the free rows beside it unchanged, and the trace recorder's device
+    spans: one per step, prefill and decode, with every kept token counted."""
+    import re
+    m = tiny_moe("qwen3_moe", tmp_path_factory)
+    llm = make_llm(m["hf"], device_threads=1)
+    prompts = prompts_for(1000, n=3, seed=4)
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = run_with(llm, "serial", prompts[:2], free)
+    regex = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs={"regex": r"[0-9]{3}-[a-c]{2}"})
+    for loop in ("serial", "overlap"):
+        llm.engine.recorder.clear()
+        outs = run_with(llm, loop, prompts, [free, free, regex])
+        assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone], loop
+        assert outs[2].finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-c]{2}", outs[2].text), outs[2].text
+        summary = llm.engine.recorder.summary()
+        spans = list(llm.engine.recorder.devices)
+        assert summary["steps"] == len(spans) > 0 and any(d.is_prefill for d in spans)
+        assert summary["output_tokens"] == sum(len(o.token_ids) for o in outs)
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")
