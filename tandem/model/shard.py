@@ -5,7 +5,7 @@ columns split, partial sums all-reduced): o and down. Experts: whole experts a r
 holds experts [r E / n, (r + 1) E / n) with their blocks as the file has them) where tp_size divides the expert
 count, else each expert split by its own intermediate rows like the dense MLP. Measured on a Qwen3-30B-A3B-shaped
 Q4_K_M file at tp 2 (benchmarks/results/moe_tp.md): splitting the expert width of 768 cuts the down experts'
-256-weight super-blocks, so they were held and read as fp32 (7x their bytes). Either way the router is whole on
+256-weight super-blocks, so they were held and read as fp32 (5-7x their bytes). Either way the router is whole on
 each rank, so all route alike, and the layer's weighted sum of each rank's part is all-reduced like down's.
 Vocab-parallel: the embedding and LM head by vocab rows (padded to equal shards, so the logits gather is even).
 KV heads are split when tp_size divides them and replicated when tp_size is a multiple of them (each rank keeps
@@ -135,10 +135,9 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(t, *vocab, pad_to=lay.vocab)
         elif ".experts." in name:               # before the dense MLP's names, which an expert's also match
-            if int(name.split(".experts.")[1].split(".")[0]) not in lay.held_experts:
-                continue                       # another rank's expert
-            if lay.moe_inter == c.moe_intermediate_size:
-                out[name] = t                  # a whole expert
+            if lay.experts < c.num_experts:    # whole experts a rank: this rank's, as they are; not the others'
+                if int(name.split(".experts.")[1].split(".")[0]) in lay.held_experts:
+                    out[name] = t
             else:
                 out[name] = cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
         elif ".q_proj." in name:
