@@ -1,8 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral) as tiny random models built by transformers: greedy parity with
 transformers in the exact mode on both loops from safetensors and from GGUF (3-D expert blocks and the older
-per-expert layout), quantized GGUF experts (Q8_0, Q5_1, F16, Q4_K_M, every K-quant) on the native kernels, the router against
-transformers' own, a row's tokens and logprobs the same alone and in a batch, whole experts a tp rank, and a
-grammar and the trace on an MoE model."""
+per-expert layout), quantized GGUF experts (Q8_0, Q5_1, F16, Q4_K_M, every K-quant) on the native kernels, the
+router against transformers' own, a row's tokens and logprobs the same alone and in a batch, whole experts a tp
+rank, and a grammar and the trace on an MoE model."""
 from __future__ import annotations
 
 import json
