@@ -85,8 +85,8 @@ def test_tp2_equals_tp1_new_architectures(arch, source, tmp_path_factory):
     """Qwen3 (q/k norms) and Gemma 3 (one KV head of 256: tp 2 replicates it, each rank keeping the head its
     2 query heads read; an 8-key sliding window, sandwich norms, tied embeddings scaled by sqrt(hidden)),
     from safetensors and from the GGUF test_architectures writes: tp 2 gives tp 1's greedy tokens through
-    both loops, on prompts longer than the window. Qwen3-MoE and Mixtral: whole experts a rank (4 of 8 each: the
-    decode rows through moe_experts with the rank's share of a row's chosen experts, or none), the router whole on
+    both loops, on prompts longer than the window. Qwen3-MoE and Mixtral: whole experts a rank (4 of 8 each, a
+    rank adding the chosen experts it holds; test_moe checks the one-op decode path of that), the router whole on
     each rank."""
     from tests.helpers.tiny_models import MOE_ARCHS, TINY_ARCHS, make_tiny_model, write_tiny_gguf
     root = tmp_path_factory.mktemp(f"tp-{arch}")
