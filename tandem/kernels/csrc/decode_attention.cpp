@@ -82,8 +82,9 @@ static int64_t row_chunk(int64_t n) {
   return (c + TILE - 1) / TILE * TILE;
 }
 constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
-constexpr int64_t MAX_SHARED_ROWS = 8;  // rows of a shared-prefix task (more are split over several: their states
-                                        // and queries stay within L1 / L2)
+constexpr int64_t MAX_SHARED_ROWS = 32;    // the most rows a task carries (attend's arrays)
+constexpr int64_t SHARED_PREFIX_ROWS = 8;  // rows of a shared-prefix task (more are split over several: their
+                                           // states and queries stay within L1 / L2)
 
 struct AttnArgs {
   const float* q; const void* cache; const int64_t* kv_index; const int64_t* seq_lens;   // cache: float/bf16/fp16
@@ -204,9 +205,10 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
 // Runs a plan (shared_prefix_attention.inc's Plan) over query rows q.lens / q.first (Queries) into out rows H * D
 // apart. A task's R rows attend its chunk together, tile by tile (decode_attention_task.inc): the chunk's K and V
 // come from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are
-// the bits it gets alone. R is at most MAX_SHARED_ROWS, so the rows' states stay in cache (a tile-by-tile order
-// over all of a chunk's rows was 1.6x slower at 1,000 rows, whose states no longer fit). A row's chunks that are
-// split leave partials, merged in chunk order by the task finishing its last one.
+// the bits it gets alone. R is at most SHARED_PREFIX_ROWS (a prompt's tokens: causal_rows), so the rows' states
+// stay in cache (a tile-by-tile order over all of a chunk's rows was 1.6x slower at 1,000 rows, whose states no
+// longer fit); each thread's scratch holds the plan's widest task. A row's chunks that are split leave partials,
+// merged in chunk order by the task finishing its last one.
 // Without shared tasks parallel_for splits the tasks by count (a row's chunks stay with one thread). With them
 // the threads take tasks in plan order from one counter until none is left: a shared task of R rows costs less
 // than R one-row tasks over the same keys, so a split fixed in advance left one thread waiting (~15 % of a
@@ -261,9 +263,11 @@ static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, Att
     });
     return;
   }
+  int64_t most = 1;                                      // the widest task: each thread's scratch holds its rows
+  for (const Task& t : plan.tasks) most = std::max(most, t.R);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), ntasks), 1, [&](int64_t, int64_t) {
-    Scratch scratch(MAX_SHARED_ROWS, H, D);
+    Scratch scratch(most, H, D);
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) run(plan.tasks[t], scratch);
   });
 }
