@@ -79,7 +79,8 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(args.rounds):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            got = child(*engines[name][:1], path, *engines[name][1:], args.out)
+            checkout, tp, threads = engines[name]
+            got = child(checkout, path, tp, threads, args.out)
             rounds[name].append(got)
             print(json.dumps({"round": r, "engine": name, **got}), flush=True)
     medians = {name: {k: statistics.median(g[k] for g in got) for k in got[0]} for name, got in rounds.items()}

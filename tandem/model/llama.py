@@ -142,8 +142,7 @@ class LlamaModel:
             window=c.window(i),                                         # 0: a global layer
         )
         if c.is_moe(i):                     # a router and its experts in place of the dense MLP
-            held = lay.held_experts if lay.experts < c.num_experts else None     # expert parallelism: a range
-            layer["moe"] = build_moe(ws, c, i, self.native, held)
+            layer["moe"] = build_moe(ws, c, i, self.native, lay.held_experts)     # expert parallelism: a range
         else:
             layer.update(gate_up=ws.lin(cat_rows([ws.w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
                          down=self._row_parallel_lin(ws, p + "mlp.down_proj.weight"))   # gate_up: [2I, hidden]

@@ -54,10 +54,10 @@ class MoE:
     expert another tp rank holds."""
 
     def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
-                 act: str = "silu") -> None:
+                 act: str = "silu", held: range | None = None) -> None:
         self.experts = experts
+        self.held = held             # the experts this rank holds (shard.py's expert parallelism); None: all
         self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
-        self._held = self.held
         self._one_op = self._plan_one_op()
         # The router ([E, hidden] fp32) as its path reads it, held once: native, tandem.moe_route's layout
         # (csrc/moe_route.cpp: transposed, experts zero-padded to a multiple of 64); else as it is (router_logits).
@@ -84,12 +84,6 @@ class MoE:
     def linears(self) -> list:
         return [lin for pair in self.experts if pair is not None for lin in pair]
 
-    @property
-    def held(self) -> range | None:
-        """The experts this rank holds, a range of ids (shard.py); None: all of them."""
-        ids = [e for e, pair in enumerate(self.experts) if pair is not None]
-        return None if len(ids) == len(self.experts) else range(ids[0], ids[-1] + 1)
-
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's gated MLP on the rows routed to it: [n, hidden] -> [n, hidden]."""
         gate_up, down = self.experts[e]
@@ -110,7 +104,7 @@ class MoE:
             weights, ids = route(router_logits(x, self.router), k, self.renormalize)
         if t == 1 and self._one_op is not None:      # a decode row: one op, the bits of the path below
             gus, gu_type, downs, down_type, inter, act = self._one_op
-            held, w = self._held, weights.to(x.dtype)
+            held, w = self.held, weights.to(x.dtype)
             if held is not None:                     # this rank's chosen experts, in rank order, as local ids
                 mine = (ids >= held.start) & (ids < held.stop)
                 if not bool(mine.any()):
@@ -164,5 +158,5 @@ def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = Non
             continue
         experts.append((ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
                         ws.lin(ws.w(q + "down_proj.weight"))))
-    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act)
+    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act, held)
 

@@ -69,10 +69,12 @@ class TPLayout:
     moe_inter_start: int = 0
     experts: int = 0         # experts held on this rank (whole, or split by moe_inter)
     expert_start: int = 0
+    expert_parallel: bool = False   # whole experts a rank, a range of them on each
 
     @property
-    def held_experts(self) -> range:
-        return range(self.expert_start, self.expert_start + self.experts)
+    def held_experts(self) -> range | None:
+        """This rank's whole experts under expert parallelism; None: it holds (a slice of) every expert."""
+        return range(self.expert_start, self.expert_start + self.experts) if self.expert_parallel else None
 
     @staticmethod
     def of(c: ModelConfig, size: int, rank: int) -> "TPLayout":
@@ -91,7 +93,7 @@ class TPLayout:
             moe, moe_start = c.moe_intermediate_size // size, rank * (c.moe_intermediate_size // size)
             experts, expert_start = c.num_experts, 0
         return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab,
-                        moe, moe_start, experts, expert_start)
+                        moe, moe_start, experts, expert_start, experts < c.num_experts)
 
 
 def _rows(t, a: int, b: int, pad_to: int | None = None):
@@ -135,7 +137,7 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(t, *vocab, pad_to=lay.vocab)
         elif ".experts." in name:               # before the dense MLP's names, which an expert's also match
-            if lay.experts < c.num_experts:    # whole experts a rank: this rank's, as they are; not the others'
+            if lay.held_experts is not None:   # whole experts a rank: this rank's, as they are; not the others'
                 if int(name.split(".experts.")[1].split(".")[0]) in lay.held_experts:
                     out[name] = t
             else:
