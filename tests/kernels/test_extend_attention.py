@@ -60,6 +60,37 @@ def test_long_context_and_many_rows(isa):
 
 
 @native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "q8_0"])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (14, 2, 128), (3, 3, 20)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_a_tokens_bits_do_not_depend_on_its_chunk(isa, dtype, h, kvh, d, window):
+    """Prompt tokens attend by this op under batch invariance (model/attention_paths.py): a token's output is the
+    same bits alone, with its whole prompt in one call, and in any cut of the prompt into chunks beside other
+    rows' tokens (key blocks at absolute positions; a column's sums its own). bf16 products too where the CPU
+    has them (a bf16 cache)."""
+    if dtype == "q8_0" and d % 32:
+        pytest.skip("q8_0 blocks need head_dim % 32 == 0")
+    q, cache, kv_index, tok_row, pos = _case([150, 40, 1], [70, 0, 300], h, kvh, d,
+                                             torch.float32 if dtype == "q8_0" else dtype, seed=5)
+    if dtype == "q8_0":
+        from tandem.kernels.kv_quant import quantize
+        cache = quantize(cache.float())
+    op = torch.ops.tandem.extend_attention
+    for bf16 in ([False, True] if dtype == torch.bfloat16 else [False]):
+        whole = op(q, cache, 1, kv_index, tok_row, pos, 0.125, window, isa, bf16)
+        alone = torch.cat([op(q[t:t + 1], cache, 1, kv_index, tok_row[t:t + 1], pos[t:t + 1], 0.125, window, isa,
+                              bf16) for t in range(q.shape[0])])
+        assert torch.equal(alone, whole)
+        t0, pieces = 0, []
+        for n in (1, 63, 64, 22):                # the first row's 150 tokens in chunks, each beside row 1's tokens
+            sel = torch.cat([torch.arange(t0, t0 + n), torch.arange(150 + t0 // 8, 150 + t0 // 8 + 9)])
+            pieces.append(op(q[sel], cache, 1, kv_index, tok_row[sel], pos[sel], 0.125, window, isa, bf16)[:n])
+            t0 += n
+        assert torch.equal(torch.cat(pieces), whole[:150])
+
+
+@native
 def test_thread_count_does_not_change_a_bit():
     q, cache, kv_index, tok_row, pos = _case([300, 40], [500, 0], 9, 3, 64, torch.bfloat16)
     threads = torch.get_num_threads()
