@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..kernels import kv_quant
-from ..kernels.quant import INT8_ACT_QTYPES, small_m
-from ..model.cascade import SharedPrefix, additive, shared_prefix
+from ..kernels.quant import INT8_ACT_QTYPES
 from ..model.kv_cache import AttentionMeta, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
@@ -27,7 +26,8 @@ from .future_map import FutureMap
 from .penalties import PenaltyState, apply_logit_bias
 from .runner_spec import RunnerSpec
 from .step import StepInput, prompt_logprob_targets
-from .step_layout import TokenLayout, row_groups, token_layout
+from .attention_layout import AttentionLayouts
+from .step_layout import TokenLayout, token_layout
 from .embed import mean_index, pooled
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
@@ -119,12 +119,13 @@ class ModelRunner:
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
         # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
         # step's view must keep the prefix's columns.
-        self._cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not self.model.extend_native
-                         and not any(layer["window"] for layer in self.model.layers))
+        cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not self.model.extend_native
+                   and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         rows = spec.max_running + spec.spare_rows + 1
         self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)
+        self.layouts = AttentionLayouts(self.device, self.req_to_token, self.kv_cache, self.model, cascade)
         self.future_map = FutureMap(rows, self.device, poison=spec.poison_future_map)
         self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
         self.last_prompt_logprobs, self.embed_sums = None, {}   # prompt positions' logprobs; mean pooling's sums
@@ -171,19 +172,19 @@ class ModelRunner:
         return bool(group.min_int(int(yes))) if group is not None else yes
 
     def extend_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the native extend op (long prefill chunks) take bf16 products (prefill_attention)? "auto": yes
-        where the linears round x to int8 already (rounds, kernels_act="int8"), the KV cache is bf16 and the CPU
-        has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32 rate on an AMD EPYC, benchmarks/extend_attention.py;
-        the KL gate of benchmarks/kl_divergence.py holds: results/kl_divergence_extend_bf16.md). The queries and
-        the probabilities are rounded to bf16 for the products, every sum stays fp32, as prefill_act="bf16"'s
-        SDPA."""
+        """Does the native extend op (every prompt token under batch invariance, else long chunks) take bf16
+        products (prefill_attention)? "auto": yes where the linears round x to int8 already (rounds,
+        kernels_act="int8"), the KV cache is bf16 and the CPU has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32
+        rate on an AMD EPYC, benchmarks/extend_attention.py; the KL gate of benchmarks/kl_divergence.py holds:
+        results/kl_divergence_extend_bf16.md). The queries and the probabilities are rounded to bf16 for the
+        products, every sum stays fp32, as prefill_act="bf16"'s SDPA."""
         return self._bf16_products("prefill_attention", rounds, kv_dtype, head_dim, 16)
 
     def decode_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the native decode op (decode steps, prompt chunks of up to small_m() tokens, verify rows) take
-        bf16 products (decode_attention)? "auto" as extend_bf16, with head_dim % 32 == 0 (1.30x less time than
-        the fp32 op on 32 rows sharing a 930-token prefix, 1.08-1.15x on unshared rows, which wait on memory; AMD EPYC,
-        results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
+        """Does the native decode op (decode and verify rows; generated tokens recomputed; without batch invariance
+        prompt chunks of up to small_m() tokens) take bf16 products (decode_attention)? "auto" as extend_bf16,
+        with head_dim % 32 == 0 (1.30x less time than the fp32 op on 32 rows sharing a 930-token prefix,
+        1.08-1.15x on unshared rows, which wait on memory; AMD EPYC, results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
         and the probabilities are rounded to bf16 for the products, every sum stays fp32, and a row's output is
         still the same bits in any batch (the op's invariant)."""
         return self._bf16_products("decode_attention", rounds, kv_dtype, head_dim, 32)
@@ -252,7 +253,7 @@ class ModelRunner:
                 self._tensor(step.prefix_slots, torch.int32)
         self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
         input_ids = self._input_ids(step, lay, tok_req_row, reads_ids)
-        meta = self._step_attention(step, rows, positions, out_cache_loc, lay)
+        meta = self.layouts.for_step(step, rows, positions, out_cache_loc, lay)
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
         index = mean_index(step, meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])]))
         penalized = self.samples and step.has_penalties
@@ -344,66 +345,6 @@ class ModelRunner:
         if not parts:
             return None
         return Logprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("chosen", "top_ids", "top")))
-
-    def _step_attention(self, step: StepInput, rows, positions, out_cache_loc, lay: TokenLayout) -> AttentionMeta:
-        """One attention layout for the step, or one per group of rows: a mixed step's leading one-token
-        rows (decode) and its prefill rows; and decode rows split in two where one padded [B, Lk] layout
-        would cost much more than two. Padded together, every decode row would carry a chunk's Lq query
-        slots (x30 the attention work at 32 decode rows + a 256 chunk), or one 4k-token row's Lk keys
-        (x15 the gather at 16 rows of ~250 tokens). The scheduler puts decode rows first, shortest first."""
-        e, sl = step.extend_lens, step.seq_lens
-        last_index = self._tensor(lay.last)                              # [B] flat index of each row's last token
-        nd, groups = row_groups(e, sl)
-        if len(groups) == 1:
-            return self._attention_meta(sl, e, rows, positions, out_cache_loc, last_index, lay)
-        parts = []
-        for part, (lo, hi) in enumerate(groups):
-            t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
-            r = slice(lo, hi)
-            parts.append((slice(t0, t1), self._attention_meta(sl[r], e[r], rows[r], positions[t0:t1],
-                                                              out_cache_loc[t0:t1], None, token_layout(e[r], sl[r]),
-                                                              part=part)))
-        return AttentionMeta(None, None, None, None, last_index, parts)
-
-    def _attention_meta(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, positions, out_cache_loc, last_index,
-                        lay: TokenLayout, part: int = 0) -> AttentionMeta:
-        """The layout of rows (a group of the step's, lay its token layout): the KV view, masks, query index."""
-        dev = self.device
-        t = len(positions)
-        tok_row = self._tensor(lay.tok_row)                                        # [T]
-        seq = self._tensor(seq_np)
-        lk = int(seq_np.max())
-        lq = int(ext_np.max())
-        k_pos = torch.arange(lk, device=dev)
-        valid = k_pos[None, :] < seq[:, None]                                      # [B, Lk]
-        kv_index = torch.where(valid, self.req_to_token[rows, :lk].long(), self.kv_cache.pad_slot)  # [B, Lk]
-        has_prefix = bool((seq_np > ext_np).any())
-        # Shared-prefix (cascade) extend: rows on one cached prefix attend it once (model/cascade.py); the
-        # step's view, mask and positions then cover only the keys after it. Only where the token path
-        # (a few tokens, each as a decode row) is not taken, and never with sliding windows (their layers
-        # need the whole layout).
-        p = 0
-        if lq > 1 and has_prefix and self._cascade and (not self.model.native or t > small_m()):
-            p = shared_prefix(kv_index, seq_np - ext_np)
-        kv = self.kv_cache.step_view(kv_index[:, p:], tok_row, positions - p if p else positions, out_cache_loc,
-                                     bool((seq_np - ext_np > p).any()), part)
-        if lq == 1:
-            return AttentionMeta(kv, valid[:, None, None, :], None, None, last_index)
-        ext, starts, tok_col = self._tensor(ext_np), self._tensor(lay.starts), self._tensor(lay.token_cols())
-        q_col = torch.arange(lq, device=dev)
-        q_pos = (seq - ext)[:, None] + q_col[None, :]                              # [B, Lq]
-        causal = k_pos[None, None, :] <= q_pos[:, :, None]                         # [B, Lq, Lk]
-        # Padded query slots (col >= extend) see every valid key, so no row of the mask is empty.
-        pad = (q_col[None, :] >= ext[:, None])[:, :, None]
-        mask = (causal | pad) & valid[:, None, :]
-        q_index = torch.where(q_col[None, :] < ext[:, None], starts[:, None] + q_col[None, :], 0)
-        if p:       # a padded slot still sees its row's first own key, so no row of the cut mask is empty
-            dtype = self.model.attention.extend_dtype
-            return AttentionMeta(kv, additive(mask[:, None, :, p:], dtype), q_index, (tok_row, tok_col),
-                                 last_index, shared=SharedPrefix(kv_index[0, :p].clone()))
-        return AttentionMeta(kv, mask[:, None], q_index, (tok_row, tok_col), last_index,
-                             fresh=None if has_prefix else ext_np.tolist())
-
 
 def check_same(size: int, who: str, what: str, fingerprint: dict) -> None:
     """Every rank of the group raises the same clear error when the ranks (tp ranks or pipeline stages, on

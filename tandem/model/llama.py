@@ -316,7 +316,7 @@ class LlamaModel:
         only before a first layer)."""
         c, ops = self.config, torch.ops.tandem
         eps = c.rms_norm_eps
-        decode = meta.parts is None and meta.q_index is None            # pure decode: one fused attention op
+        decode = meta.decode_only                                       # pure decode: one fused attention op
         fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
         b0 = self._bulk_from(x.shape[0], meta)                          # rows from b0 on: bf16 linears
         for i, layer in enumerate(self.layers):

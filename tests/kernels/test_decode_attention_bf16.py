@@ -177,9 +177,9 @@ def test_decode_attention_choices(tiny_llama, tiny_d32, make_llm, tmp_path_facto
 @bf16_cpu
 def test_both_loops_alike_with_bf16_decode_products(tiny_d32, make_llm):
     """Requests on a cached shared prefix, decoded with the bf16-products op (shared tasks, mixed steps, prompt
-    chunks of up to small_m() tokens, which attend by the decode op too): the serial and overlap loops give the
-    same greedy and seeded tokens, a prefix-cache hit gives what the fresh prompt gave (a token's attention is the
-    same bits as a prompt token and as a decode row), and the first token's logprobs stay close to the fp32 op's."""
+    chunks of up to small_m() tokens): the serial and overlap loops give the same greedy and seeded tokens, a
+    prefix-cache hit gives what the fresh prompt gave, a prompt holding an earlier answer what it gives on an empty
+    cache, and the first token's logprobs stay close to the fp32 op's."""
     from tests.helpers.engine_checks import run_with
     from tandem import SamplingParams
     from tandem.kernels.quant import small_m
@@ -199,13 +199,15 @@ def test_both_loops_alike_with_bf16_decode_products(tiny_d32, make_llm):
             again = [o.outputs[0] for o in run_with(llm, "overlap", prompts, params)]
             assert [o.token_ids for o in again] == [o.token_ids for o in outs[name]]
     assert [o.token_ids for o in outs["serial"]] == [o.token_ids for o in outs["overlap"]]
-    # A prompt that ends with tokens a decode step produced attends them as prompt tokens, the same bits
-    llm = make_llm(q8, device_backend="inline", prefix_cache=False, max_prefill_tokens=small_m())
+    # A prompt that ends with tokens a decode step produced: the prefix cache holds their KV from the decode op,
+    # which a prompt never takes (its tokens attend by the extend op): the same bits as with no cache at all
+    warm = make_llm(q8, device_backend="inline", max_prefill_tokens=small_m())
+    cold = make_llm(q8, device_backend="inline", prefix_cache=False, max_prefill_tokens=small_m())
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
-    first = llm.generate([prompts[5]], greedy, use_tqdm=False)[0].outputs[0]
-    tail = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
-    again = llm.generate([prompts[5] + first.token_ids[:6]], tail, use_tqdm=False)[0].outputs[0]
-    assert again.token_ids == first.token_ids[6:] and again.logprobs == first.logprobs[6:]
+    first = warm.generate([prompts[5]], greedy, use_tqdm=False)[0].outputs[0]
+    longer = prompts[5] + first.token_ids[:6]
+    a, b = (m.generate([longer], greedy, use_tqdm=False)[0].outputs[0] for m in (warm, cold))
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     for a, b in zip(outs["overlap"], outs["fp32"]):
         first_a, first_b = a.logprobs[0], b.logprobs[0]
         assert first_a.keys() == first_b.keys()

@@ -178,3 +178,27 @@ def test_server_streams_under_concurrent_traffic(ggufs, tmp_path):
     finally:
         client.close()
         assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("scheduler", ["serial", "overlap"])
+def test_an_earlier_answer_in_the_prompt_gets_the_bits_it_gets_alone(ggufs, make_llm, scheduler):
+    """A multi-turn prompt holds an earlier answer whose KV the prefix cache got from decode steps (the decode
+    op's arithmetic), while the same tokens at prompt positions attend by the extend op: the cache keys generated
+    tokens apart (KVCacheManager.key_ids), so the second turn recomputes them and answers as on an empty cache;
+    its first turn's prompt is still a hit."""
+    rng = random.Random(5)
+    first = [rng.randrange(3, VOCAB) for _ in range(90)]
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+
+    def run(llm, prompts):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm = make_llm(ggufs["K_MIX"], device_backend="inline", scheduler=scheduler)
+    answer = run(llm, [first])[0][0]
+    second = first + list(answer) + [rng.randrange(3, VOCAB) for _ in range(40)]
+    hits = llm.engine.scheduler.memory.prefix_hits
+    warm = run(llm, [second])
+    hits = llm.engine.scheduler.memory.prefix_hits - hits
+    llm.shutdown()
+    cold = make_llm(ggufs["K_MIX"], device_backend="inline", scheduler=scheduler)
+    assert run(cold, [second]) == warm
+    assert hits == len(first)                    # the first prompt's KV, not the answer's
