@@ -11,7 +11,7 @@ request's outputs) by tandem.causal_attention, which gives each token the decode
 keys (csrc/causal_attention.inc). The two arithmetics differ, so KV made by one never stands in for the other:
 the prefix cache keys generated tokens apart from prompt tokens (memory/kv_manager.py: KVCacheManager.key_ids),
 and a prompt that holds an earlier answer recomputes it as a prompt, as it would on an empty cache. The step's
-roles are marked once (device/model_runner.py: _with_roles, from StepInput.prompt_lens). With the linears' own
+roles are marked once a step (device/attention_layout.py, from StepInput.prompt_lens). With the linears' own
 invariant (kernels/quant.py: the int8 GEMV, packed GEMV and int8 GEMM give a row the same bits at any row count)
 and per-row norms, RoPE, sampling and logprobs, a request's tokens and logprobs do not depend on its batch
 mates, the step's size, how its prompt was chunked, whether its prefix came from the cache, retraction, the loop

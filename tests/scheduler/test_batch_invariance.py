@@ -202,3 +202,29 @@ def test_an_earlier_answer_in_the_prompt_gets_the_bits_it_gets_alone(ggufs, make
     cold = make_llm(ggufs["K_MIX"], device_backend="inline", scheduler=scheduler)
     assert run(cold, [second]) == warm
     assert hits == len(first)                    # the first prompt's KV, not the answer's
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_retraction_recomputes_outputs_as_decode_rows(ggufs, make_llm, monkeypatch, prefix_cache):
+    """A KV cache too small for every request: retracted requests come back and recompute what the cache no
+    longer holds, their prompt tokens by the extend op and their outputs by the causal op (the decode op's bits)
+    in the same chunks; every token and logprob as with a cache that holds them all."""
+    from tandem.model import attention_paths
+    calls = {"causal": 0}
+    real = attention_paths.causal_attention
+
+    def counted(*a, **kw):
+        calls["causal"] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(attention_paths, "causal_attention", counted)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(40 + 9 * i)] for i in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
+
+    def run(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    want = run(make_llm(ggufs["Q8_0"], device_backend="inline"))
+    assert calls["causal"] == 0                                  # no retraction: no output recomputed
+    small = make_llm(ggufs["Q8_0"], device_backend="inline", kv_cache_tokens=420, prefix_cache=prefix_cache)
+    assert run(small) == want
+    assert small.engine.scheduler.retractions > 0 and calls["causal"] > 0
