@@ -34,3 +34,17 @@ def run_to_idle(llm, sink: Callable, start: Callable[[], None]) -> None:
         eng.run()
     finally:
         eng._sink = old
+
+
+def count_attention_calls(monkeypatch, name: str) -> dict:
+    """Count the calls the attention entry point (model/attention_paths.py) makes to one native op by `name`
+    ("extend_attention", "causal_attention", ...): returns {"n": calls so far}, the op still run."""
+    from tandem.model import attention_paths
+    calls = {"n": 0}
+    real = getattr(attention_paths, name)
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(attention_paths, name, counted)
+    return calls

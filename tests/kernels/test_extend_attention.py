@@ -131,14 +131,8 @@ def test_engine_matches_the_torch_path(tiny_llama, make_llm, monkeypatch, schedu
     with running decode rows, exact mode: native kernels (long chunks by the extend op) give the torch path's
     greedy tokens, and logprobs within 1e-4."""
     from tandem import SamplingParams
-    from tandem.model import attention_paths
-    calls = {"n": 0}
-    real = attention_paths.extend_attention
-
-    def counted(*a, **kw):
-        calls["n"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(attention_paths, "extend_attention", counted)
+    from tests.helpers.engine_checks import count_attention_calls
+    calls = count_attention_calls(monkeypatch, "extend_attention")
     prefix = [(7 * i) % 200 + 3 for i in range(120)]
     prompts = [prefix + [(11 * i + 5 * j) % 250 + 2 for j in range(20 + 3 * i)] for i in range(16)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)

@@ -17,7 +17,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.kernels import available
-from tests.helpers.engine_checks import assert_no_leaks, run_to_idle
+from tests.helpers.engine_checks import assert_no_leaks, count_attention_calls, run_to_idle
 from tests.helpers.tiny_models import make_tiny_model, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not available(), reason="native kernels not built")
@@ -209,14 +209,7 @@ def test_retraction_recomputes_outputs_as_decode_rows(ggufs, make_llm, monkeypat
     """A KV cache too small for every request: retracted requests come back and recompute what the cache no
     longer holds, their prompt tokens by the extend op and their outputs by the causal op (the decode op's bits)
     in the same chunks; every token and logprob as with a cache that holds them all."""
-    from tandem.model import attention_paths
-    calls = {"causal": 0}
-    real = attention_paths.causal_attention
-
-    def counted(*a, **kw):
-        calls["causal"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(attention_paths, "causal_attention", counted)
+    calls = count_attention_calls(monkeypatch, "causal_attention")
     rng = random.Random(9)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(40 + 9 * i)] for i in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
@@ -224,7 +217,7 @@ def test_retraction_recomputes_outputs_as_decode_rows(ggufs, make_llm, monkeypat
     def run(llm):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)]
     want = run(make_llm(ggufs["Q8_0"], device_backend="inline"))
-    assert calls["causal"] == 0                                  # no retraction: no output recomputed
+    assert calls["n"] == 0                                       # no retraction: no output recomputed
     small = make_llm(ggufs["Q8_0"], device_backend="inline", kv_cache_tokens=420, prefix_cache=prefix_cache)
     assert run(small) == want
-    assert small.engine.scheduler.retractions > 0 and calls["causal"] > 0
+    assert small.engine.scheduler.retractions > 0 and calls["n"] > 0
