@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from prefix_vs_vllm import WORKLOADS, requests_for, run_tandem
@@ -41,8 +42,10 @@ def main() -> None:
                     help="comma-separated, of " + ", ".join(WORKLOADS + ("tpot",)))
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median taken)")
     ap.add_argument("--json", default=None, help="write every round's figures and the summary here")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default SmolLM2 Q4_1), e.g. a larger "
+                    "shape written by big_models.py")
     args = ap.parse_args()
-    engines = {on: LLM(batch_invariant=on) for on in (True, False)}
+    engines = {on: LLM(args.model, batch_invariant=on) for on in (True, False)}
     for llm in engines.values():
         warm_up(llm)
     vocab = engines[True].engine.model_config.vocab_size
@@ -63,7 +66,8 @@ def main() -> None:
         print(f"{w:14s} on {s['on_s']:.4f} s  off {s['off_s']:.4f} s  on/off {s['on_over_off']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "rounds": runs, "summary": summary}, f, indent=1,
+            model = None if args.model is None else os.path.basename(args.model)
+            json.dump({"machine": machine_info(), "model": model, "rounds": runs, "summary": summary}, f, indent=1,
                       default=str)
     for llm in engines.values():
         llm.shutdown()

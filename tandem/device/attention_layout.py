@@ -45,9 +45,8 @@ class AttentionLayouts:
             t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
             r = slice(lo, hi)
             lay_r = token_layout(e[r], sl[r])
-            parts.append((slice(t0, t1), self._with_roles(
-                self._group(sl[r], e[r], rows[r], positions[t0:t1], out_cache_loc[t0:t1], None, lay_r,
-                                     part=part), lay_r, step.prompt_lens[r])))
+            meta = self._group(sl[r], e[r], rows[r], positions[t0:t1], out_cache_loc[t0:t1], None, lay_r, part=part)
+            parts.append((slice(t0, t1), self._with_roles(meta, lay_r, step.prompt_lens[r])))
         return AttentionMeta(None, None, None, None, last_index, parts)
 
     def _with_roles(self, meta: AttentionMeta, lay: TokenLayout, prompt_lens: np.ndarray) -> AttentionMeta:
