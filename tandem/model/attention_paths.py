@@ -92,13 +92,13 @@ class Attention:
 
     def _extend_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           meta: AttentionMeta) -> torch.Tensor:
-        """Extend rows of more than small_m() new tokens, q [T, H, D]: the step's K/V written to the cache, then
-        every token attends its row's keys through kv_index in place (csrc/extend_attention.cpp): no gathered,
-        widened, padded copy and no mask. The cascade split is not needed here: the op widens a key block once
-        for all of a task's query rows, and a shared prefix's keys stay in cache between rows. Measured on an
-        AMD EPYC (AVX-512, no AMX), 2 threads, bf16 cache: 2.3-5x less time than the gather + SDPA it replaces
-        (benchmarks/extend_attention.py); extend_bf16: bf16 products, 1.5-1.6x more. prefill_bf16 (CPUs with
-        AMX) keeps its bf16 SDPA."""
+        """Extend rows of more than small_m() new tokens (batch_invariant: prompt tokens of any count), q [T, H, D]: the
+        step's K/V written to the cache, then every token attends its row's keys through kv_index in place
+        (csrc/extend_attention.cpp): no gathered, widened, padded copy and no mask. The cascade split is not needed
+        here: the op widens a key block once for all of a task's query rows, and a shared prefix's keys stay in cache
+        between rows. Measured on an AMD EPYC (AVX-512, no AMX), 2 threads, bf16 cache: 2.3-5x less time than the
+        gather + SDPA it replaces (benchmarks/extend_attention.py); extend_bf16: bf16 products, 1.5-1.6x more.
+        prefill_bf16 (CPUs with AMX) keeps its bf16 SDPA."""
         kv = meta.kv
         kv.write(i, k, v)
         return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
@@ -110,12 +110,11 @@ class Attention:
         to the cache, then the prompt tokens attend by the extend op (its key blocks at absolute positions, each
         token's sums its own: csrc/extend_attention_simd.inc) and any others (meta.generated_index) by the
         causal op, each the bits of its decode row. A one-token chunk takes the extend op as a long one does."""
+        pi, gi = meta.prompt_index, meta.generated_index
+        if gi is None:                  # every token a prompt's: the extend op over the whole step
+            return self._extend_attention(i, q, k, v, meta)
         kv = meta.kv
         kv.write(i, k, v)
-        pi, gi = meta.prompt_index, meta.generated_index
-        if gi is None:
-            return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
-                                    self.windows[i], bf16_products=self.extend_bf16)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         out[pi] = extend_attention(q[pi], kv.cache.data, i, kv.kv_index, kv.tok_row[pi], kv.positions[pi],
                                    self.scale, self.windows[i], bf16_products=self.extend_bf16)
