@@ -24,21 +24,19 @@
 //                                           wrote it, and the row's own key is read back rounded, as every other)
 //   out      fp32 [B, H D]
 //
-// Scores of a tile: W keys at a time, one accumulator register each, and one transposing reduction for their W
-// sums; values: 4 registers of the output held across the tile; a K or V row is loaded (and widened) once for
-// every query head of its KV head, and in a shared-prefix task for those of every row (score_block /
-// value_block, each score and output element the same bits as one query at a time). Measured, one thread
-// (process time, loaded machine): 1.4-1.8x less time than a dot with its own horizontal sum per key and an axpy
-// per key (batch 64 x ~130 keys, 32 rows x 930, batch 1 x 2k; fp32 and bf16 caches); at 2 threads the
-// batch-64 step's attention 33.2 -> 21.1 ms (kv_cascade.md).
+// Scores of a tile: W keys at a time in registers of W / 4 keys x 4 elements, four fma chains a score
+// (decode_attention_simd.inc's score_block: the order the causal op's GEMM form runs at the extend op's cost);
+// values: 4 registers of the output held across the tile; a K or V row is loaded (and widened) once for every
+// query head of its KV head, and in a shared-prefix task for those of every row (score_block / value_block,
+// each score and output element the same bits as one query at a time).
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
 // Thread split: over tasks (row, chunk of its keys; or up to MAX_SHARED_ROWS rows' same chunk of shared slots,
 // attended together: shared_prefix_attention.inc), by count or from one counter (attend_rows). A task keeps per
 // query head a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A
 // row whose keys are one chunk writes its normalized output at once; otherwise each chunk leaves its partial
-// [H, D] and (max, sum) per head, and the task that finishes a row's last chunk merges them in chunk order with
-// their log-sum-exp weights. So batch 1 at a long context spreads over every thread, and no key is copied.
+// [H, D] and (max, sum) per head, and the task that finishes a row's last chunk folds them in chunk order
+// (merge_head). So batch 1 at a long context spreads over every thread, and no key is copied.
 // Batch invariance: a row's chunk size is a function of its own key count only (about 16 chunks, at least
 // MIN_CHUNK keys, whole tiles), and its chunks and tiles lie at absolute key positions (a sliding window's first
 // ones begin part-way, the keys before its start scored -inf), so its summation order never depends on the
@@ -72,7 +70,7 @@ namespace tandem {
 
 bool cpu_has_bf16();
 
-constexpr int64_t TILE = 32;         // keys scored before their values are accumulated (a multiple of every W)
+constexpr int64_t TILE = 64;         // keys scored before their values are accumulated (the extend op's block)
 constexpr int64_t MIN_CHUNK = 256;   // fewest keys of a split chunk (the batch-invariant split, above)
 constexpr int64_t ROW_CHUNKS = 16;   // chunks a long row is split into
 
@@ -122,21 +120,22 @@ static float max_of(const float* s, int64_t n) {
   for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
   return m;
 }
+static float exp1(float x) { return std::exp(x); }              // the scalar body's exp (the SIMD ones: V::exp)
 static float exp_sum(float* s, int64_t n, float mx) {             // s[j] = exp(s[j] - mx); their sum
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
   return sum;
 }
-template <typename T>
-static float dot(const float* a, const T* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * elem(b, i);
-  return s;
+template <typename T>   // the scores' order (decode_attention_simd.inc: dot4), one score at a time
+static float dot4(const float* a, const T* b, int64_t D) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t d = 0; d < D; ++d) c[d % 4] = std::fma(a[d], elem(b, d), c[d % 4]);
+  return ((c[0] + c[1]) + c[2]) + c[3];
 }
 template <typename T>   // s[c][j] = q[c] . k[j] for nq queries and the n keys of a tile
 static void score_block(const float* const* q, int64_t nq, const T* const* k, int64_t n, int64_t D, float* const* s) {
   for (int64_t c = 0; c < nq; ++c)
-    for (int64_t j = 0; j < n; ++j) s[c][j] = dot(q[c], k[j], D);
+    for (int64_t j = 0; j < n; ++j) s[c][j] = dot4(q[c], k[j], D);
 }
 template <typename T>
 static void value_block(float* const* acc, const float* const* p, int64_t nq, const T* const* v, int64_t n,
@@ -144,28 +143,21 @@ static void value_block(float* const* acc, const float* const* p, int64_t nq, co
   for (int64_t c = 0; c < nq; ++c)
     for (int64_t j = 0; j < n; ++j) axpy(acc[c], p[c][j], v[j], D);
 }
+// merge_head (decode_attention_simd.inc's fold) in the scalar body's numbers: products rounded before each sum.
+static void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out) {
+  float M = ml[0], L = ml[1];
+  std::copy(acc, acc + D, out);
+  for (int64_t c = 1; c < n; ++c) {
+    const float m = ml[c * ms], Mn = std::max(M, m);
+    const float a = M == Mn ? 1.f : std::exp(M - Mn), b = m == Mn ? 1.f : std::exp(m - Mn);
+    L = b * ml[c * ms + 1] + L * a;
+    for (int64_t d = 0; d < D; ++d) out[d] = b * acc[c * as + d] + out[d] * a;
+    M = Mn;
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] /= L;
+}
 #include "decode_attention_task.inc"
 }  // namespace scalar
-
-// out[d] = sum_c exp(m_c - M) acc_c[d] / sum_c exp(m_c - M) l_c over one query head's n chunk partials, M =
-// max_c m_c: chunk c's acc at acc + c as (D floats), its (m, l) at ml + c ms. The one merge of split rows (the
-// decode op's and causal_gemm_simd.inc's).
-static void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out) {
-  float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
-  for (int64_t c = 0; c < n; ++c) mx = std::max(mx, ml[c * ms]);
-  std::fill(out, out + D, 0.f);
-  for (int64_t c = 0; c < n; ++c) {
-    const float w = std::exp(ml[c * ms] - mx);
-    total += w * ml[c * ms + 1];
-    const float* p = acc + c * as;
-    for (int64_t d = 0; d < D; ++d) out[d] += w * p[d];
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] /= total;
-}
-// merge_head for the H query heads of a row: acc [n, H, D] and ml [n, H, 2] (its chunks); out [H, D].
-static void merge(const float* acc, const float* ml, int64_t n, int64_t H, int64_t D, float* out) {
-  for (int64_t i = 0; i < H; ++i) merge_head(acc + i * D, H * D, ml + i * 2, H * 2, n, D, out + i * D);
-}
 
 // A causal_attention call's tokens for causal_gemm_simd.inc: token t attends keys [start[t], lens[t]) of kv row
 // srow[t].
@@ -187,6 +179,11 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
 
 using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*,
                          float* const*, float* const*, Scratch&, int64_t, int64_t);
+using MergeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+// A body's merge_head (its own numbers: fused products on AVX2 and AVX-512, as causal_gemm_simd.inc's fold).
+static MergeFn merge_for(Isa isa) {
+  return isa == kAvx512 ? avx512::merge_head : isa == kAvx2 ? avx2::merge_head : scalar::merge_head;
+}
 template <typename T>
 static AttendFn attend_for(Isa isa) {
   return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
@@ -213,7 +210,8 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
 // the threads take tasks in plan order from one counter until none is left: a shared task of R rows costs less
 // than R one-row tasks over the same keys, so a split fixed in advance left one thread waiting (~15 % of a
 // 32-row shared-prefix step's attention at 2 threads). Which thread runs a task never changes a bit.
-static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, AttendFn attend, float* o) {
+static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, AttendFn attend, MergeFn merge_head,
+                     float* o) {
   const int64_t B = (int64_t)qs.lens.size(), H = a.H, D = a.D;
   const std::vector<int64_t>& first = qs.first;
   const int64_t chunks = first[B];
@@ -251,7 +249,8 @@ static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, Att
         for (int64_t i = t.h0 * G; i < h1 * G; ++i)
           for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= mls[r][2 * i + 1];
       } else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {   // the row's last chunk: merge
-        merge(pacc + first[b] * H * D, pml + first[b] * H * 2, n, H, D, orow);
+        for (int64_t i = 0; i < H; ++i)
+          merge_head(pacc + first[b] * H * D + i * D, H * D, pml + first[b] * H * 2 + i * 2, H * 2, n, D, orow + i * D);
       }
     }
   };
@@ -328,7 +327,8 @@ static void attend_rows(const AttnArgs& a, at::ScalarType kv, float* o, int64_t 
   if (shared_prefix_on() && B > 1 && qs.first[B] > B) plan_shared(a, qs, plan);
   plan_rest(qs, plan);
   split_heads(plan, a);
-  run_plan(a, qs, plan, pick_attend(resolve_isa(isa_req), kv, bf16_products, a.D), o);
+  const Isa isa = resolve_isa(isa_req);
+  run_plan(a, qs, plan, pick_attend(isa, kv, bf16_products, a.D), merge_for(isa), o);
 }
 
 // Row b's K then V (2 KVH head rows of D floats from src + b * rs + off, one contiguous run in qkv; in the slot,

@@ -88,6 +88,27 @@ struct Vec512 {
                            _mm512_shuffle_f32x4(c[2 * p], c[2 * p + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
   }
+  // The 4-chain scores (decode_attention_simd.inc's score_block): a register holds W / 4 keys x 4 elements.
+  TANDEM_AVX512 reg bcast4(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }   // into each quarter
+  // r[k]: 16 elements d .. d + 16 of key k < 4 -> s[i]: elements d + 4 i .. d + 4 i + 4 of keys 0-3, a quarter each.
+  TANDEM_AVX512 void keys_to_steps(const reg* r, reg* s) {
+    const reg x = _mm512_shuffle_f32x4(r[0], r[1], 0x44), y = _mm512_shuffle_f32x4(r[2], r[3], 0x44);
+    const reg z = _mm512_shuffle_f32x4(r[0], r[1], 0xEE), w = _mm512_shuffle_f32x4(r[2], r[3], 0xEE);
+    s[0] = _mm512_shuffle_f32x4(x, y, 0x88);
+    s[1] = _mm512_shuffle_f32x4(x, y, 0xDD);
+    s[2] = _mm512_shuffle_f32x4(z, w, 0x88);
+    s[3] = _mm512_shuffle_f32x4(z, w, 0xDD);
+  }
+  // a[g]: keys 4 g .. 4 g + 4, a quarter each holding its 4 chains c0-c3 -> the 16 keys' ((c0 + c1) + c2) + c3.
+  TANDEM_AVX512 reg fold4(const reg* a) {
+    const reg la = _mm512_unpacklo_ps(a[0], a[1]), lb = _mm512_unpacklo_ps(a[2], a[3]);
+    const reg ha = _mm512_unpackhi_ps(a[0], a[1]), hb = _mm512_unpackhi_ps(a[2], a[3]);
+    reg r = _mm512_add_ps(_mm512_shuffle_ps(la, lb, 0x44), _mm512_shuffle_ps(la, lb, 0xEE));
+    r = _mm512_add_ps(r, _mm512_shuffle_ps(ha, hb, 0x44));
+    r = _mm512_add_ps(r, _mm512_shuffle_ps(ha, hb, 0xEE));            // lane 4 k + g: key 4 g + k
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutex2var_ps(r, idx, r);
+  }
   TANDEM_AVX512 reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   TANDEM_AVX512 reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   TANDEM_AVX512 reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
@@ -183,6 +204,20 @@ struct Vec256 {
     for (int p = 0; p < 2; ++p)
       c[p] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * p], b[2 * p + 1], 0x44), _mm256_shuffle_ps(b[2 * p], b[2 * p + 1], 0xEE));
     return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+  }
+  // The 4-chain scores, as Vec512's: a register holds 2 keys x 4 elements.
+  TANDEM_AVX2 reg bcast4(const float* p) { return _mm256_broadcast_ps((const __m128*)p); }
+  TANDEM_AVX2 void keys_to_steps(const reg* r, reg* s) {   // r[k]: 8 elements of key k < 2 -> 2 steps of 4
+    s[0] = _mm256_permute2f128_ps(r[0], r[1], 0x20);
+    s[1] = _mm256_permute2f128_ps(r[0], r[1], 0x31);
+  }
+  TANDEM_AVX2 reg fold4(const reg* a) {                    // a[g]: keys 2 g, 2 g + 1 -> 8 scores in key order
+    const reg la = _mm256_unpacklo_ps(a[0], a[1]), lb = _mm256_unpacklo_ps(a[2], a[3]);
+    const reg ha = _mm256_unpackhi_ps(a[0], a[1]), hb = _mm256_unpackhi_ps(a[2], a[3]);
+    reg r = _mm256_add_ps(_mm256_shuffle_ps(la, lb, 0x44), _mm256_shuffle_ps(la, lb, 0xEE));
+    r = _mm256_add_ps(r, _mm256_shuffle_ps(ha, hb, 0x44));
+    r = _mm256_add_ps(r, _mm256_shuffle_ps(ha, hb, 0xEE));            // lane 4 h + g: key 2 g + h
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
   TANDEM_AVX2 reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   TANDEM_AVX2 reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
