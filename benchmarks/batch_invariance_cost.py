@@ -1,6 +1,6 @@
-"""What batch invariance costs: tandem with batch_invariant on (the default: prompt tokens attend by the extend op
-with its blocks at absolute positions, generated ones by the decode op's arithmetic, the prefix cache keying the two
-apart) and off (a chunk's size picks its path; any token's KV reused), on the workloads of prefix_vs_vllm.py (the vLLM
+"""What batch invariance costs: tandem with batch_invariant on (the default: every token attends with the decode op's
+arithmetic, a chunk's tokens by the causal op in GEMM form) and off (a chunk's size picks its path, long chunks the
+extend op), on the workloads of prefix_vs_vllm.py (the vLLM
 comparison's tandem side: shared-prefix, multi-turn, long, decode = `tandem bench offline` 64 x 32 -> 128) and
 single-stream TPOT (1 x 32 -> 256). Both engines live in this process (each with its device process), rounds
 interleaved, the order within a round alternating; fresh prompts each round. Prints the median wall time of

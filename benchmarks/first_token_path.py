@@ -1,9 +1,8 @@
 """Which arithmetic should prompt rows take (issue 44, item 5)? A prompt's last row decides the first token a user
 sees, so a more accurate path there would change what the defaults answer. Compared against the exact mode
 (kernels_act="fp32"):
-  - "int8 (default)": the default settings: every prompt row runs the int8 linears and attends by the extend op
-    (batch invariance: a prompt token's bits do not depend on its chunk; before 2026-12-06 the decode op's
-    arithmetic);
+  - "int8 (default)": the default settings: every prompt row runs the int8 linears and attends with the decode
+    op's arithmetic (the causal op; an earlier version of the rule attended them by the extend op);
   - "bf16 prompt rows": every prompt row, whatever its chunk's length, through the bf16 GEMM (prefill_act="bf16",
     the long-chunk path of AMX machines) with bf16 attention products; decode rows keep int8. tandem offers this
     path only for chunks longer than small_m() and only without batch invariance, so this script lowers that

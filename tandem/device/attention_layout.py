@@ -1,5 +1,5 @@
 """A step's attention layout (model/kv_cache.py: AttentionMeta), built once a step from its rows and shared by every
-layer: the KV view, masks and query index of each group of rows, and the batch-invariance roles of its tokens.
+layer: the KV view, masks and query index of each group of rows.
 
 AttentionLayouts is the ModelRunner's: it reads the runner's request table and KV cache (passed in) and never
 writes them; the runner writes each step's slots into the table before asking for the step's layout.
@@ -38,29 +38,15 @@ class AttentionLayouts:
         last_index = self._tensor(lay.last)                              # [B] flat index of each row's last token
         nd, groups = row_groups(e, sl)
         if len(groups) == 1:
-            return self._with_roles(self._group(sl, e, rows, positions, out_cache_loc, last_index, lay),
-                                    lay, step.prompt_lens)
+            return self._group(sl, e, rows, positions, out_cache_loc, last_index, lay)
         parts = []
         for part, (lo, hi) in enumerate(groups):
             t0, t1 = (lo, hi) if hi <= nd else (nd, step.num_tokens)    # decode rows: token i is row i
             r = slice(lo, hi)
             lay_r = token_layout(e[r], sl[r])
             meta = self._group(sl[r], e[r], rows[r], positions[t0:t1], out_cache_loc[t0:t1], None, lay_r, part=part)
-            parts.append((slice(t0, t1), self._with_roles(meta, lay_r, step.prompt_lens[r])))
+            parts.append((slice(t0, t1), meta))
         return AttentionMeta(None, None, None, None, last_index, parts)
-
-    def _with_roles(self, meta: AttentionMeta, lay: TokenLayout, prompt_lens: np.ndarray) -> AttentionMeta:
-        """Under batch_invariant, mark the tokens at prompt positions of their request (position < its prompt
-        length), which attend by the extend op, and the others (model/attention_paths.py states the rule).
-        A pure decode step has none: one comparison a row."""
-        if not self.model.attention.batch_invariant:
-            return meta
-        is_prompt = lay.positions < prompt_lens[lay.tok_row]
-        if is_prompt.any():
-            meta.prompt_index = self._tensor(np.flatnonzero(is_prompt))
-            if not is_prompt.all():
-                meta.generated_index = self._tensor(np.flatnonzero(~is_prompt))
-        return meta
 
     def _group(self, seq_np: np.ndarray, ext_np: np.ndarray, rows, positions, out_cache_loc, last_index,
                lay: TokenLayout, part: int = 0) -> AttentionMeta:

@@ -17,10 +17,9 @@ from .req_table import ReqRowAllocator
 
 
 class KVCacheManager:
-    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool, by_role: bool = False) -> None:
+    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool) -> None:
         self.kv = KVSlotAllocator(num_slots)
         self.cache = RadixCache() if prefix_cache else None
-        self.by_role = by_role              # key_ids: generated tokens apart from prompt ones (batch_invariant)
         self.rows = ReqRowAllocator(max_rows)
         self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
         self.prefix_hits = 0                # of those, tokens whose KV the cache held
@@ -31,21 +30,12 @@ class KVCacheManager:
         return self.kv.num_slots
 
     # ---- admission -----------------------------------------------------------------------------------------
-    def key_ids(self, req: Req) -> list[int]:
-        """The prefix cache's key of a request's fill ids. by_role (batch_invariant): a prompt token's KV is the
-        extend op's and a generated token's the decode op's (model/attention_paths.py), so an output token is
-        keyed apart from the same id at a prompt position (as -1 - id): a later request whose prompt holds it
-        computes it, as it would on an empty cache, while a retracted request still finds its own outputs."""
-        if not self.by_role:
-            return req.fill_ids()
-        return req.prompt_ids + [-1 - t for t in req.output_ids]
-
     def match_prefix(self, req: Req) -> int:
         """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
         The last token is always computed: its logits sample the next token. Returns the hit length."""
         req.cached_len = 0
         if self.takes_hits(req):
-            fill = self.key_ids(req)
+            fill = req.fill_ids()
             slots, node = self.cache.match_prefix(fill[:-1])
             self.cache.lock(node)
             req.slots, req.cached_len, req.cache_node = slots, len(slots), node
@@ -115,7 +105,7 @@ class KVCacheManager:
         slots[n]: that slot is freed, not cached (it also keeps the tree the same under both loops).
         Every reader of a cached slot is launched after this point, so after the step that wrote it.
         """
-        fill = self.key_ids(req)
+        fill = req.fill_ids()
         n = max(min(req.filled, len(fill) - 1), req.cached_len)
         held = self.cache.insert(fill[:n], req.slots[:n])
         # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
@@ -136,7 +126,7 @@ class KVCacheManager:
         frees it."""
         if self.cache is None or req.filled <= req.cached_len:
             return
-        ids = self.key_ids(req)[:req.filled]
+        ids = req.fill_ids()[:req.filled]
         if len(self.cache.match_prefix(ids)[0]) != req.cached_len:
             return
         self.cache.insert(ids, req.slots[:req.filled])

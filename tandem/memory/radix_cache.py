@@ -1,8 +1,5 @@
 """Radix prefix cache: a tree keyed by token ids whose nodes own KV slots (page size 1).
 
-The keys are the caller's (KVCacheManager.key_ids): under batch invariance a generated token is keyed as -1 - id,
-apart from the same id at a prompt position, because the two attend by different arithmetic.
-
 A node's edge holds a run of token ids and the KV slot of each; the path from the root spells a token prefix
 whose KV is valid. Ownership of every KV slot is exactly one of: the allocator's free list, a running
 request (the part of `Req.slots` past its cached prefix), or this tree.

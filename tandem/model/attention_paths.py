@@ -1,24 +1,20 @@
 """Which attention a step's tokens take: the batch-invariance rule, stated and enforced here.
 
-The rule (batch_invariant, the default of the native path): a token's attention is chosen by its role in its own
-request, never by its step. A token at a prompt position (position < its request's prompt length: a chunk of any
-size, a prompt's last token alone after a prefix-cache hit, a mixed step's prefill row) attends by the extend op
-(csrc/extend_attention.cpp), whose key blocks sit at absolute positions and whose sums run in each token's own
-lane (csrc/extend_attention_simd.inc), so a prompt token's bits do not depend on its chunk or its batch mates.
-A generated token attends by the decode op's arithmetic: decode rows, verify rows and the overlap loop's riding
-rows by the decode op (csrc/decode_attention.cpp), and generated tokens recomputed in a chunk (a retracted
-request's outputs) by tandem.causal_attention, which gives each token the decode op's bits for its own causal
-keys (csrc/causal_attention.inc). The two arithmetics differ, so KV made by one never stands in for the other:
-the prefix cache keys generated tokens apart from prompt tokens (memory/kv_manager.py: KVCacheManager.key_ids),
-and a prompt that holds an earlier answer recomputes it as a prompt, as it would on an empty cache. The step's
-roles are marked once a step (device/attention_layout.py, from StepInput.prompt_lens). With the linears' own
-invariant (kernels/quant.py: the int8 GEMV, packed GEMV and int8 GEMM give a row the same bits at any row count)
-and per-row norms, RoPE, sampling and logprobs, a request's tokens and logprobs do not depend on its batch
-mates, the step's size, how its prompt was chunked, whether its prefix came from the cache, retraction, the loop
-or the device thread count (tests/scheduler/test_batch_invariance.py).
-Without it (batch_invariant=False) a chunk of more than small_m() tokens attends by the extend op or, under
-prefill_bf16 with AMX, by bf16 SDPA; shorter chunks by the decode op: a token's bits then follow the step's size
-(and the prefix cache reuses any token's KV).
+The rule (batch_invariant, the default of the native path): every token attends with one arithmetic, the decode
+op's, whatever its role, chunk or batch mates. Decode rows, verify rows and the overlap loop's riding rows attend
+by the decode op (csrc/decode_attention.cpp); every token of a chunk (a prompt's, in any chunk size, or a
+retracted request's outputs recomputed) by tandem.causal_attention, which gives each token the decode op's bits
+for its own causal keys (csrc/causal_attention.inc; in GEMM form, causal_gemm_simd.inc / causal_gemm_bf16.inc):
+scores as four fma chains in one order, tiles and chunks at absolute key positions, chunk states folded in
+order. So a token's KV is the same bits whichever path made it, and the prefix cache reuses any token's, an
+earlier answer held in a later prompt included. With the linears' own invariant (kernels/quant.py: the int8
+GEMV, packed GEMV and int8 GEMM give a row the same bits at any row count) and per-row norms, RoPE, sampling and
+logprobs, a request's tokens and logprobs do not depend on its batch mates, the step's size, how its prompt was
+chunked, whether its prefix came from the cache, retraction, the loop or the device thread count
+(tests/scheduler/test_batch_invariance.py).
+Without it (batch_invariant=False) a chunk of more than small_m() tokens attends by the extend op (csrc/
+extend_attention.cpp, summed in another order) or, under prefill_bf16 with AMX, by bf16 SDPA; shorter chunks by
+the decode op: a token's bits then follow the step's size.
 """
 from __future__ import annotations
 
@@ -44,8 +40,8 @@ class Attention:
         self.batch_invariant = bool(batch_invariant and native)
         # Attention of a long prefill chunk (SDPA, cascade) computes in this dtype (cascade masks are made in it)
         self.extend_dtype = torch.bfloat16 if prefill_bf16 else dtype
-        # Long chunks attend natively (the causal or the extend op), but where prefill_bf16 has AMX tiles for
-        # its bf16 SDPA the extend op gives way to it (not under batch_invariant: never bf16 prefill there)
+        # Long chunks attend natively (the causal op under batch_invariant, else the extend op), but where
+        # prefill_bf16 has AMX tiles for its bf16 SDPA the extend op gives way to it
         self.extend_native = native and (self.batch_invariant or not (prefill_bf16
                                                                        and torch.cpu._is_amx_tile_supported()))
         self.extend_bf16 = bool(extend_bf16 and self.extend_native)
@@ -56,11 +52,9 @@ class Attention:
         """Layer i's attention of a step's tokens: q [T, H, D], k, v [T, KVH, D] -> [T, H D]."""
         if meta.parts is not None:      # a mixed step: decode rows and prefill rows attend in their own layouts
             return torch.cat([self(i, q[t], k[t], v[t], m) for t, m in meta.parts])
-        if self.batch_invariant and meta.prompt_index is not None:     # prompt tokens: by the rule above
-            return self._by_role(i, q, k, v, meta)
         if self.native and meta.q_index is None:        # a mixed step's decode part
             return self.decode(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
-        if self.batch_invariant:        # generated tokens recomputed (a retracted request's): as decode rows
+        if self.batch_invariant:        # a chunk's tokens, by the rule above: each as its decode row
             return self._causal_attention(i, q, k, v, meta)
         if self.native and q.shape[0] <= small_m():     # a few new tokens: each attends as a decode row would
             return self._token_attention(i, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta)
@@ -92,7 +86,7 @@ class Attention:
 
     def _extend_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           meta: AttentionMeta) -> torch.Tensor:
-        """Extend rows of more than small_m() new tokens (batch_invariant: prompt tokens of any count), q [T, H, D]: the
+        """Extend rows of more than small_m() new tokens (without batch_invariant), q [T, H, D]: the
         step's K/V written to the cache, then every token attends its row's keys through kv_index in place
         (csrc/extend_attention.cpp): no gathered, widened, padded copy and no mask. The cascade split is not needed
         here: the op widens a key block once for all of a task's query rows, and a shared prefix's keys stay in cache
@@ -104,29 +98,11 @@ class Attention:
         return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
                                 self.windows[i], bf16_products=self.extend_bf16)
 
-    def _by_role(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttentionMeta) -> torch.Tensor:
-        """batch_invariant, rows holding prompt tokens (meta.prompt_index), q [T, H, D]: the step's K/V written
-        to the cache, then the prompt tokens attend by the extend op (its key blocks at absolute positions, each
-        token's sums its own: csrc/extend_attention_simd.inc) and any others (meta.generated_index) by the
-        causal op, each the bits of its decode row. A one-token chunk takes the extend op as a long one does."""
-        pi, gi = meta.prompt_index, meta.generated_index
-        if gi is None:                  # every token a prompt's: the extend op over the whole step
-            return self._extend_attention(i, q, k, v, meta)
-        kv = meta.kv
-        kv.write(i, k, v)
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        out[pi] = extend_attention(q[pi], kv.cache.data, i, kv.kv_index, kv.tok_row[pi], kv.positions[pi],
-                                   self.scale, self.windows[i], bf16_products=self.extend_bf16)
-        out[gi] = causal_attention(q[gi], kv.cache.data, i, kv.kv_index, kv.tok_row[gi], kv.positions[gi],
-                                   self.scale, self.windows[i], bf16_products=self.decode_bf16)
-        return out
-
     def _causal_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           meta: AttentionMeta) -> torch.Tensor:
-        """Generated tokens recomputed in a chunk (batch_invariant: a retracted request's outputs), q [T, H, D]:
+        """A chunk's tokens under batch_invariant (a prompt's, or a retracted request's outputs), q [T, H, D]:
         the step's K/V written to the cache, then every token attends its row's keys up to its position with
-        the decode op's arithmetic (csrc/causal_attention.inc): the bits it got as a decode row."""
+        the decode op's arithmetic (csrc/causal_attention.inc): the bits it gets as a decode row."""
         kv = meta.kv
         kv.write(i, k, v)
         return causal_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,

@@ -166,17 +166,10 @@ class AttentionMeta:
     # Rows on one cached prefix (model/cascade.py): its slots; kv, mask (then additive float) and positions
     # cover only the keys after it.
     shared: "SharedPrefix | None" = None
-    # batch_invariant (model/attention_paths.py): the tokens at prompt positions of their request, which attend by
-    # the extend op (None: no such token), and, where the rows hold others too, the rest (generated tokens
-    # recomputed after a retraction), which attend by the decode op's arithmetic (None: every token a prompt's)
-    prompt_index: torch.Tensor | None = None
-    generated_index: torch.Tensor | None = None
-
     @property
     def decode_only(self) -> bool:
-        """One token a row and every token a generated one: the decode op (fused into the decode layer) serves
-        them all."""
-        return self.parts is None and self.q_index is None and self.prompt_index is None
+        """One token a row: the decode op (fused into the decode layer) serves them all."""
+        return self.parts is None and self.q_index is None
 
     def window_mask(self, window: int) -> torch.Tensor:
         """`mask` narrowed to keys k > q - window of each query position q (a sliding-window layer), made once a

@@ -119,14 +119,14 @@ def pick_prefill(s: "Scheduler", budget: int, lead: Req | None = None, held: InF
             continue                              # its grammar still compiles: the requests behind it go on
         if held is not None and id(req) in held.reqs:
             break                                 # retracted, its rows still in flight (urgent.py): after them
-        fill = s.memory.key_ids(req)
+        fill = req.fill_ids()
         cached = s.memory.match_prefix(req)              # locks the hit, so it no longer counts as evictable
         if held is not None and not held.slots.isdisjoint(req.slots[:cached]):
             s.memory.unmatch(req)                 # its hit is still being written: after that step, not in it
             break
         n = len(fill) - cached                    # tokens this prefill computes
         mates = [c.req for c in chunks] + (started if aside else [])
-        if s.memory.takes_hits(req) and any(common_prefix(fill, s.memory.key_ids(m)) - cached >= IN_BATCH_SHARE
+        if s.memory.takes_hits(req) and any(common_prefix(fill, m.fill_ids()) - cached >= IN_BATCH_SHARE
                                               for m in mates):
             # A batch mate computes the same uncached prefix in this step: wait one step and hit its KV
             # (a burst of requests behind one system prompt computes it once, not once per step's admission).

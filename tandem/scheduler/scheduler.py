@@ -53,8 +53,7 @@ class Scheduler:
         self.recorder = recorder or Recorder(enabled=False)
         # Request-table rows: the running cap's, and spare ones urgent steps' requests take (urgent.py)
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
-                                     config.prefix_cache,
-                                     by_role=config.batch_invariant and config.kernels == "native")
+                                     config.prefix_cache)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe
