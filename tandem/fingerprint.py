@@ -1,8 +1,9 @@
 """OpenAI's system_fingerprint: a short hash of everything that decides a response's bits.
 
 With batch invariance (model/attention_paths.py) a request's tokens and logprobs are a function of the request (its
-prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version, the
-native kernels' build (their sources, the compiler and its flags: the compiler decides where a product and a sum fuse
+prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version and
+its Python sources (which op a token takes is decided there: a change of rule moves the hash where the version
+string stays), the native kernels' build (their sources, the compiler and its flags: the compiler decides where a product and a sum fuse
 into one fma), the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto" choices follow
 (AVX512-BF16, AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV cache dtype, bf16
 prefill and products, batch_invariant, dtype, tensor and pipeline parallel sizes; not the tensor-parallel size under
@@ -12,6 +13,7 @@ and say so. README states the limits of the promise.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,6 +45,24 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def source_digest(root: str) -> str:
+    """sha256 of the .py files under root (their paths relative to it, in sorted order, and their bytes)."""
+    h = hashlib.sha256()
+    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root)
+                   for f in names if f.endswith(".py"))
+    for rel in files:
+        h.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """source_digest of the tandem package this process runs (once a process: ~2 MB read)."""
+    return source_digest(os.path.dirname(os.path.abspath(__file__)))
+
+
 def kernel_build() -> str | None:
     """The loaded native library's name, which holds its build key (kernels/build.py: its sources, compiler
     version, flags and torch's)."""
@@ -56,6 +76,7 @@ def system_fingerprint(config: EngineConfig, weight_files: tuple[str, ...] | lis
     from . import kernels
     what = {
         "tandem": __version__,
+        "sources": package_digest(),
         "weights": [file_digest(p) for p in sorted(weight_files)],
         "isa": kernels.isa() if kernels.available() else "torch",
         "kernel_build": kernel_build() if kernels.available() else None,

@@ -4,7 +4,8 @@ option, the kernel build and body) and not with what does not (the loop, threads
 from __future__ import annotations
 
 from tandem.config import EngineConfig
-from tandem.fingerprint import file_digest, system_fingerprint
+from tandem import fingerprint
+from tandem.fingerprint import file_digest, source_digest, system_fingerprint
 
 
 def test_every_response_and_chunk_carries_one_fingerprint(client):
@@ -42,3 +43,21 @@ def test_the_hash_follows_what_decides_the_bits(tmp_path, monkeypatch):
     from tandem.kernels import library
     monkeypatch.setattr(library, "_path", "/x/tandem_kernels-0123456789abcdef.so")   # other sources or compiler
     assert system_fingerprint(EngineConfig(), [str(w)]) != body
+
+
+def test_the_hash_follows_the_python_sources(tmp_path, monkeypatch):
+    """Which op a token takes is decided in Python (model/attention_paths.py): a change there moves the hash where
+    the version string stays."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not a source")
+    before = source_digest(str(tmp_path / "pkg"))
+    (tmp_path / "pkg" / "notes.txt").write_text("still not a source")
+    assert source_digest(str(tmp_path / "pkg")) == before
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert source_digest(str(tmp_path / "pkg")) != before
+    w = tmp_path / "w.gguf"
+    w.write_bytes(b"GGUF" * 1000)
+    base = system_fingerprint(EngineConfig(), [str(w)])
+    monkeypatch.setattr(fingerprint, "package_digest", lambda: "another")
+    assert system_fingerprint(EngineConfig(), [str(w)]) != base
