@@ -118,6 +118,11 @@ struct Vec512 {
   TANDEM_AVX512 reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a * b
   TANDEM_AVX512 reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   TANDEM_AVX512 reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  // Lanes where a == b take x, the others y; whether every lane of a equals b's.
+  TANDEM_AVX512 reg select_eq(reg a, reg b, reg x, reg y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ), y, x);
+  }
+  TANDEM_AVX512 bool all_eq(reg a, reg b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ) == 0xFFFF; }
   TANDEM_AVX512 float hmax(reg v) { return _mm512_reduce_max_ps(v); }
   // 32-bit integer lanes (the sampler's counter-based hash, race_noise_simd.inc).
   using ireg = __m512i;
@@ -233,6 +238,8 @@ struct Vec256 {
   TANDEM_AVX2 reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }     // c - a * b
   TANDEM_AVX2 reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   TANDEM_AVX2 reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  TANDEM_AVX2 reg select_eq(reg a, reg b, reg x, reg y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+  TANDEM_AVX2 bool all_eq(reg a, reg b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)) == 0xFF; }
   TANDEM_AVX2 float hmax(reg v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -320,6 +327,8 @@ struct Vec1 {
   static inline reg fnmadd(reg a, reg b, reg c) { return c - a * b; }
   static inline reg min(reg a, reg b) { return b < a ? b : a; }
   static inline reg max(reg a, reg b) { return a < b ? b : a; }
+  static inline reg select_eq(reg a, reg b, reg x, reg y) { return a == b ? x : y; }
+  static inline bool all_eq(reg a, reg b) { return a == b; }
   static inline reg round(reg v) { return std::nearbyint(v); }
   static inline reg ldexp(reg v, reg n) { return std::ldexp(v, (int)n); }
   static inline reg zero_below(reg x, reg lo, reg v) { return x >= lo ? v : 0.f; }
