@@ -23,7 +23,7 @@ class RunnerSpec:
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
-    batch_invariant: bool = False  # attention by a token's role (model/attention_paths.py)
+    batch_invariant: bool = False  # every token attends with the decode op's arithmetic (model/attention_paths.py)
     prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
     prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
     decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())

@@ -238,7 +238,9 @@ struct Vec256 {
   TANDEM_AVX2 reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }     // c - a * b
   TANDEM_AVX2 reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   TANDEM_AVX2 reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
-  TANDEM_AVX2 reg select_eq(reg a, reg b, reg x, reg y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+  TANDEM_AVX2 reg select_eq(reg a, reg b, reg x, reg y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_EQ_OQ));
+  }
   TANDEM_AVX2 bool all_eq(reg a, reg b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)) == 0xFF; }
   TANDEM_AVX2 float hmax(reg v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
