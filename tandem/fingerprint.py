@@ -1,15 +1,15 @@
 """OpenAI's system_fingerprint: a short hash of everything that decides a response's bits.
 
 With batch invariance (model/attention_paths.py) a request's tokens and logprobs are a function of the request (its
-prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version and
-its Python sources (which op a token takes is decided there: a change of rule moves the hash where the version
-string stays), the native kernels' build (their sources, the compiler and its flags: the compiler decides where a product and a sum fuse
-into one fma), the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto" choices follow
-(AVX512-BF16, AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV cache dtype, bf16
-prefill and products, batch_invariant, dtype, tensor and pipeline parallel sizes; not the tensor-parallel size under
-tp_reduce_chunks, which gives every tp size dividing it the same bits). Options that change no bit (the loop, thread
-counts, batch sizes, the prefix cache, speculation) are left out, so two servers that differ only there answer alike
-and say so. README states the limits of the promise.
+prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version and its
+Python sources (which op a token takes is decided there: a change of rule moves the hash where the version string
+stays), the native kernels' build (their sources, the compiler and its flags: the compiler decides where a product
+and a sum fuse into one fma), the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto"
+choices follow (AVX512-BF16, AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV
+cache dtype, bf16 prefill and products, batch_invariant, dtype, tensor and pipeline parallel sizes; not the
+tensor-parallel size under tp_reduce_chunks, which gives every tp size dividing it the same bits). Options that
+change no bit (the loop, thread counts, batch sizes, the prefix cache, speculation) are left out, so two servers
+that differ only there answer alike and say so. README states the limits of the promise.
 """
 from __future__ import annotations
 
