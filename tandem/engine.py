@@ -21,6 +21,7 @@ from .scheduler.loops import LOOPS
 from .scheduler.grammar import Grammars
 from .scheduler.scheduler import Scheduler
 from .scheduler.speculative import verify_rows
+from .scheduler.urgent import UrgentSteps
 from .speculative.speculation import Speculation
 from .trace.recorder import Recorder
 
@@ -83,7 +84,7 @@ class Engine:
                                   drafter=drafter)
         from .scheduler.policy import make_policy
         self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, Grammars(self.grammar),
-                                   speculation, make_policy(config))
+                                   speculation, make_policy(config), UrgentSteps(self.executor.nests_steps))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()

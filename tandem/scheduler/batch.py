@@ -24,12 +24,10 @@ class Batch:
     # been waited for (the last in-flight step that may touch them).
     dropped: set = field(default_factory=set)
     release: list = field(default_factory=list)
-    # The urgent-step branch (scheduler/urgent.py): a long step the device may run urgent steps in (yields),
-    # such a step (urgent), and the requests released while this step was in flight, whose rows and KV it may
-    # still write: they are given back once it has been waited for (deferred, Scheduler._release).
+    # The urgent-step branch (scheduler/urgent.py): a long step the device may run urgent steps in (yields), and
+    # such a step (urgent).
     yields: bool = False
     urgent: bool = False
-    deferred: list = field(default_factory=list)
 
     @property
     def speculative(self) -> bool:
@@ -54,10 +52,25 @@ class Chunk:
     last: bool            # ends the fill: only this chunk samples
 
 
-@dataclass
-class InFlight:
-    """What the steps in flight hold, which a pick made while they run (an urgent step, scheduler/urgent.py)
-    must leave alone: their requests, and the KV slots they write (cache_prefill shares a chunk's KV in the
-    prefix cache when it is picked, so a hit on one of these slots would read it half written)."""
-    reqs: set[int]        # id() of each request
-    slots: set[int]
+@dataclass(frozen=True)
+class Fence:
+    """What the steps in flight hold, which a pick made while they run (an urgent step, scheduler/urgent.py) must
+    leave alone: their requests, and the KV slots they write (cache_prefill shares a chunk's KV in the prefix cache
+    when it is picked, so a hit on one of these slots would read it half written). An ordinary pick's fence is
+    empty (NO_FENCE): it brings host truth up to date where it needs it instead."""
+    reqs: frozenset[int] = frozenset()        # id() of each request
+    slots: frozenset[int] = frozenset()
+
+    def __contains__(self, req: Req) -> bool:
+        return id(req) in self.reqs
+
+    def __bool__(self) -> bool:
+        """Steps in flight go on past this pick."""
+        return bool(self.reqs)
+
+    def writes(self, slots: list[int]) -> bool:
+        """Does a step in flight write one of `slots`?"""
+        return not self.slots.isdisjoint(slots)
+
+
+NO_FENCE = Fence()

@@ -25,11 +25,18 @@ a step, a wait only the host's share of one), are not picked on an assumption: a
 processed before the next pick, so it runs serially, like a grammar row's mask in the inline executor.
 
 The urgent-step branch (scheduler/urgent.py, the priority policy) changes *what a wait for a long step does*:
-a prefill step is launched as one that yields, and while the loop waits for it, an arrival that outranks every
-prefill chunk in flight is picked into an urgent step that the device runs between two of the long step's layers and
-whose results are processed at once, before the long step's. Rules: an urgent step shares no request, row or KV
-slot with a step in flight, and a request released while riding in a yielding step keeps its row and KV until
-that step is processed (Scheduler._release).
+a prefill step is launched as one that yields, and while the loop waits for it (wait_long_step, the one call
+each loop makes where it waits for steps to end: finish_steps), an arrival that outranks every prefill chunk in
+flight is picked into an urgent step that the device runs between two of the long step's layers and whose
+results are processed at once, before the long step's. Rules: an urgent step shares no request, row or KV slot
+with a step in flight (its pick's Fence), and a request released while riding in a yielding step keeps its row
+and KV until that step is processed (UrgentSteps.defer).
+
+Where a pick or a launch needs host truth, it processes the steps in flight first (process_pending), named
+here so that every wait is visible from the loops: a drafting step whose request may not be picked on an
+assumption (pick_batch: must_sync), decode out of KV slots (pick_decode: retraction), preemption
+(pick.preempt), drafts proposed from host truth (speculative.propose), grammar masks for an executor that samples
+at launch (launch.launch_masks), and `needs_previous` (a prefill behind a prefill, an option).
 
 The PP loop (pp_size P > 1, device/parallel/pp.py) is the overlap loop at depth P: up to P micro-batches in flight, one
 per pipeline stage, so that every stage is busy. Its rule: a micro-batch is picked only from requests in no
@@ -50,10 +57,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .launch import launch_step
-from .pick import pick_batch
+from .pick import pick_batch, pick_urgent
 from .results import process_oldest, process_pending, process_results
 from .scheduler import Scheduler
-from .urgent import wait_long_step
+from .urgent import URGENT_POLL_S
 
 
 def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
@@ -66,14 +73,8 @@ def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
             batch = pick_batch(s)
         if batch is not None:
             with rec.span("launch", batch.step_id):
-                handle = launch_step(s, batch)
-            if batch.yields:                          # the urgent-step branch: arrivals that outrank it go first
-                s.result_queue.append((batch, handle))
-                wait_long_step(s)
-                process_pending(s)
-                continue
-            with rec.span("process", batch.step_id):
-                process_results(s, batch, handle)
+                s.result_queue.append((batch, launch_step(s, batch)))
+            finish_steps(s)                           # wait, process its results
         else:
             rec.drop_since(mark)
             if not idle():
@@ -87,11 +88,8 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
         if queue and s.policy.ranks_steps and queue[-1][0].is_prefill:
             # The priority policy's rule: a prefill step in flight is long, and the next step picked before it
             # ends would run before anything that arrives meanwhile; wait for it, then pick (only the host's
-            # share of a long step is not overlapped). The urgent-step branch: while it runs, an arrival that
-            # outranks it is prefilled between two of its layers (urgent.py).
-            if queue[-1][0].yields:
-                wait_long_step(s)
-            process_pending(s)
+            # share of a long step is not overlapped).
+            finish_steps(s)
         with rec.span("recv"):
             s.recv_requests()
         with rec.span("pick"):
@@ -134,6 +132,44 @@ def event_loop_pp(s: Scheduler, idle: Callable[[], bool]) -> None:
             rec.drop_since(mark)
             if not idle():
                 return
+
+
+def finish_steps(s: Scheduler) -> None:
+    """Process every step in flight. While the newest yields, urgent steps run in it first (wait_long_step)."""
+    if s.result_queue and s.result_queue[-1][0].yields:
+        wait_long_step(s)
+    process_pending(s)
+
+
+def wait_long_step(s: Scheduler) -> None:
+    """The urgent-step branch's wait (urgent.py): until the last yielding step in flight is done, take arrivals
+    in, launch an urgent step for those that outrank every prefill chunk in flight, and process each urgent step
+    as soon as it is done, out of order (its requests are in no other step). A pick is tried only when something
+    that could allow one changed (an arrival, an urgent step processed or launched): the device's threads share
+    the cores with this loop."""
+    rec, queue = s.recorder, s.result_queue
+    long_handle = next(h for b, h in reversed(queue) if b.yields)
+    looked = None                                # s.arrivals when a pick last found nothing
+    while not long_handle.ready():
+        done = next((i for i, (b, h) in enumerate(queue) if b.urgent and h.ready()), None)
+        if done is not None:
+            batch, handle = queue[done]
+            del queue[done]
+            with rec.span("process", batch.step_id):
+                process_results(s, batch, handle)
+            looked = None
+            continue
+        with rec.span("recv"):
+            s.recv_requests()
+        if looked != s.arrivals:
+            with rec.span("pick"):
+                batch = pick_urgent(s)
+            looked = s.arrivals if batch is None else None
+            if batch is not None:
+                with rec.span("launch", batch.step_id):
+                    queue.append((batch, launch_step(s, batch)))
+                continue
+        s.executor.poll_done(URGENT_POLL_S)
 
 
 LOOPS = {"serial": event_loop_serial, "overlap": event_loop_overlap, "pp": event_loop_pp}

@@ -116,9 +116,8 @@ def process_results(s: "Scheduler", batch: Batch, handle: ResultHandle) -> None:
     if batch.release:
         s.memory.free_slots(batch.release)      # this step, the last that could touch them, has been waited for
         batch.release = []
-    for req in batch.deferred:                  # released while this step could still write them (urgent.py)
+    for req in s.urgent.released(batch):        # released while this step could still write them (urgent.py)
         s.release_now(req)
-    batch.deferred = []
     s.recorder.device(batch, handle.device_span, len(outputs), handle.comm_s, handle.stage_spans)
     s.emit(outputs)
 

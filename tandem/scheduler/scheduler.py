@@ -1,7 +1,7 @@
 """The scheduler: request state of the engine (host side only), composed of the managers it is given.
 
 It owns the queues (inbox, waiting, running, the result queue), a KVCacheManager for memory, and is given the
-grammar branch's Grammars and the speculative branch's Speculation. What runs a step sits above it and takes it
+grammar branch's Grammars, the speculative branch's Speculation and the urgent-step branch's UrgentSteps. What runs a step sits above it and takes it
 as an argument: pick.py (pick batch), make_batch.py, launch.py (launch step), results.py (process results) and
 loops.py; this module imports none of them.
 
@@ -30,6 +30,7 @@ from ..trace.recorder import Recorder
 from .batch import Batch
 from .grammar import Grammars
 from .policy import FCFS
+from .urgent import UrgentSteps
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -42,16 +43,17 @@ class Scheduler:
     def __init__(self, config: EngineConfig, executor: Executor, sink: Callable[[list[StepOutput]], None],
                  recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
                  grammars: Grammars | None = None, spec: Speculation | None = None,
-                 policy: FCFS | None = None) -> None:
+                 policy: FCFS | None = None, urgent: UrgentSteps | None = None) -> None:
         self.config = config
         self.policy = policy or FCFS()      # who goes first: admission order, preemption, retraction (policy.py)
         self.grammars = grammars            # the grammar branch (grammar.py); None: no structured outputs
         self.spec = spec or Speculation()   # the speculative branch's limits, drafter, costs and counts
+        self.urgent = urgent or UrgentSteps()   # the urgent-step branch (urgent.py); off by default
         self.poll = poll                    # pulls new messages (e.g. from ZMQ) into the inbox
         self.executor = executor
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
-        # Request-table rows: the running cap's, and spare ones urgent steps' requests take (urgent.py)
+        # Request-table rows: the running cap's, and spare ones urgent steps' requests take (EngineConfig.spare_rows)
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
                                      config.prefix_cache)
         self.waiting: collections.deque[Req] = collections.deque()
@@ -64,7 +66,7 @@ class Scheduler:
         self.retractions = 0
         self.failures = 0                   # requests ended by an error in their own path (fail)
         self.expired = 0                    # requests ended by a deadline (max_queue_time, their own timeout)
-        self.arrivals = 0                   # requests taken in (urgent.py: a new one may allow an urgent step)
+        self.arrivals = 0                   # requests taken in (a new one may allow an urgent step: wait_long_step)
         self._next_deadline = math.inf      # the earliest deadline of a live request: none is looked at before
 
     # ---- requests in ---------------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ class Scheduler:
 
         Urgent steps (urgent.py) run *before the rest of* the long step they are launched in, so "later
         launches run after" does not hold for it: a request that rides in such a step (batch.yields) keeps its
-        slots and row until that step has been processed (_release defers them to it).
+        slots and row until that step has been processed (_release: UrgentSteps.defer).
         """
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -249,11 +251,8 @@ class Scheduler:
         self.waiting.appendleft(req)    # the head under fcfs; the other policies order by its kept arrival
 
     def _release(self, req: Req) -> None:
-        for batch, _ in self.result_queue:
-            if batch.yields and req in batch.reqs:
-                batch.deferred.append(req)     # urgent steps may run before this step's last layers (finish())
-                return
-        self.release_now(req)
+        if not self.urgent.defer(req, self.result_queue):     # urgent steps may run in a step it rides in
+            self.release_now(req)
 
     def release_now(self, req: Req) -> None:
         """Give back a request's KV slots (prefix cache or free list), row and drafter state."""
@@ -271,7 +270,7 @@ class Scheduler:
     def audit_kv(self) -> None:
         """Debug check: every KV slot is free, held by a live request, owned by the tree, or a dropped speculative
         row's slot freed once its step is waited for (Batch.release), exactly once."""
-        deferred = [r for batch, _ in self.result_queue for r in batch.deferred if r.rid not in self._live]
+        deferred = [r for r in self.urgent.deferred() if r.rid not in self._live]
         self.memory.audit([*self._live.values(), *deferred],
                           [s for batch, _ in self.result_queue for s in batch.release])
 
@@ -284,7 +283,7 @@ class Scheduler:
         return self._next_step_id - 1
 
     def peek_step_id(self) -> int:
-        """The id the next picked step gets (urgent.py: which buffer slot it would write)."""
+        """The id the next picked step gets (an urgent pick: which buffer slot it would write)."""
         return self._next_step_id
 
     # ---- state ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from tandem import SamplingParams
-from tandem.scheduler import urgent as urgent_branch
+from tandem.scheduler import loops
 from tandem.config import SPARE_ROWS
 from tests.helpers.engine_checks import assert_no_leaks, run_to_idle
 
@@ -25,7 +25,7 @@ def greedy(n: int, priority: int) -> SamplingParams:
 
 LONG = [5 + (7 * i) % 190 for i in range(300)]
 SHORT = [11, 12, 13, 14, 15, 16]
-LAUNCH_URGENT = urgent_branch.launch_urgent
+LAUNCH = loops.launch_step
 
 
 def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch, hold: bool = False) -> tuple[dict, list]:
@@ -61,10 +61,11 @@ def drive(llm, initial: list, arrivals: list, loop: str, monkeypatch, hold: bool
                 stopped.append(pid)
             add(*pending.pop(0))
 
-    def spy(s, batch) -> None:
-        urgent.extend(label_of[r.rid] for r in batch.reqs)
-        LAUNCH_URGENT(s, batch)
-    monkeypatch.setattr(urgent_branch, "launch_urgent", spy)
+    def spy(s, batch):
+        if batch.urgent:
+            urgent.extend(label_of[r.rid] for r in batch.reqs)
+        return LAUNCH(s, batch)
+    monkeypatch.setattr(loops, "launch_step", spy)
     s.poll = poll
     try:
         run_to_idle(llm, sink, lambda: [add(*r) for r in initial])
