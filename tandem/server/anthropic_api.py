@@ -17,10 +17,10 @@ from ..device.streams import now
 from ..replicas.engine_client import EngineError
 from . import anthropic_protocol as A
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, is_anthropic_path
-from .errors import ErrorResponse
+from .errors import error_response
 from .frontend import TextStream
 from .generation import Choice, Generation, Streamed
-from .protocol import RETRY_AFTER_S, APIError, ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest
 from .tools import ToolPlan
 
 
@@ -28,8 +28,7 @@ PREFIX = "/v1/messages"
 
 
 def anthropic_error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return ErrorResponse(A.error_body(status, message, param), status_code=status, headers=headers)
+    return error_response(A.error_body(status, message, param), status)
 
 
 def matched_stop(ts: TextStream, stops: list[str] | None, finish_reason: str | None) -> str | None:

@@ -32,7 +32,12 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> dict[str, str] | None:
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return retry_after(self.status)
+
+
+def retry_after(status: int) -> dict[str, str] | None:
+    """The headers of an error response: Retry-After on every 503."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
 
 
 def check_model(model: str | None, served: str, required: bool = False) -> None:
