@@ -32,7 +32,7 @@ from .frontend import Frontend
 from .generation import CLIENT_LEFT, Choice, ClientLeft, Generation, cached_tokens
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse
 from ..replicas.replica_set import ReplicaSet
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tools import ToolPlan
@@ -60,9 +60,7 @@ class OpenAIServer:
     # ---- shared steps --------------------------------------------------------------------------------------
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         P.check_model(body.model, self.model)
-        bad = body.unsupported()
-        if bad is not None:
-            raise APIError(400, bad[1], bad[0])
+        refuse(body.unsupported())
 
     def _signed(self, body: dict) -> dict:
         """A response or chunk with OpenAI's system_fingerprint: the same fingerprint and the same request (seed
