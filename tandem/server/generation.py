@@ -202,11 +202,12 @@ class Generation:
             for t in tasks:
                 t.cancel()
 
-    async def content_deltas(self, choices: list[Choice], plan: ToolPlan) -> AsyncIterator[tuple[Choice, str, str]]:
-        """(choice, kind, piece) as the chat outputs come, merged: "reasoning", with a reasoning split, as it
-        becomes certain; "content" in the pieces that surely are content: all of it without tools; under a tool
-        plan, up to where a tool call may begin (tools.content_prefix); "end" once a choice ended, with the
-        content not yet sent (Streamed.finish). Each choice's `out` gathers the rest."""
+    async def content_deltas(self, choices: list[Choice], plan: ToolPlan = tools.NO_TOOLS
+                             ) -> AsyncIterator[tuple[Choice, str, str]]:
+        """(choice, kind, piece) as the outputs come, merged: "reasoning", with a reasoning split, as it becomes
+        certain; "content" in the pieces that surely are content: all of it without tools; under a tool plan, up
+        to where a tool call may begin (tools.content_prefix); "end" once a choice ended, with the content not
+        yet sent (Streamed.finish). Each choice's `out` gathers the rest."""
         async for c, delta, o in self.merged(choices):
             out, split = c.out, c.split
             out.n_out = o.num_output_tokens
@@ -231,18 +232,7 @@ class Generation:
                 out.sent = safe
 
     # ---- whole responses and streams -------------------------------------------------------------------------
-    async def collect(self, request: Request, choices: list[Choice]) -> list[tuple[str, str | None, int]]:
-        """(text, finish reason, output tokens) of each choice, unless the client leaves (ClientLeft)."""
-        async def work() -> list[tuple[str, str | None, int]]:
-            parts: dict[int, list[str]] = {c.index: [c.echo] for c in choices}
-            ends: dict[int, tuple[str | None, int]] = {}
-            async for c, delta, o in self.merged(choices):
-                parts[c.index].append(delta)
-                ends[c.index] = (o.finish_reason, o.num_output_tokens)
-            return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
-        return await self.unless_disconnected(request, [c.st for c in choices], work())
-
-    async def read(self, request: Request, choices: list[Choice], plan: ToolPlan) -> None:
+    async def read(self, request: Request, choices: list[Choice], plan: ToolPlan = tools.NO_TOOLS) -> None:
         """content_deltas read to the end (a whole response), unless the client leaves (ClientLeft): each
         choice's `out` holds its split output."""
         async def work() -> None:

@@ -97,11 +97,11 @@ class OpenAIServer:
         if body.stream:
             return self.gen.stream(self._completion_chunks(rid, choices, n_prompt, created, _include_usage(body)),
                                    choices, stream_error, DONE)
-        done = await self.gen.collect(request, choices)
+        await self.gen.read(request, choices)
         return await self._render(lambda: P.completion(
-            rid, self.model, created, [P.completion_choice(c.index, text, reason, self._take_logprobs(c, False))
-                                       for c, (text, reason, _) in zip(choices, done)],
-            P.usage(n_prompt, sum(n for _, _, n in done), cached_tokens(choices))))
+            rid, self.model, created, [P.completion_choice(c.index, c.echo + c.out.text, c.out.reason,
+                                                           self._take_logprobs(c, False)) for c in choices],
+            P.usage(n_prompt, sum(c.out.n_out for c in choices), cached_tokens(choices))))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = now()
@@ -127,21 +127,17 @@ class OpenAIServer:
 
     async def _completion_chunks(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
                                  include_usage: bool) -> AsyncIterator[str]:
-        n_out: dict[int, int] = {}
-
         def chunk(c: Choice, text: str, reason: str | None = None, echo: bool = False) -> str:
             return sse(self._signed(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage,
                                                        c.index, None if echo else self._take_logprobs(c, False))))
         for c in choices:
             if c.echo:
                 yield chunk(c, c.echo, echo=True)
-        async for c, delta, o in self.gen.merged(choices):
-            n_out[c.index] = o.num_output_tokens
-            if delta or o.finished:
-                yield chunk(c, delta, o.finish_reason if o.finished else None)
+        async for c, kind, piece in self.gen.content_deltas(choices):
+            yield chunk(c, piece, c.out.reason if kind == "end" else None)
         if include_usage:
             yield sse(self._signed(P.completion_chunk(
-                rid, self.model, created, None, None, P.usage(n_prompt, sum(n_out.values()),
+                rid, self.model, created, None, None, P.usage(n_prompt, sum(c.out.n_out for c in choices),
                                                               cached_tokens(choices)), True)))
 
     async def _chat_chunks(self, rid: str, choices: list[Choice], plan: ToolPlan, n_prompt: int, created: int,
