@@ -75,7 +75,7 @@ class Choice:
     lps: list = field(default_factory=list)   # (token, logprob, top) entries not yet sent
     offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
     split: ReasoningSplitter | None = None    # a chat output's reasoning split (--reasoning-parser)
-    out: Streamed = field(default_factory=Streamed)     # a chat output as content_deltas read it
+    out: Streamed = field(default_factory=Streamed)     # the output as content_deltas read it
 
 
 def cached_tokens(choices: list[Choice]) -> int:
