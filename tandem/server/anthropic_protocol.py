@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from .protocol import APIError, ChatCompletionRequest, Int64, _Strict
+from .protocol import ChatCompletionRequest, Int64, _Strict, refuse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -189,9 +189,7 @@ class CountTokensRequest(_Strict):
 
     def chat_request(self, **sampling) -> ChatCompletionRequest:
         """The equivalent chat request (sampling fields in the chat route's names); APIError(400) if refused."""
-        bad = self.refused()
-        if bad is not None:
-            raise APIError(400, bad[1], bad[0])
+        refuse(self.refused())
         tools, choice = self.openai_tools()
         kwargs = dict(self.chat_template_kwargs or {})
         if self.messages[-1].role == "assistant":     # a prefill: the reply continues it (no new turn)
@@ -201,9 +199,7 @@ class CountTokensRequest(_Strict):
             sampling["chat_template_kwargs"] = kwargs
         chat = ChatCompletionRequest.model_validate({"messages": self.chat_messages(), "tools": tools,
                                                      "tool_choice": choice, **sampling})
-        bad = chat.unsupported()
-        if bad is not None:
-            raise APIError(400, bad[1], bad[0])
+        refuse(chat.unsupported())
         return chat
 
 

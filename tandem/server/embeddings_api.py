@@ -10,22 +10,20 @@ fixed). Unknown fields are refused, as on every route.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
 import uuid
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from ..device.embed import vector
 from ..device.streams import now
-from ..replicas.engine_client import EngineError, RequestStream
+from ..replicas.engine_client import RequestStream
 from ..request import StepOutput
 from ..sampling_params import SamplingParams
 from .frontend import MAX_PROMPTS, Frontend, find_bad_text
-from .generation import Generation, wait_disconnect
+from .generation import Generation
 from .protocol import APIError, Int64, _Strict, check_model
 
 EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
@@ -71,22 +69,18 @@ def check(body: EmbeddingRequest, served: str) -> None:
                             "size); leave dimensions out", "dimensions")
 
 
-async def _vector(gen: Generation, st: RequestStream) -> StepOutput:
-    """The finished output of one embeddings request (its engine errors raised as the generation routes do)."""
-    async for o in gen.client.outputs(st):
-        if o.finish_reason == "error":
-            if o.error_status in (408, 503):
-                raise EngineError(o.error_status, o.error or "the request's deadline passed")
-            raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
-        if o.finished and o.embedding is not None:
-            return o
-        if o.finished:
-            break
-    raise APIError(500, "the engine ended this request without its vector", type="server_error")
-
-
 async def _vectors(gen: Generation, streams: list[RequestStream]) -> list[StepOutput]:
-    return [await _vector(gen, st) for st in streams]
+    """The finished output of each embeddings request (its engine errors raised as the generation routes')."""
+    outs = []
+    for st in streams:
+        o = None
+        async for o in gen.outputs(st):
+            if o.finished:
+                break
+        if o is None or not o.finished or o.embedding is None:
+            raise APIError(500, "the engine ended this request without its vector", type="server_error")
+        outs.append(o)
+    return outs
 
 
 async def embeddings(gen: Generation, served: str, body: EmbeddingRequest, request: Request):
@@ -95,26 +89,8 @@ async def embeddings(gen: Generation, served: str, body: EmbeddingRequest, reque
     prompts = await gen.fe.off_loop(prompts_of, gen.fe, body)
     rid = f"embd-{uuid.uuid4().hex}"
     params = gen.fe.params_dict(dataclasses.replace(EMBED_PARAMS, pooling=body.pooling))
-    subs = await asyncio.gather(*(gen.client.submit(f"{rid}-{k}", ids, params, arrival)
-                                  for k, ids in enumerate(prompts)), return_exceptions=True)
-    streams = [st for st in subs if isinstance(st, RequestStream)]
-    task = watch = None
-    try:
-        failed = [e for e in subs if isinstance(e, BaseException)]
-        if failed:
-            raise failed[0]
-        task = asyncio.ensure_future(_vectors(gen, streams))     # a task: cancelled quietly if the client leaves
-        watch = asyncio.ensure_future(wait_disconnect(request))
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            return Response(status_code=499)        # the client left: its requests are aborted below
-        outs = task.result()
-    finally:
-        for fut in (task, watch):
-            if fut is not None and not fut.done():
-                fut.cancel()
-        for st in streams:
-            gen.client.abort(st.rid)                # a no-op for finished ones; frees the rest
+    streams = await gen.submit_all([(f"{rid}-{k}", ids, params) for k, ids in enumerate(prompts)], arrival)
+    outs = await gen.unless_disconnected(request, streams, _vectors(gen, streams))
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(o.embedding).decode() if body.encoding_format == "base64"
              else vector(o.embedding)} for i, o in enumerate(outs)]

@@ -7,7 +7,7 @@ import json
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from .protocol import RETRY_AFTER_S, APIError, error_body, error_code
+from .protocol import APIError, error_body, error_code, retry_after
 
 
 def sse(obj: dict) -> str:
@@ -21,10 +21,13 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True).encode()
 
 
+def error_response(body: dict, status: int) -> ErrorResponse:
+    """An error body (any API's shape) with its status and headers (Retry-After on a 503)."""
+    return ErrorResponse(body, status_code=status, headers=retry_after(status))
+
+
 def error(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return ErrorResponse(error_body(message, type, param, error_code(status, code)), status_code=status,
-                         headers=headers)
+    return error_response(error_body(message, type, param, error_code(status, code)), status)
 
 
 def engine_error_body(e) -> dict:
@@ -35,8 +38,7 @@ def engine_error_body(e) -> dict:
 
 
 def engine_error(e) -> ErrorResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
-    return ErrorResponse(engine_error_body(e), status_code=e.status, headers=headers)
+    return error_response(engine_error_body(e), e.status)
 
 
 def stream_error(e: Exception) -> str:

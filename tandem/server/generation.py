@@ -1,31 +1,65 @@
-"""What every generation route shares, whatever its API's shapes: submit a response's choices to the engine,
-read their outputs as they come (merged across choices), collect a whole response unless the client leaves, and
-abort what is left. The OpenAI routes (openai_api.py), Anthropic's (anthropic_api.py) and the Responses route
-(responses_api.py) are given one Generation.
+"""What every route shares, whatever its API's shapes: submit a response's requests to the engine (all or
+none), read their outputs as they come (merged across choices, an engine failure raised as the client sees it),
+split each chat output into reasoning, content and tool calls, collect a whole response unless the client leaves
+(ClientLeft: a 499), stream one with its requests aborted however it ends, and abort what is left. The OpenAI
+routes (openai_api.py), Anthropic's (anthropic_api.py), the Responses route (responses_api.py) and embeddings
+(embeddings_api.py) are given one Generation.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from ..replicas.engine_client import EngineError, RequestStream
 from ..replicas.replica_set import ReplicaSet
 from ..request import StepOutput
 from .frontend import Frontend, TextStream
-from .protocol import APIError
+from .protocol import APIError, ChatCompletionRequest
 from . import tools
 from .reasoning import END, START, ReasoningSplitter
 from .tools import ToolPlan
+
+CLIENT_LEFT = 499           # nginx's "client closed request": the answer of a request whose client went away
+
+
+class ClientLeft(Exception):
+    """The client went away before its whole response was ready: its requests are aborted, it gets a 499."""
 
 
 async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+@dataclass
+class Streamed:
+    """What Generation.content_deltas read of a choice: its text after the reasoning (all of it without a
+    reasoning parser) and its reasoning, and once it ended, the finish reason and its output tokens, of which
+    `n_reasoning` up to the end of the reasoning (the step that closed it included); then the content and the
+    tool calls parsed out of the text (`finish`)."""
+    text: str = ""
+    reasoning: str | None = None    # None: the output had no reasoning part
+    reason: str | None = None       # the engine's finish reason
+    n_out: int = 0
+    n_reasoning: int = 0
+    sent: int = 0                   # characters of `text` streamed as content
+    content: str | None = None      # once ended: the text with its tool calls parsed out (None: only calls)
+    calls: list[dict] = field(default_factory=list)     # OpenAI tool_calls (tools.parse)
+    finish_reason: str | None = None    # OpenAI's: "tool_calls" where the output called tools (tools.parse)
+
+    def finish(self, plan: ToolPlan, reason: str | None) -> str:
+        """End the output: its tool calls parsed out; returns the content not yet streamed, none when the calls
+        are all there is (what a tool call might have begun was held back: tools.content_prefix)."""
+        self.reason = reason
+        self.content, self.calls, self.finish_reason = tools.parse(plan, self.text, reason)
+        return (self.content or "")[self.sent:] if not self.calls or self.content else ""
 
 
 @dataclass(eq=False)
@@ -40,6 +74,8 @@ class Choice:
     want_logprobs: bool = False
     lps: list = field(default_factory=list)   # (token, logprob, top) entries not yet sent
     offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
+    split: ReasoningSplitter | None = None    # a chat output's reasoning split (--reasoning-parser)
+    out: Streamed = field(default_factory=Streamed)     # the output as content_deltas read it
 
 
 def cached_tokens(choices: list[Choice]) -> int:
@@ -47,23 +83,21 @@ def cached_tokens(choices: list[Choice]) -> int:
     return sum(c.st.num_cached_tokens for c in choices if c.sample == 0)
 
 
-
-@dataclass
-class Streamed:
-    """What Generation.content_deltas read of a choice: its text after the reasoning (all of it without a
-    reasoning parser) and its reasoning, and once it ended, the finish reason and its output tokens, of which
-    `n_reasoning` up to the end of the reasoning (the step that closed it included)."""
-    text: str = ""
-    reasoning: str | None = None    # None: the output had no reasoning part
-    reason: str | None = None
-    n_out: int = 0
-    n_reasoning: int = 0
-
-
 class Generation:
     def __init__(self, client: ReplicaSet, frontend: Frontend, reasoning_parser: str | None = None) -> None:
         self.client, self.fe = client, frontend
         self.reasoning_parser = reasoning_parser       # --reasoning-parser (reasoning.py), or None
+
+    # ---- submit --------------------------------------------------------------------------------------------
+    async def chat_prompt(self, chat: ChatCompletionRequest, one_call: bool = False) -> tuple[ToolPlan, list[int]]:
+        """A chat request's tool plan and prompt ids (on the tokenizer pool). `one_call` caps a required tool
+        choice at one call through the grammar (Anthropic's disable_parallel_tool_use, parallel_tool_calls=false)."""
+        def prompt() -> tuple[ToolPlan, list[int]]:
+            plan = tools.plan(chat.tools, chat.tool_choice)
+            if plan.mode == "required" and one_call:
+                plan.schema = {**plan.schema, "maxItems": 1}
+            return plan, self.fe.chat_ids(chat, plan)
+        return await self.fe.off_loop(prompt)
 
     def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
         """A reasoning split for an output of this prompt (None without --reasoning-parser): whether the output
@@ -73,12 +107,11 @@ class Generation:
         return ReasoningSplitter.for_prompt(self.reasoning_parser, self.fe.tokenizer.decode(prompt_ids[-16:]))
 
     async def submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
-                      default_max_tokens: int | None, tool_plan: ToolPlan | None = None,
-                      chat: bool = False) -> tuple[str, list[Choice]]:
+                     default_max_tokens: int | None, tool_plan: ToolPlan | None = None,
+                     chat: bool = False) -> tuple[str, list[Choice]]:
         """Submit every choice of a response: each prompt n times (sample i with its own derived seed).
-        Every prompt's fields are validated before anything is queued; if one submit fails, the others are
-        aborted, so a refused response leaves nothing running. A chat output's grammar starts after its
-        reasoning when a reasoning parser is set (reasoning_gate)."""
+        Every prompt's fields are validated before anything is queued (submit_all). A chat output's grammar
+        starts after its reasoning when a reasoning parser is set (reasoning_gate); its text is split there."""
         constrained = body.structured() is not None or (tool_plan is not None and tool_plan.schema is not None)
         structured = await self.fe.off_loop(self.fe.structured, body, tool_plan) if constrained else None
         params = [self.fe.sampling_params(body, len(ids), default_max_tokens, structured) for ids in prompts]
@@ -87,20 +120,25 @@ class Generation:
                 p.reasoning_end_ids, p.reasoning_start_id = self.reasoning_gate(ids)
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
-        subs = await asyncio.gather(*(self.client.submit(rid if len(plan) == 1 else f"{rid}-{k}", ids,
-                                                         self.fe.params_dict(p), arrival)
-                                      for k, (ids, p) in enumerate(plan)), return_exceptions=True)
-        failed = [e for e in subs if isinstance(e, BaseException)]
-        if failed:
-            for st in subs:
-                if isinstance(st, RequestStream):
-                    self.client.abort(st.rid)
-            raise failed[0]
+        subs = await self.submit_all([(rid if len(plan) == 1 else f"{rid}-{k}", ids, self.fe.params_dict(p))
+                                      for k, (ids, p) in enumerate(plan)], arrival)
         echo = [await self.fe.off_loop(self.fe.decode, ids) if getattr(body, "echo", False) else ""
                 for ids, _ in plan]
         samples = [i for p in params for i in range(p.n)]
-        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e))
+        return rid, [Choice(k, ids, st, self.fe.text_stream(ids, p), e, i, p.logprobs is not None, offset=len(e),
+                            split=self.splitter(ids) if chat else None)
                      for k, ((ids, p), st, e, i) in enumerate(zip(plan, subs, echo, samples))]
+
+    async def submit_all(self, requests: list[tuple[str, list[int], dict]], arrival: float) -> list[RequestStream]:
+        """Submit (request id, prompt ids, params) requests at once; if one submit fails, the others are
+        aborted and its error raised, so a refused response leaves nothing running."""
+        subs = await asyncio.gather(*(self.client.submit(rid, ids, params, arrival) for rid, ids, params in requests),
+                                    return_exceptions=True)
+        failed = [e for e in subs if isinstance(e, BaseException)]
+        if failed:
+            self.abort(st for st in subs if isinstance(st, RequestStream))
+            raise failed[0]
+        return subs
 
     def reasoning_gate(self, prompt_ids: list[int]) -> tuple[list[int] | None, int | None]:
         """(reasoning_end_ids, reasoning_start_id) of a grammar that starts after the reasoning, as the splitter
@@ -117,50 +155,23 @@ class Generation:
         start = encode(START)
         return (end, start[0]) if len(start) == 1 else (None, None)
 
-    async def deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
-        """(text delta, output) per engine output; the last one is finished. APIError(500) if the engine
-        failed this request (engine isolation: the others go on); EngineError(503) if it waited past
-        --max-queue-time, EngineError(408) if its own `timeout` passed (Scheduler.expire)."""
+    # ---- read ----------------------------------------------------------------------------------------------
+    async def outputs(self, st: RequestStream) -> AsyncIterator[StepOutput]:
+        """The request's engine outputs; the last one is finished. APIError(500) if the engine failed this
+        request (engine isolation: the others go on); EngineError(503) if it waited past --max-queue-time,
+        EngineError(408) if its own `timeout` passed (Scheduler.expire)."""
         async for o in self.client.outputs(st):
             st.num_cached_tokens = o.num_cached_tokens
             if o.finish_reason == "error":
                 if o.error_status in (408, 503):
                     raise EngineError(o.error_status, o.error or "the request's deadline passed")
                 raise APIError(500, f"the engine failed this request: {o.error}", type="server_error")
+            yield o
+
+    async def deltas(self, st: RequestStream, ts: TextStream) -> AsyncIterator[tuple[str, StepOutput]]:
+        """(text delta, output) per engine output (outputs)."""
+        async for o in self.outputs(st):
             yield (ts.finish(o.new_token_ids, o.text) if o.finished else ts.add(o.new_token_ids)), o
-
-    async def content_deltas(self, c: Choice, plan: ToolPlan, out: Streamed,
-                             split: ReasoningSplitter | None = None) -> AsyncIterator[tuple[str, str]]:
-        """("reasoning" | "content", piece) as the choice's text comes: with a reasoning split, the reasoning as it
-        becomes certain; then the content in the pieces that surely are content: all of it without tools; under
-        a tool plan, up to where a tool call may begin (tools.content_prefix). `out` gathers the rest."""
-        sent, closed = 0, False
-        async for _, delta, o in self.merged([c]):
-            out.n_out = o.num_output_tokens
-            if split is not None:
-                thought, delta = split.feed(delta)
-                if o.finished:
-                    more, rest = split.finish()
-                    thought, delta = thought + more, delta + rest
-                if split.thought and not closed:
-                    out.n_reasoning, closed = o.num_output_tokens, split.closed
-                    out.reasoning = (out.reasoning or "") + thought
-                if thought:
-                    yield "reasoning", thought
-            out.text += delta
-            if o.finished:
-                out.reason = o.finish_reason
-                continue
-            safe = len(out.text) if plan.mode == "none" else tools.content_prefix(plan, out.text)
-            if safe > sent:
-                yield "content", out.text[sent:safe]
-                sent = safe
-
-    async def read(self, c: Choice, plan: ToolPlan, out: Streamed, split: ReasoningSplitter | None) -> Streamed:
-        """content_deltas read to the end (a whole response): `out` holds the split output."""
-        async for _ in self.content_deltas(c, plan, out, split):
-            pass
-        return out
 
     async def merged(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, StepOutput]]:
         """The outputs of every choice, as they come; the first error ends them all."""
@@ -191,30 +202,79 @@ class Generation:
             for t in tasks:
                 t.cancel()
 
-    async def collect(self, choices: list[Choice]) -> list[tuple[str, str | None, int]]:
-        """(text, finish reason, output tokens) of each choice."""
-        parts: dict[int, list[str]] = {c.index: [c.echo] for c in choices}
-        ends: dict[int, tuple[str | None, int]] = {}
+    async def content_deltas(self, choices: list[Choice], plan: ToolPlan = tools.NO_TOOLS
+                             ) -> AsyncIterator[tuple[Choice, str, str]]:
+        """(choice, kind, piece) as the outputs come, merged: "reasoning", with a reasoning split, as it becomes
+        certain; "content" in the pieces that surely are content: all of it without tools; under a tool plan, up
+        to where a tool call may begin (tools.content_prefix); "end" once a choice ended, with the content not
+        yet sent (Streamed.finish). Each choice's `out` gathers the rest."""
         async for c, delta, o in self.merged(choices):
-            parts[c.index].append(delta)
-            ends[c.index] = (o.finish_reason, o.num_output_tokens)
-        return [("".join(parts[c.index]), *ends[c.index]) for c in choices]
+            out, split = c.out, c.split
+            out.n_out = o.num_output_tokens
+            if split is not None:
+                was_closed = split.closed
+                thought, delta = split.feed(delta)
+                if o.finished:
+                    more, rest = split.finish()
+                    thought, delta = thought + more, delta + rest
+                if split.thought and not was_closed:
+                    out.n_reasoning = o.num_output_tokens
+                    out.reasoning = (out.reasoning or "") + thought
+                if thought:
+                    yield c, "reasoning", thought
+            out.text += delta
+            if o.finished:
+                yield c, "end", out.finish(plan, o.finish_reason)
+                continue
+            safe = len(out.text) if plan.mode == "none" else tools.content_prefix(plan, out.text)
+            if safe > out.sent:
+                yield c, "content", out.text[out.sent:safe]
+                out.sent = safe
 
-    async def unless_disconnected(self, request: Request, choices: list[Choice], work=None):
-        """Collect a whole response (or await `work`, a coroutine reading the choices), aborting its requests if
-        the client leaves first (or one fails)."""
-        task = asyncio.ensure_future(self.collect(choices) if work is None else work)
+    # ---- whole responses and streams -------------------------------------------------------------------------
+    async def read(self, request: Request, choices: list[Choice], plan: ToolPlan = tools.NO_TOOLS) -> None:
+        """content_deltas read to the end (a whole response), unless the client leaves (ClientLeft): each
+        choice's `out` holds its split output."""
+        async def work() -> None:
+            async for _ in self.content_deltas(choices, plan):
+                pass
+        await self.unless_disconnected(request, [c.st for c in choices], work())
+
+    async def unless_disconnected(self, request: Request, streams: list[RequestStream], work: Awaitable):
+        """Await `work` (a coroutine reading the requests), aborting them when it ends, when it fails, and when
+        the client leaves first (then ClientLeft)."""
+        task = asyncio.ensure_future(work)      # a task: cancelled quietly if the client leaves
         watch = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            return task.result() if task.done() else None
+            if not task.done():
+                raise ClientLeft()
+            return task.result()
         finally:
             watch.cancel()
             if not task.done():
                 task.cancel()
-            self.abort(choices)
+            self.abort(streams)
 
-    def abort(self, choices: list[Choice]) -> None:
-        """Free the KV of every unfinished choice (a no-op for finished ones)."""
-        for c in choices:
-            self.client.abort(c.st.rid)
+    def stream(self, events: AsyncIterator[str], choices: list[Choice], failed: Callable[[Exception], str],
+               end: str = "") -> StreamingResponse:
+        """An SSE response of `events`: an engine failure (or a refusal to go on) ends it with `failed(e)`'s
+        events, then `end`; its requests are aborted however it ends (a client that left mid-stream: its KV
+        freed; a no-op for finished ones)."""
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async with aclosing(events) as it:
+                    async for ev in it:
+                        yield ev
+            except (EngineError, APIError) as e:
+                yield failed(e)
+            finally:
+                self.abort(c.st for c in choices)
+            if end:
+                yield end
+        return StreamingResponse(guarded(), media_type="text/event-stream")
+
+    def abort(self, streams: Iterable[RequestStream]) -> None:
+        """Free the KV of every unfinished request (a no-op for finished ones)."""
+        for st in streams:
+            self.client.abort(st.rid)

@@ -16,50 +16,35 @@ import asyncio
 import functools
 import time
 import uuid
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..device.streams import now
 from . import protocol as P
-from . import tools
 from ..replicas.engine_client import EngineError
 from .errors import engine_error, error, sse, stream_error, validation_error
 from .frontend import Frontend
-from .generation import Choice, Generation, cached_tokens
+from .generation import CLIENT_LEFT, Choice, ClientLeft, Generation, cached_tokens
 from .limits import BodyLimitMiddleware, ServerLimits
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse
 from ..replicas.replica_set import ReplicaSet
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tools import ToolPlan
 from .anthropic_api import add_routes, anthropic_error, is_anthropic_path
 from . import embeddings_api, responses_api
-from .reasoning import ReasoningSplitter, split as reasoning_split
 from .responses_protocol import is_responses_path, param_name
 
 DONE = "data: [DONE]\n\n"
 
 
-def _tool_choice_builder(plan: ToolPlan):
-    """chat_choice with the tool calls parsed out of the text."""
-    def build(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
-        content, calls, reason = tools.parse(plan, text, reason)
-        return P.chat_choice(index, content, reason, logprobs, calls)
-    return build
-
-
-def _with_reasoning(parser: str, prompt_tail: str, build, index: int, text: str, reason: str | None,
-                    logprobs: dict | None = None) -> dict:
-    """`build`'s chat choice of the content, with the reasoning part as message.reasoning_content."""
-    reasoning, content = reasoning_split(parser, prompt_tail, text)
-    choice = build(index, content, reason, logprobs)
-    if reasoning is not None:
-        choice["message"]["reasoning_content"] = reasoning
-    return choice
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 class OpenAIServer:
@@ -67,16 +52,15 @@ class OpenAIServer:
                  limits: ServerLimits, fingerprint: str | None = None, reasoning_parser: str | None = None) -> None:
         self.client, self.fe, self.model, self.metrics, self.limits = client, frontend, model_name, metrics, limits
         self.fingerprint = fingerprint                 # system_fingerprint of every response (fingerprint.py)
-        self.reasoning_parser = reasoning_parser       # chat: <think> text into reasoning_content (reasoning.py)
-        self.gen = Generation(client, frontend, reasoning_parser)    # submit, read, collect, abort: every route
+        # submit, read, collect, stream, abort: every route; with a reasoning parser, chat's <think> text goes
+        # into reasoning_content (reasoning.py)
+        self.gen = Generation(client, frontend, reasoning_parser)
         self.probe_ids = frontend.tokenizer.encode("hi", add_special_tokens=False) or [0]
 
     # ---- shared steps --------------------------------------------------------------------------------------
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         P.check_model(body.model, self.model)
-        bad = body.unsupported()
-        if bad is not None:
-            raise APIError(400, bad[1], bad[0])
+        refuse(body.unsupported())
 
     def _signed(self, body: dict) -> dict:
         """A response or chunk with OpenAI's system_fingerprint: the same fingerprint and the same request (seed
@@ -96,131 +80,89 @@ class OpenAIServer:
         c.offset += sum(len(t) for t in out["tokens"])
         return out
 
+    async def _render(self, build: Callable[[], dict]) -> JSONResponse:
+        """A whole response, built and rendered off the event loop: with echo and logprobs a body holds 20
+        alternatives per prompt token (an 8,000-token prompt: ~4 MB of JSON), which would stall every other
+        stream and /health meanwhile."""
+        return await self.fe.off_loop(lambda: JSONResponse(self._signed(build())))
+
     # ---- endpoints -----------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = now()
         self._check(body)
         prompts = await self.fe.off_loop(self.fe.completion_ids, body)
-        return await self._respond(body, request, prompts, arrival, "cmpl", 16, self._stream_completion,
-                                   P.completion, P.completion_choice, chat=False)
+        rid, choices = await self.gen.submit(body, prompts, "cmpl", arrival, 16)
+        created = int(time.time())
+        n_prompt = sum(len(ids) for ids in prompts)        # each prompt counts once, whatever n
+        if body.stream:
+            return self.gen.stream(self._completion_chunks(rid, choices, n_prompt, created, _include_usage(body)),
+                                   choices, stream_error, DONE)
+        await self.gen.read(request, choices)
+        return await self._render(lambda: P.completion(
+            rid, self.model, created, [P.completion_choice(c.index, c.echo + c.out.text, c.out.reason,
+                                                           self._take_logprobs(c, False)) for c in choices],
+            P.usage(n_prompt, sum(c.out.n_out for c in choices), cached_tokens(choices))))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = now()
         self._check(body)
-        plan = tools.plan(body.tools, body.tool_choice)
-        ids = await self.fe.off_loop(self.fe.chat_ids, body, plan)
-        # With a reasoning parser: does the rendered prompt leave the thinking open? (its last tokens' text)
-        tail = self.fe.tokenizer.decode(ids[-16:]) if self.reasoning_parser is not None else None
-        return await self._respond(body, request, [ids], arrival, "chatcmpl", None, self._stream_chat,
-                                   P.chat_completion, P.chat_choice, chat=True, tool_plan=plan, reasoning_tail=tail)
-
-    async def _respond(self, body, request: Request, prompts: list[list[int]], arrival: float, kind: str,
-                       default_max: int | None, stream, build, build_choice, chat: bool,
-                       tool_plan: ToolPlan | None = None, reasoning_tail: str | None = None):
-        """Submit, then stream SSE chunks or answer once; the shared tail of both endpoints."""
-        rid, choices = await self.gen.submit(body, prompts, kind, arrival, default_max, tool_plan, chat=chat)
-        if tool_plan is not None and tool_plan.mode != "none":
-            build_choice = _tool_choice_builder(tool_plan)
-            stream = functools.partial(stream, tool_plan=tool_plan)
-        if reasoning_tail is not None:                 # the reasoning split first; tool calls from the content
-            build_choice = functools.partial(_with_reasoning, self.reasoning_parser, reasoning_tail, build_choice)
-            stream = functools.partial(stream, splitter=functools.partial(
-                ReasoningSplitter.for_prompt, self.reasoning_parser, reasoning_tail))
+        plan, ids = await self.gen.chat_prompt(body)
+        rid, choices = await self.gen.submit(body, [ids], "chatcmpl", arrival, None, plan, chat=True)
         created = int(time.time())
-        n_prompt = sum(len(ids) for ids in prompts)        # each prompt counts once, whatever n
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(stream(rid, choices, n_prompt, created, include_usage),
-                                     media_type="text/event-stream")
-        done = await self.gen.unless_disconnected(request, choices)
-        if done is None:
-            return Response(status_code=499)
+            return self.gen.stream(self._chat_chunks(rid, choices, plan, len(ids), created, _include_usage(body)),
+                                   choices, stream_error, DONE)
+        await self.gen.read(request, choices, plan)
+        return await self._render(lambda: P.chat_completion(
+            rid, self.model, created, [self._chat_choice(c) for c in choices],
+            P.usage(len(ids), sum(c.out.n_out for c in choices), cached_tokens(choices))))
 
-        def render() -> JSONResponse:
-            # Off the event loop: with echo and logprobs a body holds 20 alternatives per prompt token (an
-            # 8,000-token prompt: ~4 MB of JSON), which would stall every other stream and /health meanwhile.
-            return JSONResponse(self._signed(build(
-                rid, self.model, created, [build_choice(c.index, text, reason, self._take_logprobs(c, chat))
-                                           for c, (text, reason, _) in zip(choices, done)],
-                P.usage(n_prompt, sum(n for _, _, n in done), cached_tokens(choices)))))
-        return await self.fe.off_loop(render)
+    def _chat_choice(self, c: Choice) -> dict:
+        """A whole chat choice: the content, its tool calls and the reasoning part as message.reasoning_content."""
+        choice = P.chat_choice(c.index, c.out.content, c.out.finish_reason, self._take_logprobs(c, True),
+                               c.out.calls)
+        if c.out.reasoning is not None:
+            choice["message"]["reasoning_content"] = c.out.reasoning
+        return choice
 
-    async def _stream_completion(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
-                                 include_usage: bool):
-        n_out: dict[int, int] = {}
-
+    async def _completion_chunks(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
+                                 include_usage: bool) -> AsyncIterator[str]:
         def chunk(c: Choice, text: str, reason: str | None = None, echo: bool = False) -> str:
             return sse(self._signed(P.completion_chunk(rid, self.model, created, text, reason, None, include_usage,
                                                        c.index, None if echo else self._take_logprobs(c, False))))
-        try:
-            for c in choices:
-                if c.echo:
-                    yield chunk(c, c.echo, echo=True)
-            async for c, delta, o in self.gen.merged(choices):
-                n_out[c.index] = o.num_output_tokens
-                if delta or o.finished:
-                    yield chunk(c, delta, o.finish_reason if o.finished else None)
-            if include_usage:
-                yield sse(self._signed(P.completion_chunk(
-                    rid, self.model, created, None, None, P.usage(n_prompt, sum(n_out.values()),
-                                                                  cached_tokens(choices)), True)))
-        except (EngineError, APIError) as e:
-            yield stream_error(e)
-        finally:
-            self.gen.abort(choices)              # a client that left mid-stream: free its KV (no-op if finished)
-        yield DONE
+        for c in choices:
+            if c.echo:
+                yield chunk(c, c.echo, echo=True)
+        async for c, kind, piece in self.gen.content_deltas(choices):
+            yield chunk(c, piece, c.out.reason if kind == "end" else None)
+        if include_usage:
+            yield sse(self._signed(P.completion_chunk(
+                rid, self.model, created, None, None, P.usage(n_prompt, sum(c.out.n_out for c in choices),
+                                                              cached_tokens(choices)), True)))
 
-    async def _stream_chat(self, rid: str, choices: list[Choice], n_prompt: int, created: int,
-                           include_usage: bool, tool_plan: ToolPlan | None = None, splitter=None):
-        n_out: dict[int, int] = {}
-        text: dict[int, str] = {c.index: "" for c in choices}      # all text so far (tool calls)
-        sent: dict[int, int] = {c.index: 0 for c in choices}       # how much of it went out as content
-
+    async def _chat_chunks(self, rid: str, choices: list[Choice], plan: ToolPlan, n_prompt: int, created: int,
+                           include_usage: bool) -> AsyncIterator[str]:
+        """The role chunk of each choice, then its reasoning_content and content deltas as they come (under a tool
+        plan, while the text surely is content), and a last chunk with the rest, the tool calls and the finish
+        reason; the usage chunk at the end."""
         def chunk(c: Choice | None, delta: dict | None, reason: str | None = None, use: dict | None = None) -> str:
             return sse(self._signed(P.chat_chunk(rid, self.model, created, delta, reason, use, include_usage,
                                      c.index if c is not None else 0,
                                      self._take_logprobs(c, True) if c is not None and delta is not None
                                      and "role" not in delta else None)))
-        try:
-            for c in choices:
-                yield chunk(c, {"role": "assistant", "content": ""})
-            split = {c.index: splitter() for c in choices} if splitter is not None else None
-            async for c, delta, o in self.gen.merged(choices):
-                n_out[c.index] = o.num_output_tokens
-                if split is not None:                  # reasoning goes out as it becomes certain; content below
-                    thought, delta = split[c.index].feed(delta)
-                    if o.finished:
-                        more, rest = split[c.index].finish()
-                        thought, delta = thought + more, delta + rest
-                    if thought:
-                        yield chunk(c, {"reasoning_content": thought})
-                if tool_plan is not None and tool_plan.mode != "none":
-                    # Tool calls: content goes out while it surely is content; the rest at the end.
-                    text[c.index] += delta
-                    if o.finished:
-                        content, calls, reason = tools.parse(tool_plan, text[c.index], o.finish_reason)
-                        rest = (content or "")[sent[c.index]:] if not calls or content else ""
-                        d: dict = {"content": rest} if rest else {}
-                        if calls:
-                            d["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-                        yield chunk(c, d, reason)
-                        continue
-                    safe = tools.content_prefix(tool_plan, text[c.index])
-                    if safe > sent[c.index]:
-                        part, sent[c.index] = text[c.index][sent[c.index]:safe], safe
-                        yield chunk(c, {"content": part})
-                    continue
-                if o.finished:
-                    yield chunk(c, {"content": delta} if delta else {}, o.finish_reason)
-                elif delta:
-                    yield chunk(c, {"content": delta})
-            if include_usage:
-                yield chunk(None, None, None, P.usage(n_prompt, sum(n_out.values()), cached_tokens(choices)))
-        except (EngineError, APIError) as e:
-            yield stream_error(e)
-        finally:
-            self.gen.abort(choices)
-        yield DONE
+        for c in choices:
+            yield chunk(c, {"role": "assistant", "content": ""})
+        async for c, kind, piece in self.gen.content_deltas(choices, plan):
+            if kind != "end":
+                yield chunk(c, {"reasoning_content" if kind == "reasoning" else "content": piece})
+                continue
+            d: dict = {"content": piece} if piece else {}
+            if c.out.calls:
+                d["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c.out.calls)]
+            yield chunk(c, d, c.out.finish_reason)
+        if include_usage:
+            yield chunk(None, None, None, P.usage(n_prompt, sum(c.out.n_out for c in choices),
+                                                  cached_tokens(choices)))
 
     def health(self) -> Response:
         """200 while the engine is alive and its loop turns; 503 once it died, stopped making progress for
@@ -280,6 +222,7 @@ def build_app(client: ReplicaSet, frontend: Frontend, model_name: str, metrics: 
                                        if is_anthropic_path(r.url.path) else engine_error(e))
     app.exception_handler(StarletteHTTPException)(lambda r, e: reply(
         r, e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"))
+    app.exception_handler(ClientLeft)(lambda r, e: Response(status_code=CLIENT_LEFT))   # its requests aborted
     app.exception_handler(Exception)(lambda r, e: reply(r, 500, f"internal error: {type(e).__name__}: {e}",
                                                           "server_error"))
 

@@ -6,7 +6,7 @@ and the frontend, so every invalid value surfaces as a 400 that names its field 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,19 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> dict[str, str] | None:
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return retry_after(self.status)
+
+
+def retry_after(status: int) -> dict[str, str] | None:
+    """The headers of an error response: Retry-After on every 503."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+
+
+def refuse(bad: tuple[str, str] | None, name: Callable[[str], str | None] | None = None) -> None:
+    """APIError(400) for a refusal, (field, why) as unsupported() and refused() give it, naming the field
+    (as `name` renames it for the route's API); nothing when `bad` is None."""
+    if bad is not None:
+        raise APIError(400, bad[1], bad[0] if name is None else name(bad[0]))
 
 
 def check_model(model: str | None, served: str, required: bool = False) -> None:

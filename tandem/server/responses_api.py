@@ -7,18 +7,17 @@ stream, an `error` event then `response.failed`.
 """
 from __future__ import annotations
 
+import functools
 import time
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 
 from ..device.streams import now
 from ..replicas.engine_client import EngineError
 from . import responses_protocol as R
-from . import tools
 from .generation import Choice, Generation, Streamed, cached_tokens
-from .protocol import APIError, ChatCompletionRequest, check_model
-from .reasoning import ReasoningSplitter
+from .protocol import APIError, check_model
 from .responses_protocol import ResponsesRequest
 from .tools import ToolPlan
 
@@ -95,82 +94,72 @@ class ResponsesServer:
     def __init__(self, gen: Generation, model: str) -> None:
         self.gen, self.fe, self.model = gen, gen.fe, model
 
-    def _prompt(self, body: ResponsesRequest, chat: ChatCompletionRequest) -> tuple[ToolPlan, list[int]]:
-        """The tool plan and prompt ids (runs on the tokenizer pool); parallel_tool_calls=false caps a required
-        tool choice at one call through the grammar."""
-        plan = tools.plan(chat.tools, chat.tool_choice)
-        if plan.mode == "required" and body.parallel_tool_calls is False:
-            plan.schema = {**plan.schema, "maxItems": 1}
-        return plan, self.fe.chat_ids(chat, plan)
-
     @staticmethod
-    def _finish(body: ResponsesRequest, plan: ToolPlan, text: str, reason: str | None) -> tuple[str | None, list]:
-        """(text content, tool calls) of a finished output; one call at most with parallel_tool_calls=false."""
-        if plan.mode == "none":
-            return text, []
-        content, calls, _ = tools.parse(plan, text, reason)
-        return content, calls[:1] if body.parallel_tool_calls is False else calls
+    def _finish(body: ResponsesRequest, out: Streamed) -> list[dict]:
+        """The tool calls of a finished output; one call at most with parallel_tool_calls=false."""
+        return out.calls[:1] if body.parallel_tool_calls is False else out.calls
 
     async def create(self, body: ResponsesRequest, request: Request):
         arrival = now()
         check_model(body.model, self.model, required=True)
         chat = body.to_chat()
-        plan, ids = await self.fe.off_loop(self._prompt, body, chat)
+        # parallel_tool_calls=false caps a required tool choice at one call through the grammar
+        plan, ids = await self.gen.chat_prompt(chat, body.parallel_tool_calls is False)
         _, choices = await self.gen.submit(chat, [ids], "resp", arrival, None, plan, chat=True)
-        rid, created, split = R.new_id("resp"), int(time.time()), self.gen.splitter(ids)
+        rid, created, c = R.new_id("resp"), int(time.time()), choices[0]
         if body.stream:
-            return StreamingResponse(self._stream(body, rid, created, plan, choices[0], len(ids), split),
-                                     media_type="text/event-stream")
-        out = await self.gen.unless_disconnected(request, choices,
-                                                 self.gen.read(choices[0], plan, Streamed(), split))
-        if out is None:
-            return Response(status_code=499)
-        content, calls = self._finish(body, plan, out.text, out.reason)
+            ev = _Events()
+            return self.gen.stream(self._events(ev, body, rid, created, plan, c, len(ids)), choices,
+                                   functools.partial(self._failed, ev, body, rid, created))
+        await self.gen.read(request, choices, plan)
+        out, calls = c.out, self._finish(body, c.out)
         status = _status(out.reason)
         # as the stream sends them: a reasoning item closed by the message is completed, else it has the status
-        message = bool(content) or not (calls or out.reasoning)
+        message = bool(out.content) or not (calls or out.reasoning)
         output = [R.reasoning_item(R.new_id("rs"), out.reasoning, "completed" if message else status)] \
             if out.reasoning else []
         if message:
-            output.append(R.message_item(R.new_id("msg"), content or "", status))
+            output.append(R.message_item(R.new_id("msg"), out.content or "", status))
         output += R.call_items(calls)
-        return R.response(body, rid, created, status, output, self._usage(len(ids), out, choices[0]))
+        return R.response(body, rid, created, status, output, self._usage(len(ids), c))
 
     @staticmethod
-    def _usage(n_prompt: int, out: Streamed, c: Choice) -> dict:
+    def _usage(n_prompt: int, c: Choice) -> dict:
+        out = c.out
         return R.usage(n_prompt, out.n_out, cached_tokens([c]), out.n_reasoning if out.reasoning is not None else 0)
 
-    async def _stream(self, body: ResponsesRequest, rid: str, created: int, plan: ToolPlan, c: Choice,
-                      n_prompt: int, split: ReasoningSplitter | None):
+    async def _events(self, ev: _Events, body: ResponsesRequest, rid: str, created: int, plan: ToolPlan, c: Choice,
+                      n_prompt: int) -> AsyncIterator[str]:
         """response.created / in_progress; a reasoning item (its reasoning_text deltas as they come) when the
         output thinks; the message item (its text deltas as they come: under a tool plan, while the text surely
         is content); function_call items (arguments in one delta, when the output is complete);
         response.completed or response.incomplete with the whole response."""
-        ev, items = _Events(), _Items()
-        try:
-            started = R.response(body, rid, created, "in_progress", [], None)
-            yield ev("response.created", response=started) + ev("response.in_progress", response=started)
-            out = Streamed()
-            async for kind, piece in self.gen.content_deltas(c, plan, out, split):
+        items = _Items()
+        started = R.response(body, rid, created, "in_progress", [], None)
+        yield ev("response.created", response=started) + ev("response.in_progress", response=started)
+        rest = ""
+        async for _, kind, piece in self.gen.content_deltas([c], plan):
+            if kind == "end":
+                rest = piece            # the content not yet sent, if any
+            else:
                 yield items.delta(ev, kind, piece)
-            content, calls = self._finish(body, plan, out.text, out.reason)
-            status = _status(out.reason)
-            rest = (content or "")[len(items.text["content"]):] if not calls or content else ""
-            if rest or items.text["content"] or not (calls or items.opened):
-                yield items.delta(ev, "content", rest)
-            yield items.close(ev, status)
-            for item in R.call_items(calls):
-                yield self._call_events(ev, item, len(items.output))
-                items.output.append(item)
-            final = R.response(body, rid, created, status, items.output, self._usage(n_prompt, out, c))
-            yield ev(f"response.{status}", response=final)
-        except (EngineError, APIError) as e:
-            yield ev("error", code=getattr(e, "code", None) or str(e.status), message=e.message,
-                     param=R.param_name(getattr(e, "param", None)))
-            yield ev("response.failed", response=R.response(body, rid, created, "failed", [], None,
-                                                            {"code": "server_error", "message": e.message}))
-        finally:
-            self.gen.abort([c])          # a client that left mid-stream: free its KV (no-op if finished)
+        calls, status = self._finish(body, c.out), _status(c.out.reason)
+        if rest or items.text["content"] or not (calls or items.opened):
+            yield items.delta(ev, "content", rest)
+        yield items.close(ev, status)
+        for item in R.call_items(calls):
+            yield self._call_events(ev, item, len(items.output))
+            items.output.append(item)
+        final = R.response(body, rid, created, status, items.output, self._usage(n_prompt, c))
+        yield ev(f"response.{status}", response=final)
+
+    @staticmethod
+    def _failed(ev: _Events, body: ResponsesRequest, rid: str, created: int, e: APIError | EngineError) -> str:
+        """An `error` event, then response.failed: the end of a stream its request could not finish."""
+        return ev("error", code=getattr(e, "code", None) or str(e.status), message=e.message,
+                  param=R.param_name(getattr(e, "param", None))) + \
+            ev("response.failed", response=R.response(body, rid, created, "failed", [], None,
+                                                       {"code": "server_error", "message": e.message}))
 
     @staticmethod
     def _call_events(ev: _Events, item: dict, index: int) -> str:

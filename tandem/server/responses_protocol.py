@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from .protocol import APIError, ChatCompletionRequest, Int64, _Strict
+from .protocol import APIError, ChatCompletionRequest, Int64, _Strict, refuse
 
 PATH = "/v1/responses"
 # The chat request's field names that differ from this API's: an error about one names the Responses field.
@@ -247,9 +247,7 @@ class ResponsesRequest(_Strict):
 
     def to_chat(self) -> ChatCompletionRequest:
         """The equivalent chat request; APIError(400) naming the Responses field if refused."""
-        bad = self.refused()
-        if bad is not None:
-            raise APIError(400, bad[1], bad[0])
+        refuse(self.refused())
         tc = self.tool_choice
         choice = {"type": "function", "function": {"name": tc.name}} if isinstance(tc, NamedToolChoice) else tc
         fields: dict[str, Any] = {"messages": self.chat_messages(), "tools": self.chat_tools(), "tool_choice": choice,
@@ -260,9 +258,7 @@ class ResponsesRequest(_Strict):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         chat = ChatCompletionRequest.model_validate(fields)
-        bad = chat.unsupported()
-        if bad is not None:
-            raise APIError(400, bad[1], param_name(bad[0]))
+        refuse(chat.unsupported(), param_name)
         return chat
 
 

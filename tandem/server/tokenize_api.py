@@ -14,7 +14,7 @@ from pydantic import Field
 
 from . import tools
 from .frontend import Frontend
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, Int64, _Strict, check_model
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, Int64, _Strict, check_model, refuse
 
 
 class TokenizeRequest(_Strict):
@@ -54,9 +54,7 @@ def tokenize(fe: Frontend, served: str, body: TokenizeRequest) -> dict:
             kwargs["continue_final_message"] = True
         chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                      chat_template_kwargs=kwargs or None, tools=body.tools)
-        bad = chat.unsupported()
-        if bad is not None:
-            raise APIError(400, bad[1], bad[0])
+        refuse(chat.unsupported())
         ids = fe.chat_ids(chat, tools.plan(body.tools, None), bool(body.add_special_tokens))
     return {"count": len(ids), "max_model_len": fe.max_context, "tokens": ids,
             "token_strs": [fe.tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None}

@@ -35,6 +35,9 @@ class ToolPlan:
     schema: dict | None = None                       # structured output of "required" / "named"
 
 
+NO_TOOLS = ToolPlan("none")       # a completion's: plain text (never changed)
+
+
 def plan(tools: list[dict] | None, tool_choice: str | dict | None) -> ToolPlan:
     """Validate `tools` / `tool_choice` (APIError 400 naming the field) and decide how to serve them."""
     if not tools:

@@ -191,6 +191,7 @@ def test_mapping_onto_the_chat_request():
     from tandem.server import tools
     from tandem.server.anthropic_api import AnthropicServer
     from tandem.server.anthropic_protocol import MessagesRequest
+    from tandem.server.generation import Streamed
     from tandem.server.protocol import APIError
     body = MessagesRequest.model_validate({
         "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}], "stop_sequences": ["x"],
@@ -208,8 +209,9 @@ def test_mapping_onto_the_chat_request():
     assert chat.stop == ["x"] and chat.max_tokens == 5 and chat.add_generation_prompt
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_time"}}
     auto = tools.plan(chat.tools, "auto")
-    text, uses = AnthropicServer._finish(auto, 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}'
-                                               '</tool_call>', "stop")
+    out = Streamed(text='Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>')
+    out.finish(auto, "stop")
+    text, uses = out.content, AnthropicServer._finish(out)
     assert text == "Sure." and [(u["type"], u["name"], u["input"]) for u in uses] == \
         [("tool_use", "get_time", {"zone": "cet"})]
     for block, words in [({"type": "document", "source": {}}, "document"),

@@ -165,6 +165,7 @@ def test_mapping_onto_the_chat_request():
     assistant turn before them) and function_call_output items become the chat route's messages; flat tools, the
     named tool choice and text.format map onto the chat route's; parallel_tool_calls=false keeps one call."""
     from tandem.server import tools
+    from tandem.server.generation import Streamed
     from tandem.server.protocol import APIError
     from tandem.server.responses_api import ResponsesServer
     from tandem.server.responses_protocol import ResponsesRequest, param_name
@@ -187,7 +188,9 @@ def test_mapping_onto_the_chat_request():
     assert chat.response_format.type == "json_object"
     auto = tools.plan(chat.tools, "auto")
     two = '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>' * 2
-    assert len(ResponsesServer._finish(body, auto, two, "stop")[1]) == 1
+    out = Streamed(text=two)
+    out.finish(auto, "stop")
+    assert len(ResponsesServer._finish(body, out)) == 1
     assert param_name("max_tokens") == "max_output_tokens" and param_name("messages[2].content") == "input"
     for extra, param in [({"tools": [{"type": "file_search"}]}, "tools[0].type"),
                          ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
