@@ -7,6 +7,8 @@
 
 #include <immintrin.h>
 
+#include "vec.h"
+
 #include <cstdint>
 
 namespace tandem {
@@ -25,11 +27,11 @@ inline uint32_t q5_qh_bits(uint8_t h, int t) {
 }
 
 // Vector p's nibbles of half h (lo, 0..15) with their fifth bits from the block's H vector hb: the 5-bit values.
-__attribute__((target("avx512f,avx512bw"))) inline __m512i q5_bits512(__m512i lo, __m512i hb, int p, int h) {
+TANDEM_KERNEL_AVX512 inline __m512i q5_bits512(__m512i lo, __m512i hb, int p, int h) {
   const __m512i hi = h ? (p ? _mm512_srli_epi16(hb, p) : hb) : _mm512_slli_epi16(hb, 4 - p);
   return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xf8);         // lo | (hi & 0x10)
 }
-__attribute__((target("avx2"))) inline __m256i q5_bits256(__m256i lo, __m256i hb, int p, int h) {
+TANDEM_KERNEL_AVX2 inline __m256i q5_bits256(__m256i lo, __m256i hb, int p, int h) {
   const __m256i hi = h ? (p ? _mm256_srli_epi16(hb, p) : hb) : _mm256_slli_epi16(hb, 4 - p);
   return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x10)));
 }

@@ -55,7 +55,7 @@ constexpr int64_t kKHalves = 24;      // halves of K per block: a tile's 12 x 38
 constexpr bool has_min(int64_t qt) { return qt == kQ4_1 || qt == kQ5_1 || qt == kQ4_K || qt == kQ5_K || qt == kQ2_K; }
 
 // A K-quant row's scales (k_scales' layout), called from the unpacking below (which has no F16C target).
-__attribute__((target("sse4.1,f16c"))) void row_k_scales(int64_t qt, const uint8_t* row, int64_t nb, float* sc) {
+TANDEM_KERNEL_F16C void row_k_scales(int64_t qt, const uint8_t* row, int64_t nb, float* sc) {
   k_scales(qt, row, nb, sc);
 }
 
@@ -112,12 +112,11 @@ void unpack_row(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, float* dw
   }
 }
 
-#define T256 __attribute__((target("avx2,fma,f16c")))
 
 // unpack_row's quants with AVX2, 32 a block (the scales and mins still from unpack_row's scalar code paths,
 // which are 1/16 of the work): Q4 / Q5 nibbles spread to bytes (Q5: the fifth bits from qh as a byte mask),
 // Q8_0 as is, Q6_K by q6_k_bytes; Q2_K / Q3_K stay scalar. hs [2 nb]: each half's sum of q.
-T256 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, int32_t* hs) {
+TANDEM_KERNEL_AVX2 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, int32_t* hs) {
   const __m128i m4 = _mm_set1_epi8(0x0f);
   const bool k = qt == kQ4_K || qt == kQ5_K, q5 = qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K;
   const uint8_t* qh = row + (k ? 2 : has_min(qt) ? 4 : 2) * nb;
@@ -157,7 +156,7 @@ T256 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t*
 // unpack_row's scales for the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one fp16 d, and m with a min, per
 // block, each for both halves) by F16C, 8 blocks a conversion: unpack_row's software fp16 conversion was ~1/5
 // of a call at a few rows. The same values (both conversions are exact).
-T256 void f16_halves(const uint8_t* src, int64_t nb, float* dst) {   // dst[2 b] = dst[2 b + 1] = src[b]
+TANDEM_KERNEL_AVX2 void f16_halves(const uint8_t* src, int64_t nb, float* dst) {   // dst[2 b] = dst[2 b + 1] = src[b]
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * b)));
@@ -168,7 +167,7 @@ T256 void f16_halves(const uint8_t* src, int64_t nb, float* dst) {   // dst[2 b]
   for (; b < nb; ++b) dst[2 * b] = dst[2 * b + 1] = _cvtsh_ss(load_u16(src + 2 * b));
 }
 
-T256 bool legacy_scales_f16c(int64_t qt, const uint8_t* row, int64_t nb, float* dw, float* mh) {
+TANDEM_KERNEL_AVX2 bool legacy_scales_f16c(int64_t qt, const uint8_t* row, int64_t nb, float* dw, float* mh) {
   if (qt != kQ4_0 && qt != kQ4_1 && qt != kQ5_0 && qt != kQ5_1 && qt != kQ8_0) return false;
   f16_halves(row, nb, dw);
   if (has_min(qt)) f16_halves(row + 2 * nb, nb, mh);

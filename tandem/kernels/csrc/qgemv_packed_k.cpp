@@ -58,15 +58,13 @@ struct KX {                 // rows of x rounded as qgemm_q8 rounds them, natura
   int64_t K, nh;
 };
 
-#define TPK __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#define TPK2 __attribute__((target("avx2,fma,f16c")))
 
 // The 16 rows' fp32 scales of 4 sub-blocks from their 6-bit values v (16 bytes a sub-block; sign: int8): out[i]
 // = float(v lane i) * s, as k_scales computes them.
-TPK inline __m512 widen1(__m128i b, __m512 s, bool sign) {
+TANDEM_KERNEL_VNNI inline __m512 widen1(__m128i b, __m512 s, bool sign) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b)), s);
 }
-TPK inline void widen4(__m512i v, __m512 s, __m512* out, bool sign = false) {
+TANDEM_KERNEL_VNNI inline void widen4(__m512i v, __m512 s, __m512* out, bool sign = false) {
   out[0] = widen1(_mm512_extracti32x4_epi32(v, 0), s, sign);
   out[1] = widen1(_mm512_extracti32x4_epi32(v, 1), s, sign);
   out[2] = widen1(_mm512_extracti32x4_epi32(v, 2), s, sign);
@@ -76,7 +74,7 @@ TPK inline void widen4(__m512i v, __m512 s, __m512* out, bool sign = false) {
 // Q4_K: a super-block's 8 sub-block scales (dw = d sc_j) and mins (mh = m_j (-dmin)) of the group's 16 rows from
 // the transposed scale bytes S, with 64-byte operations: 4 sub-blocks' bytes a vector (a quarter of the work of
 // decoding each sub-block's 16 bytes apart, measured as ~30% of the one-row tile's operations).
-TPK inline void q4k_scales16(const uint8_t* S, __m512 d, __m512 ndmin, __m512* dw, __m512* mh) {
+TANDEM_KERNEL_VNNI inline void q4k_scales16(const uint8_t* S, __m512 d, __m512 ndmin, __m512* dw, __m512* mh) {
   const __m512i s0 = _mm512_loadu_si512(S), s1 = _mm512_loadu_si512(S + 64), s2 = _mm512_loadu_si512(S + 128);
   const __m512i m63 = _mm512_set1_epi8(63), m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
   const __m512i top0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(s0, 6), m3), 4);
@@ -88,7 +86,7 @@ TPK inline void q4k_scales16(const uint8_t* S, __m512 d, __m512 ndmin, __m512* d
 }
 
 // Q6_K vector p's element quants (q + 32, 0..63) of half h from its nibble vector v and high-bit vector hb.
-TPK inline __m512i q6k_bits512(__m512i v, __m512i hb, int p, int h) {
+TANDEM_KERNEL_VNNI inline __m512i q6k_bits512(__m512i v, __m512i hb, int p, int h) {
   const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
   const __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, m4);
   const __m512i hi = p == 3 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 4 - 2 * p);
@@ -103,19 +101,19 @@ TPK inline __m512i q6k_bits512(__m512i v, __m512i hb, int p, int h) {
 // 20-25 ms with one stream (L2-resident, 4 groups a tile was no faster).
 constexpr int64_t kPrefetchAhead = 4096;
 
-TPK2 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+TANDEM_KERNEL_AVX2 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char*)(p + l), _MM_HINT_T1);
 }
 
 // A half's exact int32 sums of the 16 rows: weight vectors w[p] (4 unsigned quants of each row's lane) against
 // the half's 16 bytes of x, 4 a vector. Two chains of 2 vpdpbusd, not one of 4 (its latency bound the tile); an
 // int32 sum in any order is the same sum.
-TPK inline __m512i x4(const int8_t* xb) {             // 4 bytes of x in every lane: a broadcast from memory
+TANDEM_KERNEL_VNNI inline __m512i x4(const int8_t* xb) {             // 4 bytes of x in every lane: a broadcast from memory
   int32_t v;
   std::memcpy(&v, xb, 4);
   return _mm512_set1_epi32(v);
 }
-TPK inline __m512i half_dot512(const __m512i* w, const int8_t* xb) {
+TANDEM_KERNEL_VNNI inline __m512i half_dot512(const __m512i* w, const int8_t* xb) {
   const __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x4(xb));
   const __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], x4(xb + 4));
   return _mm512_add_epi32(_mm512_dpbusd_epi32(a0, w[2], x4(xb + 8)), _mm512_dpbusd_epi32(a1, w[3], x4(xb + 12)));
@@ -123,7 +121,7 @@ TPK inline __m512i half_dot512(const __m512i* w, const int8_t* xb) {
 
 // The same for 8 rows by pmaddubsw, the 4 products' pairs added in int16 (the caller's quants are small enough
 // for |sum| < 2^15), then pmaddwd by ones.
-TPK2 inline __m256i half_dot256(const __m256i* w, const int8_t* xb) {
+TANDEM_KERNEL_AVX2 inline __m256i half_dot256(const __m256i* w, const int8_t* xb) {
   __m256i pr[4];
   for (int p = 0; p < 4; ++p) {
     int32_t xv;
@@ -136,7 +134,7 @@ TPK2 inline __m256i half_dot256(const __m256i* w, const int8_t* xb) {
 
 // A tile's outputs: rows m0 .. m0 + MT - 1 of y at columns n0 .. (16, or 8 on AVX2, not past N), plus bias.
 template <int MT>
-TPK void store16(const __m512* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t N) {
+TANDEM_KERNEL_VNNI void store16(const __m512* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t N) {
   const int nr = (int)std::min<int64_t>(kG, N - n0);
   const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
@@ -144,7 +142,7 @@ TPK void store16(const __m512* f, int64_t m0, const float* bias, float* y, int64
     _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, bias ? _mm512_add_ps(f[j], bv) : f[j]);
 }
 template <int MT>
-TPK2 void store8(const __m256* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n, int64_t N) {
+TANDEM_KERNEL_AVX2 void store8(const __m256* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n, int64_t N) {
   const int nr = (int)std::min<int64_t>(8, N - n);
   for (int j = 0; j < MT; ++j) {
     alignas(32) float out[8];
@@ -155,7 +153,7 @@ TPK2 void store8(const __m256* f, int64_t m0, const float* bias, float* y, int64
 
 // One group (output rows n0 .. n0 + 15) against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
 template <int64_t QT, int MT>
-TPK void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t ldy,
+TANDEM_KERNEL_VNNI void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t ldy,
                int64_t n0, int64_t N) {
   constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
   const __m512i m4 = _mm512_set1_epi8(0x0f);

@@ -41,18 +41,17 @@ constexpr int64_t base_of(int64_t qt) { return qt < 0 ? -qt : qt; }
 constexpr bool gv_min(int64_t qt) { return base_of(qt) == kQ4_1 || base_of(qt) == kQ4_K; }   // a second fma a half
 constexpr bool is_q5(int64_t qt) { return base_of(qt) == kQ5_0; }
 
-#define TGV __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 // Four weight rows' [4 halves x 4 partials] int32 sums -> [4 halves][4 rows]: each 128-bit lane a half, its 4
 // int32 the 4 rows' exact sums.
-TGV inline __m512i reduce4(__m512i t0, __m512i t1, __m512i t2, __m512i t3) {
+TANDEM_KERNEL_VNNI inline __m512i reduce4(__m512i t0, __m512i t1, __m512i t2, __m512i t3) {
   const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(t0, t1), _mm512_unpackhi_epi32(t0, t1));
   const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(t2, t3), _mm512_unpackhi_epi32(t2, t3));
   return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
 
 // u[s] = [4 halves][rows 4 s .. 4 s + 3] -> o[i] = half i's 16 rows in order.
-TGV inline void lanes4(const __m512i u[4], __m512i o[4]) {
+TANDEM_KERNEL_VNNI inline void lanes4(const __m512i u[4], __m512i o[4]) {
   const __m512i a = _mm512_shuffle_i32x4(u[0], u[1], 0x44), b = _mm512_shuffle_i32x4(u[0], u[1], 0xee);
   const __m512i c = _mm512_shuffle_i32x4(u[2], u[3], 0x44), d = _mm512_shuffle_i32x4(u[2], u[3], 0xee);
   o[0] = _mm512_shuffle_i32x4(a, c, 0x88), o[1] = _mm512_shuffle_i32x4(a, c, 0xdd);
@@ -60,7 +59,7 @@ TGV inline void lanes4(const __m512i u[4], __m512i o[4]) {
 }
 
 // m [16 rows][16] -> [16][16 rows] (unpack, 128-bit shuffles).
-TGV inline void transpose16(__m512 m[16]) {
+TANDEM_KERNEL_VNNI inline void transpose16(__m512 m[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(m[i], m[i + 1]), t[i + 1] = _mm512_unpackhi_ps(m[i], m[i + 1]);
   for (int i = 0; i < 16; i += 4) {
@@ -84,7 +83,7 @@ TGV inline void transpose16(__m512 m[16]) {
 // The group's scales with lanes over its rows, as qgemm_q8 unpacks them (both halves of a block share them):
 // dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; Q4_K its sub-blocks'
 // fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]). 16 blocks of the 16 rows at a time, transposed.
-TGV void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh, float* tmp) {
+TANDEM_KERNEL_VNNI void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh, float* tmp) {
   const bool kq = qt == kQ4_K;
   if (kq)
     for (int r = 0; r < kG; ++r) k_scales(qt, rows[r], nb, tmp + r * 4 * nb);
@@ -118,7 +117,7 @@ struct Group {            // kG weight rows (past N: a zero row) and their trans
 // nibble bytes, bits 0-15 of each block's word for lo, 16-31 for hi (16 bytes from qh + 4 b stay inside the
 // row: qs follows qh).
 template <int64_t QT>
-TGV inline void nibble_values(const uint8_t* row, int64_t nb, int64_t b, __m512i& lo, __m512i& hi) {
+TANDEM_KERNEL_VNNI inline void nibble_values(const uint8_t* row, int64_t nb, int64_t b, __m512i& lo, __m512i& hi) {
   const __mmask64 mk = nb - b >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * (nb - b))) - 1);
   const __m512i m16 = _mm512_set1_epi8(0x0f);
   const __m512i v = _mm512_maskz_loadu_epi8(mk, row + (QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 2) * nb + 16 * b);
@@ -135,7 +134,7 @@ TGV inline void nibble_values(const uint8_t* row, int64_t nb, int64_t b, __m512i
 
 // A group's values decoded once for all rows of x, [kG][steps][lo 64 bytes, hi 64 bytes].
 template <int64_t QT>
-TGV void predecode(const uint8_t* const* rows, int64_t nb, uint8_t* pre, int64_t pstride) {
+TANDEM_KERNEL_VNNI void predecode(const uint8_t* const* rows, int64_t nb, uint8_t* pre, int64_t pstride) {
   for (int r = 0; r < kG; ++r)
     for (int64_t b = 0; b < nb; b += 4) {
       __m512i lo, hi;
@@ -149,7 +148,7 @@ TGV void predecode(const uint8_t* const* rows, int64_t nb, uint8_t* pre, int64_t
 // b .. b + 3, o[0..3] elements 0-15, o[4..7] 16-31; Q8_0: blocks b, b + 1, o[0..3] their 4 halves in order).
 // Q5_0's sums here are of its unsigned 5-bit values (nibble | fifth bit << 4): group_rows takes 16 sum(x) off.
 template <int64_t QT>
-TGV inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o[8]) {
+TANDEM_KERNEL_VNNI inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o[8]) {
   const int64_t nb = g.nb;
   const __m512i z = _mm512_setzero_si512();
   if constexpr (QT != kQ8_0) {       // the nibble types (nibble_values), or their predecoded values
@@ -192,7 +191,7 @@ TGV inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o
 
 // One half of the fp32 chain: f = fma(float(isum), dx dw, f) (Q4_1 / Q4_K: then fma(sxh, mh, f)).
 template <int64_t QT>
-TGV inline __m512 chain(__m512 f, __m512i isum, float dx, float sxh, const Group& g, int64_t u) {
+TANDEM_KERNEL_VNNI inline __m512 chain(__m512 f, __m512i isum, float dx, float sxh, const Group& g, int64_t u) {
   f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_loadu_ps(g.dw + (u / 2) * kG)), f);
   if constexpr (gv_min(QT)) f = _mm512_fmadd_ps(_mm512_set1_ps(sxh), _mm512_loadu_ps(g.mh + (u / 2) * kG), f);
   return f;
@@ -209,7 +208,7 @@ struct XRows {            // rows of x rounded as qgemm_q8 rounds them, in the l
 // y [mt][kG] (nr real rows) of one group against rows m0 .. m0 + mt - 1 of x, the chains of the mt rows of x
 // interleaved (each alone would wait on the fma latency).
 template <int64_t QT, int MT>
-TGV void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bias, float* y, int64_t ldy, int nr) {
+TANDEM_KERNEL_VNNI void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bias, float* y, int64_t ldy, int nr) {
   const int64_t nb = g.nb, nh = 2 * nb, bstep = base_of(QT) == kQ8_0 ? 2 : 4;
   __m512 f[MT];
   for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();

@@ -84,7 +84,7 @@ inline void for_groups(int64_t nb, int g, F&& f) {
 // The halves of quantize_row with SIMD: the same max, the same scalar d and 1 / d, the same fp32 products
 // rounded to nearest even (vcvtps2dq under the default rounding mode = nearbyint), so the same bytes and sums
 // (measured: the scalar loop was 2.4 ms of a 6 ms int8 GEMM at 512 x 1536, ~3 ns an element).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_halves_avx512(
+TANDEM_KERNEL_AVX512 void quantize_halves_avx512(
     const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
   for (int64_t u = 0; u < nh; ++u) {
     const __m512 v = _mm512_loadu_ps(x + 16 * u), a = _mm512_abs_ps(v);
@@ -104,8 +104,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_halv
   }
 }
 
-__attribute__((target("avx2,fma"))) void quantize_halves_avx2(const float* x, int64_t nh, int8_t* q, float* dx,
-                                                             float* sxh) {
+TANDEM_KERNEL_AVX2 void quantize_halves_avx2(const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t u = 0; u < nh; ++u) {
     const __m256 v0 = _mm256_loadu_ps(x + 16 * u), v1 = _mm256_loadu_ps(x + 16 * u + 8);
@@ -167,7 +166,7 @@ struct Q8Args {
 
 // Scalar specification (natural-order activations).
 // A K-quant row's sub-block scales as fp32 (k_scales' layout), once per row and call.
-__attribute__((target("sse4.1,f16c"))) void row_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
+TANDEM_KERNEL_F16C void row_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
   k_scales(qtype, row, nb, sc);
 }
 
@@ -226,15 +225,13 @@ void rows(const Q8Args& a, int64_t n0, int64_t n1) {
 }  // namespace scalar
 
 // ---- SIMD bodies: one integer dot-product step per vector width, the rest shared -------------------------
-#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#define T256 __attribute__((target("avx2,fma,f16c")))
 
 namespace avx512 {
 constexpr int GROUP = 4;
-T512 inline __m512i dot(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
-T512 inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-T512 inline __m128i dot(__m128i acc, __m128i u, __m128i s) { return _mm_dpbusd_epi32(acc, u, s); }
-#define TGT T512
+TANDEM_KERNEL_VNNI inline __m512i dot(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+TANDEM_KERNEL_VNNI inline __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+TANDEM_KERNEL_VNNI inline __m128i dot(__m128i acc, __m128i u, __m128i s) { return _mm_dpbusd_epi32(acc, u, s); }
+#define TGT TANDEM_KERNEL_VNNI
 #define Q8_GROUP4 1
 #include "qlinear_q8_simd.inc"
 #undef Q8_GROUP4
@@ -243,13 +240,13 @@ T512 inline __m128i dot(__m128i acc, __m128i u, __m128i s) { return _mm_dpbusd_e
 
 namespace avx2 {
 constexpr int GROUP = 2;
-T256 inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
+TANDEM_KERNEL_AVX2 inline __m256i dot(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-T256 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
+TANDEM_KERNEL_AVX2 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
   return _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(u, s), _mm_set1_epi16(1)));
 }
-#define TGT T256
+#define TGT TANDEM_KERNEL_AVX2
 #define Q8_GROUP4 0
 #include "qlinear_q8_simd.inc"
 #undef Q8_GROUP4

@@ -73,8 +73,7 @@ void scores_scalar(const Row& r, float* s) {
 #include "simd_namespaces.inc"
 
 // ---- AVX-512 ----
-#define T512 __attribute__((target(TANDEM_TARGET_AVX512)))
-T512 void scores_avx512(const Row& r, float* s) {
+TANDEM_KERNEL_AVX512 void scores_avx512(const Row& r, float* s) {
   const __m512 t = _mm512_set1_ps(r.t);
   for (int64_t j = 0; j < r.V; j += 16) {
     __mmask16 m = r.V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (r.V - j)) - 1);
@@ -86,7 +85,7 @@ T512 void scores_avx512(const Row& r, float* s) {
 }
 
 // First index of the maximum (NaN: the plain scan's answer).
-T512 int64_t first_max_avx512(const float* s, int64_t V) {
+TANDEM_KERNEL_AVX512 int64_t first_max_avx512(const float* s, int64_t V) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 mx = ninf;
   __mmask16 nan = 0;
@@ -107,8 +106,7 @@ T512 int64_t first_max_avx512(const float* s, int64_t V) {
 }
 
 // ---- AVX2 ----
-#define T256 __attribute__((target(TANDEM_TARGET_AVX2)))
-T256 void scores_avx2(const Row& r, float* s) {
+TANDEM_KERNEL_AVX2 void scores_avx2(const Row& r, float* s) {
   const __m256 t = _mm256_set1_ps(r.t);
   const int64_t body = r.V / 8 * 8;
   for (int64_t j = 0; j < body; j += 8) {
@@ -120,7 +118,7 @@ T256 void scores_avx2(const Row& r, float* s) {
   for (int64_t j = body; j < r.V; ++j) s[j] = value(r, j);
 }
 
-T256 int64_t first_max_avx2(const float* s, int64_t V) {
+TANDEM_KERNEL_AVX2 int64_t first_max_avx2(const float* s, int64_t V) {
   const int64_t body = V / 8 * 8;
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 nan = _mm256_setzero_ps();

@@ -14,8 +14,22 @@
 #include <cstdint>
 #include <cstring>
 
-#define TANDEM_TARGET_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+// The one target string of each ISA a function is compiled for; nothing else in csrc names a target. A
+// function carries TANDEM_KERNEL_<ISA> (TANDEM_<ISA> where it is a static inline helper); a body written once
+// over `V` gets its ISA's through KERNEL (simd_namespaces.inc).
+#define TANDEM_TARGET_F16C "sse4.1,f16c"                                       // block scales' conversions
 #define TANDEM_TARGET_AVX2 "avx2,fma,f16c"
+#define TANDEM_TARGET_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#define TANDEM_TARGET_VNNI "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"    // int8 dot products
+#define TANDEM_TARGET_BF16 TANDEM_TARGET_AVX512 ",avx512bf16"                   // bf16 dot products
+#define TANDEM_TARGET_AMX "amx-tile,amx-int8," TANDEM_TARGET_AVX512              // int8 tiles
+#define TANDEM_KERNEL_F16C __attribute__((target(TANDEM_TARGET_F16C)))
+#define TANDEM_KERNEL_AVX2 __attribute__((target(TANDEM_TARGET_AVX2)))
+#define TANDEM_KERNEL_AVX512 __attribute__((target(TANDEM_TARGET_AVX512)))
+#define TANDEM_KERNEL_VNNI __attribute__((target(TANDEM_TARGET_VNNI)))
+#define TANDEM_KERNEL_BF16 __attribute__((target(TANDEM_TARGET_BF16)))
+#define TANDEM_KERNEL_AMX __attribute__((target(TANDEM_TARGET_AMX)))
+#define TANDEM_F16C TANDEM_KERNEL_F16C __attribute__((always_inline)) static inline
 #define TANDEM_AVX512 __attribute__((target(TANDEM_TARGET_AVX512), always_inline)) static inline
 #define TANDEM_AVX2 __attribute__((target(TANDEM_TARGET_AVX2), always_inline)) static inline
 
