@@ -12,12 +12,9 @@ import torch
 
 from tandem import kernels
 from tandem.kernels.attention import decode_attention_qkv_ref, decode_attention_ref
+from tests.helpers.isa import isas, runnable
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
-
-
-def isas() -> list[int]:
-    return list(range(torch.ops.tandem.isa(2) + 1))
 
 
 def shared_batch(specs, kvh=3, d=64, dtype=torch.float32, seed=0):
@@ -64,11 +61,9 @@ BATCHES = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_sharing_changes_no_bit(name, isa, dtype):
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     cache, kv_index, lens = shared_batch(BATCHES[name], dtype=dtype, seed=len(name))
     q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(1)) * 3
     before = torch.ops.tandem.shared_prefix_attention(-2)
@@ -89,7 +84,7 @@ def test_other_head_shapes(h, kvh, d):
     """Gemma 3's heads (4 query heads on one KV head of 256), GQA 4 at 128, and a head_dim off the SIMD width."""
     cache, kv_index, lens = shared_batch(BATCHES["three groups and loners"], kvh=kvh, d=d, dtype=torch.bfloat16)
     q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(4))
-    for isa in isas():
+    for isa in runnable():
         on = run(q, cache, kv_index, lens, isa, True)
         assert torch.equal(on, run(q, cache, kv_index, lens, isa, False))
         torch.testing.assert_close(on, decode_attention_ref(q, cache, 1, kv_index, lens, 0.125), rtol=1e-4,
@@ -109,7 +104,7 @@ def test_verify_rows_and_windows_share_or_not_as_they_should():
     cache = torch.randn(pad + 1, 2, 2, 3, 64, generator=g)
     cache[pad] = 0
     q = torch.randn(5, 9, 64, generator=torch.Generator().manual_seed(2))
-    for isa in isas():
+    for isa in runnable():
         before = torch.ops.tandem.shared_prefix_attention(-2)
         on = run(q, cache, verify, vlens, isa, True)
         assert torch.ops.tandem.shared_prefix_attention(-2) > before

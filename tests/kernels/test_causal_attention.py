@@ -10,10 +10,10 @@ import torch
 
 from tandem import kernels
 from tandem.kernels.attention import extend_attention_ref
+from tests.helpers.isa import isas
 from tests.kernels.test_extend_attention import _case
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
-ISAS = [0, 1, 2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, "q8_0"]
 
 
@@ -32,7 +32,7 @@ def _as_decode_rows(q, cache, kv_index, tok_row, pos, window, isa, bf16=False):
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (3, 3, 20)])
 @pytest.mark.parametrize("window", [0, 37])
@@ -50,7 +50,7 @@ def test_each_token_is_its_decode_row(isa, dtype, h, kvh, d, window):
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("cut", [[1] * 11, [3, 8], [7, 4], [11]])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_chunking_and_batch_mates_change_no_bit(isa, cut, bf16):

@@ -10,6 +10,7 @@ import torch
 
 from tandem import kernels
 from tandem.kernels.attention import decode_attention_ref
+from tests.helpers.isa import isas
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -26,10 +27,6 @@ CASES = [  # batch, query heads, KV heads, head_dim, keys per row
 ]
 
 
-def isas() -> list[int]:
-    return list(range(torch.ops.tandem.isa(2) + 1))
-
-
 def inputs(b, h, kvh, d, lens, seed):
     """A cache of 2 layers whose rows' keys sit in scattered slots (shared between rows), padded past each length
     with the pad slot, and queries scaled so that the softmax is peaked and its maximum moves between tiles."""
@@ -44,11 +41,9 @@ def inputs(b, h, kvh, d, lens, seed):
     return q, cache, kv_index, seq_lens
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("b, h, kvh, d, lens", CASES)
 def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     q, cache, kv_index, seq_lens = inputs(b, h, kvh, d, lens, seed=len(lens) * d + h)
     threads = torch.get_num_threads()
     try:
@@ -64,13 +59,11 @@ def test_decode_attention_equals_reference(isa, b, h, kvh, d, lens):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("isa", [1, 2])
+@pytest.mark.parametrize("isa", isas((1, 2)))
 def test_a_row_is_the_same_in_any_batch_and_thread_count(isa):
     """The split the op picks depends on a row's own length only: each row of a ragged batch equals, bit for bit,
     the same row attended alone, beside other rows, and at one or two threads (the int8 linears would turn a
     last-bit difference into a different token)."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     q, cache, kv_index, seq_lens = inputs(5, 9, 3, 64, [2000, 130, 64, 1, 700], seed=7)
     threads = torch.get_num_threads()
     try:
@@ -88,14 +81,12 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(isa):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_split_by_kv_heads_has_the_bits_of_one_task(isa, dtype):
     """Fewer tasks than threads: a row of one chunk is split into groups of its KV heads (split_heads), 2 or 3
     groups, even or not (12 heads over 3 KV heads), yet every head's output has the bits of one thread's single
     task, alone or beside another row."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     threads = torch.get_num_threads()
     try:
         for h, kvh, lens in ((32, 4, [200, 31]), (12, 3, [256, 129])):
@@ -127,14 +118,12 @@ def test_decode_attention_wrapper_and_errors():
         torch.ops.tandem.decode_attention(q[:, :8], cache, 1, kv_index, seq_lens, 0.125)
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("b, h, kvh, d, lens", CASES)
 def test_decode_attention_qkv_equals_reference(isa, b, h, kvh, d, lens):
     """The fused decode step (write each row's K/V at its slot, then attend) against its torch reference: the
     same output and the same cache, with qkv rows strided (a view into a wider buffer) as the engine never
     makes them but a caller may. Each row's new key is its last position, so it is read back at once."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     from tandem.kernels.attention import decode_attention_qkv_ref
     _, cache, kv_index, seq_lens = inputs(b, h, kvh, d, lens, seed=len(lens) * d + h + 1)
     g = torch.Generator().manual_seed(b * h)
@@ -179,14 +168,12 @@ WINDOW_CASES = [  # batch, query heads, KV heads, head_dim, keys per row, window
 ]
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("b, h, kvh, d, lens, window", WINDOW_CASES)
 def test_sliding_window_decode_attention_equals_reference(isa, b, h, kvh, d, lens, window):
     """A sliding-window layer: each row attends only its last `window` keys (positions >= seq_len - window), in
     both ops, unsplit, split in fixed chunks and as picked; a key just outside the window is never read (its slot
     holds NaN, which would poison the output)."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     from tandem.kernels.attention import decode_attention_qkv_ref
     q, cache, kv_index, seq_lens = inputs(b, h, kvh, d, lens, seed=window + d)
     seen = {int(s) for r, n in enumerate(lens) for s in kv_index[r, max(0, n - window):n]}

@@ -11,6 +11,7 @@ import torch
 
 from tandem import kernels
 from tandem.kernels.attention import decode_attention_ref
+from tests.helpers.isa import runnable
 
 @pytest.fixture(scope="module")
 def tiny_d32(tmp_path_factory) -> str:
@@ -112,10 +113,10 @@ def test_bf16_products_elsewhere_run_the_fp32_body(dtype, d):
     """An fp32 or fp16 cache, a head_dim that is not a multiple of 32, the scalar and AVX2 bodies: the flag
     changes no bit (and on a CPU without AVX512-BF16 no case does)."""
     q, cache, kv_index, lens = _batch([40, 9, 300], 260, 6, 2, d, dtype)
-    for isa in range(torch.ops.tandem.isa(2) + 1):
+    for isa in runnable():
         assert torch.equal(_op(q, cache, kv_index, lens, True, isa), _op(q, cache, kv_index, lens, False, isa))
     q, cache, kv_index, lens = _batch([40, 9, 300], 260, 6, 2, 64, torch.bfloat16)
-    for isa in range(min(2, torch.ops.tandem.isa(2) + 1)):
+    for isa in runnable((0, 1)):
         assert torch.equal(_op(q, cache, kv_index, lens, True, isa), _op(q, cache, kv_index, lens, False, isa))
 
 

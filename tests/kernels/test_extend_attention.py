@@ -11,9 +11,9 @@ import torch
 
 from tandem import kernels
 from tandem.kernels.attention import extend_attention, extend_attention_ref
+from tests.helpers.isa import isas, runnable
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
-ISAS = [0, 1, 2]
 
 
 def _case(new, cached, h, kvh, d, dtype, seed=0):
@@ -30,7 +30,7 @@ def _case(new, cached, h, kvh, d, dtype, seed=0):
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (3, 3, 20)])
 @pytest.mark.parametrize("window", [0, 37])
@@ -44,7 +44,7 @@ def test_matches_reference(isa, dtype, h, kvh, d, window):
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 def test_long_context_and_many_rows(isa):
     """A 256-token chunk on 3,900 cached keys beside 32 rows of 24 tokens on one shared 900-key prefix (the
     same slots): within fp32 rounding of the reference."""
@@ -60,7 +60,7 @@ def test_long_context_and_many_rows(isa):
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, "q8_0"])
 @pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (14, 2, 128), (3, 3, 20)])
 @pytest.mark.parametrize("window", [0, 37])
@@ -202,7 +202,7 @@ def test_bf16_products_elsewhere_run_the_fp32_body(dtype, d):
     """An fp32 or fp16 cache, or a head_dim that is not a multiple of 16: the flag changes no bit (and on a CPU
     without AVX512-BF16 no cache does)."""
     q, cache, kv_index, tok_row, pos = _case([40, 9], [30, 0], 6, 2, d, dtype)
-    for isa in ISAS:
+    for isa in runnable():
         a = torch.ops.tandem.extend_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, isa, True)
         assert torch.equal(a, torch.ops.tandem.extend_attention(q, cache, 1, kv_index, tok_row, pos, 0.125, 0, isa))
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.kernels.test_kernels import assert_close_sum, blocks, isas
+from tests.helpers.isa import isas
+from tests.kernels.test_kernels import assert_close_sum, blocks
 from tests.kernels.test_quant_types import weights, whole
 
 from tandem import kernels
@@ -25,7 +26,7 @@ def test_every_integer_type_reads_int8():
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas(vnni=True))
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
                                      (17, 6, 224), (64, 13, 1536), (200, 3, 512)])
 def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
@@ -34,8 +35,6 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
     float64 product of the dequantized operands up to fp32 summation order. K covers whole 4-block groups and
     their 2- and 1-block tails (K-quants: K rounded up to whole super-blocks, 256 to 1536). The Python entry
     point takes the same op up to small_m() rows."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     qtype = TYPES[name]
     k = whole(k, qtype)
     q = blocks(n, k, qtype, seed=m + n) if qtype in (Q4_K, Q6_K) else weights(n, k, qtype, seed=m + n)
@@ -52,12 +51,10 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("isa", [1, 2])
+@pytest.mark.parametrize("isa", isas((1, 2), vnni=True))
 def test_a_row_is_the_same_at_any_row_count(name, isa):
     """Batch invariance: row r of a 37-row call equals, bit for bit, row r alone and in a 3-row call (the bodies
     pair weight rows and tile rows of x by the call's size; each output's operations stay the same)."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     qtype = TYPES[name]
     k = whole(608, qtype)
     q = blocks(7, k, qtype, seed=3) if qtype in (Q4_K, Q6_K) else weights(7, k, qtype, seed=3)

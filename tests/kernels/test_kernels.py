@@ -13,15 +13,11 @@ import torch.nn.functional as F
 from tandem import kernels
 from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, QuantWeight,
                                   dequantize_ref, qlinear, qlinear_ref)
+from tests.helpers.isa import isas
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
-
-
-def isas() -> list[int]:
-    """Every body this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512."""
-    return list(range(torch.ops.tandem.isa(2) + 1)) if kernels.available() else []
 
 
 def blocks(n: int, k: int, qtype: int, seed: int = 0) -> QuantWeight:
@@ -56,12 +52,10 @@ def assert_close_sum(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: tor
 
 
 @pytest.mark.parametrize("name", QTYPES)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 def test_dequantize_equals_gguf(name, isa):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     q = blocks(7, k_of(96, QTYPES[name]) * (2 if QTYPES[name] in K_QUANTS else 1), QTYPES[name])
     ref = torch.from_numpy(dequantize(q.to_gguf().numpy(), GGMLQuantizationType(q.qtype)))
     assert torch.equal(QuantWeight.from_gguf(q.to_gguf(), q.qtype, q.k).data, q.data)
@@ -70,14 +64,12 @@ def test_dequantize_equals_gguf(name, isa):
 
 
 @pytest.mark.parametrize("name", QTYPES)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (17, 64, 160),
                                      (64, 13, 1536), (200, 3, 512),
                                      (5, 258, 64)])
 def test_qlinear_equals_reference(name, isa, m, n, k):
     """K-quant cases take K up to whole 256-weight super-blocks (256, 768, 1536, 512)."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     k = k_of(k, QTYPES[name])
     q = blocks(n, k, QTYPES[name], seed=m + n)
     x, bias = torch.randn(m, k), torch.randn(n)
@@ -284,14 +276,12 @@ def test_gemma_qwen3_layer_ops_equal_reference(t):
         torch.ops.tandem.head_rms_norm_(qkv, torch.randn(heads + 2 * kvh + 1, d), 1e-6)
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("features", [1, 7, 16, 37, 1536])
 def test_gated_activations_every_body(isa, features):
     """silu_mul and gelu_tanh_mul on every ISA body equal torch's SiLU / tanh GELU times up: widths with and
     without a last part-register, large and tiny gates (exp's clamps), rows strided; the AVX-512 and AVX2 bodies
     give the same bits; a row's result is the same bits alone and in a batch."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     g = torch.Generator().manual_seed(features)
     gu = (torch.randn(9, 2 * features + 3, generator=g) * 6)[:, :2 * features]          # rows strided
     gu[0, :features] = torch.linspace(-120.0, 120.0, features)
@@ -315,15 +305,13 @@ def test_gated_activation_argument_checks():
             op(torch.randn(8))
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("vocab", [1, 7, 8, 17, 33, 1000])
 def test_race_argmax_equals_torch(isa, vocab):
     """The sampler's race (noise, divide, subtract, argmax in one pass) equals the torch reference: ties (first
     index), -inf masks (grammar, top-k) and NaN (the largest, as torch.argmax) included; its noise equals the
     reference's hash exactly, up to the log's last bits."""
     from tandem.sampler import race_argmax, race_noise
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(9, vocab, generator=g) * 4
     x[1] = 0.5                                                       # all tied: index 0 without noise

@@ -10,6 +10,7 @@ import torch
 from tandem import kernels
 from tandem.kernels import kv_quant
 from tandem.kernels.attention import decode_attention_qkv_ref, decode_attention_ref
+from tests.helpers.isa import isas
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
 LOW = [torch.bfloat16, torch.float16]
@@ -19,10 +20,6 @@ CASES = [  # batch, query heads, KV heads, head_dim, keys per row, window
     (3, 6, 2, 24, [7, 130, 64], 0),            # SIMD tails
     (3, 4, 1, 256, [1, 700, 513], 512),        # Gemma 3's local layers
 ]
-
-
-def isas() -> list[int]:
-    return list(range(torch.ops.tandem.isa(2) + 1))
 
 
 def inputs(b, h, kvh, d, lens, dtype, seed):
@@ -44,13 +41,11 @@ def inputs(b, h, kvh, d, lens, dtype, seed):
 
 @native
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("b, h, kvh, d, lens, window", CASES)
 def test_low_precision_cache_equals_reference(dtype, isa, b, h, kvh, d, lens, window):
     """Both ops on a bf16 / fp16 cache: the output equals SDPA over the same rounded keys widened to fp32 (the op
     sums in fp32), and the fused op's K/V write leaves the very bits torch's index_put writes."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     check_decode_ops(b, h, kvh, d, lens, dtype, window, isa, atol=1e-5)
 
 

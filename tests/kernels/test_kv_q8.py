@@ -11,14 +11,10 @@ import torch
 from tandem import kernels
 from tandem.kernels import kv_quant
 from tandem.kernels.attention import decode_attention_qkv_ref, extend_attention_ref
+from tests.helpers.isa import isas
 from tests.kernels.test_kv_dtype import check_decode_ops, check_engine_on_cache
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built")
-ISAS = [0, 1, 2]
-
-
-def isas() -> list[int]:
-    return list(range(torch.ops.tandem.isa(2) + 1))
 
 
 def q8_cache(slots, kvh, d, g, layers=2):
@@ -48,7 +44,7 @@ def test_format_is_llama_cpp_block_q8_0():
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("b, h, kvh, d, lens, window", [
     (1, 9, 3, 64, [2048], 0),
     (4, 12, 4, 128, [5, 1, 300, 33], 0),
@@ -58,8 +54,6 @@ def test_format_is_llama_cpp_block_q8_0():
 def test_decode_ops_equal_reference(isa, b, h, kvh, d, lens, window):
     """decode_attention and decode_attention_qkv_ on a q8_0 cache: the reference's output (SDPA over the
     dequantized keys, fp32) up to summation order, and the fused op's write leaves the torch quantizer's bytes."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     check_decode_ops(b, h, kvh, d, lens, kv_quant.Q8_0, window, isa, atol=4e-5)
 
 
@@ -85,12 +79,10 @@ def test_native_write_rounds_as_torch():
 
 
 @native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("h,kvh,d,window", [(9, 3, 64, 0), (4, 1, 256, 37), (14, 2, 128, 0), (8, 8, 32, 0)])
 def test_extend_equals_reference(isa, h, kvh, d, window):
     """Ragged rows (fresh, on cached keys, one token, longer than a key block) on a q8_0 cache."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     g = torch.Generator().manual_seed(h * d)
     new, cached = [5, 70, 1, 130], [0, 100, 7, 3]
     b, lk = len(new), max(n + c for n, c in zip(new, cached))

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.isa import runnable
 from tests.kernels.test_int8_act import TYPES
-from tests.kernels.test_kernels import assert_close_sum, blocks, isas
+from tests.kernels.test_kernels import assert_close_sum, blocks
 from tests.kernels.test_quant_types import weights, whole
 
 from tandem import kernels
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels
 def gemm_bodies() -> list[int]:
     """The forced bodies past the scalar one this CPU runs: 1 AVX2, 2 AVX-512 VNNI, 3 AMX (qgemm_q8's own)."""
     amx = [3] if kernels.available() and torch.ops.tandem.qgemm_q8_body(Q8_0, 3) == 3 else []
-    return isas()[1:] + amx
+    return runnable((1, 2), vnni=True) + amx
 
 
 def _weight(n: int, k: int, qtype: int, seed: int):

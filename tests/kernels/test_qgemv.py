@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.isa import runnable
 from tests.kernels.test_qgemm import _weight
 from tests.kernels.test_quant_types import whole
 
@@ -16,7 +17,7 @@ from tandem.kernels.quant import Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, qlinear
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.isa(-1) < 1,
                                 reason="needs the native kernels on a CPU with AVX2")
 TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0, "Q5_0": Q5_0}
-BODIES = [1] + ([-1] if torch.ops.tandem.qgemv_q8_rows(Q4_1) else [])      # AVX2, and VNNI where it is here
+BODIES = runnable((1, 2), vnni=True)                                     # AVX2, and VNNI where it is here
 VNNI_ONLY = {Q5_0}                                                       # types the AVX2 body does not have
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.isa import runnable
 from tests.kernels.test_qgemm import _weight
 from tests.kernels.test_quant_types import whole
 
@@ -15,7 +16,7 @@ from tandem.kernels.quant import (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX2")
-BODIES = [1] + ([2] if torch.ops.tandem.isa(-1) == 2 else [])     # AVX2, and AVX-512 VNNI where it is here
+BODIES = runnable((1, 2), vnni=True)                             # AVX2, and AVX-512 VNNI where it is here
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q2_K": Q2_K, "Q3_K": Q3_K, "Q4_K": Q4_K, "Q5_K": Q5_K,
          "Q6_K": Q6_K}
 T = torch.ops.tandem

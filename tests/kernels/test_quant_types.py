@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.kernels.test_kernels import assert_close_sum, isas
+from tests.helpers.isa import isas
+from tests.kernels.test_kernels import assert_close_sum
 
 from tandem import kernels
 from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, NATIVE_QTYPES, Q2_K, Q3_K, Q4_K,
@@ -58,15 +59,13 @@ def test_new_types_are_native():
 
 
 @pytest.mark.parametrize("name", NEW)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("source", ["random", "gguf-py"])
 def test_dequantize_bit_identical_to_gguf(name, isa, source):
     """Random valid blocks (and gguf-py's own quantization) through from_gguf / to_gguf, the torch reference and
     the native op: every weight equals gguf-py's."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     qtype = NEW[name]
     if source == "gguf-py" and qtype in K_QUANTS:
         pytest.skip("gguf-py has no K-quant quantizer")
@@ -84,14 +83,12 @@ def test_dequantize_bit_identical_to_gguf(name, isa, source):
 
 
 @pytest.mark.parametrize("name", NEW)
-@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (1, 65, 1536), (2, 5, 64), (3, 33, 96), (4, 9, 608),
                                      (17, 64, 160), (64, 13, 1536), (200, 3, 512), (5, 258, 64)])
 def test_qlinear_equals_reference(name, isa, m, n, k):
     """Odd shapes; K rounded up to whole blocks (K-quants: 256, 768, 1536, 512); M = 1-4 runs the fused path,
     more rows the tiled one."""
-    if isa not in isas():
-        pytest.skip("this CPU lacks the ISA")
     qtype = NEW[name]
     k = whole(k, qtype)
     q = weights(n, k, qtype, seed=m + n)

@@ -14,6 +14,7 @@ import torch
 from tandem import SamplingParams
 from tandem.kernels import available
 from tests.helpers.engine_checks import run_with
+from tests.helpers.isa import runnable
 from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
 
@@ -112,7 +113,7 @@ def test_native_router_matches_torch_and_its_rows_stand_alone(experts, k):
         got_w, got_ids = ops.moe_route(x, wt, experts, k, renorm)
         assert torch.equal(got_ids, ref_ids)
         torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
-        for isa in range(0, ops.isa(2) + 1):
+        for isa in runnable():
             bw, bids = ops.moe_route(x, wt, experts, k, renorm, isa)
             assert torch.equal(bw, got_w) and torch.equal(bids, got_ids), isa
     threads, (all_w, all_ids) = torch.get_num_threads(), ops.moe_route(x, wt, experts, k, True)
@@ -229,7 +230,7 @@ def test_moe_experts_op_on_every_isa_body(quant, quantized):
     ops, h = torch.ops.tandem, c.hidden_size
     with pytest.raises(RuntimeError, match="needs AVX2"):
         ops.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act, 0)
-    for isa in range(1, ops.isa(2) + 1):
+    for isa in runnable((1, 2)):
         got = ops.moe_experts(x, gus, gu_type, downs, down_type, inter, ids, w, act, isa)
         for t in range(3):
             row, out = x[t:t + 1], None
