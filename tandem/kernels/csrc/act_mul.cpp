@@ -35,9 +35,7 @@ void act_mul_row(const float* g, const float* u, float* o, int64_t n) {
 using RowFn = void (*)(const float*, const float*, float*, int64_t);
 template <bool GELU>
 RowFn row_fn(Isa isa) {
-  return isa == kAvx512 ? avx512::act_mul_row<GELU>
-         : isa == kAvx2 ? avx2::act_mul_row<GELU>
-                        : scalar::act_mul_row<GELU>;
+  return TANDEM_BODY(isa, act_mul_row<GELU>);
 }
 
 at::Tensor act_mul(const at::Tensor& gu_in, bool gelu, int64_t isa_req, const char* name) {

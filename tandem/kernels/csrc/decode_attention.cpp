@@ -182,11 +182,11 @@ using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, const int64_
 using MergeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
 // A body's merge_head (its own numbers: fused products on AVX2 and AVX-512, as causal_gemm_simd.inc's fold).
 static MergeFn merge_for(Isa isa) {
-  return isa == kAvx512 ? avx512::merge_head : isa == kAvx2 ? avx2::merge_head : scalar::merge_head;
+  return TANDEM_BODY(isa, merge_head);
 }
 template <typename T>
 static AttendFn attend_for(Isa isa) {
-  return isa == kAvx512 ? avx512::attend<T> : isa == kAvx2 ? avx2::attend<T> : scalar::attend<T>;
+  return TANDEM_BODY(isa, attend<T>);
 }
 // bf16: the bf16-products body (decode_attention_bf16.inc) where it runs: a bf16 cache, the AVX-512 body on a CPU
 // with AVX512-BF16 and D % 32 == 0; elsewhere the fp32 helpers, bit for bit the op without it.

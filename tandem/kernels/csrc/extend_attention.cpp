@@ -101,7 +101,7 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
 using TaskFn = void (*)(const ExtArgs&, const ExtTask&, float*);
 template <typename T>
 TaskFn task_for(Isa isa) {
-  return isa == kAvx512 ? avx512::extend_task<T> : isa == kAvx2 ? avx2::extend_task<T> : scalar::extend_task<T>;
+  return TANDEM_BODY(isa, extend_task<T>);
 }
 
 }  // namespace

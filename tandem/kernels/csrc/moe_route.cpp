@@ -75,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::T
   float* wp = w.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   const Isa isa = resolve_isa(isa_req);
-  auto logits = isa == kAvx512 ? avx512::route_logits : isa == kAvx2 ? avx2::route_logits : scalar::route_logits;
+  auto logits = TANDEM_BODY(isa, route_logits);
   // Logits in blocks of 64 experts (a decode row's 128 on both threads: the router is 1 MB of fp32 a layer to
   // stream), then each row's choice. Rows and blocks are independent: any split gives the same bits.
   std::vector<float> l(T * EP);

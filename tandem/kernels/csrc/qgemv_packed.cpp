@@ -58,8 +58,8 @@ struct XRows {              // rows of x rounded as qgemm_q8 rounds them (quanti
 // Output rows of GT consecutive groups against rows m0 .. m0 + MT - 1 of x. The GT x MT fp32 chains are
 // independent, so their fma latencies overlap (one row alone, GT = 4; several rows, their chains).
 template <int64_t QT, int GT, int MT>
-TANDEM_KERNEL_VNNI void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, const XRows& x, int64_t m0, const float* bias,
-              float* y, int64_t ldy, int64_t n0, int64_t N) {
+TANDEM_KERNEL_VNNI void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, const XRows& x, int64_t m0,
+                             const float* bias, float* y, int64_t ldy, int64_t n0, int64_t N) {
   constexpr int64_t QB = quant_bytes(QT);
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   __m512 f[GT][MT];
@@ -122,9 +122,10 @@ TANDEM_KERNEL_VNNI void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, cons
 // keeps tile_avx2's 8 vectors of quants from spilling a copy of their magnitudes) and the row's 16 bytes xb,
 // then the GEMM's fp32 step(s) on the rows' chain f. Both AVX2 tiles run it, so they give the same bits.
 template <int64_t QT>
-TANDEM_KERNEL_AVX2 inline __attribute__((always_inline)) __m256 half_step_avx2(__m256 f, const __m256i* w, const __m256i* aw,
-                                                                 const int8_t* xb, const XRows& x, int64_t m,
-                                                                 int64_t u, __m256 d, __m256 mn) {
+TANDEM_KERNEL_AVX2 inline __attribute__((always_inline)) __m256 half_step_avx2(__m256 f, const __m256i* w,
+                                                                                const __m256i* aw, const int8_t* xb,
+                                                                                const XRows& x, int64_t m, int64_t u,
+                                                                                __m256 d, __m256 mn) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc;
   if constexpr (QT == kQ8_0) {
@@ -158,8 +159,8 @@ TANDEM_KERNEL_AVX2 inline __attribute__((always_inline)) __m256 half_step_avx2(_
 // w + 128 would saturate pmaddubsw, so its bytes are turned back into w and it runs |w| against x with w's sign
 // (|pair| <= 2 x 128 x 128), each pmaddubsw widened at once, and its sums need no offset.
 template <int64_t QT, int MT>
-TANDEM_KERNEL_AVX2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias, float* y,
-                    int64_t ldy, int64_t n0, int64_t N) {
+TANDEM_KERNEL_AVX2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias,
+                                  float* y, int64_t ldy, int64_t n0, int64_t N) {
   constexpr int64_t QB = quant_bytes(QT);
   const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
   __m256 f[MT][2];
@@ -209,8 +210,8 @@ TANDEM_KERNEL_AVX2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x,
 // every 2 rows: a quarter of its work at many rows) and the MT fp32 chains overlap. The same integer sums and
 // the same fp32 operations in the same order as tile_avx2 (so the same bits).
 template <int64_t QT, int MT>
-TANDEM_KERNEL_AVX2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias, float* y,
-                         int64_t ldy, int64_t n, int64_t N, int s) {
+TANDEM_KERNEL_AVX2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRows& x, int64_t m0, const float* bias,
+                                       float* y, int64_t ldy, int64_t n, int64_t N, int s) {
   constexpr int64_t QB = quant_bytes(QT);
   const __m256i m4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
   __m256 f[MT];

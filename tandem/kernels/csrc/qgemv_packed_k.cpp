@@ -108,7 +108,8 @@ TANDEM_KERNEL_AVX2 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 // A half's exact int32 sums of the 16 rows: weight vectors w[p] (4 unsigned quants of each row's lane) against
 // the half's 16 bytes of x, 4 a vector. Two chains of 2 vpdpbusd, not one of 4 (its latency bound the tile); an
 // int32 sum in any order is the same sum.
-TANDEM_KERNEL_VNNI inline __m512i x4(const int8_t* xb) {             // 4 bytes of x in every lane: a broadcast from memory
+// 4 bytes of x in every lane: a broadcast from memory
+TANDEM_KERNEL_VNNI inline __m512i x4(const int8_t* xb) {
   int32_t v;
   std::memcpy(&v, xb, 4);
   return _mm512_set1_epi32(v);
@@ -134,7 +135,8 @@ TANDEM_KERNEL_AVX2 inline __m256i half_dot256(const __m256i* w, const int8_t* xb
 
 // A tile's outputs: rows m0 .. m0 + MT - 1 of y at columns n0 .. (16, or 8 on AVX2, not past N), plus bias.
 template <int MT>
-TANDEM_KERNEL_VNNI void store16(const __m512* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t N) {
+TANDEM_KERNEL_VNNI void store16(const __m512* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n0,
+                                int64_t N) {
   const int nr = (int)std::min<int64_t>(kG, N - n0);
   const __mmask16 keep = nr >= kG ? (__mmask16)0xffff : (__mmask16)((1u << nr) - 1);
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
@@ -142,7 +144,8 @@ TANDEM_KERNEL_VNNI void store16(const __m512* f, int64_t m0, const float* bias, 
     _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, bias ? _mm512_add_ps(f[j], bv) : f[j]);
 }
 template <int MT>
-TANDEM_KERNEL_AVX2 void store8(const __m256* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n, int64_t N) {
+TANDEM_KERNEL_AVX2 void store8(const __m256* f, int64_t m0, const float* bias, float* y, int64_t ldy, int64_t n,
+                               int64_t N) {
   const int nr = (int)std::min<int64_t>(8, N - n);
   for (int j = 0; j < MT; ++j) {
     alignas(32) float out[8];
@@ -153,8 +156,8 @@ TANDEM_KERNEL_AVX2 void store8(const __m256* f, int64_t m0, const float* bias, f
 
 // One group (output rows n0 .. n0 + 15) against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
 template <int64_t QT, int MT>
-TANDEM_KERNEL_VNNI void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t ldy,
-               int64_t n0, int64_t N) {
+TANDEM_KERNEL_VNNI void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y,
+                              int64_t ldy, int64_t n0, int64_t N) {
   constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   __m512 f[MT];

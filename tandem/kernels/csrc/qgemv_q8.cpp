@@ -83,7 +83,8 @@ TANDEM_KERNEL_VNNI inline void transpose16(__m512 m[16]) {
 // The group's scales with lanes over its rows, as qgemm_q8 unpacks them (both halves of a block share them):
 // dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; Q4_K its sub-blocks'
 // fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]). 16 blocks of the 16 rows at a time, transposed.
-TANDEM_KERNEL_VNNI void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh, float* tmp) {
+TANDEM_KERNEL_VNNI void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh,
+                                     float* tmp) {
   const bool kq = qt == kQ4_K;
   if (kq)
     for (int r = 0; r < kG; ++r) k_scales(qt, rows[r], nb, tmp + r * 4 * nb);
@@ -208,7 +209,8 @@ struct XRows {            // rows of x rounded as qgemm_q8 rounds them, in the l
 // y [mt][kG] (nr real rows) of one group against rows m0 .. m0 + mt - 1 of x, the chains of the mt rows of x
 // interleaved (each alone would wait on the fma latency).
 template <int64_t QT, int MT>
-TANDEM_KERNEL_VNNI void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bias, float* y, int64_t ldy, int nr) {
+TANDEM_KERNEL_VNNI void group_rows(const Group& g, const XRows& x, int64_t m0, const float* bias, float* y, int64_t ldy,
+                                   int nr) {
   const int64_t nb = g.nb, nh = 2 * nb, bstep = base_of(QT) == kQ8_0 ? 2 : 4;
   __m512 f[MT];
   for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();

@@ -197,8 +197,8 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
   const int64_t M = x.size(0), N = w.size(0);
   if (M == 0 || N == 0) return y;
   Isa isa = resolve_isa(isa_req);
-  GemmRows fn = isa == kAvx512 ? avx512::gemm_rows : isa == kAvx2 ? avx2::gemm_rows : scalar::gemm_rows;
-  const int nr = isa == kAvx512 ? avx512::NR : isa == kAvx2 ? avx2::NR : scalar::NR;
+  GemmRows fn = TANDEM_BODY(isa, gemm_rows);
+  const int nr = TANDEM_BODY(isa, NR);
   GemmArgs a{qtype, M, N, K, w.size(1), x.data_ptr<float>(), w.data_ptr<uint8_t>(),
              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   const int64_t tiles = (N + nr - 1) / nr;
@@ -225,7 +225,7 @@ void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Ten
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == N * K,
               "tandem.dequantize_out: out must be a contiguous fp32 tensor of N * K elements");
   Isa isa = resolve_isa(isa_req);
-  DequantRow fn = isa == kAvx512 ? avx512::dequant_row : isa == kAvx2 ? avx2::dequant_row : scalar::dequant_row;
+  DequantRow fn = TANDEM_BODY(isa, dequant_row);
   const uint8_t* src = w.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

@@ -81,11 +81,30 @@ inline void for_groups(int64_t nb, int g, F&& f) {
     if (b + h <= nb) { f(b, h); b += h; }
 }
 
-// The halves of quantize_row with SIMD: the same max, the same scalar d and 1 / d, the same fp32 products
-// rounded to nearest even (vcvtps2dq under the default rounding mode = nearbyint), so the same bytes and sums
-// (measured: the scalar loop was 2.4 ms of a 6 ms int8 GEMM at 512 x 1536, ~3 ns an element).
-TANDEM_KERNEL_AVX512 void quantize_halves_avx512(
-    const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
+namespace scalar {
+// Halves [0, nh) of x: half u is elements [16 u, 16 u + 16), its bytes q, its scale dx[u] and its sum sxh[u].
+void quantize_halves(const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
+  for (int64_t u = 0; u < nh; ++u) {
+    float amax = 0.f;
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[16 * u + i]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      int v = (int)std::nearbyint(x[16 * u + i] * id);
+      q[16 * u + i] = (int8_t)v;
+      sum += v;
+    }
+    dx[u] = d;
+    sxh[u] = d * (float)sum;
+  }
+}
+}  // namespace scalar
+
+// The halves with SIMD: the same max, the same scalar d and 1 / d, the same fp32 products rounded to nearest
+// even (vcvtps2dq under the default rounding mode = nearbyint), so the same bytes and sums (measured: the
+// scalar loop was 2.4 ms of a 6 ms int8 GEMM at 512 x 1536, ~3 ns an element).
+namespace avx512 {
+TANDEM_KERNEL_AVX512 void quantize_halves(const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
   for (int64_t u = 0; u < nh; ++u) {
     const __m512 v = _mm512_loadu_ps(x + 16 * u), a = _mm512_abs_ps(v);
     __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -104,7 +123,10 @@ TANDEM_KERNEL_AVX512 void quantize_halves_avx512(
   }
 }
 
-TANDEM_KERNEL_AVX2 void quantize_halves_avx2(const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
+}  // namespace avx512
+
+namespace avx2 {
+TANDEM_KERNEL_AVX2 void quantize_halves(const float* x, int64_t nh, int8_t* q, float* dx, float* sxh) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t u = 0; u < nh; ++u) {
     const __m256 v0 = _mm256_loadu_ps(x + 16 * u), v1 = _mm256_loadu_ps(x + 16 * u + 8);
@@ -125,28 +147,15 @@ TANDEM_KERNEL_AVX2 void quantize_halves_avx2(const float* x, int64_t nh, int8_t*
     sxh[u] = d * (float)_mm_cvtsi128_si32(s4);
   }
 }
+}  // namespace avx2
 
 // Quantizes x [K] into q / dx / sx / sxh; `group` 0: natural order, else the Q4 group order.
 void quantize_row(const float* x, int64_t K, int group, int8_t* q, float* dx, float* sx, float* sxh) {
   const int64_t nb = K / 32;
   std::vector<int8_t> nat(group ? K : 0);
   int8_t* out = group ? nat.data() : q;
-  const Isa isa = best_isa();
-  if (isa == kAvx512) quantize_halves_avx512(x, 2 * nb, out, dx, sxh);
-  else if (isa == kAvx2) quantize_halves_avx2(x, 2 * nb, out, dx, sxh);
-  for (int64_t u = 0; isa == kScalar && u < 2 * nb; ++u) {   // half u: elements [16 u, 16 u + 16)
-    float amax = 0.f;
-    for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[16 * u + i]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int i = 0; i < 16; ++i) {
-      int v = (int)std::nearbyint(x[16 * u + i] * id);
-      out[16 * u + i] = (int8_t)v;
-      sum += v;
-    }
-    dx[u] = d;
-    sxh[u] = d * (float)sum;
-  }
+  const Isa isa = best_isa();                 // the activations' bytes: the same whichever body runs
+  TANDEM_BODY(isa, quantize_halves)(x, 2 * nb, out, dx, sxh);
   for (int64_t b = 0; b < nb; ++b) sx[b] = sxh[2 * b] + sxh[2 * b + 1];
   if (!group) return;
   for_groups(nb, group, [&](int64_t b, int g) {
@@ -300,8 +309,8 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   Isa isa = resolve_isa(isa_req);
   if (isa == kAvx512 && !cpu_has_vnni()) isa = kAvx2;       // AVX-512 without VNNI: the AVX2 body
   using Rows = void (*)(const Q8Args&, int64_t, int64_t);
-  Rows fn = isa == kAvx512 ? avx512::rows : isa == kAvx2 ? avx2::rows : scalar::rows;
-  const int group = natural_order(qtype) ? 0 : isa == kAvx512 ? avx512::GROUP : isa == kAvx2 ? avx2::GROUP : 0;
+  Rows fn = TANDEM_BODY(isa, rows);
+  const int group = natural_order(qtype) ? 0 : TANDEM_BODY(isa, GROUP);
   // Reused per thread, grow-only (as qgemm_q8's tiles: a fresh buffer of MBs is mapped and unmapped each call).
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xs;

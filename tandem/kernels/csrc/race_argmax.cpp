@@ -53,6 +53,7 @@ inline float value(const Row& r, int64_t j) {
   return r.noise ? v - log_noise_scalar(r.k0, r.k1, (uint32_t)j) : v;
 }
 
+namespace scalar {
 // First index of the maximum of s[0..V) (a NaN is the largest, the first one wins), plainly.
 int64_t first_max(const float* s, int64_t V) {
   int64_t best = 0;
@@ -65,27 +66,29 @@ int64_t first_max(const float* s, int64_t V) {
   return best;
 }
 
-void scores_scalar(const Row& r, float* s) {
+void scores(const Row& r, float* s) {
   for (int64_t j = 0; j < r.V; ++j) s[j] = value(r, j);
 }
+}  // namespace scalar
 
 #define TANDEM_SIMD_BODY "race_noise_simd.inc"            // avx2::log_noise, avx512::log_noise
 #include "simd_namespaces.inc"
 
 // ---- AVX-512 ----
-TANDEM_KERNEL_AVX512 void scores_avx512(const Row& r, float* s) {
+namespace avx512 {
+TANDEM_KERNEL_AVX512 void scores(const Row& r, float* s) {
   const __m512 t = _mm512_set1_ps(r.t);
   for (int64_t j = 0; j < r.V; j += 16) {
     __mmask16 m = r.V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (r.V - j)) - 1);
     __m512 v = _mm512_maskz_loadu_ps(m, r.x + j);
     if (r.div) v = _mm512_div_ps(v, t);
-    if (r.noise) v = _mm512_sub_ps(v, avx512::log_noise(r, j));
+    if (r.noise) v = _mm512_sub_ps(v, log_noise(r, j));
     _mm512_mask_storeu_ps(s + j, m, v);
   }
 }
 
 // First index of the maximum (NaN: the plain scan's answer).
-TANDEM_KERNEL_AVX512 int64_t first_max_avx512(const float* s, int64_t V) {
+TANDEM_KERNEL_AVX512 int64_t first_max(const float* s, int64_t V) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 mx = ninf;
   __mmask16 nan = 0;
@@ -95,7 +98,7 @@ TANDEM_KERNEL_AVX512 int64_t first_max_avx512(const float* s, int64_t V) {
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     mx = _mm512_max_ps(mx, v);
   }
-  if (nan) return first_max(s, V);
+  if (nan) return scalar::first_max(s, V);
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   for (int64_t j = 0; j < V; j += 16) {
     __mmask16 m = V - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - j)) - 1);
@@ -104,21 +107,23 @@ TANDEM_KERNEL_AVX512 int64_t first_max_avx512(const float* s, int64_t V) {
   }
   return 0;                                       // unreachable: the maximum is some element
 }
+}  // namespace avx512
 
 // ---- AVX2 ----
-TANDEM_KERNEL_AVX2 void scores_avx2(const Row& r, float* s) {
+namespace avx2 {
+TANDEM_KERNEL_AVX2 void scores(const Row& r, float* s) {
   const __m256 t = _mm256_set1_ps(r.t);
   const int64_t body = r.V / 8 * 8;
   for (int64_t j = 0; j < body; j += 8) {
     __m256 v = _mm256_loadu_ps(r.x + j);
     if (r.div) v = _mm256_div_ps(v, t);
-    if (r.noise) v = _mm256_sub_ps(v, avx2::log_noise(r, j));
+    if (r.noise) v = _mm256_sub_ps(v, log_noise(r, j));
     _mm256_storeu_ps(s + j, v);
   }
   for (int64_t j = body; j < r.V; ++j) s[j] = value(r, j);
 }
 
-TANDEM_KERNEL_AVX2 int64_t first_max_avx2(const float* s, int64_t V) {
+TANDEM_KERNEL_AVX2 int64_t first_max(const float* s, int64_t V) {
   const int64_t body = V / 8 * 8;
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 nan = _mm256_setzero_ps();
@@ -132,10 +137,10 @@ TANDEM_KERNEL_AVX2 int64_t first_max_avx2(const float* s, int64_t V) {
   float m = lanes[0];
   for (int i = 1; i < 8; ++i) m = lanes[i] > m ? lanes[i] : m;
   for (int64_t j = body; j < V; ++j) {
-    if (std::isnan(s[j])) return first_max(s, V);
+    if (std::isnan(s[j])) return scalar::first_max(s, V);
     m = s[j] > m ? s[j] : m;
   }
-  if (_mm256_movemask_ps(nan)) return first_max(s, V);
+  if (_mm256_movemask_ps(nan)) return scalar::first_max(s, V);
   const __m256 best = _mm256_set1_ps(m);
   for (int64_t j = 0; j < body; j += 8) {
     int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + j), best, _CMP_EQ_OQ));
@@ -145,12 +150,7 @@ TANDEM_KERNEL_AVX2 int64_t first_max_avx2(const float* s, int64_t V) {
     if (s[j] == m) return j;
   return 0;
 }
-
-void scores(Isa isa, const Row& r, float* s) {
-  if (isa == kAvx512) scores_avx512(r, s);
-  else if (isa == kAvx2) scores_avx2(r, s);
-  else scores_scalar(r, s);
-}
+}  // namespace avx2
 
 Row make_row(const float* x, const float* t, const int64_t* seeds, int64_t b, int64_t V) {
   const uint64_t seed = seeds ? (uint64_t)seeds[b] : 0;
@@ -193,10 +193,10 @@ at::Tensor race_argmax(const at::Tensor& x_in, const std::optional<at::Tensor>& 
       const Row r = make_row(px, pt, ps, b, V);
       const float* s = r.x;
       if (pt || ps) {
-        scores(isa, r, buf.data());
+        TANDEM_BODY(isa, scores)(r, buf.data());
         s = buf.data();
       }
-      po[b] = isa == kAvx512 ? first_max_avx512(s, V) : isa == kAvx2 ? first_max_avx2(s, V) : first_max(s, V);
+      po[b] = TANDEM_BODY(isa, first_max)(s, V);
     }
   });
   return out;
@@ -212,7 +212,7 @@ at::Tensor race_noise(const at::Tensor& seeds_in, int64_t V, int64_t isa_req) {
   const Isa isa = resolve_isa(isa_req);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      scores(isa, make_row(zeros.data_ptr<float>(), nullptr, ps, b, V), out.data_ptr<float>() + b * V);
+      TANDEM_BODY(isa, scores)(make_row(zeros.data_ptr<float>(), nullptr, ps, b, V), out.data_ptr<float>() + b * V);
       float* o = out.data_ptr<float>() + b * V;
       for (int64_t j = 0; j < V; ++j) o[j] = -o[j];      // scores are 0 - log E
     }

@@ -32,6 +32,10 @@
 #define TANDEM_F16C TANDEM_KERNEL_F16C __attribute__((always_inline)) static inline
 #define TANDEM_AVX512 __attribute__((target(TANDEM_TARGET_AVX512), always_inline)) static inline
 #define TANDEM_AVX2 __attribute__((target(TANDEM_TARGET_AVX2), always_inline)) static inline
+// The ISA dispatch: the body `name` of the level `isa` picks, each level's in a namespace of its own (avx512::,
+// avx2::, scalar::; simd_namespaces.inc makes the first two of one body written over `V`).
+#define TANDEM_BODY(isa, name) \
+  ((isa) == ::tandem::kAvx512 ? avx512::name : (isa) == ::tandem::kAvx2 ? avx2::name : scalar::name)
 
 namespace tandem {
 
