@@ -174,6 +174,7 @@ class PrefillAdder:
             self.tokens += n
 
     def add(self, req: Req) -> Verdict:
+        """The guards below, in this order: a refusal before the prefix match costs nothing to undo."""
         if self.step_full() or self.outranked(req):
             return Verdict.STOP
         if not ready(self.s, req):
@@ -291,7 +292,7 @@ def preempt(s: "Scheduler", fence: Fence = NO_FENCE) -> None:
 
     `fence`: an urgent pick's (urgent.py), the steps in flight go on. A victim's rows in them are dropped instead
     (batch.dropped: host truth is the processed steps'), and its KV and row come back only once they are
-    processed (Scheduler._release), so only the running cap counts as room made, and a free row is needed."""
+    processed (UrgentSteps.defer), so only the running cap counts as room made, and a free row is needed."""
     req = first_ready(s)
     if req is None or (fence and not s.memory.rows.available()):
         return
