@@ -6,6 +6,7 @@ An Executor calls it inline (InlineExecutor: CUDA streams, or CPU synchronously)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -63,11 +64,20 @@ class _StepTensors(NamedTuple):
     penalized: bool                     # this model runner samples and some row has penalties
 
 
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What one step gives back (ModelRunner.run), on the device; the executor copies what it needs to the host."""
+    tokens: torch.Tensor                        # [B] sampled ids (a speculating row's draft positions included)
+    logprobs: Logprobs | None = None            # of every row, where some row asked (step.num_logprobs)
+    prompt_logprobs: Logprobs | None = None     # of the prompt positions asked (prompt_logprob_targets)
+    embeddings: torch.Tensor | None = None      # [E, H] of the rows whose embedding is done (embed.pooled)
+
+
 class ModelRunner:
     """tp: this model runner is one rank of a tensor-parallel group (device/parallel/tp.py): it holds its shard of the
-    weights and KV heads, and only rank 0 samples (run_step returns None on the others).
+    weights and KV heads, and only rank 0 samples (run returns None on the others).
     pp: this model runner is one pipeline stage (device/parallel/pp.py): its layers' weights and KV cache; only the
-    last stage samples (run_step returns None on the others)."""
+    last stage samples (run returns None on the others)."""
 
     def __init__(self, spec: RunnerSpec, state: dict[str, torch.Tensor] | None = None, tp=None,
                  pp=None) -> None:
@@ -127,8 +137,7 @@ class ModelRunner:
         self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)
         self.layouts = AttentionLayouts(self.device, self.req_to_token, self.kv_cache, self.model, cascade)
         self.future_map = FutureMap(rows, self.device, poison=spec.poison_future_map)
-        self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
-        self.last_prompt_logprobs, self.embed_sums = None, {}   # prompt positions' logprobs; mean pooling's sums
+        self.embed_sums = {}                # mean pooling's sums, across a prompt's chunks (embed.pooled)
         self.penalties = PenaltyState(rows, c.vocab_size, self.device) if self.samples else None
 
     def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
@@ -211,9 +220,9 @@ class ModelRunner:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
-                 between: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device (None on a
+    def run(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
+            between: Callable[[int], None] | None = None) -> ForwardOutput | None:
+        """Forward, sample and stash into the FutureMap. Returns the step's ForwardOutput, on the device (None on a
         tp rank other than 0 and on a pipeline stage but the last: they run the forward only).
 
         The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
@@ -221,12 +230,20 @@ class ModelRunner:
         the device only the wait for what is left of it. The urgent-step branch: `between(i)` before each
         layer i > 0 may run other steps there, in nested() (process/main.py)."""
         inputs = self._prepare(step)
-        logits = self._forward(step, inputs, between)
-        if logits is None:
+        forward = self._forward(step, inputs, between)
+        if forward is None:
             return None
-        tokens, accepted = self._sample(step, inputs, logits, masks)
+        logits, prompt_lp, embeddings = forward
+        tokens, accepted, lp = self._sample(step, inputs, logits, masks)
         self._stash(step, inputs.rows, tokens, accepted)
-        return tokens
+        return ForwardOutput(tokens, lp, prompt_lp, embeddings)
+
+    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
+                 between: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """run()'s sampled ids alone [B] (None where it returns None): for callers that read nothing else (the draft
+        model, benchmarks)."""
+        out = self.run(step, masks, between)
+        return None if out is None else out.tokens
 
     def _prepare(self, step: StepInput) -> _StepTensors:
         """The step's inputs on the device, from its host index arrays: the request table written (prefix hits,
@@ -278,26 +295,28 @@ class ModelRunner:
         Nothing else of a step outlives a layer but its residual stream (LlamaModel.final_hidden)."""
         return self.kv_cache.nested()
 
-    def _forward(self, step: StepInput, inputs: _StepTensors, between=None) -> torch.Tensor | None:
-        """The layers, then the LM head: the prompt positions' logprobs (in pieces) and the rows' logits [B, V].
-        None where this model runner does not sample: a pipeline stage but the last (its hidden states went on
-        to the next) or a tp rank other than 0 (the logits gather ends on rank 0)."""
+    def _forward(self, step: StepInput, inputs: _StepTensors, between=None
+                 ) -> tuple[torch.Tensor, Logprobs | None, torch.Tensor | None] | None:
+        """The layers, then the LM head: the rows' logits [B, V], the prompt positions' logprobs (the head run on
+        them in pieces) and the embeddings done [E, H]. None where this model runner does not sample: a pipeline
+        stage but the last (its hidden states went on to the next) or a tp rank other than 0 (the logits gather
+        ends on rank 0)."""
         b = step.batch_size
         # [B (+ N + M), H]: each row's last token, the prompt positions whose logprobs were asked, mean pooling's
         hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index, between)
         if hidden is None:
             return None                             # a pipeline stage but the last: sent on to the next
-        self.last_prompt_logprobs, self.last_embeddings = None, pooled(step, hidden, self.embed_sums)   # [E, H]
+        embeddings, prompt_lp = pooled(step, hidden, self.embed_sums), None                 # [E, H]
         if inputs.plp is not None:
-            self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]),
-                                                              int(step.prompt_logprobs.max()))
-        return self.model.logits(hidden[:b])                                       # [B, V]
+            prompt_lp = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]), int(step.prompt_logprobs.max()))
+        logits = self.model.logits(hidden[:b])                                     # [B, V]
+        return None if logits is None else (logits, prompt_lp, embeddings)
 
     def _sample(self, step: StepInput, inputs: _StepTensors, logits: torch.Tensor,
-                masks: Callable[[], np.ndarray] | None) -> tuple[torch.Tensor, tuple | None]:
+                masks: Callable[[], np.ndarray] | None) -> tuple[torch.Tensor, tuple | None, Logprobs | None]:
         """Penalties, logit biases and grammar masks on the logits in place, then one token per row [B], the
         speculative rows' accepted counts (heads, acc) or None, the penalties' output counts and the logprobs
-        of the rows that ask. The masks are waited for only here, after the forward."""
+        of the rows that ask (None where none asks). The masks are waited for only here, after the forward."""
         rows, input_ids, penalized = inputs.rows, inputs.input_ids, inputs.penalized
         if penalized:
             self.penalties.apply(step, rows, logits, input_ids)
@@ -315,11 +334,10 @@ class ModelRunner:
             self.penalties.count_outputs(step, rows, tokens,
                                          kept_rows(step.draft_lens, *accepted) if accepted is not None else None)
         # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
-        self.last_logprobs = None
+        lp = None
         if (step.num_logprobs >= 0).any():
-            self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
-                                          int(step.num_logprobs.max()))
-        return tokens, accepted
+            lp = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens, int(step.num_logprobs.max()))
+        return tokens, accepted, lp
 
     def _stash(self, step: StepInput, rows: torch.Tensor, tokens: torch.Tensor, accepted: tuple | None) -> None:
         """FutureMap write: the next step of these rows reads its input ids from here, on the device (no host
