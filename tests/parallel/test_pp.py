@@ -138,7 +138,7 @@ def test_pp2_and_pp3_equal_pp1(arch, three_layers, monkeypatch):
 
 
 def test_torch_kernels_pp2_equals_pp1(three_layers):
-    """kernels="torch": the op-by-op layers (no deferred residual: only the hidden states travel)."""
+    """kernels="torch": the op-by-op layers (their deferred residual travels beside the hidden states)."""
     got = {}
     for pp in (1, 2):
         llm = LLM(three_layers["qwen2"], pp_size=pp, kernels="torch", **ENGINE)
