@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
 from .moe import build_moe
+from .numerics import Numerics
 from .rope import apply_rope, rope_inv_freq
 from .row_parallel import ChunkedRows, add_in_order, chunked_rows
 from .shard import TPLayout, cols
@@ -146,7 +147,8 @@ class _NativeOps:
 class LlamaModel:
     """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
-    native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
+    numerics: the numeric path (model/numerics.py, resolved by the model runner); the model reads it and decides
+    nothing. native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
     int8_act: their decode linears quantize activations to int8 blocks (kernels_act="int8").
     tp: a tensor-parallel rank (device/parallel/tp.py): `state` is this rank's shard (model/shard.py); o and down
     partial sums and the vocab-parallel embedding are all-reduced, the LM head's vocab shards gathered on
@@ -159,26 +161,24 @@ class LlamaModel:
     prefill_bf16 (prefill_act="bf16"): the layers' quantized linears keep a bf16 copy, and a long prefill chunk
     (more than small_m() tokens: the rows that already attend by SDPA, not as decode rows) runs its linears and
     its attention in bf16 (_bulk_from). Decode rows, verify rows and short chunks keep the int8 kernels.
-    extend_bf16 (prefill_attention, ModelRunner.extend_bf16): the native extend op of long chunks takes bf16
-    products (queries and probabilities rounded to bf16, fp32 sums) on the bf16 cache.
-    decode_bf16 (decode_attention, ModelRunner.decode_bf16): the same for the native decode op, wherever it runs
-    (decode rows, short chunks' tokens, verify rows: one op, so a token's attention stays the same bits on each).
+    extend_bf16 (prefill_attention): the native extend op of long chunks takes bf16 products (queries and
+    probabilities rounded to bf16, fp32 sums) on the bf16 cache.
+    decode_bf16 (decode_attention): the same for the native decode op, wherever it runs (decode rows, short
+    chunks' tokens, verify rows: one op, so a token's attention stays the same bits on each).
     """
 
-    def __init__(self, config: ModelConfig, state: dict, max_context: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
-                 extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False,
-                 batch_invariant: bool = False, reduce_chunks: int = 0) -> None:
-        self.config, self.device, self.dtype, self.native = config, torch.device(device), dtype, native
+    def __init__(self, config: ModelConfig, state: dict, max_context: int, device: torch.device | str = "cpu",
+                 numerics: Numerics = Numerics(), tp=None, pp=None, consume_state: bool = False) -> None:
+        self.config, self.device, self.numerics = config, torch.device(device), numerics
+        native, dtype = numerics.native, numerics.dtype
         self.tp, self.pp = tp, pp
         first, last = pp is None or pp.first, pp is None or pp.last
         c = config
         lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
         self.layout = lay
-        self.chunks_here = reduce_chunks // lay.size     # tp_reduce_chunks (row_parallel.py): o and down chunks here
+        self.chunks_here = numerics.reduce_chunks // lay.size   # tp_reduce_chunks (row_parallel.py): chunks here
         self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
-        ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset, consume_state)
+        ws = _StateReader(state, self.device, dtype, native, numerics.int8_act, c.norm_offset, consume_state)
         self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks; tied_table)
                       if first or (last and c.tie_word_embeddings) else None)
         self.lm_head = ws.lin(self.embed if c.tie_word_embeddings else ws.w("lm_head.weight")) if last else None
@@ -186,7 +186,6 @@ class LlamaModel:
         # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
         self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
         self.scale = c.attn_scale
-        self.prefill_bf16 = bool(prefill_bf16 and native)
         # self.layers[j]: KV cache layer j. Each layer's row layouts go as soon as it is built (consume_state: the
         # state dict lets go of them too), so that loading never holds every matrix twice.
         self.layers = []
@@ -203,15 +202,19 @@ class LlamaModel:
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
             self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
-        self.int8_act = int8_act
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        self.decode_bf16 = bool(decode_bf16 and native)
-        self.attention = Attention(native, self.scale, self.num_heads, [layer["window"] for layer in self.layers],
-                                   dtype, self.prefill_bf16, extend_bf16, self.decode_bf16, batch_invariant)
-        self.extend_native = self.attention.extend_native
+        self.attention = Attention(numerics, self.scale, self.num_heads, [layer["window"] for layer in self.layers])
+
+    # The record's choices under the names the body, attention_layout.py, tests and benchmarks read
+    native = property(lambda self: self.numerics.native)
+    dtype = property(lambda self: self.numerics.dtype)
+    int8_act = property(lambda self: self.numerics.int8_act)
+    prefill_bf16 = property(lambda self: self.numerics.prefill_bf16)
+    decode_bf16 = property(lambda self: self.numerics.decode_bf16)
+    extend_native = property(lambda self: self.numerics.extend_native)
 
     def _layer(self, ws: "_StateReader", i: int) -> dict:
         """Decoder layer i's weights: q/k/v and gate/up fused, norms with their offset folded in."""
