@@ -71,32 +71,12 @@ class EngineConfig:
             raise ValueError(f"scheduler must be 'overlap' or 'serial', got {self.scheduler!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.kernels not in ("native", "torch"):
-            raise ValueError(f"kernels must be 'native' or 'torch', got {self.kernels!r}")
-        if self.kernels_act not in ("fp32", "int8"):
-            raise ValueError(f"kernels_act must be 'fp32' or 'int8', got {self.kernels_act!r}")
-        if self.prefill_act not in ("auto", "bf16", "int8"):
-            raise ValueError(f"prefill_act must be 'auto', 'bf16' or 'int8', got {self.prefill_act!r}")
-        if self.prefill_act != "auto" and (self.kernels_act != "int8" or self.kernels != "native"):
-            raise ValueError(f"prefill_act={self.prefill_act!r} needs kernels='native' and kernels_act='int8': "
-                             f"the exact mode (kernels_act='fp32') and the torch path keep every linear and "
-                             f"attention in fp32")
-        if self.batch_invariant and self.prefill_act == "bf16":
-            raise ValueError("prefill_act='bf16' gives a long chunk's rows other bits than a short chunk's: it "
-                             "needs batch_invariant=False (--no-batch-invariant)")
-        for name in ("prefill_attention", "decode_attention"):
-            value = getattr(self, name)
-            if value not in ("auto", "bf16", "fp32"):
-                raise ValueError(f"{name} must be 'auto', 'bf16' or 'fp32', got {value!r}")
-            if value == "bf16" and (self.kernels_act != "int8" or self.kernels != "native"):
-                raise ValueError(f"{name}='bf16' needs kernels='native' and kernels_act='int8': the exact mode "
-                                 f"(kernels_act='fp32') and the torch path attend in fp32")
+        from .model.numerics import NumericOptions
+        NumericOptions.of(self)             # the options that pick an arithmetic: checked where they are read
         if self.device_backend not in ("auto", "process", "inline"):
             raise ValueError(f"device_backend must be 'auto', 'process' or 'inline', got {self.device_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16", "q8_0"):
-            raise ValueError(f"kv_cache_dtype must be auto/float32/bfloat16/float16/q8_0, got {self.kv_cache_dtype!r}")
         for name in ("max_running_requests", "max_prefill_tokens", "mixed_prefill_tokens", "max_waiting_requests",
                      "trace_ring_steps"):
             if getattr(self, name) < 1:
@@ -152,9 +132,6 @@ class EngineConfig:
         if self.tp_reduce_chunks < 0 or (self.tp_reduce_chunks and self.tp_reduce_chunks % self.tp_size):
             raise ValueError(f"tp_reduce_chunks must be 0 (off) or a multiple of tp_size {self.tp_size}, "
                              f"got {self.tp_reduce_chunks}")
-        if self.tp_reduce_chunks and self.prefill_act == "bf16":
-            raise ValueError("tp_reduce_chunks fixes the bits of o and down; prefill_act='bf16' would give long "
-                             "chunks other ones: use prefill_act 'auto' or 'int8'")
         if self.tp_size * self.pp_size % self.nnodes:
             raise ValueError(f"tp_size {self.tp_size} x pp_size {self.pp_size} device ranks do not split evenly "
                              f"over {self.nnodes} nodes")

@@ -4,28 +4,29 @@ With batch invariance (model/attention_paths.py) a request's tokens and logprobs
 prompt, sampling parameters and seed) and of what this hash covers: the model file's bytes, tandem's version and its
 Python sources (which op a token takes is decided there: a change of rule moves the hash where the version string
 stays), the native kernels' build (their sources, the compiler and its flags: the compiler decides where a product
-and a sum fuse into one fma), the kernel body the CPU runs (TANDEM_ISA included), the CPU features that "auto"
-choices follow (AVX512-BF16, AMX), and the engine options that pick an arithmetic (kernel and activation modes, KV
-cache dtype, bf16 prefill and products, batch_invariant, dtype, tensor and pipeline parallel sizes; not the
-tensor-parallel size under tp_reduce_chunks, which gives every tp size dividing it the same bits). Options that
-change no bit (the loop, thread counts, batch sizes, the prefix cache, speculation) are left out, so two servers
-that differ only there answer alike and say so. README states the limits of the promise.
+and a sum fuse into one fma), and the two inputs of the numeric record (model/numerics.py) besides the weights:
+the CPU's facts (Cpu: the kernel body it runs, TANDEM_ISA included, and the features "auto" choices follow,
+AVX512-BF16 and AMX) and the engine options that pick an arithmetic (NumericOptions: kernel and activation modes,
+KV cache dtype, bf16 prefill and products, batch_invariant, tp_reduce_chunks), with dtype, device and the tensor
+and pipeline parallel sizes (not the tensor-parallel size under tp_reduce_chunks, which gives every tp size
+dividing it the same bits). Options that change no bit (the loop, thread counts, batch sizes, the prefix cache,
+speculation) are left out, so two servers that differ only there answer alike and say so. README states the
+limits of the promise.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import os
 
-import torch
-
 from . import __version__
 from .config import EngineConfig
+from .model.numerics import Cpu, NumericOptions
 
-ARITHMETIC_FIELDS = ("kernels", "kernels_act", "kv_cache_dtype", "prefill_act", "prefill_attention",
-                     "decode_attention", "batch_invariant", "dtype", "device", "tp_size", "tp_reduce_chunks",
-                     "pp_size")
+# What resolve() reads (model/numerics.py: the record of the numeric path), and what acts beside the record
+ARITHMETIC_FIELDS = (*(f.name for f in dataclasses.fields(NumericOptions)), "dtype", "device", "tp_size", "pp_size")
 SAMPLES = 16                  # 64 KiB pieces spread over a weight file, besides its first MiB and its size
 SAMPLE_BYTES = 1 << 16
 
@@ -73,15 +74,13 @@ def kernel_build() -> str | None:
 
 def system_fingerprint(config: EngineConfig, weight_files: tuple[str, ...] | list[str]) -> str:
     """"fp_" and 12 hex digits of the hash of what decides the bits (the module docstring)."""
-    from . import kernels
+    cpu = Cpu.probe()
     what = {
         "tandem": __version__,
         "sources": package_digest(),
         "weights": [file_digest(p) for p in sorted(weight_files)],
-        "isa": kernels.isa() if kernels.available() else "torch",
-        "kernel_build": kernel_build() if kernels.available() else None,
-        "cpu_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
-        "cpu_amx": bool(torch.cpu._is_amx_tile_supported()),
+        "cpu": dataclasses.asdict(cpu),             # the facts the numeric record's "auto" choices follow
+        "kernel_build": kernel_build() if cpu.isa != "torch" else None,
         "options": {f: getattr(config, f) for f in ARITHMETIC_FIELDS
                     if not (f == "tp_size" and config.tp_reduce_chunks)},   # then every tp size gives the same bits
     }

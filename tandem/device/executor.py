@@ -122,11 +122,10 @@ class InlineExecutor:
         start = now()
         with self.streams.forward():
             begin = self.streams.record(timing=True) if self.streams.cuda else None
-            tokens = self.model_runner.run_step(step, lambda: masks)
+            out = self.model_runner.run(step, lambda: masks)
             finish = self.streams.record(timing=True) if self.streams.cuda else None
-        host, copy_done = self.streams.copy_to_host(tokens)
-        r = self.model_runner
-        lp, plp, emb = r.last_logprobs, r.last_prompt_logprobs, r.last_embeddings
+        host, copy_done = self.streams.copy_to_host(out.tokens)
+        lp, plp, emb = out.logprobs, out.prompt_logprobs, out.embeddings
         if self.streams.cuda:
             return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp, emb)
         return InlineHandle(step, host, copy_done, start, now(), None, lp, plp, emb)

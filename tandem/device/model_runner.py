@@ -6,18 +6,19 @@ An Executor calls it inline (InlineExecutor: CUDA streams, or CPU synchronously)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import kernels
-from ..kernels import kv_quant
 from ..kernels.quant import INT8_ACT_QTYPES
 from ..model.kv_cache import AttentionMeta, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
+from ..model.numerics import AUTO_KV_DTYPE  # noqa: F401 (here too: benchmarks/kl_divergence.py reads it here)
+from ..model.numerics import DTYPES, Cpu, NumericOptions, every_rank, native_kernels, resolve, wants_native
 from .heap import release_load_memory
 from ..model.shard import TPLayout, shard_state
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
@@ -31,8 +32,6 @@ from .step_layout import TokenLayout, token_layout
 from .embed import mean_index, pooled
 
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO_KV_DTYPE = torch.bfloat16   # kv_cache_dtype "auto" where the linears round (ModelRunner.kv_dtype)
 
 
 def _stage_layer(name: str) -> int | None:
@@ -63,11 +62,20 @@ class _StepTensors(NamedTuple):
     penalized: bool                     # this model runner samples and some row has penalties
 
 
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What one step gives back (ModelRunner.run), on the device; the executor copies what it needs to the host."""
+    tokens: torch.Tensor                        # [B] sampled ids (a speculating row's draft positions included)
+    logprobs: Logprobs | None = None            # of every row, where some row asked (step.num_logprobs)
+    prompt_logprobs: Logprobs | None = None     # of the prompt positions asked (prompt_logprob_targets)
+    embeddings: torch.Tensor | None = None      # [E, H] of the rows whose embedding is done (embed.pooled)
+
+
 class ModelRunner:
     """tp: this model runner is one rank of a tensor-parallel group (device/parallel/tp.py): it holds its shard of the
-    weights and KV heads, and only rank 0 samples (run_step returns None on the others).
+    weights and KV heads, and only rank 0 samples (run returns None on the others).
     pp: this model runner is one pipeline stage (device/parallel/pp.py): its layers' weights and KV cache; only the
-    last stage samples (run_step returns None on the others)."""
+    last stage samples (run returns None on the others)."""
 
     def __init__(self, spec: RunnerSpec, state: dict[str, torch.Tensor] | None = None, tp=None,
                  pp=None) -> None:
@@ -76,50 +84,49 @@ class ModelRunner:
         self.device = torch.device(spec.device) if tp is None and pp is None else (tp or pp).device
         self.tp, self.pp = tp, pp
         self.samples = (tp is None or tp.rank == 0) and (pp is None or pp.last)
-        dtype = _DTYPES[spec.dtype]
+        dtype = DTYPES[spec.dtype]
         c = self.config
-        from ..kernels import use_native
-        native = use_native(spec.kernels, self.device, dtype)
+        group = tp or pp
         if tp is not None or (pp is not None and pp.spans_nodes):     # one node's stages share the executor's spec
-            check_same((tp or pp).size, "tp rank" if tp is not None else "pipeline stage", "engine options",
+            check_same(group.size, "tp rank" if tp is not None else "pipeline stage", "engine options",
                        spec.fingerprint())
+        # The numeric path (model/numerics.py): the CPU's facts, then the weights', each every rank's
+        options = NumericOptions.of(spec)
+        cpu = Cpu.probe(library=wants_native(options, self.device, dtype)).agreed(group)
+        native = native_kernels(options, cpu, self.device, dtype)
         owned = state is None                 # loaded here: the model may take its entries out as it builds
         if owned:
             state = load_weights(spec.source, quantized=native)
-        # Before sharding, so that every tp rank decides alike: do the linears round x to int8 (kv_dtype)?
-        rounds = native and any(getattr(t, "qtype", None) in INT8_ACT_QTYPES for t in state.values())
+        # Before sharding, so that every tp rank sees the same: do the linears round x to int8?
+        int8_blocks = any(getattr(t, "qtype", None) in INT8_ACT_QTYPES for t in state.values())
         layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)
         if tp is not None:
             state = shard_state(state, c, layout)
         num_layers = c.num_layers if pp is None else len(pp.layers)
         if pp is not None:                  # a stage keeps its own layers' weights only
             state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
-        kv_dtype = self.kv_dtype(rounds, dtype)
-        bf16 = self.prefill_bf16(rounds, state)
+        bf16_fits, = every_rank(group, 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
+        self.numerics = n = resolve(options, cpu, self.device, dtype, c.head_dim, int8_blocks, bool(bf16_fits))
+        kv_dtype = n.kv_dtype
         bytes_per_slot = 2 * num_layers * layout.kv_heads * kv_row_bytes(kv_dtype, c.head_dim)
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
             weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
             free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
-            free -= 2 * _layer_weights(state) if bf16 else 0      # the bf16 copies the model is about to make
+            free -= 2 * _layer_weights(state) if n.prefill_bf16 else 0    # the bf16 copies the model is to make
             num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
-            if tp is not None or pp is not None:   # slot ids come from one scheduler: every rank holds them all
-                num_slots = (tp or pp).min_int(num_slots)
+            num_slots, = every_rank(group, num_slots)    # slot ids come from one scheduler: every rank holds all
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
         self.max_context = min(max_context, num_slots)
         self.num_slots = num_slots
-        self.model = LlamaModel(c, state, self.max_context, self.device, dtype, native=native,
-                                int8_act=spec.kernels_act == "int8", tp=tp, pp=pp, prefill_bf16=bf16,
-                                extend_bf16=self.extend_bf16(rounds, kv_dtype, c.head_dim),
-                                decode_bf16=self.decode_bf16(rounds, kv_dtype, c.head_dim), consume_state=owned,
-                                batch_invariant=spec.batch_invariant, reduce_chunks=spec.tp_reduce_chunks)
+        self.model = LlamaModel(c, state, self.max_context, self.device, n, tp=tp, pp=pp, consume_state=owned)
         del state
         release_load_memory()                # each weight held once: what loading read or copied goes back
         # Cascade extend attention (model/cascade.py): CPU's flash op gives the log-sum-exp it merges by. Not
         # under the native extend op (extend_native): it reads every row's whole kv_index in place, so the
         # step's view must keep the prefix's columns.
-        cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not self.model.extend_native
+        cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not n.extend_native
                    and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
@@ -127,93 +134,16 @@ class ModelRunner:
         self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)
         self.layouts = AttentionLayouts(self.device, self.req_to_token, self.kv_cache, self.model, cascade)
         self.future_map = FutureMap(rows, self.device, poison=spec.poison_future_map)
-        self.last_logprobs = None         # Logprobs of the last step, when a row asked for them
-        self.last_prompt_logprobs, self.embed_sums = None, {}   # prompt positions' logprobs; mean pooling's sums
+        self.embed_sums = {}                # mean pooling's sums, across a prompt's chunks (embed.pooled)
         self.penalties = PenaltyState(rows, c.vocab_size, self.device) if self.samples else None
-
-    def kv_dtype(self, rounds: bool, dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's element type (q8_0: uint8 blocks, kernels/kv_quant.py). "auto": bfloat16 on CPU where
-        the linears already round (native kernels, int8 activations, quantized weights: rounds): half the bytes a
-        decode step reads, and the accuracy gate of benchmarks/kl_divergence.py holds (docs/performance.md). Else
-        the model dtype: the exact mode (kernels_act="fp32") and unquantized weights keep fp32 keys and values
-        (parity with transformers)."""
-        if self.spec.kv_cache_dtype == "q8_0":
-            kv_quant.row_bytes(self.config.head_dim)         # a clear error where head_dim is no multiple of 32
-            return kv_quant.Q8_0
-        if self.spec.kv_cache_dtype != "auto":
-            return _DTYPES[self.spec.kv_cache_dtype]
-        if rounds and self.spec.kernels_act == "int8" and self.device.type == "cpu":
-            return AUTO_KV_DTYPE
-        return dtype
-
-    def prefill_bf16(self, rounds: bool, state: dict) -> bool:
-        """Do long prefill chunks run bf16 GEMMs and bf16 attention (prefill_act, LlamaModel)? "auto": yes on a
-        CPU with AMX-BF16 tiles (torch's oneDNN GEMM runs them: 4x the int8 GEMM's rate at 924 rows, and the
-        KL gate of benchmarks/kl_divergence.py holds, benchmarks/results/prefill_bf16.md) where the linears
-        round already (rounds) and their bf16 copies take at most a quarter of the free memory; int8 elsewhere
-        (AVX2 and AVX-512-only CPUs: not measured faster there) and under batch_invariant (a long chunk's bf16
-        rows would differ from a short chunk's int8 ones)."""
-        act = self.spec.prefill_act
-        if act == "int8" or self.spec.kernels_act != "int8" or self.spec.batch_invariant or self.spec.tp_reduce_chunks:
-            return False
-        if not rounds or self.device.type != "cpu":
-            if act == "bf16":
-                raise ValueError("prefill_act='bf16' needs a quantized (GGUF) model on the CPU with native kernels "
-                                 "and kernels_act='int8'")
-            return False
-        if act == "bf16":
-            return True
-        # TANDEM_ISA=avx2 (kernels.isa() below AVX-512) caps this choice too, so such a run is the AVX2 engine's
-        yes = (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
-               and kernels.available() and kernels.isa() == "avx512"
-               and 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
-        group = self.tp or self.pp
-        # Every tp rank and pipeline stage decides alike (a rank on another CPU or with less memory says no for all)
-        return bool(group.min_int(int(yes))) if group is not None else yes
-
-    def extend_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the native extend op (every prompt token under batch invariance, else long chunks) take bf16
-        products (prefill_attention)? "auto": yes where the linears round x to int8 already (rounds,
-        kernels_act="int8"), the KV cache is bf16 and the CPU has AVX512-BF16 (vdpbf16ps: 1.5-1.6x the op's fp32
-        rate on an AMD EPYC, benchmarks/extend_attention.py; the KL gate of benchmarks/kl_divergence.py holds:
-        results/kl_divergence_extend_bf16.md). The queries and the probabilities are rounded to bf16 for the
-        products, every sum stays fp32, as prefill_act="bf16"'s SDPA."""
-        return self._bf16_products("prefill_attention", rounds, kv_dtype, head_dim, 16)
-
-    def decode_bf16(self, rounds: bool, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the native decode op (decode and verify rows; generated tokens recomputed; without batch invariance
-        prompt chunks of up to small_m() tokens) take bf16 products (decode_attention)? "auto" as extend_bf16,
-        with head_dim % 32 == 0 (1.30x less time than the fp32 op on 32 rows sharing a 930-token prefix,
-        1.08-1.15x on unshared rows, which wait on memory; AMD EPYC, results/decode_attention_bf16.md; the KL gate holds: results/kl_divergence_decode_bf16.md). The queries
-        and the probabilities are rounded to bf16 for the products, every sum stays fp32, and a row's output is
-        still the same bits in any batch (the op's invariant)."""
-        return self._bf16_products("decode_attention", rounds, kv_dtype, head_dim, 32)
-
-    def _bf16_products(self, option: str, rounds: bool, kv_dtype: torch.dtype, head_dim: int, multiple: int) -> bool:
-        """extend_bf16 / decode_bf16 for `option`; the op's body needs head_dim a multiple of `multiple`."""
-        want = getattr(self.spec, option)
-        if want == "fp32" or self.spec.kernels_act != "int8":
-            return False
-        yes = (rounds and self.device.type == "cpu" and kv_dtype == torch.bfloat16    # alike on every rank
-               and head_dim % multiple == 0)
-        if yes:
-            yes = kernels.available() and kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
-            group = self.tp or self.pp
-            # Every tp rank and pipeline stage decides alike (a rank on another CPU says no for all)
-            yes = bool(group.min_int(int(yes))) if group is not None else yes
-        if want == "bf16" and not yes:
-            raise ValueError(f"{option}='bf16' needs a quantized (GGUF) model on a CPU with AVX512-BF16, native "
-                             f"kernels, kernels_act='int8', a bfloat16 KV cache and a head_dim the op takes "
-                             f"(a multiple of {multiple})")
-        return yes
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
-                 between: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """Forward, sample and stash into the FutureMap. Returns the sampled ids [B] on the device (None on a
+    def run(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
+            between: Callable[[int], None] | None = None) -> ForwardOutput | None:
+        """Forward, sample and stash into the FutureMap. Returns the step's ForwardOutput, on the device (None on a
         tp rank other than 0 and on a pipeline stage but the last: they run the forward only).
 
         The grammar branch: with grammar rows, `masks()` gives their token bitmasks ([G, W] int32). It is
@@ -221,12 +151,20 @@ class ModelRunner:
         the device only the wait for what is left of it. The urgent-step branch: `between(i)` before each
         layer i > 0 may run other steps there, in nested() (process/main.py)."""
         inputs = self._prepare(step)
-        logits = self._forward(step, inputs, between)
-        if logits is None:
+        forward = self._forward(step, inputs, between)
+        if forward is None:
             return None
-        tokens, accepted = self._sample(step, inputs, logits, masks)
+        logits, prompt_lp, embeddings = forward
+        tokens, accepted, lp = self._sample(step, inputs, logits, masks)
         self._stash(step, inputs.rows, tokens, accepted)
-        return tokens
+        return ForwardOutput(tokens, lp, prompt_lp, embeddings)
+
+    def run_step(self, step: StepInput, masks: Callable[[], np.ndarray] | None = None,
+                 between: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """run()'s sampled ids alone [B] (None where it returns None): for callers that read nothing else (the draft
+        model, benchmarks)."""
+        out = self.run(step, masks, between)
+        return None if out is None else out.tokens
 
     def _prepare(self, step: StepInput) -> _StepTensors:
         """The step's inputs on the device, from its host index arrays: the request table written (prefix hits,
@@ -278,26 +216,28 @@ class ModelRunner:
         Nothing else of a step outlives a layer but its residual stream (LlamaModel.final_hidden)."""
         return self.kv_cache.nested()
 
-    def _forward(self, step: StepInput, inputs: _StepTensors, between=None) -> torch.Tensor | None:
-        """The layers, then the LM head: the prompt positions' logprobs (in pieces) and the rows' logits [B, V].
-        None where this model runner does not sample: a pipeline stage but the last (its hidden states went on
-        to the next) or a tp rank other than 0 (the logits gather ends on rank 0)."""
+    def _forward(self, step: StepInput, inputs: _StepTensors, between=None
+                 ) -> tuple[torch.Tensor, Logprobs | None, torch.Tensor | None] | None:
+        """The layers, then the LM head: the rows' logits [B, V], the prompt positions' logprobs (the head run on
+        them in pieces) and the embeddings done [E, H]. None where this model runner does not sample: a pipeline
+        stage but the last (its hidden states went on to the next) or a tp rank other than 0 (the logits gather
+        ends on rank 0)."""
         b = step.batch_size
         # [B (+ N + M), H]: each row's last token, the prompt positions whose logprobs were asked, mean pooling's
         hidden = self.model.final_hidden(inputs.input_ids, inputs.positions, inputs.meta, inputs.index, between)
         if hidden is None:
             return None                             # a pipeline stage but the last: sent on to the next
-        self.last_prompt_logprobs, self.last_embeddings = None, pooled(step, hidden, self.embed_sums)   # [E, H]
+        embeddings, prompt_lp = pooled(step, hidden, self.embed_sums), None                 # [E, H]
         if inputs.plp is not None:
-            self.last_prompt_logprobs = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]),
-                                                              int(step.prompt_logprobs.max()))
-        return self.model.logits(hidden[:b])                                       # [B, V]
+            prompt_lp = self._prompt_logprobs(hidden[b:], self._tensor(inputs.plp[1]), int(step.prompt_logprobs.max()))
+        logits = self.model.logits(hidden[:b])                                     # [B, V]
+        return None if logits is None else (logits, prompt_lp, embeddings)
 
     def _sample(self, step: StepInput, inputs: _StepTensors, logits: torch.Tensor,
-                masks: Callable[[], np.ndarray] | None) -> tuple[torch.Tensor, tuple | None]:
+                masks: Callable[[], np.ndarray] | None) -> tuple[torch.Tensor, tuple | None, Logprobs | None]:
         """Penalties, logit biases and grammar masks on the logits in place, then one token per row [B], the
         speculative rows' accepted counts (heads, acc) or None, the penalties' output counts and the logprobs
-        of the rows that ask. The masks are waited for only here, after the forward."""
+        of the rows that ask (None where none asks). The masks are waited for only here, after the forward."""
         rows, input_ids, penalized = inputs.rows, inputs.input_ids, inputs.penalized
         if penalized:
             self.penalties.apply(step, rows, logits, input_ids)
@@ -315,11 +255,10 @@ class ModelRunner:
             self.penalties.count_outputs(step, rows, tokens,
                                          kept_rows(step.draft_lens, *accepted) if accepted is not None else None)
         # Logprobs of the rows that ask (all rows of the step are computed: one batched log_softmax).
-        self.last_logprobs = None
+        lp = None
         if (step.num_logprobs >= 0).any():
-            self.last_logprobs = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens,
-                                          int(step.num_logprobs.max()))
-        return tokens, accepted
+            lp = logprobs(logits, self._tensor(step.temperature, torch.float32), tokens, int(step.num_logprobs.max()))
+        return tokens, accepted, lp
 
     def _stash(self, step: StepInput, rows: torch.Tensor, tokens: torch.Tensor, accepted: tuple | None) -> None:
         """FutureMap write: the next step of these rows reads its input ids from here, on the device (no host

@@ -18,15 +18,15 @@ class RunnerSpec:
     max_model_len: int | None
     kv_cache_tokens: int | None
     kv_memory_fraction: float
-    kv_cache_dtype: str = "auto"  # "auto": kv_dtype() below; or float32 / bfloat16 / float16 / q8_0 (kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"  # "auto" (model/numerics.py); or float32 / bfloat16 / float16 / q8_0 (kernels/kv_quant.py)
     shared_prefix_attention: bool = True   # the native decode attention reads a shared prefix once for its rows
     poison_future_map: bool = False
     kernels: str = "torch"        # "native": GGUF blocks stay quantized, tandem.kernels ops (CPU fp32 only)
     kernels_act: str = "int8"     # "int8": the native decode linears quantize activations to int8 blocks; "fp32" exact
     batch_invariant: bool = False  # every token attends with the decode op's arithmetic (model/attention_paths.py)
-    prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (prefill_bf16())
-    prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (extend_bf16())
-    decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (decode_bf16())
+    prefill_act: str = "auto"     # long prefill chunks: "bf16" GEMM + attention, "int8" (kernels_act's), "auto" (numerics.py)
+    prefill_attention: str = "auto"   # the native extend op's products: "bf16", "fp32", "auto" (numerics.py)
+    decode_attention: str = "auto"    # the native decode op's products: "bf16", "fp32", "auto" (numerics.py)
     tp_size: int = 1              # tensor-parallel ranks (device/parallel/tp.py); each model runner holds one shard
     tp_reduce_chunks: int = 0     # o and down in this many column chunks added in order (model/row_parallel.py); 0: off
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"

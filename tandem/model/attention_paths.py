@@ -25,27 +25,24 @@ from ..kernels.attention import causal_attention, decode_attention_qkv_, extend_
 from ..kernels.quant import small_m
 from .cascade import cascade_attention
 from .kv_cache import AttentionMeta
+from .numerics import Numerics
 
 
 class Attention:
     """A model's attention entry point (LlamaModel.attention): picks the path per token by the rule above.
 
-    native: tandem's ops (else torch SDPA on gathered keys). windows[i]: layer i's sliding window (0: global).
-    extend_dtype: SDPA's and the cascade's dtype (bf16 under prefill_bf16). extend_bf16 / decode_bf16: the
-    extend / decode (and causal) ops take bf16 products (ModelRunner.extend_bf16 / decode_bf16)."""
+    The paths come from the numeric record (model/numerics.py), decided there: native: tandem's ops (else torch
+    SDPA on gathered keys); extend_native: a long chunk attends by a native op (else SDPA: the torch path, or
+    prefill_bf16's bf16 SDPA on AMX tiles); extend_dtype: SDPA's and the cascade's dtype (bf16 under
+    prefill_bf16); extend_bf16 / decode_bf16: the extend / decode (and causal) ops take bf16 products.
+    windows[i]: layer i's sliding window (0: global)."""
 
-    def __init__(self, native: bool, scale: float, num_heads: int, windows: list[int], dtype: torch.dtype,
-                 prefill_bf16: bool, extend_bf16: bool, decode_bf16: bool, batch_invariant: bool) -> None:
-        self.native, self.scale, self.num_heads, self.windows = native, scale, num_heads, windows
-        self.batch_invariant = bool(batch_invariant and native)
-        # Attention of a long prefill chunk (SDPA, cascade) computes in this dtype (cascade masks are made in it)
-        self.extend_dtype = torch.bfloat16 if prefill_bf16 else dtype
-        # Long chunks attend natively (the causal op under batch_invariant, else the extend op), but where
-        # prefill_bf16 has AMX tiles for its bf16 SDPA the extend op gives way to it
-        self.extend_native = native and (self.batch_invariant or not (prefill_bf16
-                                                                       and torch.cpu._is_amx_tile_supported()))
-        self.extend_bf16 = bool(extend_bf16 and self.extend_native)
-        self.decode_bf16 = bool(decode_bf16 and native)
+    def __init__(self, numerics: Numerics, scale: float, num_heads: int, windows: list[int]) -> None:
+        self.scale, self.num_heads, self.windows = scale, num_heads, windows
+        n = numerics
+        self.native, self.batch_invariant, self.extend_native = n.native, n.batch_invariant, n.extend_native
+        self.extend_dtype = n.extend_dtype      # cascade masks are made in it too
+        self.extend_bf16, self.decode_bf16 = n.extend_bf16, n.decode_bf16
 
     def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMeta) -> torch.Tensor:

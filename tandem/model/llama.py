@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
 from .moe import build_moe
+from .numerics import Numerics
 from .rope import apply_rope, rope_inv_freq
 from .row_parallel import ChunkedRows, add_in_order, chunked_rows
 from .shard import TPLayout, cols
@@ -59,10 +60,95 @@ class _StateReader:
         return t + self.norm_offset if self.norm_offset else t
 
 
+def _split_heads(m: "LlamaModel", qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused q/k/v projection [T, (H + 2 KVH) D] as views q [T, H, D], k, v [T, KVH, D]."""
+    d = m.config.head_dim
+    q, k, v = qkv.split([m.q_size, m.kv_size, m.kv_size], dim=-1)
+    return q.view(-1, m.num_heads, d), k.view(-1, m.num_kv_heads, d), v.view(-1, m.num_kv_heads, d)
+
+
+class _TorchOps:
+    """The steps of the layer body (LlamaModel._layers) in torch (kernels="torch"), op by op: q/k/v go as three
+    views (heads), each normed and rotated out of place; RoPE's cos/sin at the step's positions are gathered once
+    a table."""
+
+    def __init__(self, model: "LlamaModel", positions: torch.Tensor) -> None:
+        self.model, self.positions, self.eps, self.tables = model, positions, model.config.rms_norm_eps, {}
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """(x + delta, its norm): the residual stream with the sublayer's output added, and the next input."""
+        x = x if delta is None else x + delta
+        return x, rms_norm(x, weight, self.eps)
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _split_heads(self.model, qkv)
+
+    def qk_norm(self, qkv: tuple, weight: torch.Tensor) -> tuple:
+        """q heads by weight's first H rows (q_norm), k heads by the rest (k_norm)."""
+        (q, k, v), h = qkv, self.model.num_heads
+        return rms_norm(q, weight[:h], self.eps), rms_norm(k, weight[h:], self.eps), v
+
+    def rope(self, qkv: tuple, cos_t: torch.Tensor, sin_t: torch.Tensor) -> tuple:
+        if id(cos_t) not in self.tables:
+            self.tables[id(cos_t)] = (cos_t[self.positions].unsqueeze(1), sin_t[self.positions].unsqueeze(1))
+        (q, k, v), (cos, sin) = qkv, self.tables[id(cos_t)]            # [T, 1, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def split(self, qkv: tuple) -> tuple:
+        return qkv
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the gate/up projection [T, 2I] -> [T, I] (SiLU, or gemma's tanh GELU)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) if self.model.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        return act * up
+
+
+class _NativeOps:
+    """The layer body's steps with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass (x
+    updated in place), q/k/v kept fused [T, (H + 2 KVH) D] with QK-norm and RoPE in place on it, act(gate) x up
+    in one op."""
+
+    def __init__(self, model: "LlamaModel", positions: torch.Tensor) -> None:
+        self.model, self.positions, self.eps = model, positions, model.config.rms_norm_eps
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tandem.rms_norm(x, weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        if delta is None:
+            return x, torch.ops.tandem.rms_norm(x, weight, self.eps)
+        return x, torch.ops.tandem.add_rms_norm_(x, delta, weight, self.eps)     # x += delta in place
+
+    def heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        return qkv                      # fused until the attention: a pure decode step's op takes it so
+
+    def qk_norm(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        torch.ops.tandem.head_rms_norm_(qkv, weight, self.eps)
+        return qkv
+
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        torch.ops.tandem.rope_(qkv, cos, sin, self.positions, m.num_heads + m.num_kv_heads, m.config.head_dim)
+        return qkv
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _split_heads(self.model, qkv)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.model.config.hidden_act == "gelu_tanh":
+            return torch.ops.tandem.gelu_tanh_mul(gate_up)
+        return torch.ops.tandem.silu_mul(gate_up)
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module bookkeeping on the hot path); q/k/v and gate/up fused.
 
-    native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
+    numerics: the numeric path (model/numerics.py, resolved by the model runner); the model reads it and decides
+    nothing. native: state matrices may be QuantWeight (GGUF blocks); they stay so and run tandem's native ops.
     int8_act: their decode linears quantize activations to int8 blocks (kernels_act="int8").
     tp: a tensor-parallel rank (device/parallel/tp.py): `state` is this rank's shard (model/shard.py); o and down
     partial sums and the vocab-parallel embedding are all-reduced, the LM head's vocab shards gathered on
@@ -75,26 +161,24 @@ class LlamaModel:
     prefill_bf16 (prefill_act="bf16"): the layers' quantized linears keep a bf16 copy, and a long prefill chunk
     (more than small_m() tokens: the rows that already attend by SDPA, not as decode rows) runs its linears and
     its attention in bf16 (_bulk_from). Decode rows, verify rows and short chunks keep the int8 kernels.
-    extend_bf16 (prefill_attention, ModelRunner.extend_bf16): the native extend op of long chunks takes bf16
-    products (queries and probabilities rounded to bf16, fp32 sums) on the bf16 cache.
-    decode_bf16 (decode_attention, ModelRunner.decode_bf16): the same for the native decode op, wherever it runs
-    (decode rows, short chunks' tokens, verify rows: one op, so a token's attention stays the same bits on each).
+    extend_bf16 (prefill_attention): the native extend op of long chunks takes bf16 products (queries and
+    probabilities rounded to bf16, fp32 sums) on the bf16 cache.
+    decode_bf16 (decode_attention): the same for the native decode op, wherever it runs (decode rows, short
+    chunks' tokens, verify rows: one op, so a token's attention stays the same bits on each).
     """
 
-    def __init__(self, config: ModelConfig, state: dict, max_context: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 native: bool = False, int8_act: bool = False, tp=None, pp=None, prefill_bf16: bool = False,
-                 extend_bf16: bool = False, decode_bf16: bool = False, consume_state: bool = False,
-                 batch_invariant: bool = False, reduce_chunks: int = 0) -> None:
-        self.config, self.device, self.dtype, self.native = config, torch.device(device), dtype, native
+    def __init__(self, config: ModelConfig, state: dict, max_context: int, device: torch.device | str = "cpu",
+                 numerics: Numerics = Numerics(), tp=None, pp=None, consume_state: bool = False) -> None:
+        self.config, self.device, self.numerics = config, torch.device(device), numerics
+        native, dtype = numerics.native, numerics.dtype
         self.tp, self.pp = tp, pp
         first, last = pp is None or pp.first, pp is None or pp.last
         c = config
         lay = TPLayout.of(c, tp.size, tp.rank) if tp is not None else TPLayout.of(c, 1, 0)
         self.layout = lay
-        self.chunks_here = reduce_chunks // lay.size     # tp_reduce_chunks (row_parallel.py): o and down chunks here
+        self.chunks_here = numerics.reduce_chunks // lay.size   # tp_reduce_chunks (row_parallel.py): chunks here
         self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads     # this rank's
-        ws = _StateReader(state, self.device, dtype, native, int8_act, c.norm_offset, consume_state)
+        ws = _StateReader(state, self.device, dtype, native, numerics.int8_act, c.norm_offset, consume_state)
         self.embed = (ws.w("model.embed_tokens.weight")                # [V, hidden] (or its blocks; tied_table)
                       if first or (last and c.tie_word_embeddings) else None)
         self.lm_head = ws.lin(self.embed if c.tie_word_embeddings else ws.w("lm_head.weight")) if last else None
@@ -102,7 +186,6 @@ class LlamaModel:
         # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
         self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
         self.scale = c.attn_scale
-        self.prefill_bf16 = bool(prefill_bf16 and native)
         # self.layers[j]: KV cache layer j. Each layer's row layouts go as soon as it is built (consume_state: the
         # state dict lets go of them too), so that loading never holds every matrix twice.
         self.layers = []
@@ -119,15 +202,19 @@ class LlamaModel:
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
             self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
-        self.int8_act = int8_act
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        self.decode_bf16 = bool(decode_bf16 and native)
-        self.attention = Attention(native, self.scale, self.num_heads, [layer["window"] for layer in self.layers],
-                                   dtype, self.prefill_bf16, extend_bf16, self.decode_bf16, batch_invariant)
-        self.extend_native = self.attention.extend_native
+        self.attention = Attention(numerics, self.scale, self.num_heads, [layer["window"] for layer in self.layers])
+
+    # The record's choices under the names the body, attention_layout.py, tests and benchmarks read
+    native = property(lambda self: self.numerics.native)
+    dtype = property(lambda self: self.numerics.dtype)
+    int8_act = property(lambda self: self.numerics.int8_act)
+    prefill_bf16 = property(lambda self: self.numerics.prefill_bf16)
+    decode_bf16 = property(lambda self: self.numerics.decode_bf16)
+    extend_native = property(lambda self: self.numerics.extend_native)
 
     def _layer(self, ws: "_StateReader", i: int) -> dict:
         """Decoder layer i's weights: q/k/v and gate/up fused, norms with their offset folded in."""
@@ -249,74 +336,31 @@ class LlamaModel:
         [N, hidden], for logits() (which callers may apply to a few rows at a time); None on a pipeline stage
         but the last (it sent its hidden states on). `between(i)` is called before each layer i > 0, when
         nothing of the step is in flight but its residual stream (the urgent-step branch: process/main.py)."""
-        c = self.config
+        ops = (_NativeOps if self.native else _TorchOps)(self, positions)
         if self.pp is None or self.pp.first:
             x, delta = self._embed(input_ids), None                     # [T, hidden]
-        elif self.native:
-            x, delta = self.pp.recv_hidden((2, input_ids.shape[0], c.hidden_size), self.dtype).unbind(0)
         else:
-            x, delta = self.pp.recv_hidden((input_ids.shape[0], c.hidden_size), self.dtype), None
-        if self.native:
-            x, delta = self._forward_native(x, delta, positions, meta, between)
-        else:
-            x = self._forward_torch(x, positions, meta, between)
+            x, delta = self.pp.recv_hidden((2, input_ids.shape[0], self.config.hidden_size), self.dtype).unbind(0)
+        x, delta = self._layers(ops, x, delta, positions, meta, between)
         if self.pp is not None and not self.pp.last:
-            # To the next stage: the hidden states, and the native layers' residual still to be added.
-            self.pp.send_hidden(x if delta is None else torch.stack([x, delta]))
+            # To the next stage: the hidden states, and the last layer's residual still to be added.
+            self.pp.send_hidden(torch.stack([x, delta]))
             return None
         x = x if delta is None else x + delta
-        if self.native:
-            return torch.ops.tandem.rms_norm(x[index], self.final_norm, c.rms_norm_eps)   # [N, hidden]
-        return rms_norm(x[index], self.final_norm, c.rms_norm_eps)
+        return ops.norm(x[index], self.final_norm)                     # [N, hidden]
 
-    def _forward_torch(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                       between: Callable[[int], None] | None = None) -> torch.Tensor:
-        """The layers op by op in torch (kernels="torch"): x [T, hidden] in, the residual stream out."""
+    def _layers(self, ops: "_NativeOps | _TorchOps", x: torch.Tensor, delta: torch.Tensor | None,
+                positions: torch.Tensor, meta: AttentionMeta, between: Callable[[int], None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers, one body for both kernel sets (`ops`: tandem's fused ops or torch's, each step the
+        same on both): x [T, hidden] the residual stream, delta the residual still to add to it (None only
+        before a first layer). Returns (x, delta): the last layer's add is left to the caller (final_hidden,
+        or the next pipeline stage). The native set adds and norms in one pass (x updated in place), keeps
+        q/k/v fused (QK-norm and RoPE in place), attends a pure decode step with one op (K/V write and
+        attention) and runs a small one's layers with "blocks" as one decode_layer_ op each: a batch-1 decode
+        step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer (was ~1,765)."""
         c = self.config
-        tables = {}                                                     # cos/sin at the positions, per table
-        for i, layer in enumerate(self.layers):
-            if between is not None and i:
-                between(i)
-            cos_t, sin_t = self._rope(layer)
-            if id(cos_t) not in tables:
-                tables[id(cos_t)] = (cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1))   # [T, 1, D]
-            cos, sin = tables[id(cos_t)]
-            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-            qkv = layer["qkv"](h)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = q.view(-1, self.num_heads, c.head_dim), k.view(-1, self.num_kv_heads, c.head_dim)
-            if c.qk_norm:
-                q = rms_norm(q, layer["qk_norm"][:self.num_heads], c.rms_norm_eps)
-                k = rms_norm(k, layer["qk_norm"][self.num_heads:], c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = self.attention(i, q, k, v.view(-1, self.num_kv_heads, c.head_dim), meta)
-            h = self._row_parallel(layer["o"], attn, attn.shape[0])
-            if c.sandwich_norm:
-                h = rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
-            x = x + h
-            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            if "moe" in layer:
-                h = self._reduce(layer["moe"](h))
-            else:
-                gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-                act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-                h = self._row_parallel(layer["down"], act * up, act.shape[0])
-            if c.sandwich_norm:
-                h = rms_norm(h, layer["post_mlp_norm"], c.rms_norm_eps)
-            x = x + h
-        return x
-
-    def _forward_native(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                        meta: AttentionMeta, between: Callable[[int], None] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's layers with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass,
-        RoPE in place on the fused qkv, SiLU x up, and a pure decode step's K/V write + attention in one op
-        (decode_attention_qkv_): a batch-1 decode step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer
-        (was ~1,765). Returns (x, delta): the residual add of the last layer is still to do (delta None
-        only before a first layer)."""
-        c, ops = self.config, torch.ops.tandem
-        eps = c.rms_norm_eps
-        decode = meta.decode_only                                       # pure decode: one fused attention op
+        decode = self.native and meta.decode_only                      # pure decode: one fused attention op
         fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
         b0 = self._bulk_from(x.shape[0], meta)                          # rows from b0 on: bf16 linears
         for i, layer in enumerate(self.layers):
@@ -325,35 +369,22 @@ class LlamaModel:
             if fused and "blocks" in layer:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)
                 continue
-            if delta is None:
-                h = ops.rms_norm(x, layer["attn_norm"], eps)
-            else:
-                h = ops.add_rms_norm_(x, delta, layer["attn_norm"], eps)   # x += delta in place
-            qkv = run_rows(layer["qkv"], h, b0).contiguous()      # [T, (H + 2 KVH) D]; a no-op (no dispatch) but after Linear's bias add
+            x, h = ops.add_norm(x, delta, layer["attn_norm"])
+            qkv = ops.heads(run_rows(layer["qkv"], h, b0).contiguous())   # [T, (H + 2 KVH) D]
             if c.qk_norm:
-                ops.head_rms_norm_(qkv, layer["qk_norm"], eps)
-            cos, sin = self._rope(layer)
-            ops.rope_(qkv, cos, sin, positions, self.num_heads + self.num_kv_heads, c.head_dim)
-            if decode:
-                attn = self.attention.decode(i, qkv, meta)
-            else:
-                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-                hd, kvh = c.head_dim, self.num_kv_heads
-                attn = self.attention(i, q.view(-1, self.num_heads, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
-                                       meta)
+                qkv = ops.qk_norm(qkv, layer["qk_norm"])
+            qkv = ops.rope(qkv, *self._rope(layer))
+            attn = self.attention.decode(i, qkv, meta) if decode else self.attention(i, *ops.split(qkv), meta)
             o = self._row_parallel(layer["o"], attn, b0)
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
-                h = ops.add_rms_norm_(x, ops.rms_norm(o, layer["post_attn_norm"], eps), layer["mlp_norm"], eps)
-            else:
-                h = ops.add_rms_norm_(x, o, layer["mlp_norm"], eps)
+                o = ops.norm(o, layer["post_attn_norm"])
+            x, h = ops.add_norm(x, o, layer["mlp_norm"])
             if "moe" in layer:
                 delta = self._reduce(layer["moe"](h))
             else:
-                gate_up = run_rows(layer["gate_up"], h, b0)             # [T, 2I]
-                act = ops.gelu_tanh_mul(gate_up) if c.hidden_act == "gelu_tanh" else ops.silu_mul(gate_up)
-                delta = self._row_parallel(layer["down"], act, b0)
+                delta = self._row_parallel(layer["down"], ops.gated(run_rows(layer["gate_up"], h, b0)), b0)
             if c.sandwich_norm:
-                delta = ops.rms_norm(delta, layer["post_mlp_norm"], eps)
+                delta = ops.norm(delta, layer["post_mlp_norm"])
         return x, delta
 
     def _decode_layer(self, i: int, layer: dict, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,

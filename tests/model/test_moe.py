@@ -13,10 +13,13 @@ import torch
 
 from tandem import SamplingParams
 from tandem.kernels import available
+from tandem.model.numerics import Numerics
 from tests.helpers.engine_checks import run_with
 from tests.helpers.isa import runnable
 from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
+
+NATIVE_INT8 = Numerics(native=True, int8_act=True)     # the native ops, int8 activations
 
 MAX_NEW = 10
 _MODELS: dict = {}
@@ -174,7 +177,7 @@ def test_quantized_experts_run_on_their_blocks(quant, quantized):
     path = quantized[1][quant]
     c = read_gguf_config(GGUFFile(path))
     assert isinstance(c, ModelConfig) and c.is_moe(0) and not c.is_moe(1)
-    native = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True)
+    native = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, numerics=NATIVE_INT8)
     ref = LlamaModel(c, gguf_weights(path, c, quantized=False), 64)
     moe, moe_ref = native.layers[0]["moe"], ref.layers[0]["moe"]
     assert all(isinstance(lin, QLinear) for lin in moe.linears())
@@ -222,7 +225,7 @@ def test_moe_experts_op_on_every_isa_body(quant, quantized):
     from tandem.model.llama import LlamaModel
     path = quantized[1][quant]
     c = read_gguf_config(GGUFFile(path))
-    moe = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True).layers[0]["moe"]
+    moe = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, numerics=NATIVE_INT8).layers[0]["moe"]
     ref = LlamaModel(c, gguf_weights(path, c, quantized=False), 64).layers[0]["moe"]
     gus, gu_type, downs, down_type, inter, act = moe._one_op
     x = torch.randn(3, c.hidden_size, generator=torch.Generator().manual_seed(5))
@@ -301,7 +304,7 @@ def test_expert_parallel_ranks_add_up_to_the_layer(quantized):
     from tandem.model.shard import TPLayout, shard_state
     path = quantized[1]["Q4_K_M"]
     c = read_gguf_config(GGUFFile(path))
-    whole = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, native=True, int8_act=True).layers[0]["moe"]
+    whole = LlamaModel(c, gguf_weights(path, c, quantized=True), 64, numerics=NATIVE_INT8).layers[0]["moe"]
     x = torch.randn(40, c.hidden_size, generator=torch.Generator().manual_seed(7))
     _, ids = torch.ops.tandem.moe_route(x, whole.router_t, c.num_experts, c.num_experts_per_tok, whole.renormalize)
     outs = []
@@ -310,7 +313,7 @@ def test_expert_parallel_ranks_add_up_to_the_layer(quantized):
         assert (lay.expert_start, lay.experts, lay.moe_inter) == (4 * r, 4, c.moe_intermediate_size)
         state = shard_state(gguf_weights(path, c, quantized=True), c, lay)
         assert not any(f".experts.{e}." in k for k in state for e in range(4 - 4 * r, 8 - 4 * r))
-        moe = LlamaModel(c, state, 64, native=True, int8_act=True, tp=SimpleNamespace(size=2, rank=r)).layers[0]["moe"]
+        moe = LlamaModel(c, state, 64, numerics=NATIVE_INT8, tp=SimpleNamespace(size=2, rank=r)).layers[0]["moe"]
         assert moe.held == range(4 * r, 4 * r + 4) and moe._one_op is not None and len(moe.linears()) == 8
         y = moe(x)
         for i in range(40):

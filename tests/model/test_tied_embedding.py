@@ -12,6 +12,9 @@ import torch
 
 from tandem import kernels
 from tandem.kernels.quant import Q6_K, Q8_0, QuantWeight
+from tandem.model.numerics import Numerics
+
+NATIVE_INT8 = Numerics(native=True, int8_act=True)     # the native ops, int8 activations
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q6_K) == 0,
                                 reason="needs the native kernels on a CPU with AVX2 (the packed copy)")
@@ -93,7 +96,7 @@ def test_only_a_stage_or_rank_holding_both_shares(tied_q4km):
     ids = torch.tensor([0, 1, 17, 24575, 24576, 30000, config.vocab_size - 1, 17])
 
     def model(pp=None, tp=None, st=state):
-        return LlamaModel(config, dict(st), 64, native=True, int8_act=True, pp=pp, tp=tp)
+        return LlamaModel(config, dict(st), 64, numerics=NATIVE_INT8, pp=pp, tp=tp)
 
     def stage(first, last):
         return SimpleNamespace(first=first, last=last, layers=[0, 1])

@@ -110,7 +110,7 @@ def test_a_stage_holds_only_its_layers(three_layers):
     spec = runner_spec(config, resolve_model(config.model))
     for stage in (0, 1):
         pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=stage_layers(3, 2, stage),
-                             device=torch.device("cpu"), spans_nodes=False)
+                             device=torch.device("cpu"), spans_nodes=False, min_int=lambda v: v)   # alone
         ex = ModelRunner(spec, pp=pp)
         assert len(ex.model.layers) == ex.kv_cache.num_layers == ex.kv_cache.data.shape[1] == 2 - stage
         assert (ex.model.embed is not None) == (stage == 0)      # untied embeddings: the head is its own
@@ -138,7 +138,7 @@ def test_pp2_and_pp3_equal_pp1(arch, three_layers, monkeypatch):
 
 
 def test_torch_kernels_pp2_equals_pp1(three_layers):
-    """kernels="torch": the op-by-op layers (no deferred residual: only the hidden states travel)."""
+    """kernels="torch": the op-by-op layers (their deferred residual travels beside the hidden states)."""
     got = {}
     for pp in (1, 2):
         llm = LLM(three_layers["qwen2"], pp_size=pp, kernels="torch", **ENGINE)

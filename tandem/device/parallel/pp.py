@@ -11,8 +11,8 @@ every stage; each stage reads the step itself (no step broadcast), builds its at
   stage s:      recv (hidden, residual) from s-1 -> its layers -> send to s+1
   last stage:   recv -> its layers -> final norm, LM head, sample -> sampled ids into the shared out buffer,
                 then the "done" message to the scheduler (copy_done).
-The residual travels because the native layers defer the residual add into the next norm (llama.py's
-`delta`): sending both keeps every row's arithmetic the same as with one stage.
+The residual travels because the layers defer the residual add into the next norm (llama.py's `delta`, on
+both kernel sets): sending both keeps every row's arithmetic the same as with one stage.
 
 FutureMap relay: the last stage samples and stashes into its own FutureMap (its penalties read input ids);
 the first stage's FutureMap learns the sampled ids through the host: the executor keeps the ids of every

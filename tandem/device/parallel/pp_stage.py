@@ -131,10 +131,10 @@ def stage_main() -> int:
                 if pp.passes_step:
                     pp.send_step(step_wire.STEP, step_id, step, ints, floats)
                 masks = (lambda: recv_masks(pp, len(step.grammar_rows), width)) if pp.last else None
-                tokens = model_runner.run_step(step, masks)
-                if tokens is not None:
-                    send_results(pp, step_wire.STEP, step_id, step.batch_size, tokens, model_runner.last_logprobs,
-                                 model_runner.last_prompt_logprobs)
+                out = model_runner.run(step, masks)
+                if out is not None:
+                    send_results(pp, step_wire.STEP, step_id, step.batch_size, out.tokens, out.logprobs,
+                                 out.prompt_logprobs)
     finally:
         pp.close()
 

@@ -33,7 +33,7 @@ def rank_main() -> int:
             while (msg := tp.recv_step()) is not None:
                 step, rows, ids = msg
                 model_runner.future_map.stash(rows, ids)        # the previous step's sampled ids (rank 0 sampled)
-                model_runner.run_step(step)
+                model_runner.run(step)
     finally:
         tp.close()
     return 0

@@ -164,20 +164,19 @@ class _StepLoop:
         b = step.batch_size
         profiled = self.profile is not None and not self.nested
         with self.profile.step(b, step.num_tokens) if profiled else contextlib.nullcontext():
-            tokens = self.model_runner.run_step(step, self.masks_of(step, buf), self.between if yields else None)
+            out = self.model_runner.run(step, self.masks_of(step, buf), self.between if yields else None)
             if pp is not None:          # this stage's own span: from its input in hand (the trace's pipeline)
                 self.send(_DONE.pack(b"S", step_id, start if pp.first else pp.recv_done, now(), pp.comm_s))
-            if tokens is None:          # a pipeline stage but the last: its hidden states went on
+            if out is None:             # a pipeline stage but the last: its hidden states went on
                 if relay is not None and len(step.grammar_rows):
                     relay.send_masks(self.masks_of(step, buf)())      # to the last stage, on another node
                 return
-            r = self.model_runner
-            write_results(buffers.outs[buf], buffers.lp_outs[buf], b, tokens, r.last_logprobs,
-                          r.last_prompt_logprobs, buffers.emb_outs[buf], r.last_embeddings)
+            write_results(buffers.outs[buf], buffers.lp_outs[buf], b, out.tokens, out.logprobs, out.prompt_logprobs,
+                          buffers.emb_outs[buf], out.embeddings)
         self.send(_DONE.pack(b"D", step_id, start, now(), tp.comm_s if tp is not None else 0.0))
 
     def masks_of(self, step: StepInput, buf: int) -> Callable[[], np.ndarray]:
-        """The step's masks() for the model runner's run_step: it reads the messages that come meanwhile, until
+        """The step's masks() for the model runner's run(): it reads the messages that come meanwhile, until
         the step's masks are written (a later launch waits in `later`)."""
         def wait() -> np.ndarray:
             # The grammar branch: the forward is done; sampling waits for the host's masks.
