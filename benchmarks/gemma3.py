@@ -84,7 +84,7 @@ def device_pids() -> list[int]:
 llm = LLM(path, device_threads=cli.threads, kv_cache_tokens=cli.kv_cache_tokens, max_running_requests=64)
 c = llm.engine.model_config
 # The KV pool's element: kv_cache_dtype "auto" is bfloat16 where the linears round x to int8 (the default on a
-# quantized GGUF), else fp32 (device/model_runner.py, ModelRunner.kv_dtype).
+# quantized GGUF), else fp32 (model/numerics.py, resolve).
 cfg = llm.engine.config
 kv_elem = ({"float32": 4, "bfloat16": 2, "float16": 2}[cfg.kv_cache_dtype] if cfg.kv_cache_dtype != "auto"
            else 2 if cfg.kernels_act == "int8" else 4)

@@ -196,7 +196,7 @@ class Engine:
         loop = "pp" if self.config.pp_size > 1 and self.config.scheduler == "overlap" else self.config.scheduler
         yields = contextlib.nullcontext()
         if self.config.resolved_backend() == "process":
-            from .device.process.executor import host_yields_to_device
+            from .device.process.host_thread import host_yields_to_device
             yields = host_yields_to_device()       # the device process goes first on the shared cores
         with yields:
             LOOPS[loop](self.scheduler, idle or until_done)

@@ -5,8 +5,8 @@ path, with a log line, where it cannot be built. EngineConfig.kernels selects "n
 """
 from __future__ import annotations
 
-from .library import ISA_NAMES, available, isa, unavailable_reason, use_native
+from .library import ISA_NAMES, available, isa, unavailable_reason
 from .quant import NATIVE_QTYPES, QuantWeight, qlinear
 
-__all__ = ["available", "use_native", "unavailable_reason", "isa", "ISA_NAMES", "NATIVE_QTYPES", "QuantWeight",
+__all__ = ["available", "unavailable_reason", "isa", "ISA_NAMES", "NATIVE_QTYPES", "QuantWeight",
            "qlinear"]

@@ -29,16 +29,6 @@ def available() -> bool:
     return _loaded
 
 
-def use_native(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on this device runs the native ops ("native" asked, CPU, fp32, library loaded)."""
-    if kernels != "native":
-        return False
-    if device.type != "cpu" or dtype != torch.float32:
-        log.info("native kernels are CPU fp32 only; %s %s uses the torch path", device.type, dtype)
-        return False
-    return available()
-
-
 def unavailable_reason() -> str | None:
     return _error
 

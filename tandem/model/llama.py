@@ -13,28 +13,20 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.quant import QuantWeight, small_m
 from .attention_paths import Attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
+from .layer_ops import NativeOps, TorchOps
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
 from .moe import build_moe
 from .numerics import Numerics
-from .rope import apply_rope, rope_inv_freq
+from .rope import rope_inv_freq
 from .row_parallel import ChunkedRows, add_in_order, chunked_rows
 from .shard import TPLayout, cols
 
 _NONE = torch.empty(0, dtype=torch.uint8)       # decode_layer_'s packed entry of a linear without a packed copy
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dim (weight already holds ModelConfig.norm_offset)."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
 
 
 class _StateReader:
@@ -58,90 +50,6 @@ class _StateReader:
     def norm(self, name: str) -> torch.Tensor:
         t = self.w(name)
         return t + self.norm_offset if self.norm_offset else t
-
-
-def _split_heads(m: "LlamaModel", qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused q/k/v projection [T, (H + 2 KVH) D] as views q [T, H, D], k, v [T, KVH, D]."""
-    d = m.config.head_dim
-    q, k, v = qkv.split([m.q_size, m.kv_size, m.kv_size], dim=-1)
-    return q.view(-1, m.num_heads, d), k.view(-1, m.num_kv_heads, d), v.view(-1, m.num_kv_heads, d)
-
-
-class _TorchOps:
-    """The steps of the layer body (LlamaModel._layers) in torch (kernels="torch"), op by op: q/k/v go as three
-    views (heads), each normed and rotated out of place; RoPE's cos/sin at the step's positions are gathered once
-    a table."""
-
-    def __init__(self, model: "LlamaModel", positions: torch.Tensor) -> None:
-        self.model, self.positions, self.eps, self.tables = model, positions, model.config.rms_norm_eps, {}
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps)
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
-        """(x + delta, its norm): the residual stream with the sublayer's output added, and the next input."""
-        x = x if delta is None else x + delta
-        return x, rms_norm(x, weight, self.eps)
-
-    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _split_heads(self.model, qkv)
-
-    def qk_norm(self, qkv: tuple, weight: torch.Tensor) -> tuple:
-        """q heads by weight's first H rows (q_norm), k heads by the rest (k_norm)."""
-        (q, k, v), h = qkv, self.model.num_heads
-        return rms_norm(q, weight[:h], self.eps), rms_norm(k, weight[h:], self.eps), v
-
-    def rope(self, qkv: tuple, cos_t: torch.Tensor, sin_t: torch.Tensor) -> tuple:
-        if id(cos_t) not in self.tables:
-            self.tables[id(cos_t)] = (cos_t[self.positions].unsqueeze(1), sin_t[self.positions].unsqueeze(1))
-        (q, k, v), (cos, sin) = qkv, self.tables[id(cos_t)]            # [T, 1, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def split(self, qkv: tuple) -> tuple:
-        return qkv
-
-    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up of the gate/up projection [T, 2I] -> [T, I] (SiLU, or gemma's tanh GELU)."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if self.model.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return act * up
-
-
-class _NativeOps:
-    """The layer body's steps with tandem's fused ops (kernels="native"): residual add + RMSNorm in one pass (x
-    updated in place), q/k/v kept fused [T, (H + 2 KVH) D] with QK-norm and RoPE in place on it, act(gate) x up
-    in one op."""
-
-    def __init__(self, model: "LlamaModel", positions: torch.Tensor) -> None:
-        self.model, self.positions, self.eps = model, positions, model.config.rms_norm_eps
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tandem.rms_norm(x, weight, self.eps)
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
-        if delta is None:
-            return x, torch.ops.tandem.rms_norm(x, weight, self.eps)
-        return x, torch.ops.tandem.add_rms_norm_(x, delta, weight, self.eps)     # x += delta in place
-
-    def heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        return qkv                      # fused until the attention: a pure decode step's op takes it so
-
-    def qk_norm(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        torch.ops.tandem.head_rms_norm_(qkv, weight, self.eps)
-        return qkv
-
-    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        torch.ops.tandem.rope_(qkv, cos, sin, self.positions, m.num_heads + m.num_kv_heads, m.config.head_dim)
-        return qkv
-
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _split_heads(self.model, qkv)
-
-    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.model.config.hidden_act == "gelu_tanh":
-            return torch.ops.tandem.gelu_tanh_mul(gate_up)
-        return torch.ops.tandem.silu_mul(gate_up)
 
 
 class LlamaModel:
@@ -336,7 +244,7 @@ class LlamaModel:
         [N, hidden], for logits() (which callers may apply to a few rows at a time); None on a pipeline stage
         but the last (it sent its hidden states on). `between(i)` is called before each layer i > 0, when
         nothing of the step is in flight but its residual stream (the urgent-step branch: process/main.py)."""
-        ops = (_NativeOps if self.native else _TorchOps)(self, positions)
+        ops = (NativeOps if self.native else TorchOps)(self, positions)
         if self.pp is None or self.pp.first:
             x, delta = self._embed(input_ids), None                     # [T, hidden]
         else:
@@ -349,7 +257,7 @@ class LlamaModel:
         x = x if delta is None else x + delta
         return ops.norm(x[index], self.final_norm)                     # [N, hidden]
 
-    def _layers(self, ops: "_NativeOps | _TorchOps", x: torch.Tensor, delta: torch.Tensor | None,
+    def _layers(self, ops: "NativeOps | TorchOps", x: torch.Tensor, delta: torch.Tensor | None,
                 positions: torch.Tensor, meta: AttentionMeta, between: Callable[[int], None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers, one body for both kernel sets (`ops`: tandem's fused ops or torch's, each step the

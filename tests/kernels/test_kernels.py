@@ -115,14 +115,6 @@ def test_rows_cat_and_errors():
     assert a.data.shape[1] == 2 * BLOCK_BYTES[Q8_0]
 
 
-def test_use_native_falls_back(monkeypatch):
-    assert kernels.use_native("native", torch.device("cpu"), torch.float32)
-    assert not kernels.use_native("torch", torch.device("cpu"), torch.float32)
-    assert not kernels.use_native("native", torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setattr(kernels.library, "_loaded", False)     # the loaded flag lives in library.py
-    assert not kernels.use_native("native", torch.device("cpu"), torch.float32)
-
-
 # ------------------------------------------------------------------------------------------- the loader
 def test_quantized_state_equals_dense_weights():
     """The kept GGUF blocks (q/k rows un-permuted on the bytes) dequantize to the fp32 weights bit for bit."""
@@ -234,7 +226,8 @@ def test_fused_decode_layers_equal_op_by_op(arch, quant, tmp_path, make_llm, mon
 # ------------------------------------------------------------------------------------------- fused layer ops
 @pytest.mark.parametrize("t", [1, 5, 37])
 def test_fused_layer_ops_equal_llama_reference(t):
-    from tandem.model.llama import apply_rope, rms_norm
+    from tandem.model.layer_ops import rms_norm
+    from tandem.model.rope import apply_rope
     e, heads, kvh, d = 96, 3, 1, 32
     x, delta, w = torch.randn(t, e), torch.randn(t, e), torch.randn(e)
     torch.testing.assert_close(torch.ops.tandem.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
@@ -261,7 +254,7 @@ def test_fused_layer_ops_equal_llama_reference(t):
 def test_gemma_qwen3_layer_ops_equal_reference(t):
     """GeGLU (tanh GELU) and QK-norm in place on the fused qkv (q heads by one weight row each, then k heads;
     v untouched), against the torch reference the model's torch path runs; head_dim 256 as Gemma 3's."""
-    from tandem.model.llama import rms_norm
+    from tandem.model.layer_ops import rms_norm
     e, heads, kvh, d = 96, 4, 1, 256
     gu = torch.randn(t, 2 * e) * 3
     torch.testing.assert_close(torch.ops.tandem.gelu_tanh_mul(gu), F.gelu(gu[:, :e], approximate="tanh") * gu[:, e:])
