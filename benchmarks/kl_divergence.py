@@ -22,7 +22,7 @@ import torch
 from tandem import LLM, SamplingParams, kernels
 from tandem.bench import machine_info
 from tandem.bench.accuracy import divergence, llama_cpp_logprobs, real_text, teacher_forced_logprobs
-from tandem.device.model_runner import AUTO_KV_DTYPE
+from tandem.model.numerics import AUTO_KV_DTYPE
 from tandem.kernels.quant import small_m
 from tandem.model.loader import default_model_path
 

@@ -17,7 +17,6 @@ from ..kernels.quant import INT8_ACT_QTYPES
 from ..model.kv_cache import AttentionMeta, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
-from ..model.numerics import AUTO_KV_DTYPE  # noqa: F401 (here too: benchmarks/kl_divergence.py reads it here)
 from ..model.numerics import DTYPES, Cpu, NumericOptions, every_rank, native_kernels, resolve, wants_native
 from .heap import release_load_memory
 from ..model.shard import TPLayout, shard_state
