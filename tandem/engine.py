@@ -84,7 +84,8 @@ class Engine:
                                   drafter=drafter)
         from .scheduler.policy import make_policy
         self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, Grammars(self.grammar),
-                                   speculation, make_policy(config), UrgentSteps(self.executor.nests_steps))
+                                   speculation, make_policy(config), UrgentSteps(self.executor.nests_steps),
+                                   recurrent=bool(self.model_config.linear_layers))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()

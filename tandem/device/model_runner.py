@@ -17,6 +17,7 @@ from ..kernels.quant import INT8_ACT_QTYPES
 from ..model.kv_cache import AttentionMeta, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
+from ..model.recurrent_state import RecurrentState, state_bytes_per_row
 from ..model.numerics import DTYPES, Cpu, NumericOptions, every_rank, native_kernels, resolve, wants_native
 from .heap import release_load_memory
 from ..model.shard import TPLayout, shard_state
@@ -101,7 +102,10 @@ class ModelRunner:
         layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)
         if tp is not None:
             state = shard_state(state, c, layout)
-        num_layers = c.num_layers if pp is None else len(pp.layers)
+        stage = range(c.num_layers) if pp is None else pp.layers
+        num_layers = sum(1 for i in stage if not c.is_linear(i))       # the KV cache's: the attention layers
+        linear_layers = len(stage) - num_layers                         # a hybrid's: a state slot a row
+        rows = spec.max_running + spec.spare_rows + 1
         if pp is not None:                  # a stage keeps its own layers' weights only
             state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
         bf16_fits, = every_rank(group, 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
@@ -114,6 +118,7 @@ class ModelRunner:
             weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
             free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
             free -= 2 * _layer_weights(state) if n.prefill_bf16 else 0    # the bf16 copies the model is to make
+            free -= rows * state_bytes_per_row(c, linear_layers)            # the linear layers' state pool
             num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
             num_slots, = every_rank(group, num_slots)    # slot ids come from one scheduler: every rank holds all
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
@@ -128,8 +133,9 @@ class ModelRunner:
         cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not n.extend_native
                    and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
+        # A hybrid's linear layers keep a state per request-table row (model/recurrent_state.py)
+        self.recurrent = RecurrentState(c, linear_layers, rows, self.device) if linear_layers else None
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
-        rows = spec.max_running + spec.spare_rows + 1
         self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)
         self.layouts = AttentionLayouts(self.device, self.req_to_token, self.kv_cache, self.model, cascade)
         self.future_map = FutureMap(rows, self.device, poison=spec.poison_future_map)
@@ -191,6 +197,8 @@ class ModelRunner:
         self.req_to_token[tok_req_row, positions] = out_cache_loc.to(torch.int32)
         input_ids = self._input_ids(step, lay, tok_req_row, reads_ids)
         meta = self.layouts.for_step(step, rows, positions, out_cache_loc, lay)
+        if self.recurrent is not None:
+            meta.recurrent = self.recurrent.rows_of(step.rows, step.extend_lens, step.seq_lens)
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
         index = mean_index(step, meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])]))
         penalized = self.samples and step.has_penalties

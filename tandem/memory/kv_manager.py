@@ -17,8 +17,11 @@ from .req_table import ReqRowAllocator
 
 
 class KVCacheManager:
-    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool) -> None:
+    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool, recurrent: bool = False) -> None:
         self.kv = KVSlotAllocator(num_slots)
+        # A hybrid model's request also carries a linear-attention state that a cached prefix's KV does not give
+        # back: its requests start from position 0 (the tree still takes their KV)
+        self.recurrent = recurrent
         self.cache = RadixCache() if prefix_cache else None
         self.rows = ReqRowAllocator(max_rows)
         self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
@@ -45,7 +48,8 @@ class KVCacheManager:
     def takes_hits(self, req: Req) -> bool:
         """Whether the request may start from a cached prefix: not with prompt logprobs or mean pooling, which
         need every prompt position computed (their KV still goes into the cache as anyone's)."""
-        return self.cache is not None and req.params.prompt_logprobs is None and req.params.pooling != "mean"
+        return (self.cache is not None and not self.recurrent and req.params.prompt_logprobs is None
+                and req.params.pooling != "mean")
 
     def unmatch(self, req: Req) -> None:
         """Undo match_prefix for a request that was not admitted after all."""

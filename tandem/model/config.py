@@ -1,47 +1,14 @@
-"""Model hyper-parameters, independent of where the weights came from."""
+"""Model hyper-parameters, independent of where the weights came from (hf_config.py reads config.json into them;
+gguf/config.py reads GGUF metadata)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-# HF "architectures" entry -> our architecture name.
-SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-    "Gemma3ForCausalLM": "gemma3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-}
-# HF model_type -> our architecture name (a config.json without "architectures").
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                   "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
-LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(SUPPORTED_HF_ARCHITECTURES.values())
-
-# Defaults of the HF config classes for keys a config.json may leave out.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
-    "qwen2": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "qwen3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "mistral": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
-    "gemma3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
-               "rope_local_theta": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-               "sliding_window_pattern": 6},
-    "qwen3_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "mixtral": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
-}
-
-
-def _unsupported(what: str) -> ValueError:
-    names = ", ".join(SUPPORTED_HF_ARCHITECTURES)
-    return ValueError(f"unsupported model architecture {what}; supported architectures: {names} "
-                      f"(GGUF: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
+from .hf_config import (HYBRID_ARCHITECTURES, LAYER_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES,
+                        hf_config_kwargs, unsupported)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -84,10 +51,20 @@ class ModelConfig:
     norm_topk_prob: bool = True      # the chosen experts' weights renormalized to sum 1 (mixtral: always)
     decoder_sparse_step: int = 1     # layer i has experts when (i + 1) % step == 0 (qwen3_moe)
     mlp_only_layers: tuple[int, ...] = ()   # layers that keep the dense MLP (intermediate_size) all the same
+    shared_expert_intermediate_size: int = 0     # an MoE layer's always-run expert, gated by sigmoid(x . w); 0: none
+    # Hybrids (qwen3_5, qwen3_5_moe, qwen3_next): layer_types' "linear_attention" layers run a Gated DeltaNet
+    # (model/linear_attention.py) over a per-request state instead of attending over KV pages
+    linear_num_key_heads: int = 0    # its q / k heads (each serves linear_num_value_heads / this value heads)
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0      # the causal depthwise conv's width over q / k / v (its state: width - 1 tokens)
+    partial_rotary_factor: float = 1.0   # RoPE turns the first head_dim * factor dims of a head; the rest pass
+    attn_output_gate: bool = False   # q_proj also gives each head a gate: attention output * sigmoid(gate)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(repr(self.architecture))
+            raise unsupported(repr(self.architecture))
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
@@ -110,6 +87,19 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
         self._check_experts()
+        self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        if not self.linear_layers:
+            return
+        dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                self.linear_value_head_dim, self.linear_conv_kernel)
+        if min(dims) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_attention layers need positive head counts, head dims and conv width, value "
+                             f"heads a multiple of key heads; got {dims}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}"
+                             f" (head_dim {self.head_dim}): it must be even and in 2..head_dim")
 
     def _check_experts(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -129,6 +119,19 @@ class ModelConfig:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet (linear attention, a per-request state) rather than attention."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head RoPE turns (the first ones): head_dim unless partial_rotary_factor says less."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends only its last sliding_window keys."""
         if not self.sliding_window:
@@ -146,48 +149,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
-        arch = _hf_architecture(d)
-
-        def req(key: str) -> Any:
-            if d.get(key) is None:
-                raise ValueError(f"config.json is missing required key {key!r} (architecture {arch})")
-            return d[key]
-
-        _reject_unsupported_hf_options(d)
-        defaults = _HF_DEFAULTS[arch]
-        hidden = int(req("hidden_size"))
-        num_heads = int(req("num_attention_heads"))
-        num_kv = int(d.get("num_key_value_heads") or num_heads)
-        head_dim = int(d.get("head_dim") or hidden // num_heads)
-        num_layers = int(req("num_hidden_layers"))
-        rope_theta, scaling, local_params = _hf_rope(d, defaults)
-        eos_ids = _hf_eos_ids(d)
-        bos = d.get("bos_token_id")
-        window, layer_types = _sliding(arch, d, num_layers, defaults)
-        extra = _hf_arch_switches(arch, d, defaults, local_params)
-        return cls(
-            architecture=arch,
-            vocab_size=int(req("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv,
-            head_dim=head_dim,
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
-            max_position_embeddings=int(d.get("max_position_embeddings")
-                                        or defaults["max_position_embeddings"]),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "gemma3")),
-            attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
-            rope_scaling=scaling,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
-            sliding_window=window,
-            layer_types=layer_types,
-            **extra,
-        )
+        """Build from a Hugging Face config.json dict (transformers 4 or 5 layout; hf_config.py)."""
+        return cls(**hf_config_kwargs(d))
 
     # ------------------------------------------------------------ plain data
     def to_dict(self) -> dict:
@@ -208,130 +171,4 @@ class ModelConfig:
         return cls(**kw)
 
 
-def _hf_architecture(d: dict) -> str:
-    """Our architecture name from an HF config's "architectures" list, else from its model_type."""
-    archs = d.get("architectures") or []
-    for a in archs:
-        if a in SUPPORTED_HF_ARCHITECTURES:
-            return SUPPORTED_HF_ARCHITECTURES[a]
-    if archs:
-        raise _unsupported(", ".join(map(repr, archs)))
-    if d.get("model_type") in _HF_MODEL_TYPES:
-        return _HF_MODEL_TYPES[d["model_type"]]
-    raise _unsupported(f"(no 'architectures'; model_type={d.get('model_type')!r})")
-
-
-def _reject_unsupported_hf_options(d: dict) -> None:
-    """HF options the one decoder does not implement: an error rather than a silently different model."""
-    if d.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if d.get(key) is not None:
-            raise ValueError(f"{key}={d[key]} is not supported (gemma2-style soft-capping)")
-    if d.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (a causal LM only)")
-
-
-def _hf_rope(d: dict, defaults: dict) -> tuple[Any, dict | None, dict | None]:
-    """(rope_theta, normalized rope_scaling, the sliding layers' rope parameters or None) of an HF config.
-
-    transformers 5 folds rope_theta and rope_scaling into "rope_parameters"; gemma3 keeps one dict per
-    layer type there ("full_attention", "sliding_attention")."""
-    rope_params = dict(d.get("rope_parameters") or {})
-    local_params = None
-    if "full_attention" in rope_params or "sliding_attention" in rope_params:
-        local_params = dict(rope_params.get("sliding_attention") or {})
-        rope_params = dict(rope_params.get("full_attention") or {})
-    rope_theta = d.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"]))
-    scaling = d.get("rope_scaling")
-    if scaling is None and rope_params:
-        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    return rope_theta, _normalize_rope_scaling(scaling), local_params
-
-
-def _hf_eos_ids(d: dict) -> tuple[int, ...]:
-    eos = d.get("eos_token_id")
-    if eos is None:
-        return ()
-    if isinstance(eos, (list, tuple)):
-        return tuple(int(i) for i in eos)
-    return (int(eos),)
-
-
-def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | None) -> dict[str, Any]:
-    """The ModelConfig switches an architecture implies (qk_norm; gemma3's norms, activation, local RoPE base,
-    embedding scale and attention scale), after checking its activation is the one the decoder implements."""
-    extra: dict[str, Any] = _hf_experts(arch, d)
-    if arch in ("qwen3", "gemma3", "qwen3_moe"):
-        extra["qk_norm"] = True
-    if arch == "gemma3":
-        local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
-        if _normalize_rope_scaling({k: v for k, v in (local_params or {}).items() if k != "rope_theta"}):
-            raise ValueError("gemma3: rope scaling on sliding layers is not supported")
-        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"gemma3: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-        extra.update(rope_local_theta=float(local_theta or defaults["rope_local_theta"]), norm_offset=1.0,
-                     sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
-                     query_pre_attn_scalar=float(d.get("query_pre_attn_scalar")
-                                                 or defaults["query_pre_attn_scalar"]))
-    else:
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (silu)")
-    return extra
-
-
-def _hf_experts(arch: str, d: dict) -> dict[str, Any]:
-    """The expert switches of an MoE config (qwen3_moe, mixtral); transformers 5 writes qwen3_moe's num_experts
-    as num_local_experts."""
-    if arch not in ("qwen3_moe", "mixtral"):
-        return {}
-    n = d.get("num_experts") or d.get("num_local_experts")
-    if not n or not d.get("num_experts_per_tok"):
-        raise ValueError(f"{arch}: config.json needs num_experts (or num_local_experts) and num_experts_per_tok")
-    if d.get("shared_expert_intermediate_size"):
-        raise ValueError(f"{arch}: shared experts are not supported")
-    out = dict(num_experts=int(n), num_experts_per_tok=int(d["num_experts_per_tok"]))
-    if arch == "qwen3_moe":
-        out.update(moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
-                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-                   mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
-    return out
-
-
-def _sliding(arch: str, d: dict, num_layers: int, defaults: dict) -> tuple[int | None, tuple[str, ...] | None]:
-    """(sliding_window, layer_types) of an HF config: mistral slides every layer when sliding_window is set;
-    qwen2/qwen3 only with use_sliding_window (layers from max_window_layers on); gemma3 interleaves by
-    layer_types (or its sliding_window_pattern: every 6th layer global)."""
-    window = d.get("sliding_window")
-    if arch == "gemma3":
-        window = int(window or defaults["sliding_window"])
-        types = d.get("layer_types")
-        if types is None:
-            pattern = int(d.get("sliding_window_pattern") or defaults["sliding_window_pattern"])
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-        return window, tuple(types)
-    if arch in ("qwen2", "qwen3", "qwen3_moe"):
-        if not d.get("use_sliding_window") or not window:
-            return None, None
-        types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers") or 0)
-                                         else "full_attention" for i in range(num_layers)]
-        return int(window), tuple(types)
-    if arch in ("mistral", "mixtral") and window:
-        return int(window), None
-    return None, None
-
-
-def _normalize_rope_scaling(scaling: dict | None) -> dict | None:
-    """HF rope_scaling with a "rope_type" key, or None for plain RoPE."""
-    if not scaling:
-        return None
-    s = dict(scaling)
-    if "rope_type" not in s and "type" in s:
-        s["rope_type"] = s["type"]
-    s.pop("type", None)
-    if s.get("rope_type") in (None, "default"):
-        return None
-    return s
+__all__ = ["HYBRID_ARCHITECTURES", "LAYER_TYPES", "SUPPORTED_ARCHITECTURES", "SUPPORTED_HF_ARCHITECTURES", "ModelConfig"]

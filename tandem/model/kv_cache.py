@@ -25,6 +25,7 @@ from ..kernels.kv_quant import Q8_0, row_bytes, to_cache, widen
 
 if TYPE_CHECKING:
     from .cascade import SharedPrefix
+    from .linear_attention import RecurrentRows
 
 GATHER_BUDGET_BYTES = 256 << 20     # cap on the per-step gather buffer; layers are gathered in groups below it
 
@@ -166,6 +167,7 @@ class AttentionMeta:
     # Rows on one cached prefix (model/cascade.py): its slots; kv, mask (then additive float) and positions
     # cover only the keys after it.
     shared: "SharedPrefix | None" = None
+    recurrent: "RecurrentRows | None" = None   # a hybrid model's rows' state slots (linear_attention.py)
     @property
     def decode_only(self) -> bool:
         """One token a row: the decode op (fused into the decode layer) serves them all."""

@@ -102,6 +102,11 @@ class NativeOps:
 
     def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         m = self.model
+        if cos.shape[-1] < m.config.head_dim:     # a partial rotary share (the op turns whole heads): torch's
+            heads = qkv.view(qkv.shape[0], -1, m.config.head_dim)[:, :m.num_heads + m.num_kv_heads]
+            c, s = cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1)
+            heads.copy_(apply_rope(heads, c, s))
+            return qkv
         torch.ops.tandem.rope_(qkv, cos, sin, self.positions, m.num_heads + m.num_kv_heads, m.config.head_dim)
         return qkv
 

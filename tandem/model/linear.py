@@ -180,6 +180,13 @@ def linear(weight: Weight, bias: torch.Tensor | None = None, int8_act: bool = Fa
     return Linear(weight, bias) if isinstance(weight, torch.Tensor) else QLinear(weight, bias, int8_act)
 
 
+def take_rows(w: "torch.Tensor | QuantWeight", index: torch.Tensor) -> "torch.Tensor | QuantWeight":
+    """Rows `index` of a weight, in that order (GGUF blocks stay blocks: a row is whole blocks)."""
+    if isinstance(w, QuantWeight):
+        return QuantWeight(w.data[index].contiguous(), w.qtype, w.k)
+    return w[index].contiguous()
+
+
 def cat_rows(parts: "list[torch.Tensor | QuantWeight]") -> Weight:
     """Stack the rows of several weights (q/k/v, gate/up); blocks of one type stay blocks, blocks of mixed
     types stay a list of blocks (QLinear runs each)."""

@@ -19,7 +19,8 @@ from .attention_paths import Attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .layer_ops import NativeOps, TorchOps
-from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, tied_table
+from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, take_rows, tied_table
+from .linear_attention import GatedDeltaNet
 from .moe import build_moe
 from .numerics import Numerics
 from .rope import rope_inv_freq
@@ -100,7 +101,8 @@ class LlamaModel:
         for i in range(c.num_layers) if pp is None else pp.layers:
             self.layers.append(layer := self._layer(ws, i))
             hold_once([lin for k in ("qkv", "o", "gate_up", "down") if k in layer
-                       for lin in getattr(layer[k], "lins", [layer[k]])], self.prefill_bf16)
+                       for lin in getattr(layer[k], "lins", [layer[k]])]
+                      + (layer["mixer"].linears() if "mixer" in layer else []), self.prefill_bf16)
             if "moe" in layer:              # experts keep the int8 kernels at every row count (no bf16 copy)
                 hold_once(layer["moe"].linears(), False)
         hold_once([self.lm_head], False)
@@ -114,7 +116,8 @@ class LlamaModel:
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        self.attention = Attention(numerics, self.scale, self.num_heads, [layer["window"] for layer in self.layers])
+        self.attention = Attention(numerics, self.scale, self.num_heads,
+                                   [layer["window"] for layer in self.layers if "mixer" not in layer])
 
     # The record's choices under the names the body, attention_layout.py, tests and benchmarks read
     native = property(lambda self: self.numerics.native)
@@ -125,17 +128,14 @@ class LlamaModel:
     extend_native = property(lambda self: self.numerics.extend_native)
 
     def _layer(self, ws: "_StateReader", i: int) -> dict:
-        """Decoder layer i's weights: q/k/v and gate/up fused, norms with their offset folded in."""
+        """Decoder layer i's weights: q/k/v and gate/up fused, norms with their offset folded in. kv: its layer
+        in the KV cache, which holds only the attention layers; a linear-attention layer has a mixer instead."""
         c, lay, p = self.config, self.layout, f"model.layers.{i}."
-        qkv = cat_rows([ws.w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) D, hidden]
-        qkv_bias = (torch.cat([ws.w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                    if c.attention_bias else None)
-        layer = dict(
-            attn_norm=ws.norm(p + "input_layernorm.weight"),
-            qkv=ws.lin(qkv, qkv_bias),
-            o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight"),
-            window=c.window(i),                                         # 0: a global layer
-        )
+        layer = dict(attn_norm=ws.norm(p + "input_layernorm.weight"), window=c.window(i))     # window 0: global
+        if c.is_linear(i):
+            layer["mixer"] = GatedDeltaNet(ws, c, i, sum(1 for l in self.layers if "mixer" in l), self.native)
+        else:
+            layer.update(self._attention_weights(ws, p), kv=sum(1 for l in self.layers if "mixer" not in l))
         if c.is_moe(i):                     # a router and its experts in place of the dense MLP
             layer["moe"] = build_moe(ws, c, i, self.native, lay.held_experts)     # expert parallelism: a range
         else:
@@ -147,10 +147,24 @@ class LlamaModel:
                          post_mlp_norm=ws.norm(p + "post_feedforward_layernorm.weight"))
         else:
             layer.update(mlp_norm=ws.norm(p + "post_attention_layernorm.weight"))
-        if c.qk_norm:                       # [H + KVH, D]: q heads by q_norm, then k heads by k_norm
+        if c.qk_norm and "mixer" not in layer:    # [H + KVH, D]: q heads by q_norm, then k heads by k_norm
             layer["qk_norm"] = torch.cat([ws.norm(p + "self_attn.q_norm.weight").expand(lay.heads, -1),
                                           ws.norm(p + "self_attn.k_norm.weight").expand(lay.kv_heads, -1)])
         return layer
+
+    def _attention_weights(self, ws: "_StateReader", p: str) -> dict:
+        """An attention layer's q/k/v rows [(H + 2 KVH) D, hidden] (a gated one's q_proj gives each head its q,
+        then its gate: the gates' rows go after v, [(2 H + 2 KVH) D]) and o."""
+        c, h, d = self.config, self.layout.heads, self.config.head_dim
+        q = ws.w(p + "self_attn.q_proj.weight")
+        gate = None
+        if c.attn_output_gate:
+            rows = torch.arange(2 * h * d).view(h, 2, d)
+            q, gate = take_rows(q, rows[:, 0].reshape(-1)), take_rows(q, rows[:, 1].reshape(-1))
+        qkv = cat_rows([q] + [ws.w(p + f"self_attn.{n}_proj.weight") for n in "kv"] + ([gate] if gate is not None else []))
+        qkv_bias = (torch.cat([ws.w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                    if c.attention_bias else None)
+        return dict(qkv=ws.lin(qkv, qkv_bias), o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight"))
 
     def _row_parallel_lin(self, ws: "_StateReader", name: str) -> "Linear | QLinear | ChunkedRows":
         """o or down: one linear, or under tp_reduce_chunks this rank's column chunks of it (row_parallel.py)."""
@@ -165,7 +179,8 @@ class LlamaModel:
         one (a global layer, SiLU, QK-norm or none, no sandwich norms: Gemma 3 keeps the op-by-op body). An MoE
         layer's op stops at its MLP's normed input ("blocks" without gate_up and down; the experts run after)."""
         c = self.config
-        plain = not c.sandwich_norm and c.hidden_act == "silu"
+        plain = (not c.sandwich_norm and c.hidden_act == "silu" and not c.attn_output_gate
+                 and c.rotary_dim == c.head_dim)
         for layer in self.layers if plain else []:
             lins = [layer[k] for k in (("qkv", "o") if "moe" in layer else ("qkv", "o", "gate_up", "down"))]
             if (not layer["window"] and all(isinstance(lin, QLinear) and not lin.gemm_always for lin in lins)
@@ -268,8 +283,7 @@ class LlamaModel:
         attention) and runs a small one's layers with "blocks" as one decode_layer_ op each: a batch-1 decode
         step of SmolLM2-135M dispatches ~716 torch ops, ~23 a layer (was ~1,765)."""
         c = self.config
-        decode = self.native and meta.decode_only                      # pure decode: one fused attention op
-        fused = decode and x.shape[0] <= small_m()                      # layers with "blocks": one op each
+        fused = self.native and meta.decode_only and x.shape[0] <= small_m()    # layers with "blocks": one op each
         b0 = self._bulk_from(x.shape[0], meta)                          # rows from b0 on: bf16 linears
         for i, layer in enumerate(self.layers):
             if between is not None and i:
@@ -278,12 +292,7 @@ class LlamaModel:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)
                 continue
             x, h = ops.add_norm(x, delta, layer["attn_norm"])
-            qkv = ops.heads(run_rows(layer["qkv"], h, b0).contiguous())   # [T, (H + 2 KVH) D]
-            if c.qk_norm:
-                qkv = ops.qk_norm(qkv, layer["qk_norm"])
-            qkv = ops.rope(qkv, *self._rope(layer))
-            attn = self.attention.decode(i, qkv, meta) if decode else self.attention(i, *ops.split(qkv), meta)
-            o = self._row_parallel(layer["o"], attn, b0)
+            o = layer["mixer"](h, meta.recurrent) if "mixer" in layer else self._attend(ops, layer, h, meta, b0)
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
                 o = ops.norm(o, layer["post_attn_norm"])
             x, h = ops.add_norm(x, o, layer["mlp_norm"])
@@ -294,6 +303,25 @@ class LlamaModel:
             if c.sandwich_norm:
                 delta = ops.norm(delta, layer["post_mlp_norm"])
         return x, delta
+
+    def _attend(self, ops: "NativeOps | TorchOps", layer: dict, h: torch.Tensor, meta: AttentionMeta,
+                b0: int) -> torch.Tensor:
+        """An attention layer's o projection of the normed input h [T, hidden]: q/k/v (QK-normed, turned), attention
+        over the KV cache at its layer, a gated layer's output times sigmoid(gate)."""
+        c, j = self.config, layer["kv"]
+        out = run_rows(layer["qkv"], h, b0)
+        gate = None
+        if c.attn_output_gate:                      # the gates' rows come after v's (_attention_weights)
+            out, gate = out[:, :-self.q_size], out[:, -self.q_size:]
+        qkv = ops.heads(out.contiguous())           # [T, (H + 2 KVH) D]
+        if c.qk_norm:
+            qkv = ops.qk_norm(qkv, layer["qk_norm"])
+        qkv = ops.rope(qkv, *self._rope(layer))
+        decode = self.native and meta.decode_only
+        attn = self.attention.decode(j, qkv, meta) if decode else self.attention(j, *ops.split(qkv), meta)
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate.float()).to(attn.dtype)
+        return self._row_parallel(layer["o"], attn, b0)
 
     def _decode_layer(self, i: int, layer: dict, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
                       meta: AttentionMeta) -> torch.Tensor:
@@ -306,6 +334,6 @@ class LlamaModel:
         out = torch.ops.tandem.decode_layer_.default(
             x, delta, layer["attn_norm"], layer["mlp_norm"], c.rms_norm_eps, w, qtypes, packed, layer["qkv"].bias,
             self.int8_act, self.cos, self.sin, positions, self.num_heads, self.num_kv_heads, c.head_dim,
-            kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16,
+            kv.cache.data, layer["kv"], kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16,
             layer.get("qk_norm"), not moe)
         return layer["moe"](out) if moe else out      # an MoE layer's op returns its experts' input

@@ -15,7 +15,7 @@ import torch
 
 from .hub import hub_path, is_hub_id
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
-from .weights import IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, name_list
+from .weights import IGNORABLE_PREFIXES, IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, name_list, split_fused
 
 log = logging.getLogger(__name__)
 
@@ -140,18 +140,19 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
     out: dict[str, torch.Tensor] = {}
     unexpected = []
     for wf in source.weight_files:
-        for k, t in load_file(wf, device="cpu").items():
-            k = hf_weight_name(k)
-            if k == "lm_head.weight" and source.config.tie_word_embeddings:
+        for name, tensor in load_file(wf, device="cpu").items():
+            name = hf_weight_name(name)
+            if name.endswith(IGNORABLE_SUFFIXES) or name.startswith(IGNORABLE_PREFIXES):
                 continue
-            if k.endswith(IGNORABLE_SUFFIXES):
+            if name == "lm_head.weight" and source.config.tie_word_embeddings:
                 continue
-            if k not in shapes:
-                unexpected.append(k)
-                continue
-            if tuple(t.shape) != shapes[k]:
-                raise ValueError(f"{wf}: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
-            out[k] = t.to(device=device, dtype=dtype) if (t.dtype != dtype or str(device) != "cpu") else t
+            for k, t in split_fused(name, tensor, source.config):
+                if k not in shapes:
+                    unexpected.append(k)
+                    continue
+                if tuple(t.shape) != shapes[k]:
+                    raise ValueError(f"{wf}: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
+                out[k] = t.to(device=device, dtype=dtype) if (t.dtype != dtype or str(device) != "cpu") else t
     if unexpected:
         raise ValueError(f"unexpected weights in {source.name}: {name_list(sorted(unexpected))}")
     missing = sorted(set(shapes) - set(out))

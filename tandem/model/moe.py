@@ -54,8 +54,11 @@ class MoE:
     expert another tp rank holds."""
 
     def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
-                 act: str = "silu", held: range | None = None) -> None:
+                 act: str = "silu", held: range | None = None, shared: tuple | None = None) -> None:
         self.experts = experts
+        # The shared expert (Qwen3.5-MoE, Qwen3-Next): (gate_up, down, its gate's weight [1, hidden] fp32), run on
+        # every row and added times sigmoid(x . gate) after the routed experts' sum
+        self.shared = shared
         self.held = held             # the experts this rank holds (shard.py's expert parallelism); None: all
         self.top_k, self.renormalize, self.native, self.act = top_k, renormalize, native, act
         self._one_op = self._plan_one_op()
@@ -82,11 +85,23 @@ class MoE:
                 0 if self.act == "silu" else 1)
 
     def linears(self) -> list:
-        return [lin for pair in self.experts if pair is not None for lin in pair]
+        return [lin for pair in self.experts if pair is not None for lin in pair] + list(self.shared or ())[:2]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the normed residual) -> [T, hidden]: the routed experts' weighted sum per row, plus the
+        gated shared expert's output where the layer has one."""
+        out = self._routed(x)
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            weight = torch.sigmoid(router_logits(x, gate)).to(x.dtype)         # [T, 1]: a per-row dot, as the router's
+            out = out + weight * self._mlp(gate_up, down, x)
+        return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's gated MLP on the rows routed to it: [n, hidden] -> [n, hidden]."""
-        gate_up, down = self.experts[e]
+        return self._mlp(*self.experts[e], x)
+
+    def _mlp(self, gate_up, down, x: torch.Tensor) -> torch.Tensor:
         gu = gate_up(x)                                                  # [n, 2I]
         if self.native:
             ops = torch.ops.tandem
@@ -95,8 +110,8 @@ class MoE:
         act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return down(act * up)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (the normed residual) -> [T, hidden], the experts' weighted sum per row."""
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum per row [T, hidden]."""
         t, k = x.shape[0], self.top_k
         if self.native:
             weights, ids = torch.ops.tandem.moe_route(x, self.router_t, len(self.experts), k, self.renormalize)
@@ -158,5 +173,12 @@ def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = Non
             continue
         experts.append((ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
                         ws.lin(ws.w(q + "down_proj.weight"))))
-    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act, held)
+    shared = None
+    if c.shared_expert_intermediate_size:
+        q = p + "shared_expert."
+        gate = ws.w(p + "shared_expert_gate.weight")
+        gate = (gate.dequantize() if not isinstance(gate, torch.Tensor) else gate).float().contiguous()
+        shared = (ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
+                  ws.lin(ws.w(q + "down_proj.weight")), gate)
+    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act, held, shared)
 

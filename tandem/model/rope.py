@@ -12,7 +12,7 @@ from .config import ModelConfig
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """RoPE frequencies of the model's global layers, or (local) of its sliding layers: their own base
     (rope_local_theta, gemma3) and no scaling."""
-    dim = config.head_dim
+    dim = config.rotary_dim                     # a partial rotary share turns only the first dims
     theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = None if local and config.rope_local_theta else config.rope_scaling
@@ -38,7 +38,11 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, 1, D]
+    """x [T, heads, D]; cos / sin [T, 1, R]: the first R dims of each head turned (R < D: a partial rotary share),
+    the others passed."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from .config import ModelConfig
 
 # Keys some checkpoints carry that are not weights.
 IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
+# Keys of parts tandem does not serve: a vision-language checkpoint's vision tower, the multi-token-prediction
+# head Qwen3.5 / Qwen3-Next ship for speculative decoding.
+IGNORABLE_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -18,18 +23,21 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),    # gemma3: after attention; else: before the MLP
-        })
+        shapes.update({p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})   # gemma3: after attention; else: before the MLP
         shapes.update(_mlp_shapes(c, i) if not c.is_moe(i) else expert_shapes(c, i))
         if c.sandwich_norm:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
                            p + "post_feedforward_layernorm.weight": (h,)})
+        if c.is_linear(i):
+            shapes.update(linear_attention_shapes(c, i))
+            continue
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q * (2 if c.attn_output_gate else 1), h),   # gated: each head's q, gate
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+        })
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
                            p + "self_attn.k_norm.weight": (c.head_dim,)})
@@ -48,10 +56,45 @@ def _mlp_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     return {p + "gate_proj.weight": (n, h), p + "up_proj.weight": (n, h), p + "down_proj.weight": (h, n)}
 
 
+def linear_attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's weights in Qwen3.5's names (Qwen3-Next's fused qkvz / ba are split into them at
+    load: split_fused)."""
+    p, h = f"model.layers.{i}.linear_attn.", c.hidden_size
+    kd, vd, hv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim, \
+        c.linear_num_value_heads
+    return {p + "in_proj_qkv.weight": (2 * kd + vd, h), p + "in_proj_z.weight": (vd, h),
+            p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h),
+            p + "conv1d.weight": (2 * kd + vd, 1, c.linear_conv_kernel), p + "dt_bias": (hv,), p + "A_log": (hv,),
+            p + "norm.weight": (c.linear_value_head_dim,), p + "out_proj.weight": (h, vd)}
+
+
+def split_fused(name: str, t, c: ModelConfig) -> list:
+    """[(name, tensor)] of a checkpoint tensor in the contract's names: Qwen3-Next's in_proj_qkvz (per key head:
+    its q, k, then its value heads' v and z rows) and in_proj_ba (per key head: its value heads' b, then a) as
+    Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, the rows regrouped (q heads, k heads, v heads)."""
+    if not name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+        return [(name, t)]
+    p = name[: name.rindex("in_proj_")]
+    nk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = c.linear_num_value_heads // nk                      # value heads a key head serves
+    g = t.reshape(nk, -1, t.shape[-1])                      # [key heads, their rows, hidden]
+    if name.endswith("ba.weight"):
+        b, a = g.split([r, r], dim=1)
+        return [(p + "in_proj_b.weight", b.reshape(-1, t.shape[-1])), (p + "in_proj_a.weight", a.reshape(-1, t.shape[-1]))]
+    q, k, v, z = g.split([dk, dk, r * dv, r * dv], dim=1)
+    qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+    return [(p + "in_proj_qkv.weight", qkv), (p + "in_proj_z.weight", z.reshape(-1, t.shape[-1]))]
+
+
 def expert_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """An MoE layer's router (mlp.gate: [E, hidden]) and each expert's gated MLP (Qwen3-MoE's names)."""
+    """An MoE layer's router (mlp.gate: [E, hidden]), each expert's gated MLP (Qwen3-MoE's names) and its shared
+    expert with the shared expert's gate (Qwen3.5-MoE, Qwen3-Next)."""
     p, h, n = f"model.layers.{i}.mlp.", c.hidden_size, c.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (c.num_experts, h)}
+    if (s := c.shared_expert_intermediate_size):
+        q = p + "shared_expert."
+        shapes.update({q + "gate_proj.weight": (s, h), q + "up_proj.weight": (s, h), q + "down_proj.weight": (h, s),
+                       p + "shared_expert_gate.weight": (1, h)})
     for e in range(c.num_experts):
         q = f"{p}experts.{e}."
         shapes.update({q + "gate_proj.weight": (n, h), q + "up_proj.weight": (n, h), q + "down_proj.weight": (h, n)})
@@ -64,7 +107,10 @@ _MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def hf_weight_name(name: str) -> str:
-    """The contract's name of a checkpoint key (Mixtral's expert names renamed; every other key as it is)."""
+    """The contract's name of a checkpoint key (a vision-language checkpoint's language model as the text model's,
+    Mixtral's expert names renamed; every other key as it is)."""
+    if name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model."):]
     m = _MIXTRAL_EXPERT.search(name)
     if m is None:
         return name

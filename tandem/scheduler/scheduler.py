@@ -43,7 +43,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, executor: Executor, sink: Callable[[list[StepOutput]], None],
                  recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
                  grammars: Grammars | None = None, spec: Speculation | None = None,
-                 policy: FCFS | None = None, urgent: UrgentSteps | None = None) -> None:
+                 policy: FCFS | None = None, urgent: UrgentSteps | None = None, recurrent: bool = False) -> None:
         self.config = config
         self.policy = policy or FCFS()      # who goes first: admission order, preemption, retraction (policy.py)
         self.grammars = grammars            # the grammar branch (grammar.py); None: no structured outputs
@@ -54,8 +54,9 @@ class Scheduler:
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
         # Request-table rows: the running cap's, and spare ones urgent steps' requests take (EngineConfig.spare_rows)
+        # recurrent: a hybrid model's rows also hold a linear-attention state (model/recurrent_state.py)
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
-                                     config.prefix_cache)
+                                     config.prefix_cache, recurrent)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe

@@ -13,6 +13,8 @@ import torch
 
 _TOKENIZERS: dict[str, object] = {}
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)
 # What makes each tiny model exercise its architecture's switches: head_dim 256 with one KV head, a sliding
 # window (8) much shorter than the test prompts with local layers interleaved, a local RoPE base and an
 # attention scale that differ from the global ones.
@@ -29,8 +31,16 @@ ARCH_DEFAULTS: dict[str, dict] = {
     "qwen3_moe": dict(num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                       norm_topk_prob=True, mlp_only_layers=[1]),
     "mixtral": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    # hybrids: three Gated DeltaNet layers to one gated full-attention layer, 2 key heads serving 4 value heads,
+    # a quarter of each attention head turned by RoPE; the MoE ones with a shared expert
+    "qwen3_5": dict(num_hidden_layers=4, head_dim=32, **_LINEAR),
+    "qwen3_5_moe": dict(num_hidden_layers=4, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48, **_LINEAR),
+    "qwen3_next": dict(num_hidden_layers=4, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, **_LINEAR),
 }
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def smollm2_tokenizer(cache_dir: str | None = None):
@@ -73,7 +83,10 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+               "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
     cfg_cls, model_cls = (getattr(tf, n) for n in classes[arch])
@@ -102,7 +115,7 @@ def make_tiny_model(tmp_dir, arch: str = "llama", *, cache_dir: str | None = Non
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):              # a router with clear choices (HF's may be zeros)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):              # a router with clear choices (HF's may be zeros)
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     os.makedirs(tmp_dir, exist_ok=True)
     model.save_pretrained(str(tmp_dir))

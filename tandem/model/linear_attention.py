@@ -1,0 +1,135 @@
+"""The Gated DeltaNet layer of the hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): linear attention whose memory
+is a fixed-size state per request (recurrent_state.py), not KV pages that grow with its tokens.
+
+For each token: one projection gives q / k / v (through a short causal depthwise conv with SiLU, whose state is the
+last conv-width - 1 inputs), the output gate z, and b / a, which make the write strength beta = sigmoid(b) and the
+decay g = -exp(A_log) * softplus(a + dt_bias). Per value head, with q and k L2-normed (q also by 1 / sqrt(Dk)):
+    S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q          (S: [Dk, Dv], the delta rule)
+then o is RMS-normed per head, times w and silu(z), and projected out.
+
+The rule runs token by token (its recurrent form) at decode and at prefill alike. So a token's arithmetic depends
+only on its request's earlier tokens: a prompt in one chunk or many, a state restored from a checkpoint, a row alone
+or among others give the same bits (the batch invariance attention_paths.py states). On a CPU the recurrent form is
+cheap beside the layer's projections: ~4 Dk Dv flops a head a token on a state that stays in L2 (Qwen3.6-35B-A3B:
+32 heads x 64 K flops x 30 layers ~ 63 MFLOP a token, about 1 % of its 3 B active weights' 6 GFLOP).
+
+The native op (csrc/gated_delta_rule.cpp) and the torch reference here compute the same rule; tests compare them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .linear import cat_rows
+
+
+@dataclass
+class RecurrentRows:
+    """Where a step's rows keep their state, built once a step (model_runner) and read by every linear layer.
+
+    slots: [B] int64, each row's state slot (its request-table row); starts: B + 1 host ints, row b's tokens are
+    [starts[b], starts[b + 1]) of the step; fresh: B host bools, the row's first token is its position 0 (its state
+    starts from zero, whatever the slot held)."""
+    slots: torch.Tensor
+    starts: list[int]
+    fresh: list[bool]
+    conv: torch.Tensor          # [linear layers, slots, conv channels, width - 1] of the pool (recurrent_state.py)
+    ssm: torch.Tensor           # [linear layers, slots, value heads, Dk, Dv] fp32
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.starts) - 1 == self.starts[-1]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (flash-linear-attention's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> torch.Tensor:
+    """One request's tokens, in order, in torch: q, k [n, H, Dk] (already normed and scaled, heads repeated to
+    the value heads), v [n, H, Dv], g, beta [n, H] fp32; state [H, Dk, Dv] fp32, updated in place.
+    Returns o [n, H, Dv] fp32."""
+    out = torch.empty_like(v)
+    s = state
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        kv_mem = (s * k[t][:, :, None]).sum(dim=1)                         # [H, Dv]
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        out[t] = (s * q[t][:, :, None]).sum(dim=1)
+    state.copy_(s)
+    return out
+
+
+def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """One request's n tokens [n, C] through the depthwise causal conv (w [C, width]) and SiLU; conv_state [C, width
+    - 1], the inputs before them, is read (zeros when fresh) and left holding the last width - 1 inputs. Each
+    output is sum_j w[:, j] * input[t - width + 1 + j] added in order of j, so its bits do not depend on n."""
+    width = w.shape[1]
+    before = torch.zeros_like(conv_state) if fresh else conv_state
+    win = torch.cat([before.to(x.dtype), x.t()], dim=1)                   # [C, width - 1 + n]
+    n = x.shape[0]
+    acc = win[:, 0:n] * w[:, 0:1]
+    for j in range(1, width):
+        acc = acc + win[:, j:j + n] * w[:, j:j + 1]
+    conv_state.copy_(win[:, n:])
+    return F.silu(acc).t()
+
+
+class GatedDeltaNet:
+    """Layer i's weights: q / k / v / z / b / a in one projection (rows in that order), the conv, the decay's
+    A and dt_bias, the gated norm's weight (as it is: not a (1 + w) norm) and the output projection."""
+
+    def __init__(self, ws, c: ModelConfig, i: int, j: int, native: bool) -> None:
+        p = f"model.layers.{i}.linear_attn."
+        self.j, self.native = j, native           # j: the layer's index among the linear layers (its state)
+        self.heads_k, self.heads_v = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv, self.eps = c.linear_key_head_dim, c.linear_value_head_dim, c.rms_norm_eps
+        self.key_dim, self.value_dim = self.heads_k * self.dk, self.heads_v * self.dv
+        self.in_proj = ws.lin(cat_rows([ws.w(p + n) for n in ("in_proj_qkv.weight", "in_proj_z.weight",
+                                                                "in_proj_b.weight", "in_proj_a.weight")]))
+        self.conv_w = ws.w(p + "conv1d.weight").float().reshape(2 * self.key_dim + self.value_dim, -1).contiguous()
+        self.neg_a = -ws.w(p + "A_log").float().exp()                         # [Hv]
+        self.dt_bias = ws.w(p + "dt_bias").float()
+        self.norm_w = ws.w(p + "norm.weight")
+        self.out_proj = ws.lin(ws.w(p + "out_proj.weight"))
+
+    def linears(self) -> list:
+        return [self.in_proj, self.out_proj]
+
+    def __call__(self, x: torch.Tensor, rec: RecurrentRows) -> torch.Tensor:
+        """x [T, hidden] (normed) -> [T, hidden]; the rows' states in rec advance by their tokens."""
+        t = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split([2 * self.key_dim + self.value_dim, self.value_dim,
+                                                self.heads_v, self.heads_v], dim=-1)
+        conv, ssm = rec.conv[self.j], rec.ssm[self.j]
+        slots = rec.slots.tolist()
+        mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
+                           for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.heads_v // self.heads_k
+        q = (l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5).repeat_interleave(r, dim=1)
+        k = l2norm(k.reshape(t, self.heads_k, self.dk)).repeat_interleave(r, dim=1)
+        v = v.reshape(t, self.heads_v, self.dv)
+        beta = torch.sigmoid(b.float())
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        o = torch.empty_like(v)
+        for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh):
+            state = ssm[slot]
+            if fresh:
+                state.zero_()
+            o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
+        return self.out_proj(self._gated_norm(o, z))
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each head's output [T, Hv, Dv] (fp32), times w, times silu(z); -> [T, Hv Dv]."""
+        dtype = z.dtype
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        o = self.norm_w * o.to(dtype)
+        o = o * F.silu(z.float().reshape(o.shape))
+        return o.to(dtype).reshape(o.shape[0], -1)

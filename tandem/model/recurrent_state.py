@@ -1,0 +1,48 @@
+"""The per-request state of a hybrid model's linear-attention layers (linear_attention.py), beside the paged KV cache
+of its attention layers: a fixed-size slot per request-table row, not pages that grow with its tokens.
+
+A request's slot is its row: allocated with the row (memory/req_table.py), released with it, so the scheduler's
+admission, which already counts rows, counts the state too. A row's first step starts from position 0 (zeros, see
+RecurrentRows.fresh) or from what its earlier steps left in the slot: chunked prefill and decode carry it on. Row 0 is
+the padding row: a padded batch row may update its slot, which no request reads.
+
+Per row and linear layer: the conv state [q/k/v channels, width - 1] and the delta rule's [value heads, Dk, Dv],
+both fp32 (Qwen3.6-35B-A3B: 30 layers x (8192 x 3 + 32 x 128 x 128) x 4 B ~ 66 MB a request).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .linear_attention import RecurrentRows
+
+
+def state_bytes_per_row(c: ModelConfig, layers: int) -> int:
+    """Bytes of one row's state over `layers` linear-attention layers."""
+    conv = (2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim) \
+        * (c.linear_conv_kernel - 1)
+    ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    return layers * (conv + ssm) * 4
+
+
+class RecurrentState:
+    """The device's state pool: conv [L, rows, C, width - 1] and ssm [L, rows, Hv, Dk, Dv], fp32, zeroed once."""
+
+    def __init__(self, c: ModelConfig, layers: int, rows: int, device: torch.device) -> None:
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        self.conv = torch.zeros(layers, rows, conv_dim, c.linear_conv_kernel - 1, dtype=torch.float32, device=device)
+        self.ssm = torch.zeros(layers, rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                               dtype=torch.float32, device=device)
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * 4 + self.ssm.numel() * 4
+
+    def rows_of(self, rows: np.ndarray, extend_lens: np.ndarray, seq_lens: np.ndarray) -> RecurrentRows:
+        """The step's rows (request-table rows, new tokens, lengths after the step) as the layers read them."""
+        starts = np.concatenate([[0], np.cumsum(extend_lens)]).tolist()
+        fresh = (seq_lens - extend_lens == 0).tolist()
+        slots = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
+        return RecurrentRows(slots, [int(s) for s in starts], [bool(f) for f in fresh], self.conv, self.ssm)
