@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .elementwise import elementwise
 from .linear import cat_rows
 
 
@@ -78,7 +79,7 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, fres
     for j in range(1, width):
         acc = acc + win[:, j:j + n] * w[:, j:j + 1]
     conv_state.copy_(win[:, n:])
-    return F.silu(acc).t()
+    return elementwise(F.silu, acc.t().contiguous())
 
 
 class GatedDeltaNet:
@@ -104,9 +105,14 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, rec: RecurrentRows) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]; the rows' states in rec advance by their tokens."""
-        t = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([2 * self.key_dim + self.value_dim, self.value_dim,
-                                                self.heads_v, self.heads_v], dim=-1)
+        return self.out_proj(self.mix(self.in_proj(x), rec))
+
+    def mix(self, proj: torch.Tensor, rec: RecurrentRows) -> torch.Tensor:
+        """The projections [T, q k v | z | b | a] -> the gated norm's output [T, Hv Dv]: conv, delta rule, norm.
+        A token's bits depend only on its own request's tokens (every op per row, elementwise() for the rest)."""
+        t = proj.shape[0]
+        mixed, z, b, a = proj.split([2 * self.key_dim + self.value_dim, self.value_dim,
+                                     self.heads_v, self.heads_v], dim=-1)
         conv, ssm = rec.conv[self.j], rec.ssm[self.j]
         slots = rec.slots.tolist()
         mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
@@ -116,20 +122,20 @@ class GatedDeltaNet:
         q = (l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5).repeat_interleave(r, dim=1)
         k = l2norm(k.reshape(t, self.heads_k, self.dk)).repeat_interleave(r, dim=1)
         v = v.reshape(t, self.heads_v, self.dv)
-        beta = torch.sigmoid(b.float())
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        beta = elementwise(torch.sigmoid, b.float())
+        g = self.neg_a * elementwise(F.softplus, a.float() + self.dt_bias)
         o = torch.empty_like(v)
         for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh):
             state = ssm[slot]
             if fresh:
                 state.zero_()
             o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
-        return self.out_proj(self._gated_norm(o, z))
+        return self._gated_norm(o, z)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output [T, Hv, Dv] (fp32), times w, times silu(z); -> [T, Hv Dv]."""
         dtype = z.dtype
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = self.norm_w * o.to(dtype)
-        o = o * F.silu(z.float().reshape(o.shape))
+        o = o * elementwise(F.silu, z.float()).reshape(o.shape)
         return o.to(dtype).reshape(o.shape[0], -1)

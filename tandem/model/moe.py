@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .elementwise import elementwise
 from .host_heap import give_back_heap
 from .linear import cat_rows
 
@@ -93,7 +94,7 @@ class MoE:
         out = self._routed(x)
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            weight = torch.sigmoid(router_logits(x, gate)).to(x.dtype)         # [T, 1]: a per-row dot, as the router's
+            weight = elementwise(torch.sigmoid, router_logits(x, gate)).to(x.dtype)     # [T, 1], per row
             out = out + weight * self._mlp(gate_up, down, x)
         return out
 

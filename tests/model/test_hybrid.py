@@ -1,0 +1,162 @@
+"""Hybrid linear-attention models (Qwen3.5, Qwen3.5-MoE with its shared expert, Qwen3-Next) as tiny random models
+built by transformers: greedy parity with transformers in the exact mode on both loops; a prompt in one chunk or many,
+a row alone or among others, the same bits; a vision-language checkpoint's text model served; the state pool counted;
+the prefix cache reusing a finished turn from its state checkpoint, the same bits as computed from scratch."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tests.helpers.engine_checks import run_with
+from tests.helpers.tiny_models import make_tiny_model
+from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
+
+MAX_NEW = 10
+_MODELS: dict = {}
+
+
+def tiny_hybrid(arch: str, tmp_path_factory) -> dict:
+    """The arch's HF folder and transformers' model, made once a session."""
+    if arch not in _MODELS:
+        from transformers import AutoModelForCausalLM
+        hf = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}") / "hf", arch, seed=31)
+        _MODELS[arch] = dict(hf=hf, ref=AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval())
+    return _MODELS[arch]
+
+
+@pytest.mark.parametrize("arch, kernels", [("qwen3_5", "torch"), ("qwen3_5_moe", "native"), ("qwen3_next", "native")])
+def test_hybrid_parity_both_loops(arch, kernels, tmp_path_factory, make_llm):
+    m = tiny_hybrid(arch, tmp_path_factory)
+    llm = make_llm(m["hf"], kv_cache_tokens=4096, max_running_requests=16, kernels=kernels, max_prefill_tokens=16)
+    c = llm.engine.model_config
+    assert c.architecture == arch and c.linear_layers == (0, 1, 2) and c.rotary_dim == 8
+    assert c.shared_expert_intermediate_size == (0 if arch == "qwen3_5" else 48)
+    ps = prompts_for(m["ref"].config.vocab_size, n=6, seed=7)
+    refs = [hf_greedy(m["ref"], p, MAX_NEW) for p in ps]
+    for scheduler in ("serial", "overlap"):
+        outs = run_with(llm, scheduler, ps, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        for o, (ref_ids, scores) in zip(outs, refs):
+            assert_parity(o.token_ids, ref_ids, scores)
+
+
+def test_chunks_and_batch_mates_change_no_token(tmp_path_factory, make_llm):
+    """A prompt's state carried over 16-token chunks gives the tokens of one chunk, alone or among other prompts,
+    in both loops; logprobs within rounding (the fp32 linears of a safetensors model follow the row count: GGUF
+    blocks give the same bits, and the recurrent part gives them here too: test_state_carries_bit_for_bit)."""
+    m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
+    ps = prompts_for(m["ref"].config.vocab_size, n=6, seed=3) + [list(range(5, 90))]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    whole = make_llm(m["hf"], max_prefill_tokens=512, prefix_cache=False)
+    one = [run_with(whole, "serial", [p], params)[0] for p in ps]
+    whole.shutdown()
+    chunked = make_llm(m["hf"], max_prefill_tokens=16, prefix_cache=False)
+    for scheduler in ("serial", "overlap"):
+        for a, o in zip(one, run_with(chunked, scheduler, ps, params)):
+            assert o.token_ids == a.token_ids
+            for la, lo in zip(a.outputs[0].logprobs, o.outputs[0].logprobs):
+                assert la.keys() == lo.keys() and all(abs(la[t] - lo[t]) < 1e-4 for t in la)
+
+
+def test_state_carries_bit_for_bit():
+    """The conv and the delta rule of one request: its tokens in one piece or cut anywhere, the same bits (the state
+    carried between pieces), whatever else the call holds."""
+    from tandem.model.linear_attention import causal_conv, delta_rule_reference, l2norm
+    g = torch.Generator().manual_seed(0)
+    n, c, width, h, dk, dv = 23, 24, 4, 4, 8, 8
+    x, w = torch.randn(n, c, generator=g), torch.randn(c, width, generator=g)
+    q, k = l2norm(torch.randn(n, h, dk, generator=g)), l2norm(torch.randn(n, h, dk, generator=g))
+    v, gate, beta = torch.randn(n, h, dv, generator=g), -torch.rand(n, h, generator=g), torch.rand(n, h, generator=g)
+    conv0, s0 = torch.zeros(c, width - 1), torch.zeros(h, dk, dv)
+    whole = causal_conv(x, w, conv0.clone(), True), delta_rule_reference(q, k, v, gate, beta, s0.clone())
+    for cuts in ([1], [7, 8], [16], [1, 2, 3, 20]):
+        conv, s, ys, os_ = conv0.clone(), s0.clone(), [], []
+        for a, b in zip([0] + cuts, cuts + [n]):
+            ys.append(causal_conv(x[a:b], w, conv, a == 0))
+            os_.append(delta_rule_reference(q[a:b], k[a:b], v[a:b], gate[a:b], beta[a:b], s))
+        assert torch.equal(torch.cat(ys), whole[0]) and torch.equal(torch.cat(os_), whole[1]), cuts
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_mixer_rows_stand_alone(native, tmp_path_factory):
+    """A linear layer's mixing (conv, rule, gated norm: the projections aside) of a step's rows: a row the same bits
+    alone or among others, in one step or cut over two beside another row, its state left the same."""
+    import numpy as np
+    from tandem.kernels import available
+    from tandem.model.linear_attention import GatedDeltaNet
+    from tandem.model.loader import load_weights, resolve_model
+    from tandem.model.recurrent_state import RecurrentState
+    if native and not available():
+        pytest.skip("native kernels not built")
+    src = resolve_model(tiny_hybrid("qwen3_5", tmp_path_factory)["hf"])
+    sd = load_weights(src)
+
+    class Reader:                   # the state dict as the model reads it (llama._StateReader's two calls)
+        def w(self, name):
+            return sd[name]
+
+        def lin(self, w):
+            return lambda x: x @ w.t()
+
+    mixer = GatedDeltaNet(Reader(), src.config, 0, 0, native)
+    lens = [9, 1, 17, 4]
+    proj = torch.randn(sum(lens), 2 * mixer.key_dim + 2 * mixer.value_dim + 2 * mixer.heads_v,
+                       generator=torch.Generator().manual_seed(2))
+    pool = RecurrentState(src.config, 1, 8, torch.device("cpu"))
+
+    def step(rows, extend, seq, x):
+        return mixer.mix(x, pool.rows_of(np.array(rows), np.array(extend), np.array(seq)))
+
+    together = step([1, 2, 3, 4], lens, lens, proj)
+    assert torch.equal(step([5], [9], [9], proj[:9]), together[:9])
+    assert torch.equal(pool.ssm[0, 5], pool.ssm[0, 1]) and torch.equal(pool.conv[0, 5], pool.conv[0, 1])
+    first = step([6], [5], [5], proj[10:15])                       # row 3's 17 tokens: 5, then 12 beside a row
+    second = step([7, 6], [1, 12], [1, 17], torch.cat([proj[:1], proj[15:27]]))
+    assert torch.equal(torch.cat([first, second[1:]]), together[10:27])
+    assert torch.equal(pool.ssm[0, 6], pool.ssm[0, 3]) and torch.equal(pool.conv[0, 6], pool.conv[0, 3])
+
+
+def test_vision_language_checkpoint_serves_its_text_model(tmp_path_factory, tmp_path, make_llm):
+    """A Qwen3_5ForConditionalGeneration folder (text_config, model.language_model.* weights, a vision tower and an
+    MTP head to skip) serves the same tokens as the text model's own folder."""
+    from safetensors.torch import load_file, save_file
+    m = tiny_hybrid("qwen3_5", tmp_path_factory)
+    with open(os.path.join(m["hf"], "config.json")) as f:
+        text = json.load(f)
+    wrapped = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
+               "tie_word_embeddings": False}
+    sd = load_file(os.path.join(m["hf"], "model.safetensors"))
+    sd = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v for k, v in sd.items()}
+    sd.update({"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(2, 2)})
+    for name in os.listdir(m["hf"]):
+        if name not in ("config.json", "model.safetensors"):
+            with open(os.path.join(m["hf"], name), "rb") as src, open(tmp_path / name, "wb") as dst:
+                dst.write(src.read())
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(wrapped, f)
+    llm = make_llm(str(tmp_path), max_running_requests=4)
+    assert llm.engine.model_config.architecture == "qwen3_5"
+    p = prompts_for(m["ref"].config.vocab_size, n=1, seed=5)[0]
+    ref_ids, scores = hf_greedy(m["ref"], p, MAX_NEW)
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)[0]
+    assert_parity(out.token_ids, ref_ids, scores)
+
+
+def test_hybrid_config_errors_and_state_size():
+    """A hybrid config without its linear heads is refused by name; the state a row holds is what its tensors take."""
+    from tandem.model.config import ModelConfig
+    from tandem.model.recurrent_state import RecurrentState, state_bytes_per_row
+    d = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+         "num_hidden_layers": 4, "intermediate_size": 32}
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        ModelConfig.from_hf_dict(d)
+    c = ModelConfig.from_hf_dict({**d, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                  "linear_key_head_dim": 8, "linear_value_head_dim": 8, "head_dim": 16})
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) and c.rotary_dim == 4
+    pool = RecurrentState(c, len(c.linear_layers), 5, torch.device("cpu"))
+    assert pool.nbytes == 5 * state_bytes_per_row(c, 3) == 5 * 3 * 4 * ((2 * 16 + 32) * 3 + 4 * 8 * 8)
