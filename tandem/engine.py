@@ -45,6 +45,7 @@ class Engine:
         check_tp_size(self.model_config, config.tp_size, self.model_name)
         check_chunks(self.model_config, config.tp_reduce_chunks, self.model_name)
         check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name)
+        check_hybrid(self.model_config, config, self.model_name)
         spec = runner_spec(config, self.source)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
@@ -235,3 +236,11 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+def check_hybrid(c, config: EngineConfig, name: str) -> None:
+    """What a hybrid linear-attention model's state does not yet follow: a speculative verify run advances the state
+    by draft tokens it may reject (the state would need a copy per position to roll back to)."""
+    if c.linear_layers and config.speculative_config is not None:
+        raise ValueError(f"speculative_config: {name} is a hybrid linear-attention model ({c.architecture}); "
+                         f"speculative decoding does not roll its recurrent state back yet: serve it without")

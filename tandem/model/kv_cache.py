@@ -93,7 +93,7 @@ class StepKV:
         b, lk = kv_index.shape
         # Every row new and Lk long: the step's tokens, row after row, are the keys in order (no view needed).
         self.dense = not has_prefix and tok_row.shape[0] == b * lk
-        per_layer = b * lk * cache.data[0, 0].numel()
+        per_layer = max(1, b * lk * cache.data.shape[2:].numel())   # (a pipeline stage of linear layers holds none)
         self.group = max(1, min(cache.num_layers, GATHER_BUDGET_BYTES // (per_layer * cache.data.element_size())))
         self._first = -1
         self._view: torch.Tensor | None = None   # [B, Lk, group, 2, KVH, D]

@@ -45,6 +45,10 @@ def _fits(c: ModelConfig, n: int) -> list[str]:
 
 def check_tp_size(c: ModelConfig, n: int, name: str = "the model") -> None:
     """A clear ValueError when the model's shapes do not split over n ranks."""
+    if n > 1 and c.linear_layers:
+        raise ValueError(f"tp_size {n}: {name} is a hybrid linear-attention model ({c.architecture}), whose Gated "
+                         f"DeltaNet layers do not split over tensor-parallel ranks yet; serve it with tp_size 1 "
+                         f"(pp_size may split its layers)")
     why = _fits(c, n)
     if why:
         ok = [k for k in range(1, c.num_heads + 1) if not _fits(c, k)]

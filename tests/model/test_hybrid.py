@@ -160,3 +160,22 @@ def test_hybrid_config_errors_and_state_size():
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) and c.rotary_dim == 4
     pool = RecurrentState(c, len(c.linear_layers), 5, torch.device("cpu"))
     assert pool.nbytes == 5 * state_bytes_per_row(c, 3) == 5 * 3 * 4 * ((2 * 16 + 32) * 3 + 4 * 8 * 8)
+
+
+def test_pp2_equals_pp1_and_refusals(tmp_path_factory, make_llm):
+    """Pipeline stages hold their own layers' states (stage 0 has linear layers only: no KV at all); tp and
+    speculative decoding, which the state does not follow yet, are refused by name."""
+    from tandem import LLM
+    m = tiny_hybrid("qwen3_5", tmp_path_factory)
+    ps = prompts_for(m["ref"].config.vocab_size, n=4, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for pp in (1, 2):
+        llm = make_llm(m["hf"], pp_size=pp, max_running_requests=8, max_prefill_tokens=16, device_threads=1)
+        outs[pp] = [o.token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        llm.shutdown()
+    assert outs[1] == outs[2]
+    with pytest.raises(ValueError, match="tp_size 2.*hybrid linear-attention"):
+        LLM(m["hf"], tp_size=2)
+    with pytest.raises(ValueError, match="speculative decoding does not roll"):
+        LLM(m["hf"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
