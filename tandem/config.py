@@ -28,6 +28,8 @@ class EngineConfig:
     # (a 12 x 924-token burst took 2.1x longer at 256 than prefill-first). 256 is the throughput-side default.
     mixed_prefill_tokens: int = 256     # prefill tokens of a step with decode rows (lower: smoother streams)
     prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
+    state_checkpoints: int | None = None    # hybrid linear-attention models: saved states the prefix cache may hold (each one request's state); None: 2 x max_running_requests; 0: no prefix-cache hits for them
+    hybrid_checkpoint_tokens: int = 0   # hybrid models: checkpoint a prompt's state at the first prefill chunk end past each multiple of this many tokens (and where a request's tokens end); 0: at every chunk end
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.1     # with kv_cache_tokens None: this fraction of free memory holds the KV cache
@@ -90,6 +92,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be >= 2, got {self.kv_cache_tokens}")
         if self.device_threads is not None and self.device_threads < 1:
             raise ValueError(f"device_threads must be >= 1, got {self.device_threads}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0 or self.hybrid_checkpoint_tokens < 0:
+            raise ValueError(f"state_checkpoints ({self.state_checkpoints}) and hybrid_checkpoint_tokens "
+                             f"({self.hybrid_checkpoint_tokens}) must be >= 0")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         self._check_tp()
@@ -187,6 +192,12 @@ class EngineConfig:
         pipeline stages run a step in lockstep, so none of them can run another between two layers."""
         return (self.urgent_steps and self.scheduling_policy == "priority" and self.resolved_backend() == "process"
                 and self.tp_size == 1 and self.pp_size == 1 and self.nnodes == 1)
+
+    def checkpoints(self) -> int:
+        """State checkpoints of a hybrid model's prefix cache (state_checkpoints; none without a prefix cache)."""
+        if not self.prefix_cache:
+            return 0
+        return 2 * self.max_running_requests if self.state_checkpoints is None else self.state_checkpoints
 
     def spare_rows(self) -> int:
         """Request-table rows past max_running_requests: where urgent steps' requests go while the rows of

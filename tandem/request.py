@@ -70,6 +70,7 @@ class Req:
     filled: int = 0                        # positions whose KV-writing step has been launched
     cached_len: int = 0                    # leading slots matched in the prefix cache at admission
     cache_node: object | None = None       # the radix node that match ends at, locked while running
+    state_from: int | None = None          # hybrid models: the state checkpoint its first chunk resumes from
     num_cached_tokens: int | None = None   # prompt tokens served from the cache at first admission
     queue_time: float | None = None        # seconds from arrival to first admission (a retraction keeps it)
     num_launched: int = 0

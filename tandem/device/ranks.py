@@ -92,7 +92,8 @@ def runner_spec(config: EngineConfig, source) -> RunnerSpec:
         batch_invariant=config.batch_invariant,
         decode_attention=config.decode_attention,
         tp_size=config.tp_size, tp_comm=config.tp_comm, tp_reduce_chunks=config.tp_reduce_chunks, pp_size=config.pp_size,
-        max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0)
+        max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0,
+        state_checkpoints=config.checkpoints() if source.config.linear_layers else 0)
 
 
 # How long an idle OpenMP worker of a device process spins before it sleeps (libgomp's GOMP_SPINCOUNT; its default

@@ -33,6 +33,7 @@ class RunnerSpec:
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
     pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
     spare_rows: int = 0           # request-table rows past max_running, for urgent steps (scheduler/urgent.py)
+    state_checkpoints: int = 0    # a hybrid model's saved states the prefix cache may hold (model/recurrent_state.py)
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""

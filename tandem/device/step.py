@@ -13,7 +13,7 @@ ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed
             "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens", "embed")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
-            "bias_rows", "bias_ids", "stash_rows", "stash_ids")
+            "bias_rows", "bias_ids", "stash_rows", "stash_ids", "state_ops")
 VAR_FLOATS = ("bias_vals",)
 HEADER = 2 + len(VAR_INTS) + len(VAR_FLOATS)
 
@@ -77,6 +77,9 @@ class StepInput:
     # vector comes back with the step's results, rows in batch order), MEAN (mean pooling: its positions add to the
     # row's sum), RESET (that sum starts at zero); 0 elsewhere.
     embed: np.ndarray = None          # [B]
+    # A hybrid model's state checkpoints (memory/state_checkpoints.py): (kind, from, to) triples, saves of released
+    # rows and restores into rows before the forward, saves of rows whose chunk ends a checkpoint after it.
+    state_ops: np.ndarray = None      # [3 S]
 
     def __post_init__(self) -> None:
         b = len(self.rows)

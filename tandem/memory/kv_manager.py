@@ -14,14 +14,17 @@ from ..request import Req
 from .kv_allocator import KVSlotAllocator
 from .radix_cache import RadixCache
 from .req_table import ReqRowAllocator
+from .state_checkpoints import StateCheckpoints
 
 
 class KVCacheManager:
-    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool, recurrent: bool = False) -> None:
+    def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool,
+                 checkpoints: StateCheckpoints | None = None, recurrent: bool = False) -> None:
         self.kv = KVSlotAllocator(num_slots)
-        # A hybrid model's request also carries a linear-attention state that a cached prefix's KV does not give
-        # back: its requests start from position 0 (the tree still takes their KV)
+        # A hybrid model's request also carries a linear-attention state, which a cached prefix's KV does not give
+        # back: it resumes from a state checkpoint (state_checkpoints.py), or, with none, from position 0
         self.recurrent = recurrent
+        self.checkpoints = checkpoints if recurrent and prefix_cache else None
         self.cache = RadixCache() if prefix_cache else None
         self.rows = ReqRowAllocator(max_rows)
         self.prefix_queries = 0             # prompt tokens looked up in the prefix cache at admission
@@ -36,10 +39,14 @@ class KVCacheManager:
     def match_prefix(self, req: Req) -> int:
         """Admission: point the request at the longest cached prefix of its fill ids and lock it there.
         The last token is always computed: its logits sample the next token. Returns the hit length."""
-        req.cached_len = 0
+        req.cached_len, req.state_from = 0, None
         if self.takes_hits(req):
             fill = req.fill_ids()
-            slots, node = self.cache.match_prefix(fill[:-1])
+            if self.recurrent:          # only as deep as a saved state: the first chunk restores it (make_batch)
+                slots, node = self.cache.match_checkpointed(fill[:-1])
+                req.state_from = node.checkpoint
+            else:
+                slots, node = self.cache.match_prefix(fill[:-1])
             self.cache.lock(node)
             req.slots, req.cached_len, req.cache_node = slots, len(slots), node
         req.filled = req.cached_len
@@ -48,14 +55,14 @@ class KVCacheManager:
     def takes_hits(self, req: Req) -> bool:
         """Whether the request may start from a cached prefix: not with prompt logprobs or mean pooling, which
         need every prompt position computed (their KV still goes into the cache as anyone's)."""
-        return (self.cache is not None and not self.recurrent and req.params.prompt_logprobs is None
-                and req.params.pooling != "mean")
+        return (self.cache is not None and (self.checkpoints is not None or not self.recurrent)
+                and req.params.prompt_logprobs is None and req.params.pooling != "mean")
 
     def unmatch(self, req: Req) -> None:
         """Undo match_prefix for a request that was not admitted after all."""
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
-        req.slots, req.cached_len, req.cache_node, req.filled = [], 0, None, 0
+        req.slots, req.cached_len, req.cache_node, req.filled, req.state_from = [], 0, None, 0, None
 
     def admit(self, req: Req, n: int, cached: int) -> None:
         """Give an admitted request its n uncached slots and count its prefix lookup."""
@@ -110,8 +117,11 @@ class KVCacheManager:
         Every reader of a cached slot is launched after this point, so after the step that wrote it.
         """
         fill = req.fill_ids()
-        n = max(min(req.filled, len(fill) - 1), req.cached_len)
+        # A hybrid's state covers every launched token: one that rode in a step after finishing has its KV too
+        n = max(min(req.filled, len(fill) - (0 if self.checkpoints is not None else 1)), req.cached_len)
         held = self.cache.insert(fill[:n], req.slots[:n])
+        if self.checkpoints is not None and n == req.filled:
+            self._checkpoint(req, fill[:n], after_step=False)
         # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
         # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
         self.kv.free(req.slots[req.cached_len:max(held, req.cached_len)] + req.slots[n:])
@@ -133,12 +143,36 @@ class KVCacheManager:
         ids = req.fill_ids()[:req.filled]
         if len(self.cache.match_prefix(ids)[0]) != req.cached_len:
             return
+        start = req.cached_len
         self.cache.insert(ids, req.slots[:req.filled])
         slots, node = self.cache.match_prefix(ids)
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = node, len(slots)
+        if self.checkpoints is not None and self.checkpoints.wants(start, req.filled):
+            self._checkpoint(req, ids, after_step=True)       # saved once the step that ends the chunk has run
+
+    def _checkpoint(self, req: Req, ids: list[int], after_step: bool) -> None:
+        """Save the request row's state as the checkpoint of the node `ids` ends at (unless it has one)."""
+        _, node = self.cache.match_prefix(ids)
+        if node is not self.cache.root and node.checkpoint is None:
+            cid = self.checkpoints.take(self.cache, node)
+            if cid is not None:
+                self.checkpoints.save(req.row, cid, after_step)
+
+    def restore_state(self, req: Req) -> None:
+        """A hybrid request's first chunk: its row's state from the checkpoint its match stopped at."""
+        if req.state_from is not None:
+            self.checkpoints.restore(req.state_from, req.row)
+            req.state_from = None
+
+    def take_state_ops(self):
+        """The state copies the next launched step makes (StepInput.state_ops), or None for a model without."""
+        if self.checkpoints is None:
+            return None
+        self.checkpoints.reclaim(self.cache)
+        return self.checkpoints.take_ops()
 
     def take_freed_rows(self) -> list[int]:
         """Rows freed since the last call (the next launch may poison their FutureMap rows)."""
@@ -170,5 +204,9 @@ class KVCacheManager:
             "kv_usage": 1.0 - self.available() / self.kv.num_slots,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            **({} if self.checkpoints is None else {
+                "state_checkpoints": self.checkpoints.size, "held_state_checkpoints": self.checkpoints.held(),
+                "state_checkpoints_saved": self.checkpoints.saved,
+                "state_checkpoints_restored": self.checkpoints.restored}),
         }
 

@@ -9,6 +9,9 @@ request (the part of `Req.slots` past its cached prefix), or this tree.
 - Eviction frees the least recently used unlocked leaves, only when the allocator runs short.
 - What enters the tree: only KV whose writing step has already been launched (the caller's rule, see
   Scheduler.cache_request), so every step that reads a node is launched after the step that wrote it.
+- State checkpoints (a hybrid model's, memory/state_checkpoints.py): a node may hold the id of a saved
+  linear-attention state after its last token. A split keeps it on the lower part (the edge's end); an evicted
+  leaf gives its id back (freed_checkpoints); a match that needs a state stops at the deepest node holding one.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)   # first token id -> child
     lock: int = 0
     last_access: int = 0
+    checkpoint: int | None = None                     # a saved state after this edge's last token (hybrid models)
 
 
 class RadixCache:
@@ -34,6 +38,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.evictable_size = 0             # slots in unlocked nodes
         self.protected_size = 0             # slots in locked nodes
+        self.freed_checkpoints: list[int] = []   # checkpoint ids of evicted nodes, for their owner to take back
 
     @property
     def total_size(self) -> int:
@@ -56,6 +61,26 @@ class RadixCache:
             slots.extend(child.slots)
             node, i = child, i + n
         return slots, node
+
+    def match_checkpointed(self, ids: list[int]) -> tuple[list[int], Node]:
+        """match_prefix cut back to the deepest node on the path that holds a state checkpoint (the root: none):
+        a hybrid model's request resumes from that state and recomputes the rest."""
+        slots, node = self.match_prefix(ids)
+        depth = len(slots)
+        while node is not self.root and node.checkpoint is None:
+            depth -= len(node.key)
+            node = node.parent
+        return slots[:depth], node
+
+    def lru_checkpoint(self) -> Node | None:
+        """The least recently used unlocked node holding a checkpoint (to take it back when none is free)."""
+        best, stack = None, [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.checkpoint is not None and node.lock == 0 and (best is None or node.last_access < best.last_access):
+                best = node
+        return best
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut child's edge after n tokens; returns the new upper node (same lock as child)."""
@@ -115,6 +140,8 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             freed.extend(leaf.slots)
             self.evictable_size -= len(leaf.slots)
+            if leaf.checkpoint is not None:
+                self.freed_checkpoints.append(leaf.checkpoint)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock == 0:

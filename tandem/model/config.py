@@ -61,6 +61,7 @@ class ModelConfig:
     linear_conv_kernel: int = 0      # the causal depthwise conv's width over q / k / v (its state: width - 1 tokens)
     partial_rotary_factor: float = 1.0   # RoPE turns the first head_dim * factor dims of a head; the rest pass
     attn_output_gate: bool = False   # q_proj also gives each head a gate: attention output * sigmoid(gate)
+    linear_value_heads_tiled: bool = False   # value head h reads key head h mod key heads (llama.cpp's Qwen3.5 files); else h div (value / key heads), HF's
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

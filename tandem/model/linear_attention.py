@@ -89,6 +89,7 @@ class GatedDeltaNet:
     def __init__(self, ws, c: ModelConfig, i: int, j: int, native: bool) -> None:
         p = f"model.layers.{i}.linear_attn."
         self.j, self.native = j, native           # j: the layer's index among the linear layers (its state)
+        self.tiled = c.linear_value_heads_tiled
         self.heads_k, self.heads_v = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv, self.eps = c.linear_key_head_dim, c.linear_value_head_dim, c.rms_norm_eps
         self.key_dim, self.value_dim = self.heads_k * self.dk, self.heads_v * self.dv
@@ -118,9 +119,8 @@ class GatedDeltaNet:
         mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
                            for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        r = self.heads_v // self.heads_k
-        q = (l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5).repeat_interleave(r, dim=1)
-        k = l2norm(k.reshape(t, self.heads_k, self.dk)).repeat_interleave(r, dim=1)
+        q = self._to_value_heads(l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5)
+        k = self._to_value_heads(l2norm(k.reshape(t, self.heads_k, self.dk)))
         v = v.reshape(t, self.heads_v, self.dv)
         beta = elementwise(torch.sigmoid, b.float())
         g = self.neg_a * elementwise(F.softplus, a.float() + self.dt_bias)
@@ -131,6 +131,12 @@ class GatedDeltaNet:
                 state.zero_()
             o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
         return self._gated_norm(o, z)
+
+    def _to_value_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, key heads, Dk] -> [T, value heads, Dk]: each value head's key head (grouped, HF's order; or tiled,
+        the order llama.cpp's Qwen3.5 files keep value heads in)."""
+        r = self.heads_v // self.heads_k
+        return x.repeat(1, r, 1) if self.tiled else x.repeat_interleave(r, dim=1)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output [T, Hv, Dv] (fp32), times w, times silu(z); -> [T, Hv Dv]."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from ..memory.state_checkpoints import RESTORE, SAVE_AFTER
 from .linear_attention import RecurrentRows
 
 
@@ -27,18 +28,35 @@ def state_bytes_per_row(c: ModelConfig, layers: int) -> int:
 
 
 class RecurrentState:
-    """The device's state pool: conv [L, rows, C, width - 1] and ssm [L, rows, Hv, Dk, Dv], fp32, zeroed once."""
+    """The device's state pool: conv [L, rows, C, width - 1] and ssm [L, rows, Hv, Dk, Dv], fp32, zeroed once; and
+    the prefix cache's checkpoints of it, the same per layer, `checkpoints` of them
+    (memory/state_checkpoints.py decides what each holds)."""
 
-    def __init__(self, c: ModelConfig, layers: int, rows: int, device: torch.device) -> None:
+    def __init__(self, c: ModelConfig, layers: int, rows: int, device: torch.device, checkpoints: int = 0) -> None:
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-        self.conv = torch.zeros(layers, rows, conv_dim, c.linear_conv_kernel - 1, dtype=torch.float32, device=device)
-        self.ssm = torch.zeros(layers, rows, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                               dtype=torch.float32, device=device)
+        shapes = ((conv_dim, c.linear_conv_kernel - 1),
+                  (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
+        self.conv, self.ssm = (torch.zeros(layers, rows, *sh, dtype=torch.float32, device=device) for sh in shapes)
+        self.saved_conv, self.saved_ssm = (torch.zeros(layers, checkpoints, *sh, dtype=torch.float32, device=device)
+                                           for sh in shapes)
         self.device = device
 
     @property
     def nbytes(self) -> int:
-        return self.conv.numel() * 4 + self.ssm.numel() * 4
+        return sum(t.numel() * 4 for t in (self.conv, self.ssm, self.saved_conv, self.saved_ssm))
+
+    def copy(self, ops: np.ndarray, after_forward: bool) -> None:
+        """The step's checkpoint copies (StepInput.state_ops), in their order: before the forward, saves of rows
+        into checkpoints, then restores of checkpoints into rows; after it, the saves of chunk ends."""
+        for kind, src, dst in np.asarray(ops).reshape(-1, 3).tolist():
+            if (kind == SAVE_AFTER) != after_forward:
+                continue
+            if kind == RESTORE:
+                self.conv[:, dst].copy_(self.saved_conv[:, src])
+                self.ssm[:, dst].copy_(self.saved_ssm[:, src])
+            else:
+                self.saved_conv[:, dst].copy_(self.conv[:, src])
+                self.saved_ssm[:, dst].copy_(self.ssm[:, src])
 
     def rows_of(self, rows: np.ndarray, extend_lens: np.ndarray, seq_lens: np.ndarray) -> RecurrentRows:
         """The step's rows (request-table rows, new tokens, lengths after the step) as the layers read them."""

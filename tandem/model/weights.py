@@ -71,19 +71,21 @@ def linear_attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]
 def split_fused(name: str, t, c: ModelConfig) -> list:
     """[(name, tensor)] of a checkpoint tensor in the contract's names: Qwen3-Next's in_proj_qkvz (per key head:
     its q, k, then its value heads' v and z rows) and in_proj_ba (per key head: its value heads' b, then a) as
-    Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, the rows regrouped (q heads, k heads, v heads)."""
+    Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, the rows regrouped (q heads, k heads, v heads).
+    GGUF blocks stay blocks (whole rows move)."""
     if not name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
         return [(name, t)]
+    from .linear import take_rows
     p = name[: name.rindex("in_proj_")]
     nk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
     r = c.linear_num_value_heads // nk                      # value heads a key head serves
-    g = t.reshape(nk, -1, t.shape[-1])                      # [key heads, their rows, hidden]
+    sizes = [r, r] if name.endswith("ba.weight") else [dk, dk, r * dv, r * dv]
+    rows = torch.arange(t.shape[0]).view(nk, -1).split(sizes, dim=1)      # each part's rows, key head by key head
+    parts = [take_rows(t, part.reshape(-1)) for part in rows]
     if name.endswith("ba.weight"):
-        b, a = g.split([r, r], dim=1)
-        return [(p + "in_proj_b.weight", b.reshape(-1, t.shape[-1])), (p + "in_proj_a.weight", a.reshape(-1, t.shape[-1]))]
-    q, k, v, z = g.split([dk, dk, r * dv, r * dv], dim=1)
-    qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
-    return [(p + "in_proj_qkv.weight", qkv), (p + "in_proj_z.weight", z.reshape(-1, t.shape[-1]))]
+        return [(p + "in_proj_b.weight", parts[0]), (p + "in_proj_a.weight", parts[1])]
+    qkv = take_rows(t, torch.cat([part.reshape(-1) for part in rows[:3]]))
+    return [(p + "in_proj_qkv.weight", qkv), (p + "in_proj_z.weight", parts[3])]
 
 
 def expert_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:

@@ -105,6 +105,7 @@ def make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
         prefix_lens.append(r.cached_len if first else 0)
         if first:
             prefix_slots.extend(r.slots[:r.cached_len])
+            s.memory.restore_state(r)              # a hybrid's state from its checkpoint (none: nothing)
         r.filled = c.start + c.n
         if c.last:
             r.num_launched = len(r.output_ids) + 1
@@ -133,6 +134,9 @@ def make_batch(s: "Scheduler", chunks: list[Chunk], decode: list[Req],
     )
     for c in chunks:
         s.memory.cache_prefill(c.req)      # after the step's rows are built: its own rows must not read it
+    ops = s.memory.take_state_ops()      # a hybrid's state copies around this step's forward
+    if ops is not None:
+        step.state_ops = ops
     assert b == step.batch_size
     return Batch(step.step_id, reqs, bool(chunks), step, [j == 0 for _, j in rows_of] + [c.last for c in chunks],
                  num_decode=len(decode))

@@ -24,6 +24,7 @@ from ..config import EngineConfig
 from ..device.streams import now
 from ..device.executor import Executor, ResultHandle
 from ..memory.kv_manager import KVCacheManager
+from ..memory.state_checkpoints import StateCheckpoints
 from ..request import Req, ReqStatus, StepOutput
 from ..speculative.speculation import Speculation
 from ..trace.recorder import Recorder
@@ -55,8 +56,10 @@ class Scheduler:
         self.recorder = recorder or Recorder(enabled=False)
         # Request-table rows: the running cap's, and spare ones urgent steps' requests take (EngineConfig.spare_rows)
         # recurrent: a hybrid model's rows also hold a linear-attention state (model/recurrent_state.py)
+        checkpoints = StateCheckpoints(config.checkpoints(), config.hybrid_checkpoint_tokens) if recurrent else None
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
-                                     config.prefix_cache, recurrent)
+                                     config.prefix_cache, checkpoints if checkpoints and checkpoints.size else None,
+                                     recurrent)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe
@@ -300,5 +303,6 @@ class Scheduler:
             "num_waiting": self.num_queued(),
             "num_preemptions": self.retractions,
             **{k: mem[k] for k in ("kv_usage", "prefix_cache_queries", "prefix_cache_hits")},
+            **{k: v for k, v in mem.items() if "state_checkpoints" in k},      # a hybrid model's
             **self.spec.stats.as_stats(),
         }

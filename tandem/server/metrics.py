@@ -30,6 +30,8 @@ GAUGES = {
     "tandem:num_requests_running": ("num_running", "Requests in the running batch."),
     "tandem:num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
     "tandem:kv_cache_usage_perc": ("kv_usage", "Fraction of KV cache slots in use (1 = full)."),
+    "tandem:state_checkpoints_held": ("held_state_checkpoints", "Hybrid models: saved linear-attention states the "
+                                      "prefix cache holds (of state_checkpoints, each one request's state)."),
     "tandem:device_idle_fraction": ("device_idle_fraction",
                                     "Fraction of the last window (device steps of the last 10 s) the device idled."),
 }
@@ -39,6 +41,10 @@ ENGINE_COUNTERS = {
     "tandem:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held."),
     "tandem:num_preemptions": ("num_preemptions", "Running requests retracted (their KV freed, re-prefilled when "
                                "they resume): the KV cache ran short or a request that outranks them needed room."),
+    "tandem:state_checkpoints_saved": ("state_checkpoints_saved", "Hybrid models: states saved as prefix-cache "
+                                       "checkpoints (where requests end and at prefill chunk ends)."),
+    "tandem:state_checkpoints_restored": ("state_checkpoints_restored", "Hybrid models: requests resumed from a "
+                                          "prefix-cache state checkpoint."),
     "tandem:spec_decode_num_draft_tokens": ("spec_draft_tokens", "Draft tokens verified by speculative decoding."),
     "tandem:spec_decode_num_accepted_tokens": ("spec_accepted_tokens",
                                                "Draft tokens speculative decoding accepted."),

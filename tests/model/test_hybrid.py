@@ -179,3 +179,45 @@ def test_pp2_equals_pp1_and_refusals(tmp_path_factory, make_llm):
         LLM(m["hf"], tp_size=2)
     with pytest.raises(ValueError, match="speculative decoding does not roll"):
         LLM(m["hf"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, make_llm):
+    """Each turn of a chat resumes from the previous turn's state checkpoint (its whole history a hit), and two
+    requests on one prefix share a chunk-end checkpoint; the tokens are those computed from scratch, in both loops,
+    and a retracted request (the KV cache too small for all) resumes from its own checkpoint."""
+    m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    base = prompts_for(m["ref"].config.vocab_size, n=1, seed=4)[0] + list(range(100, 140))
+
+    def chat(llm, scheduler):
+        llm.engine.config = llm.engine.config.replace(scheduler=scheduler)
+        p, turns = base, []
+        for extra in ([], list(range(200, 215)), [7, 8, 9]):
+            p = p + (turns[-1].token_ids if turns else []) + extra
+            turns.append(llm.generate([p], params, use_tqdm=False)[0])
+        pair = llm.generate([p + [5], p + [6, 7]], params, use_tqdm=False)
+        return turns + pair
+
+    cold = make_llm(m["hf"], max_prefill_tokens=16, prefix_cache=False)
+    ref = chat(cold, "serial")
+    cold.shutdown()
+    llm = make_llm(m["hf"], max_prefill_tokens=16, hybrid_checkpoint_tokens=32)
+    for scheduler in ("serial", "overlap"):
+        llm.engine.scheduler.memory.reset_prefix_cache()
+        before = llm.stats()
+        outs = chat(llm, scheduler)
+        for a, o in zip(ref, outs):
+            assert o.token_ids == a.token_ids
+            for la, lo in zip(a.outputs[0].logprobs, o.outputs[0].logprobs):
+                assert la.keys() == lo.keys() and all(abs(la[t] - lo[t]) < 1e-4 for t in la)
+        s = llm.stats()
+        assert s["state_checkpoints_restored"] - before["state_checkpoints_restored"] >= 4, s
+        # turn 2's hit: turn 1's prompt and all of its answer but (serial) the last token, whose state is not computed
+        assert outs[1].num_cached_tokens >= len(base) + MAX_NEW - 3
+    small = make_llm(m["hf"], max_prefill_tokens=16, kv_cache_tokens=300, max_running_requests=8)
+    ps = [base[:30] + [i] * 20 for i in range(6)]
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = run_with(small, "overlap", ps, long)
+    assert small.stats()["num_preemptions"] > 0
+    want = run_with(make_llm(m["hf"], max_prefill_tokens=16, prefix_cache=False), "overlap", ps, long)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -112,8 +112,10 @@ class ProcessExecutor:
         bias = MAX_BIASES * b
         self.pp_size = spec.pp_size
         relay = 2 * (spec.max_running + 1) if spec.pp_size > 1 else 0       # a row and its id, per table row
+        # a hybrid's state copies: a save per released row, a restore and a save per batch row at most
+        state = 3 * (spec.max_running + spec.spare_rows + 1 + 2 * b) if spec.source.config.linear_layers else 0
         int_words = step_mod.HEADER + (len(step_mod.ROW_INTS) + 2) * b + 2 * max_tokens_per_step + \
-            2 * max_prefix_slots + 2 * bias + relay
+            2 * max_prefix_slots + 2 * bias + relay + state
         float_words = len(step_mod.ROW_FLOATS) * b + bias
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")

@@ -14,8 +14,11 @@ import numpy as np
 
 from ..config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
-_ARCHITECTURE = {"mistral": "llama", "qwen3moe": "qwen3_moe"}     # GGUF general.architecture -> ModelConfig's
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe",
+                                "qwen3next")
+_ARCHITECTURE = {"mistral": "llama", "qwen3moe": "qwen3_moe",     # GGUF general.architecture -> ModelConfig's
+                 "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
+HYBRID_GGUF = ("qwen35", "qwen35moe", "qwen3next")
 STACKED = (".experts.gate_proj.weight", ".experts.up_proj.weight", ".experts.down_proj.weight")  # 3-D blocks
 # llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
 GEMMA3_SLIDING_PATTERN = 6
@@ -41,6 +44,24 @@ _BLOCK_NAMES = {
     "ffn_up_exps.weight": "mlp" + STACKED[1],
     "ffn_down_exps.weight": "mlp" + STACKED[2],
 }
+# The hybrids' tensors as llama.cpp's converter writes them (A as -exp(A_log), dt_bias as ssm_dt.bias, the conv
+# squeezed to [C, width], Qwen3-Next's in_proj_ba as ssm_ba); their norm after attention is the pre-MLP norm.
+_HYBRID_BLOCK_NAMES = {**_BLOCK_NAMES,
+                       "post_attention_norm.weight": "post_attention_layernorm.weight",
+                       "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+                       "attn_gate.weight": "linear_attn.in_proj_z.weight",
+                       "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+                       "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+                       "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+                       "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+                       "ssm_dt.bias": "linear_attn.dt_bias",
+                       "ssm_a": "linear_attn.A_log",
+                       "ssm_norm.weight": "linear_attn.norm.weight",
+                       "ssm_out.weight": "linear_attn.out_proj.weight",
+                       "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                       "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                       "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                       "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")     # the older layout: one tensor per expert
 # gemma3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm, post_attention_norm the one after attention.
 _GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES,
@@ -63,7 +84,8 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLK_RE.match(name)
-    names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
+    names = {"gemma3": _GEMMA3_BLOCK_NAMES, "qwen3_5": _HYBRID_BLOCK_NAMES, "qwen3_5_moe": _HYBRID_BLOCK_NAMES,
+             "qwen3_next": _HYBRID_BLOCK_NAMES}.get(arch, _BLOCK_NAMES)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     e = _EXPERT_RE.match(m.group(2)) if m else None
@@ -157,7 +179,9 @@ def read_gguf_config(reader) -> ModelConfig:
         freqs = np.asarray(dequantize_f32(t), dtype=np.float64).reshape(-1)
         scaling = _llama3_rope_scaling(freqs, rope_theta, head_dim)
 
-    extra = _arch_switches(reader, arch, tensors, int(req("block_count")), head_dim)
+    # the hybrids' files count their multi-token-prediction layers as blocks too (not served: gguf_to_hf_name)
+    num_layers = int(req("block_count")) - int(get_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    extra = _arch_switches(reader, arch, tensors, num_layers, head_dim)
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
         v = get_field(reader, key)
@@ -169,8 +193,9 @@ def read_gguf_config(reader) -> ModelConfig:
         architecture=_ARCHITECTURE.get(arch, arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")),
-        num_layers=int(req("block_count")),
+        intermediate_size=int(get_field(reader, f"{arch}.feed_forward_length", 0)
+                              or get_field(reader, f"{arch}.expert_feed_forward_length", 0) or req("feed_forward_length")),
+        num_layers=num_layers,
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
@@ -206,8 +231,33 @@ def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: 
                    query_pre_attn_scalar=float(head_dim))
     elif window and arch in ("mistral", "llama"):
         out["sliding_window"] = int(window)
+    elif arch in HYBRID_GGUF:
+        out.update(_linear_attention(reader, arch, tensors, num_layers, head_dim))
     out.update(_experts(reader, arch, tensors, num_layers))
     return out
+
+
+def _linear_attention(reader, arch: str, tensors: dict, num_layers: int, head_dim: int) -> dict:
+    """A hybrid's switches from its ssm.* keys (state_size: a key head's dim; group_count: key heads;
+    time_step_rank: value heads; inner_size: value heads x their dim), its linear layers (those with ssm_a), the
+    rotary dims, and the value-head order: Qwen3.5's converter tiles value heads over the key heads (value head h
+    reads key head h mod key heads), Qwen3-Next's keeps them grouped (h div value heads per key head)."""
+    def req(key: str):
+        v = get_field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"GGUF file is missing metadata key {arch}.{key}")
+        return int(v)
+
+    hv = req("ssm.time_step_rank")
+    types = tuple("linear_attention" if f"blk.{i}.ssm_a" in tensors else "full_attention" for i in range(num_layers))
+    rotary = int(get_field(reader, f"{arch}.rope.dimension_count", 0) or head_dim)
+    return dict(qk_norm=True, norm_offset=1.0, attn_output_gate=True, layer_types=types,
+                linear_num_key_heads=req("ssm.group_count"), linear_num_value_heads=hv,
+                linear_key_head_dim=req("ssm.state_size"), linear_value_head_dim=req("ssm.inner_size") // hv,
+                linear_conv_kernel=req("ssm.conv_kernel"), partial_rotary_factor=rotary / head_dim,
+                linear_value_heads_tiled=arch != "qwen3next",
+                shared_expert_intermediate_size=int(get_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+                                                    or 0))
 
 
 def _experts(reader, arch: str, tensors: dict, num_layers: int) -> dict:
@@ -216,7 +266,7 @@ def _experts(reader, arch: str, tensors: dict, num_layers: int) -> dict:
     renormalizes the chosen experts' weights for both (expert_weights_norm where a file says otherwise)."""
     n = get_field(reader, f"{arch}.expert_count")
     if not n:
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen35moe"):
             raise ValueError("GGUF file is missing metadata key qwen3moe.expert_count")
         return {}
     used = get_field(reader, f"{arch}.expert_used_count")

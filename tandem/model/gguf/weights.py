@@ -16,7 +16,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from ..config import ModelConfig
-from ..weights import expected_weight_shapes, name_list
+from ..weights import expected_weight_shapes, name_list, split_fused
 from .config import STACKED, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
 from .file import GGUFFile
 
@@ -54,15 +54,24 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
             name = gguf_to_hf_name(t.name, config.architecture)
-            if name is None:
+            if name is None or _layer(name) >= config.num_layers:     # a hybrid's MTP layers: not served
                 bar.update(t.nbytes)
                 continue
             if name.endswith(STACKED):                  # a 3-D block of every expert: one entry per expert
                 out.update(_experts(t, name, shapes, t.qtype in keep))
                 bar.update(t.nbytes)
                 continue
+            if name.endswith("linear_attn.in_proj_ba.weight"):        # Qwen3-Next's b and a, split as HF's are
+                for k, w in split_fused(name, _tensor(t, t.qtype in keep), config):
+                    out[k] = w
+                bar.update(t.nbytes)
+                continue
             if name not in shapes:
                 raise ValueError(f"GGUF tensor {t.name!r} ({name}) does not fit the model config")
+            if name.endswith("conv1d.weight"):                   # stored squeezed: [C, width]
+                out[name] = _tensor(t, False).reshape(shapes[name])
+                bar.update(t.nbytes)
+                continue
             if t.shape != shapes[name]:
                 raise ValueError(f"GGUF tensor {t.name!r}: shape {t.shape}, expected {shapes[name]}")
             quantized = t.qtype in keep and len(t.shape) == 2
@@ -78,14 +87,30 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
                 out[name] = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
             else:
                 out[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-            if config.norm_offset and name.endswith("norm.weight"):
+            if config.norm_offset and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
                 out[name] -= config.norm_offset          # llama.cpp stores gemma's (1 + w); HF names mean w
+            if name.endswith(".A_log"):                  # llama.cpp stores A = -exp(A_log)
+                out[name] = torch.log(-out[name].double()).float()
             bar.update(t.nbytes)
     reader.drop_pages()                      # nothing was written yet; the views fault back what they read
     missing = sorted(set(shapes) - set(out))
     if missing:
         raise ValueError(f"GGUF file lacks tensors for: {name_list(missing)}")
     return out
+
+
+def _layer(name: str) -> int:
+    """The layer of a model.layers.<i>. ... name (-1 for the others)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else -1
+
+
+def _tensor(t, quantized: bool):
+    """One GGUF tensor as GGUF blocks (a QuantWeight) or fp32 of its own."""
+    from ...kernels.quant import QuantWeight
+    if quantized and len(t.shape) == 2:
+        return QuantWeight.from_gguf(torch.from_numpy(t.data), t.qtype, t.shape[1])
+    return torch.from_numpy(np.array(dequantize_f32(t), dtype=np.float32, order="C"))
 
 
 def _experts(t, name: str, shapes: dict, quantized: bool) -> dict:
