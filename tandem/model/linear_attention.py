@@ -99,6 +99,9 @@ class GatedDeltaNet:
         self.neg_a = -ws.w(p + "A_log").float().exp()                         # [Hv]
         self.dt_bias = ws.w(p + "dt_bias").float()
         self.norm_w = ws.w(p + "norm.weight")
+        self.norm_w_heads = self.norm_w.float().expand(self.heads_v, -1).contiguous()      # the native norms' [heads, D]
+        self.qk_norm_w = torch.cat([torch.full((self.heads_k, self.dk), 1.0 / self.dk),
+                                    torch.full((self.heads_k, self.dk), self.dk ** -0.5)]).to(self.norm_w.device)
         self.out_proj = ws.lin(ws.w(p + "out_proj.weight"))
 
     def linears(self) -> list:
@@ -118,9 +121,8 @@ class GatedDeltaNet:
         slots = rec.slots.tolist()
         mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
                            for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
-        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = self._to_value_heads(l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5)
-        k = self._to_value_heads(l2norm(k.reshape(t, self.heads_k, self.dk)))
+        q, k, v = self._qk_normed(mixed.float())
+        q, k = self._to_value_heads(q), self._to_value_heads(k)
         v = v.reshape(t, self.heads_v, self.dv)
         beta = elementwise(torch.sigmoid, b.float())
         g = self.neg_a * elementwise(F.softplus, a.float() + self.dt_bias)
@@ -132,6 +134,20 @@ class GatedDeltaNet:
             o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
         return self._gated_norm(o, z)
 
+    def _qk_normed(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q / sqrt(Dk) and k, each head L2-normed, and v, from the conv's output [T, q k v]. Native: per row in
+        tandem.head_rms_norm_ (weights 1 / Dk and 1 / sqrt(Dk), eps / Dk: x / sqrt(sum x^2 + eps)), whose bits follow
+        neither the row count nor the batch (torch's sum over a short last dim does); else transformers' form."""
+        t = mixed.shape[0]
+        if self.native:
+            mixed = mixed.contiguous()
+            torch.ops.tandem.head_rms_norm_(mixed, self.qk_norm_w, 1e-6 / self.dk)
+            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            return q.reshape(t, self.heads_k, self.dk), k.reshape(t, self.heads_k, self.dk), v
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5,
+                l2norm(k.reshape(t, self.heads_k, self.dk)), v)
+
     def _to_value_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T, key heads, Dk] -> [T, value heads, Dk]: each value head's key head (grouped, HF's order; or tiled,
         the order llama.cpp's Qwen3.5 files keep value heads in)."""
@@ -141,6 +157,10 @@ class GatedDeltaNet:
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output [T, Hv, Dv] (fp32), times w, times silu(z); -> [T, Hv Dv]."""
         dtype = z.dtype
+        if self.native:                             # per row, as _qk_normed's
+            o = o.reshape(o.shape[0], -1)
+            torch.ops.tandem.head_rms_norm_(o, self.norm_w_heads, self.eps)
+            return (o * elementwise(F.silu, z.float())).to(dtype)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = self.norm_w * o.to(dtype)
         o = o * elementwise(F.silu, z.float()).reshape(o.shape)

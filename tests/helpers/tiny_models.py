@@ -35,9 +35,9 @@ ARCH_DEFAULTS: dict[str, dict] = {
     # a quarter of each attention head turned by RoPE; the MoE ones with a shared expert
     "qwen3_5": dict(num_hidden_layers=4, head_dim=32, **_LINEAR),
     "qwen3_5_moe": dict(num_hidden_layers=4, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=48, **_LINEAR),
+                        moe_intermediate_size=32, shared_expert_intermediate_size=64, **_LINEAR),
     "qwen3_next": dict(num_hidden_layers=4, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, **_LINEAR),
+                       moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True, **_LINEAR),
 }
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")

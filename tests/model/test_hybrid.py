@@ -12,7 +12,8 @@ import torch
 
 from tandem import SamplingParams
 from tests.helpers.engine_checks import run_with
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.tiny_hybrid import write_hybrid_gguf
+from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build
 from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
 
 MAX_NEW = 10
@@ -20,21 +21,31 @@ _MODELS: dict = {}
 
 
 def tiny_hybrid(arch: str, tmp_path_factory) -> dict:
-    """The arch's HF folder and transformers' model, made once a session."""
+    """The arch's HF folder, transformers' model, and its GGUF files as llama.cpp writes them (F32, and Q8_0: the
+    native int8 kernels, whose rows are the same bits at any row count), made once a session."""
     if arch not in _MODELS:
         from transformers import AutoModelForCausalLM
-        hf = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}") / "hf", arch, seed=31)
-        _MODELS[arch] = dict(hf=hf, ref=AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval())
+        root = tmp_path_factory.mktemp(f"tiny-{arch}")
+        hf = make_tiny_model(root / "hf", arch, seed=31)
+        _MODELS[arch] = dict(hf=hf, ref=AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval(),
+                             f32=write_hybrid_gguf(root / "f32.gguf", hf),
+                             q8=write_hybrid_gguf(root / "q8_0.gguf", hf, quant="Q8_0"))
     return _MODELS[arch]
 
 
-@pytest.mark.parametrize("arch, kernels", [("qwen3_5", "torch"), ("qwen3_5_moe", "native"), ("qwen3_next", "native")])
-def test_hybrid_parity_both_loops(arch, kernels, tmp_path_factory, make_llm):
+@pytest.mark.parametrize("arch, source, kernels", [
+    ("qwen3_5", "hf", "torch"), ("qwen3_5_moe", "hf", "native"), ("qwen3_next", "hf", "native"),
+    ("qwen3_5", "f32", "native"), ("qwen3_5_moe", "f32", "torch"), ("qwen3_next", "f32", "native")])
+def test_hybrid_parity_both_loops(arch, source, kernels, tmp_path_factory, tmp_path, monkeypatch, make_llm):
+    """From safetensors and from GGUF as llama.cpp's converter writes it (Qwen3.5's value heads tiled)."""
     m = tiny_hybrid(arch, tmp_path_factory)
-    llm = make_llm(m["hf"], kv_cache_tokens=4096, max_running_requests=16, kernels=kernels, max_prefill_tokens=16)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    llm = make_llm(m[source], kv_cache_tokens=4096, max_running_requests=16, kernels=kernels, max_prefill_tokens=16,
+                   cache_dir=str(tmp_path / "cache"))
     c = llm.engine.model_config
     assert c.architecture == arch and c.linear_layers == (0, 1, 2) and c.rotary_dim == 8
-    assert c.shared_expert_intermediate_size == (0 if arch == "qwen3_5" else 48)
+    assert c.shared_expert_intermediate_size == (0 if arch == "qwen3_5" else 64)
+    assert c.linear_value_heads_tiled == (source != "hf" and arch != "qwen3_next")
     ps = prompts_for(m["ref"].config.vocab_size, n=6, seed=7)
     refs = [hf_greedy(m["ref"], p, MAX_NEW) for p in ps]
     for scheduler in ("serial", "overlap"):
@@ -43,22 +54,21 @@ def test_hybrid_parity_both_loops(arch, kernels, tmp_path_factory, make_llm):
             assert_parity(o.token_ids, ref_ids, scores)
 
 
-def test_chunks_and_batch_mates_change_no_token(tmp_path_factory, make_llm):
-    """A prompt's state carried over 16-token chunks gives the tokens of one chunk, alone or among other prompts,
-    in both loops; logprobs within rounding (the fp32 linears of a safetensors model follow the row count: GGUF
-    blocks give the same bits, and the recurrent part gives them here too: test_state_carries_bit_for_bit)."""
+def test_chunks_and_batch_mates_change_no_bit(tmp_path_factory, tmp_path, monkeypatch, make_llm):
+    """Q8_0 blocks on the int8 kernels: a prompt's state carried over 16-token chunks gives the bits of one chunk,
+    alone or among other prompts, in both loops (tokens and logprobs)."""
     m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
     ps = prompts_for(m["ref"].config.vocab_size, n=6, seed=3) + [list(range(5, 90))]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
-    whole = make_llm(m["hf"], max_prefill_tokens=512, prefix_cache=False)
+    kw = dict(prefix_cache=False, cache_dir=str(tmp_path / "cache"))
+    whole = make_llm(m["q8"], max_prefill_tokens=512, **kw)
     one = [run_with(whole, "serial", [p], params)[0] for p in ps]
     whole.shutdown()
-    chunked = make_llm(m["hf"], max_prefill_tokens=16, prefix_cache=False)
+    chunked = make_llm(m["q8"], max_prefill_tokens=16, **kw)
     for scheduler in ("serial", "overlap"):
         for a, o in zip(one, run_with(chunked, scheduler, ps, params)):
-            assert o.token_ids == a.token_ids
-            for la, lo in zip(a.outputs[0].logprobs, o.outputs[0].logprobs):
-                assert la.keys() == lo.keys() and all(abs(la[t] - lo[t]) < 1e-4 for t in la)
+            assert o.token_ids == a.token_ids and o.outputs[0].logprobs == a.outputs[0].logprobs
 
 
 def test_state_carries_bit_for_bit():
@@ -181,12 +191,13 @@ def test_pp2_equals_pp1_and_refusals(tmp_path_factory, make_llm):
         LLM(m["hf"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, make_llm):
-    """Each turn of a chat resumes from the previous turn's state checkpoint (its whole history a hit), and two
-    requests on one prefix share a chunk-end checkpoint; the tokens are those computed from scratch, in both loops,
-    and a retracted request (the KV cache too small for all) resumes from its own checkpoint."""
+def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, tmp_path, monkeypatch, make_llm):
+    """Each turn of a chat resumes from the previous turn's state checkpoint (its whole history a hit), and requests
+    on one prefix share a chunk-end checkpoint; every token and logprob the bits computed from scratch in one chunk,
+    in both loops; a retracted request (the KV cache too small for all) resumes from its own checkpoint."""
     m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     base = prompts_for(m["ref"].config.vocab_size, n=1, seed=4)[0] + list(range(100, 140))
 
     def chat(llm, scheduler):
@@ -195,29 +206,29 @@ def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, make_llm):
         for extra in ([], list(range(200, 215)), [7, 8, 9]):
             p = p + (turns[-1].token_ids if turns else []) + extra
             turns.append(llm.generate([p], params, use_tqdm=False)[0])
-        pair = llm.generate([p + [5], p + [6, 7]], params, use_tqdm=False)
-        return turns + pair
+        return turns + llm.generate([p + [5], p + [6, 7]], params, use_tqdm=False)
 
-    cold = make_llm(m["hf"], max_prefill_tokens=16, prefix_cache=False)
+    kw = dict(cache_dir=str(tmp_path / "cache"), max_running_requests=8)
+    cold = make_llm(m["q8"], max_prefill_tokens=512, prefix_cache=False, **kw)
     ref = chat(cold, "serial")
     cold.shutdown()
-    llm = make_llm(m["hf"], max_prefill_tokens=16, hybrid_checkpoint_tokens=32)
+    llm = make_llm(m["q8"], max_prefill_tokens=16, hybrid_checkpoint_tokens=32, **kw)
     for scheduler in ("serial", "overlap"):
         llm.engine.scheduler.memory.reset_prefix_cache()
         before = llm.stats()
         outs = chat(llm, scheduler)
-        for a, o in zip(ref, outs):
-            assert o.token_ids == a.token_ids
-            for la, lo in zip(a.outputs[0].logprobs, o.outputs[0].logprobs):
-                assert la.keys() == lo.keys() and all(abs(la[t] - lo[t]) < 1e-4 for t in la)
+        assert [(o.token_ids, o.outputs[0].logprobs) for o in outs] == \
+            [(o.token_ids, o.outputs[0].logprobs) for o in ref]
         s = llm.stats()
         assert s["state_checkpoints_restored"] - before["state_checkpoints_restored"] >= 4, s
         # turn 2's hit: turn 1's prompt and all of its answer but (serial) the last token, whose state is not computed
-        assert outs[1].num_cached_tokens >= len(base) + MAX_NEW - 3
-    small = make_llm(m["hf"], max_prefill_tokens=16, kv_cache_tokens=300, max_running_requests=8)
+        assert outs[1].num_cached_tokens >= len(base) + 8 - 1
+    llm.shutdown()
+    small = make_llm(m["q8"], max_prefill_tokens=16, kv_cache_tokens=300, **kw)
     ps = [base[:30] + [i] * 20 for i in range(6)]
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     got = run_with(small, "overlap", ps, long)
-    assert small.stats()["num_preemptions"] > 0
-    want = run_with(make_llm(m["hf"], max_prefill_tokens=16, prefix_cache=False), "overlap", ps, long)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert small.stats()["num_preemptions"] > 0 and small.stats()["state_checkpoints_restored"] > 0
+    small.shutdown()
+    want = run_with(make_llm(m["q8"], max_prefill_tokens=512, prefix_cache=False, **kw), "overlap", ps, long)
+    assert [(o.token_ids, o.outputs[0].logprobs) for o in got] == [(o.token_ids, o.outputs[0].logprobs) for o in want]
