@@ -32,12 +32,15 @@ class RecurrentRows:
 
     slots: [B] int64, each row's state slot (its request-table row); starts: B + 1 host ints, row b's tokens are
     [starts[b], starts[b + 1]) of the step; fresh: B host bools, the row's first token is its position 0 (its state
-    starts from zero, whatever the slot held)."""
+    starts from zero, whatever the slot held). starts_t / fresh_t: the same as tensors (int64 [B + 1], bool [B]),
+    for the native op, made once a step rather than once a layer."""
     slots: torch.Tensor
     starts: list[int]
     fresh: list[bool]
     conv: torch.Tensor          # [linear layers, slots, conv channels, width - 1] of the pool (recurrent_state.py)
     ssm: torch.Tensor           # [linear layers, slots, value heads, Dk, Dv] fp32
+    starts_t: torch.Tensor
+    fresh_t: torch.Tensor
 
     @property
     def decode_only(self) -> bool:
@@ -112,19 +115,28 @@ class GatedDeltaNet:
         mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
                            for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        r = self.heads_v // self.heads_k
-        q = (l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5).repeat_interleave(r, dim=1)
-        k = l2norm(k.reshape(t, self.heads_k, self.dk)).repeat_interleave(r, dim=1)
+        q = l2norm(q.reshape(t, self.heads_k, self.dk)) * self.dk ** -0.5
+        k = l2norm(k.reshape(t, self.heads_k, self.dk))
         v = v.reshape(t, self.heads_v, self.dv)
         beta = torch.sigmoid(b.float())
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        o = self._delta_rule(q, k, v, g, beta, ssm, rec, slots)
+        return self.out_proj(self._gated_norm(o, z))
+
+    def _delta_rule(self, q, k, v, g, beta, ssm: torch.Tensor, rec: RecurrentRows, slots: list[int]) -> torch.Tensor:
+        """The step's rows through the delta rule, their states in ssm [slots, Hv, Dk, Dv] advanced: the native op
+        in one call (q, k [T, Hk, Dk], each key head serving Hv / Hk value heads), else the reference row by row."""
+        if self.native:
+            return torch.ops.tandem.gated_delta_rule_(q, k, v, g, beta, ssm, rec.slots, rec.starts_t, rec.fresh_t)
+        r = self.heads_v // self.heads_k
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         o = torch.empty_like(v)
         for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh):
             state = ssm[slot]
             if fresh:
                 state.zero_()
             o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
-        return self.out_proj(self._gated_norm(o, z))
+        return o
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output [T, Hv, Dv] (fp32), times w, times silu(z); -> [T, Hv Dv]."""
