@@ -33,12 +33,15 @@ class RecurrentRows:
 
     slots: [B] int64, each row's state slot (its request-table row); starts: B + 1 host ints, row b's tokens are
     [starts[b], starts[b + 1]) of the step; fresh: B host bools, the row's first token is its position 0 (its state
-    starts from zero, whatever the slot held)."""
+    starts from zero, whatever the slot held). starts_t / fresh_t: the same as tensors (int64 [B + 1], bool [B]),
+    for the native op, made once a step rather than once a layer."""
     slots: torch.Tensor
     starts: list[int]
     fresh: list[bool]
     conv: torch.Tensor          # [linear layers, slots, conv channels, width - 1] of the pool (recurrent_state.py)
     ssm: torch.Tensor           # [linear layers, slots, value heads, Dk, Dv] fp32
+    starts_t: torch.Tensor
+    fresh_t: torch.Tensor
 
     @property
     def decode_only(self) -> bool:
@@ -122,17 +125,29 @@ class GatedDeltaNet:
         mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
                            for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
         q, k, v = self._qk_normed(mixed.float())
-        q, k = self._to_value_heads(q), self._to_value_heads(k)
         v = v.reshape(t, self.heads_v, self.dv)
         beta = elementwise(torch.sigmoid, b.float())
         g = self.neg_a * elementwise(F.softplus, a.float() + self.dt_bias)
+        o = self._delta_rule(q, k, v, g, beta, ssm, rec, slots)
+        return self._gated_norm(o, z)
+
+    def _delta_rule(self, q, k, v, g, beta, ssm: torch.Tensor, rec: RecurrentRows, slots: list[int]) -> torch.Tensor:
+        """The step's rows through the delta rule, their states in ssm [slots, Hv, Dk, Dv] advanced: the native op
+        in one call (q, k [T, Hk, Dk], value head h reading key head h div (Hv / Hk): a file's tiled value heads get
+        their key heads repeated first), else the reference row by row."""
+        if self.native:
+            if self.tiled and self.heads_v != self.heads_k:
+                q, k = self._to_value_heads(q), self._to_value_heads(k)
+            q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+            return torch.ops.tandem.gated_delta_rule_(q, k, v, g, beta, ssm, rec.slots, rec.starts_t, rec.fresh_t)
+        q, k = self._to_value_heads(q), self._to_value_heads(k)
         o = torch.empty_like(v)
         for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh):
             state = ssm[slot]
             if fresh:
                 state.zero_()
             o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
-        return self._gated_norm(o, z)
+        return o
 
     def _qk_normed(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q / sqrt(Dk) and k, each head L2-normed, and v, from the conv's output [T, q k v]. Native: per row in

@@ -60,7 +60,8 @@ class RecurrentState:
 
     def rows_of(self, rows: np.ndarray, extend_lens: np.ndarray, seq_lens: np.ndarray) -> RecurrentRows:
         """The step's rows (request-table rows, new tokens, lengths after the step) as the layers read them."""
-        starts = np.concatenate([[0], np.cumsum(extend_lens)]).tolist()
-        fresh = (seq_lens - extend_lens == 0).tolist()
+        starts = np.concatenate([[0], np.cumsum(extend_lens)]).astype(np.int64)
+        fresh = np.asarray(seq_lens - extend_lens == 0, dtype=bool)
         slots = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
-        return RecurrentRows(slots, [int(s) for s in starts], [bool(f) for f in fresh], self.conv, self.ssm)
+        return RecurrentRows(slots, [int(s) for s in starts], [bool(f) for f in fresh], self.conv, self.ssm,
+                             torch.from_numpy(starts).to(self.device), torch.from_numpy(fresh).to(self.device))
