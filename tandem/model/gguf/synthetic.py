@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Q4_K, Q6_K, F32 = 12, 14, 0
+Q4_K, Q5_K, Q6_K, F32 = 12, 13, 14, 0
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}       # a 256-weight super-block
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class Shape:
     experts_used: int = 0       # top-k
     expert_width: int = 0       # an expert's gated-MLP width
     qk_norm: bool = False       # attn_q_norm / attn_k_norm (qwen3)
+    shared_width: int = 0       # the shared expert's width (qwen35moe)
+    linear: tuple = ()          # a hybrid's Gated DeltaNet: (key heads, value heads, head dim, conv width); 3 of
+                                # every 4 layers (the 4th full attention, gated, RoPE on rotary_dim of head_dim)
+    rotary_dim: int = 0
 
 
 SHAPES = {
@@ -54,6 +59,12 @@ SHAPES = {
     "qwen3-1.7b": Shape("qwen3", 28, 2048, 6144, 16, 8, 151936, True, 1e6, context=40960, qk_norm=True),
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 151936, False, 1e6, context=40960, experts=128,
                            experts_used=8, expert_width=768, qk_norm=True),
+    # Qwen3.6-35B-A3B (Qwen3.5-35B-A3B's shape): 40 layers, 30 of them Gated DeltaNet (16 key / 32 value heads of
+    # 128), 10 gated attention (16 heads of 256, 2 KV heads, RoPE on 64 dims); 256 experts of 512, 8 a token, and a
+    # shared expert of 512
+    "qwen3.6-35b-a3b": Shape("qwen35moe", 40, 2048, 512, 16, 2, 248320, False, 1e7, head_dim=256, context=262144,
+                             experts=256, experts_used=8, expert_width=512, qk_norm=True, shared_width=512,
+                             linear=(16, 32, 128, 4), rotary_dim=64),
 }
 
 
@@ -66,6 +77,8 @@ def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, int], int]]:
     """GGUF tensor name -> ((rows, K), ggml type), in llama.cpp's order."""
     h, hd, n = shape.hidden, shape.head_dim, shape.layers
     out = {"token_embd.weight": ((shape.vocab, h), Q6_K if shape.tied else Q4_K)}
+    if shape.linear:
+        return _hybrid_types(shape, out)
     for i in range(n):
         more = use_more_bits(i, n)
         b = f"blk.{i}."
@@ -92,16 +105,77 @@ def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, int], int]]:
     return out
 
 
+def is_linear(shape: Shape, i: int) -> bool:
+    return bool(shape.linear) and (i + 1) % 4 != 0
+
+
+def _hybrid_types(shape: Shape, out: dict) -> dict:
+    """A hybrid's tensors (qwen35moe) in llama.cpp's Q4_K_M choice: attn_qkv Q5_K (its ATTENTION_QKV rule), attn_v
+    Q6_K on the attention layers use_more_bits picks among them, ffn_down_exps / ffn_down_shexp Q6_K on the layers it
+    picks, the conv, A, dt, norms, the router and the shared expert's gate F32, the rest Q4_K."""
+    h, hd, n = shape.hidden, shape.head_dim, shape.layers
+    nk, nv, d, width = shape.linear
+    attn = [i for i in range(n) if not is_linear(shape, i)]
+    for i in range(n):
+        b, more = f"blk.{i}.", use_more_bits(i, n)
+        out[b + "attn_norm.weight"] = ((h,), F32)
+        if is_linear(shape, i):
+            out.update({b + "attn_qkv.weight": (((2 * nk + nv) * d, h), Q5_K), b + "attn_gate.weight": ((nv * d, h), Q4_K),
+                        b + "ssm_conv1d.weight": (((2 * nk + nv) * d, width), F32), b + "ssm_dt.bias": ((nv,), F32),
+                        b + "ssm_a": ((nv,), F32), b + "ssm_beta.weight": ((nv, h), Q4_K),
+                        b + "ssm_alpha.weight": ((nv, h), Q4_K), b + "ssm_norm.weight": ((d,), F32),
+                        b + "ssm_out.weight": ((h, nv * d), Q4_K)})
+        else:
+            j = attn.index(i)
+            out.update({b + "attn_q.weight": ((2 * shape.heads * hd, h), Q4_K),
+                        b + "attn_k.weight": ((shape.kv_heads * hd, h), Q4_K),
+                        b + "attn_v.weight": ((shape.kv_heads * hd, h), Q6_K if use_more_bits(j, len(attn)) else Q4_K),
+                        b + "attn_q_norm.weight": ((hd,), F32), b + "attn_k_norm.weight": ((hd,), F32),
+                        b + "attn_output.weight": ((h, shape.heads * hd), Q4_K)})
+        e, w, s = shape.experts, shape.expert_width, shape.shared_width
+        out.update({b + "post_attention_norm.weight": ((h,), F32), b + "ffn_gate_inp.weight": ((e, h), F32),
+                    b + "ffn_gate_exps.weight": ((e, w, h), Q4_K), b + "ffn_up_exps.weight": ((e, w, h), Q4_K),
+                    b + "ffn_down_exps.weight": ((e, h, w), Q6_K if more else Q4_K),
+                    b + "ffn_gate_inp_shexp.weight": ((1, h), F32),
+                    b + "ffn_gate_shexp.weight": ((s, h), Q4_K), b + "ffn_up_shexp.weight": ((s, h), Q4_K),
+                    b + "ffn_down_shexp.weight": ((h, s), Q6_K if more else Q4_K)})
+    out["output_norm.weight"] = ((h,), F32)
+    out["output.weight"] = ((shape.vocab, h), Q6_K)
+    return out
+
+
+def _hybrid_metadata(w, s: Shape) -> None:
+    """A hybrid's keys as llama.cpp's converter writes them (gguf-py's names, spelled out: older gguf-py lacks some)."""
+    nk, nv, d, width = s.linear
+    a = s.arch
+    for key, v in (("ssm.conv_kernel", width), ("ssm.state_size", d), ("ssm.group_count", nk),
+                   ("ssm.time_step_rank", nv), ("ssm.inner_size", nv * d), ("full_attention_interval", 4)):
+        w.add_uint32(f"{a}.{key}", v)
+    w.add_array(f"{a}.attention.recurrent_layers", [is_linear(s, i) for i in range(s.layers)])
+    w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
+    w.add_expert_shared_feed_forward_length(s.shared_width)
+
+
+def _f32_data(name: str, dims: tuple, rng: np.random.Generator) -> np.ndarray:
+    """An F32 tensor's values: norms 1 (llama.cpp's files hold (1 + w) where the model has w = 0), a decay rate A
+    < 0 and dt_bias 1 as Qwen's initialization, the rest small normal values."""
+    if name.endswith("norm.weight") or name.endswith("ssm_dt.bias"):
+        return np.ones(dims, np.float32)
+    if name.endswith("ssm_a"):
+        return -rng.uniform(1.0, 16.0, size=dims).astype(np.float32)
+    return rng.normal(0, 0.02, size=dims).astype(np.float32)
+
+
 def _half(v: float) -> np.ndarray:
     return np.array([v], np.float16).view(np.uint8)
 
 
 def random_blocks(rows: int, k: int, qtype: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, K / 256 * block bytes] of valid random Q4_K / Q6_K super-blocks, weights of spread ~0.02."""
+    """uint8 [rows, K / 256 * block bytes] of valid random Q4_K / Q5_K / Q6_K super-blocks, weights of spread ~0.02."""
     ns = k // 256
-    if qtype == Q4_K:
-        b = rng.integers(0, 256, size=(rows, ns, 144), dtype=np.uint8)
-        b[..., 0:2] = _half(9e-5)          # d: sc (6-bit, ~48) x q (0..15, sd 4.6) x d ~ 0.02
+    if qtype in (Q4_K, Q5_K):            # Q5_K: Q4_K's header, a fifth bit a weight (qh) before the low nibbles
+        b = rng.integers(0, 256, size=(rows, ns, BLOCK_BYTES[qtype]), dtype=np.uint8)
+        b[..., 0:2] = _half(9e-5 if qtype == Q4_K else 4.5e-5)   # d: sc (~48) x q (0..15 / 0..31) x d ~ 0.02
         b[..., 2:4] = _half(3e-4)          # dmin x m (~32): the min centres the weights
         b[..., 4:12] |= 0x20                                   # scales / mins 0-3 and the high bits of 4-7 >= 32
         return b.reshape(rows, -1)
@@ -159,8 +233,8 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(1e-6 if s.arch in ("qwen2", "qwen3moe") else 1e-5)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-6 if s.arch in ("qwen2", "qwen3moe", "qwen35moe") else 1e-5)
+    w.add_rope_dimension_count(s.rotary_dim or s.head_dim)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     w.add_vocab_size(s.vocab)
@@ -168,13 +242,15 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.experts_used)
         w.add_expert_feed_forward_length(s.expert_width)
+    if s.linear:
+        _hybrid_metadata(w, s)
     _tokenizer(w, s.vocab)
     types = tensor_types(s)
     for name, (dims, qt) in types.items():               # the table first: the data is streamed after it
         if qt == F32:
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:                                           # [(E,) rows, K]: K / 256 super-blocks a row
-            row = dims[-1] // 256 * (144 if qt == Q4_K else 210)
+            row = dims[-1] // 256 * BLOCK_BYTES[qt]
             w.add_tensor_info(name, (*dims[:-1], row), np.dtype(np.uint8), int(np.prod(dims[:-1])) * row,
                               raw_dtype=gguf.GGMLQuantizationType(qt))
     w.write_header_to_file()
@@ -182,8 +258,7 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
     w.write_ti_data_to_file()
     for name, (dims, qt) in types.items():
         if qt == F32:
-            data = (np.ones(dims, np.float32) if name.endswith("norm.weight")
-                    else rng.normal(0, 0.02, size=dims).astype(np.float32))
+            data = _f32_data(name, dims, rng)
         else:
             data = random_blocks(int(np.prod(dims[:-1])), dims[-1], qt, rng).reshape(*dims[:-1], -1)
         w.write_tensor_data(data)
