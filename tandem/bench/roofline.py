@@ -95,11 +95,13 @@ def read_bandwidth(megabytes: int = 1024, min_s: float = 0.5) -> float:
 def decode_bytes_per_token(model_path: str, mc, context: int, kv_bytes: float = 2) -> dict:
     """Bytes one batch-1 decode step reads: every matrix of the GGUF as its blocks (the embedding only as the
     tied head; its lookup is one row; of an MoE's experts only the chosen: the active bytes), plus the KV cache
-    at `context` tokens (kv_bytes an element)."""
+    at `context` tokens (kv_bytes an element), plus a hybrid's linear-attention state, read and written once a token."""
     share = mc.num_experts_per_tok / mc.num_experts if getattr(mc, "num_experts", 0) else 1.0
     q = quantized_bytes(model_path, mc.tie_word_embeddings, share) or {"total": 0}
-    kv = int(2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * context * kv_bytes)
-    return {"weights": q["total"], "kv": kv, "total": q["total"] + kv}
+    linear = len(mc.linear_layers)                   # a hybrid's: no KV; a state read and written each token
+    kv = int(2 * (mc.num_layers - linear) * mc.num_kv_heads * mc.head_dim * context * kv_bytes)
+    state = 2 * linear * mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4
+    return {"weights": q["total"], "kv": kv, "state": state, "total": q["total"] + kv + state}
 
 
 def tandem_decode_tps(llm, batch: int, input_len: int, output_len: int, seed: int) -> float:
