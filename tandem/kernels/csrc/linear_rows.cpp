@@ -44,7 +44,7 @@
 // however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
-// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (qlinear_simd.inc, with the
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (linear_rows_simd.inc, with the
 // vector helpers of vec.h and vec_ext.inc) equal it up to summation order. The dequantized weights are
 // bit-identical (d * q + m unfused, as gguf-py).
 #include <ATen/ATen.h>
@@ -78,7 +78,7 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
     case kQ5_K: return 176;
     case kQ6_K: return 210;
   }
-  TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
+  TORCH_CHECK(false, "tandem.linear_rows: unsupported ggml type ", qtype,
               " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, ",
               "Q5_K=13, Q6_K=14)");
 }
@@ -172,7 +172,7 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 
 #include "vec_ext.inc"
 
-#define TANDEM_SIMD_BODY "qlinear_simd.inc"
+#define TANDEM_SIMD_BODY "linear_rows_simd.inc"
 #include "simd_namespaces.inc"
 
 using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
@@ -188,11 +188,11 @@ static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
               "expected ", K / qk * bytes, " for K=", K);
 }
 
-at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_weight(w, qtype, K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qlinear: x must be fp32 [M, ", K, "]");
+              "tandem.linear_rows: x must be fp32 [M, ", K, "]");
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
   if (M == 0 || N == 0) return y;

@@ -1,8 +1,9 @@
 // The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q5_0, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
-// of x of a decode step or a speculative verify step (up to qgemv_packed_rows()), each output computed by qgemm_q8's operations in qgemm_q8's
-// order (qgemm_q8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
+// of x of a decode step or a speculative verify step (up to gemv_packed_q8act_max_rows()), each output computed by
+// gemm_rows_q8act's operations in gemm_rows_q8act's order (gemm_rows_q8act.cpp's header), so its rows are bit for bit
+// the GEMM's and gemv_rows_q8act's at any row count.
 //
-// Why another layout: qgemv_q8 reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
+// Why another layout: gemv_rows_q8act reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
 // load), so each vpdpbusd leaves 4-product partials of one row that must be summed across lanes and transposed
 // (reduce4, lanes4: ~2.7 shuffle or add per vpdpbusd, all on the one 512-bit shuffle port of Intel cores), and
 // all of it again for every row of x. Here a group of 16 output rows is interleaved once at load so that one
@@ -47,7 +48,7 @@ constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == 
 bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0; }
 
 
-struct XRows {              // rows of x rounded as qgemm_q8 rounds them (quantize_act_row), natural order
+struct XRows {              // rows of x rounded as gemm_rows_q8act rounds them (quantize_act_row), natural order
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
   const int32_t* off;           // [M][nh]: what the unsigned weight bytes add to a half's sum (Q4_0 8 sum(x),
@@ -324,7 +325,7 @@ void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows
   }
 }
 
-// The body qgemv_packed runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
+// The body gemv_packed_q8act runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
 int packed_body(int64_t isa_req) {
   const Isa isa = resolve_isa(isa_req);
   return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
@@ -332,12 +333,12 @@ int packed_body(int64_t isa_req) {
 
 }  // namespace
 
-// Rows of x up to which a model runs this op where it holds a packed copy (past them qlinear_q8 / qgemm_q8, the
-// same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one thread, an
-// Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x qgemv_q8 at 1-16 rows and
-// 1.2-2.2x qgemm_q8's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past 256); the AVX2
-// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows; with tile_avx2_rows past 2 rows
-// (1.05-1.5x the 2-row tiles) 1.2-11x the AVX2 GEMM at 3-128 rows and 0.93-1.24x at 256-1024
+// Rows of x up to which a model runs this op where it holds a packed copy (past them linear_rows_q8act /
+// gemm_rows_q8act, the same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one
+// thread, an Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x gemv_rows_q8act at
+// 1-16 rows and 1.2-2.2x gemm_rows_q8act's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past
+// 256); the AVX2 body (TANDEM_ISA=avx2 there) 1.8-2.7x linear_rows_q8act's AVX2 body at 1-16 rows; with tile_avx2_rows
+// past 2 rows (1.05-1.5x the 2-row tiles) 1.2-11x the AVX2 GEMM at 3-128 rows and 0.93-1.24x at 256-1024
 // (results/packed_gemv_avx2_rows.md), so on AVX2 it takes every row count, prefill chunks included (kAllRows).
 // On AVX-512 VNNI without AMX (an AMD EPYC, 2 threads, results/packed_gemv_vnni_rows.md) the GEMM runs its VNNI
 // body, and the packed one is 1.08-1.86x it at 256-2048 rows on every shape, 1.02-1.29x at 4096 and 0.89-1.23x at
@@ -347,9 +348,9 @@ constexpr int64_t kVnniRows = 4096;
 
 bool cpu_has_amx();
 
-// The K-quants (qgemv_packed_k.cpp) take every row count wherever a body runs: there the packed copy is the
+// The K-quants (gemv_packed_k_q8act.cpp) take every row count wherever a body runs: there the packed copy is the
 // weight's only one (QLinear releases the row layout), so no other op is left to take longer chunks.
-int64_t qgemv_packed_rows(int64_t qtype) {
+int64_t gemv_packed_q8act_max_rows(int64_t qtype) {
   const int body = packed_body(-1);
   if (packable_k(qtype)) return body ? kAllRows : 0;
   if (!packable(qtype)) return 0;
@@ -395,28 +396,28 @@ at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
-at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                         const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype) || packable_k(qtype),
-              "tandem.qgemv_packed: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
+              "tandem.gemv_packed_q8act: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
               "10-14), got ", qtype);
   const int body = packed_body(isa_req);
-  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
-  TORCH_CHECK(N > 0, "tandem.qgemv_packed: N must be > 0");
+  TORCH_CHECK(body > 0, "tandem.gemv_packed_q8act needs AVX2 (or AVX-512 VNNI)");
+  TORCH_CHECK(N > 0, "tandem.gemv_packed_q8act: N must be > 0");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
+              "tandem.gemv_packed_q8act: x must be fp32 [M, ", K, "]");
   TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
-              "tandem.qgemv_packed: bias must be fp32 [N]");
+              "tandem.gemv_packed_q8act: bias must be fp32 [N]");
   if (packable_k(qtype)) {
     auto [x, bias, y] = linear_io(x_in, bias_in, N);
-    return qgemv_packed_k(x, packed, qtype, K, N, bias, y, body);
+    return gemv_packed_k_q8act(x, packed, qtype, K, N, bias, y, body);
   }
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(0) == NG && packed.size(1) == gbytes,
-              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
+              "tandem.gemv_packed_q8act: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   auto [x, bias, y] = linear_io(x_in, bias_in, N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
@@ -438,23 +439,23 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   return y;
 }
 
-void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
                        int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa_req) {
   const int body = packed_body(isa_req);
-  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
+  TORCH_CHECK(body > 0, "tandem.gemv_packed_q8act needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K && rep > 0 &&
               x.size(0) * rep == (int64_t)ids.size(),
-              "tandem.qgemv_packed: x must be contiguous fp32 [jobs / rep, ", K, "]");
-  if (packable_k(qtype)) return qgemv_packed_k_jobs(x, stacked, ids, rep, qtype, K, N, y, body);
-  TORCH_CHECK(packable(qtype), "tandem.qgemv_packed: no packed layout for ggml type ", qtype);
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
+              "tandem.gemv_packed_q8act: x must be contiguous fp32 [jobs / rep, ", K, "]");
+  if (packable_k(qtype)) return gemv_packed_k_q8act_jobs(x, stacked, ids, rep, qtype, K, N, y, body);
+  TORCH_CHECK(packable(qtype), "tandem.gemv_packed_q8act: no packed layout for ggml type ", qtype);
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
   const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
   const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
-  split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // qgemv_packed's chunks for one row
+  split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // gemv_packed_q8act's chunks for one row
     const int64_t m = j / rep;
     const XRows xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
     const uint8_t* wp = base + ids[j] * NG * gbytes;
