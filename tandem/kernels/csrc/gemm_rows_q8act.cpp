@@ -353,7 +353,7 @@ int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa_req) {
 }
 
 at::Tensor gemm_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+                           const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.gemm_rows_q8act", x_in, w, qtype, K, bias_in);
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);

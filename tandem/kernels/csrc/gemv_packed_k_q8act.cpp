@@ -341,7 +341,7 @@ at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
 }
 
 at::Tensor gemv_packed_k_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                          const at::Tensor& bias, at::Tensor y, int body) {
+                               const at::Tensor& bias, at::Tensor y, int body) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 256 for K-quants");
   const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -370,7 +370,7 @@ at::Tensor gemv_packed_k_q8act(const at::Tensor& x, const at::Tensor& packed, in
 
 
 void gemv_packed_k_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                         int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body) {
+                              int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 256 for K-quants");
   const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
   const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);

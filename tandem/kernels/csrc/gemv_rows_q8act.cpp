@@ -279,7 +279,7 @@ int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa_req) {
 int64_t gemv_rows_q8act_max_rows(int64_t qtype) { return gemv_rows_q8act_max_rows_isa(qtype, -1); }
 
 at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+                           const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.gemv_rows_q8act", x_in, w, qtype, K, bias_in);
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0 || qtype == kQ5_0,
               "tandem.gemv_rows_q8act: Q4_1, Q4_K, Q8_0 or Q5_0 (ggml types 3, 12, 8, 6), got ", qtype);

@@ -35,13 +35,13 @@ inline LinearIo linear_io(const at::Tensor& x, const std::optional<at::Tensor>& 
   return io;
 }
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                   const std::optional<at::Tensor>& bias, int64_t isa);
+                       const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor linear_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                      const std::optional<at::Tensor>& bias, int64_t isa);
+                             const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor gemm_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias, int64_t isa);
+                           const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor gemv_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias, int64_t isa);
+                           const std::optional<at::Tensor>& bias, int64_t isa);
 // Rows up to which linear_rows_q8act runs gemv_rows_q8act for this type (past them gemm_rows_q8act, the same bits); 0:
 // its own bodies (other types, or a CPU without AVX2). _isa: for an ISA request as linear_rows_q8act's.
 int64_t gemv_rows_q8act_max_rows(int64_t qtype);
@@ -50,7 +50,7 @@ int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa);
 // to which a model runs it where it holds the packed copy (0: not this type or CPU).
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor gemv_packed_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias, int64_t isa);
+                             const std::optional<at::Tensor>& bias, int64_t isa);
 int64_t gemv_packed_q8act_max_rows(int64_t qtype);
 // Rows `index` of an N-row weight out of its packed copy, fp32 [len(index), K]: dequantize's values on the row
 // layout (packed_gather.cpp), for a tied embedding's lookup in the LM head's copy.
@@ -64,16 +64,16 @@ PackedX quantize_packed_x(const at::Tensor& x, int32_t unit);
 bool packable_k(int64_t qtype);
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor gemv_packed_k_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                          const at::Tensor& bias, at::Tensor y, int body);
+                               const at::Tensor& bias, at::Tensor y, int body);
 // Several packed GEMVs of one type in one thread split (an MoE row's chosen experts, moe_experts.cpp): job j
 // multiplies row j / rep of x (fp32 [J / rep, K]) by stacked[ids[j]] (stacked: pack_gemv's copies of E [N, K]
 // weights, uint8 [E, groups, bytes]) into row j of y (fp32 [J, N]). Each output is the tile gemv_packed_q8act
 // computes for that row and weight alone (the same x rounding, the same groups), so the same bits; one parallel
 // region for all the jobs instead of one a job.
 void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                       int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa);
+                            int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa);
 void gemv_packed_k_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                         int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body);
+                              int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body);
 // Their check of the stacked copies ([E, NG, gbytes]) and the ids (each in [0, E)); returns the first copy.
 inline const uint8_t* stacked_copies(const at::Tensor& stacked, const std::vector<int64_t>& ids, int64_t NG,
                                      int64_t gbytes, int64_t N) {
