@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_layout.h"
 #include "packed_q5.h"
 #include "vec.h"
 
@@ -38,15 +39,6 @@ namespace tandem {
 bool cpu_has_vnni();
 
 namespace {
-
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8 };
-constexpr int kG = 16;                      // output rows of a group: the int32 / fp32 lanes
-
-constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256; }   // QB
-constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }                          // SB
-constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34; }
-bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0; }
-
 
 struct XRows {              // rows of x rounded as gemm_rows_q8act rounds them (quantize_act_row), natural order
   const int8_t* q;              // [M][K]
@@ -357,47 +349,8 @@ int64_t gemv_packed_q8act_max_rows(int64_t qtype) {
   return body == 2 ? (cpu_has_amx() ? 256 : kVnniRows) : body == 1 ? kAllRows : 0;
 }
 
-at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
-  if (packable_k(qtype)) return pack_gemv_k(w, qtype, K);
-  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml "
-              "types 2, 3, 6, 8, 10-14), got ", qtype);
-  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem.pack_gemv: K must be a positive multiple of 32, got ", K);
-  const int64_t nb = K / 32, rb = row_block_bytes(qtype) * nb;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
-              "tandem.pack_gemv: w must be a contiguous uint8 [N, ", rb, "] tensor (QuantWeight.data)");
-  const int64_t N = w.size(0), NG = (N + kG - 1) / kG, QB = quant_bytes(qtype);
-  const int64_t gbytes = nb * (QB + scale_bytes(qtype));
-  at::Tensor out = at::zeros({NG, gbytes}, w.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  // The regrouped row (quant.py): [d fp16 x nb][m fp16 x nb (Q4_1)][qh u32 x nb (Q5_0)][qs: 16 (Q4, Q5_0) or 32
-  // (Q8_0) bytes x nb].
-  const int64_t qs_at = (qtype == kQ4_1 ? 4 : qtype == kQ5_0 ? 6 : 2) * nb, qs_bytes = qtype == kQ8_0 ? 32 : 16;
-  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      uint8_t* gp = op + g * gbytes;
-      for (int r = 0; r < kG && g * kG + r < N; ++r) {
-        const uint8_t* row = wp + (g * kG + r) * rb;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* qs = row + qs_at + qs_bytes * b;
-          uint8_t* q = gp + b * QB;
-          for (int v = 0; v < (qtype == kQ8_0 ? 8 : 4); ++v)     // vector v: bytes 4 v .. 4 v + 3 of the block
-            for (int t = 0; t < 4; ++t)
-              q[64 * v + 4 * r + t] = qtype == kQ8_0 ? (uint8_t)(qs[4 * v + t] ^ 0x80) : qs[4 * v + t];
-          uint32_t qh = 0;
-          if (qtype == kQ5_0) std::memcpy(&qh, row + 2 * nb + 4 * b, 4);
-          for (int t = 0; t < 4 && qtype == kQ5_0; ++t) q[256 + 4 * r + t] = q5_h_byte(qh, t);
-          std::memcpy(gp + nb * QB + 32 * b + 2 * r, row + 2 * b, 2);                          // d
-          if (qtype == kQ4_1) std::memcpy(gp + nb * QB + 32 * nb + 32 * b + 2 * r, row + 2 * nb + 2 * b, 2);  // m
-        }
-      }
-    }
-  });
-  return out;
-}
-
 at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+                             const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype) || packable_k(qtype),
               "tandem.gemv_packed_q8act: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
               "10-14), got ", qtype);
@@ -440,7 +393,7 @@ at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, i
 }
 
 void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                       int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa_req) {
+                            int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa_req) {
   const int body = packed_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.gemv_packed_q8act needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K && rep > 0 &&

@@ -46,8 +46,8 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qty
 // its own bodies (other types, or a CPU without AVX2). _isa: for an ISA request as linear_rows_q8act's.
 int64_t gemv_rows_q8act_max_rows(int64_t qtype);
 int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa);
-// The int8 GEMV on weights repacked at load (gemv_packed_q8act.cpp): the layout, the op, and the rows of x up
-// to which a model runs it where it holds the packed copy (0: not this type or CPU).
+// The int8 GEMV on weights repacked at load: the layout (pack_gemv.cpp), the op (gemv_packed_q8act.cpp), and the
+// rows of x up to which a model runs it where it holds the packed copy (0: not this type or CPU).
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
 at::Tensor gemv_packed_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                              const std::optional<at::Tensor>& bias, int64_t isa);
