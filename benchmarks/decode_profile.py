@@ -25,7 +25,7 @@ import time
 
 FAMILIES = [  # (family, predicate on the op name), first match wins
     ("fused layer op's own time", lambda n: "decode_layer" in n),    # its calls are profiled by their op names
-    ("quantized linears", lambda n: n.startswith(("tandem::qlinear", "tandem::qgemm", "tandem::qgemv"))
+    ("quantized linears", lambda n: n.startswith(("tandem::linear_rows", "tandem::gemm_rows", "tandem::gemv_"))
      or n in ("aten::mm", "aten::addmm", "aten::linear")),
     ("decode attention", lambda n: "attention" in n),
     ("norms", lambda n: "rms_norm" in n),

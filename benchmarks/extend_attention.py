@@ -1,6 +1,6 @@
 """The native extend attention op (csrc/extend_attention.cpp) next to what it replaced, the gather of the step's
 keys from the paged cache (widened to fp32, padded) + ATen's flash SDPA with the causal bool mask, and the
-batch-invariant causal op (decode rows' bits, csrc/causal_attention.inc; fp32 products), on SmolLM2-135M's
+batch-invariant causal op (decode rows' bits, csrc/causal_attention.cpp; fp32 products), on SmolLM2-135M's
 heads (9 over 3 KV heads, head_dim 64, bf16 cache, 30 layers' slots), on the chunks the workloads of issue 22
 prefill: a 256-token mixed chunk on 768 and 2,560 cached keys (the long workload), a fresh 924-token prompt, 32 rows
 of 24 tokens on one 900-key prefix (shared prefix). Interleaved in one process, best of --reps, for each SIMD body
@@ -42,7 +42,7 @@ def case(rows: int, new: int, cached: int, isa: int, g: torch.Generator):
     def native():
         return torch.ops.tandem.extend_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa)
 
-    def causal():                     # the batch-invariant op (csrc/causal_attention.inc): decode rows' bits
+    def causal():                     # the batch-invariant op (csrc/causal_attention.cpp): decode rows' bits
         return torch.ops.tandem.causal_attention(q, cache, 3, kv_index, tok_row, pos, 0.125, 0, isa)
 
     def native_bf16():

@@ -1,9 +1,9 @@
-"""The int8 GEMM (tandem.qgemm_q8) against the decode kernel (qlinear_q8) and MKL's fp32 GEMM on dequantized
-weights (the path it replaced past small_m() rows), on SmolLM2's linear shapes at 32-512 rows; best of 5.
+"""The int8 GEMM (tandem.gemm_rows_q8act) against the decode kernel (linear_rows_q8act) and MKL's fp32 GEMM on
+dequantized weights (the path it replaced past small_m() rows), on SmolLM2's linear shapes at 32-512 rows; best of 5.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/int8_gemm.py [--qtype 3] [--isa -1] [--threads 1]
 
-On a CPU with AMX-INT8 the best qgemm_q8 body is the AMX one (body 3), and a column beside it times the
+On a CPU with AMX-INT8 the best gemm_rows_q8act body is the AMX one (body 3), and a column beside it times the
 AVX-512 VNNI body (isa 2) on the same weights. --isa 1 runs the AVX2 bodies; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment to compare with
 MKL's AVX2 code (what an AVX2-only machine runs). One thread is the robust reading on a shared 2-core machine
 (an OpenMP barrier stalls whenever another process takes a core).
@@ -55,11 +55,12 @@ def main() -> None:
     assert kernels.available(), kernels.unavailable_reason()
     torch.set_num_threads(args.threads)
     qt, isa = args.qtype, args.isa
-    print(f"qtype {qt}, isa {kernels.isa(isa)}, qgemm body {torch.ops.tandem.qgemm_q8_body(qt, isa)}, "
+    print(f"qtype {qt}, isa {kernels.isa(isa)}, gemm_rows_q8act body {torch.ops.tandem.gemm_rows_q8act_body(qt, isa)}, "
           f"{args.threads} thread(s), MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', '-')}")
-    amx = torch.ops.tandem.qgemm_q8_body(qt, isa) == 3
-    print("| N x K | M | qlinear_q8 ms | qgemm_q8 ms |" + (" qgemm_q8 VNNI ms | AMX / VNNI |" if amx else "")
-          + " MKL fp32 + dequantize ms | qgemm / MKL |")
+    amx = torch.ops.tandem.gemm_rows_q8act_body(qt, isa) == 3
+    print("| N x K | M | linear_rows_q8act ms | gemm_rows_q8act ms |"
+          + (" gemm_rows_q8act VNNI ms | AMX / VNNI |" if amx else "")
+          + " MKL fp32 + dequantize ms | gemm_rows_q8act / MKL |")
     print("|---|---|---|---|" + ("---|---|" if amx else "") + "---|---|")
     for n, k in SHAPES:
         k = -(-k // 256) * 256 if qt in K_QUANTS else k      # K-quants: whole super-blocks (576 -> 768)
@@ -67,9 +68,9 @@ def main() -> None:
         dense = q.dequantize()
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k)
-            gemv = best_ms(lambda: torch.ops.tandem.qlinear_q8(x, q.data, qt, k, None, isa))
-            gemm = best_ms(lambda: torch.ops.tandem.qgemm_q8(x, q.data, qt, k, None, isa))
-            vnni = best_ms(lambda: torch.ops.tandem.qgemm_q8(x, q.data, qt, k, None, 2)) if amx else 0.0
+            gemv = best_ms(lambda: torch.ops.tandem.linear_rows_q8act(x, q.data, qt, k, None, isa))
+            gemm = best_ms(lambda: torch.ops.tandem.gemm_rows_q8act(x, q.data, qt, k, None, isa))
+            vnni = best_ms(lambda: torch.ops.tandem.gemm_rows_q8act(x, q.data, qt, k, None, 2)) if amx else 0.0
             mkl = best_ms(lambda: F.linear(x, dense)) + best_ms(lambda: torch.ops.tandem.dequantize_out(q.data, qt, k, dense))
             body = f" {vnni:.2f} | {vnni / gemm:.2f}x |" if amx else ""
             print(f"| {n} x {k} | {m} | {gemv:.2f} | {gemm:.2f} |{body} {mkl:.2f} | {mkl / gemm:.2f}x |")

@@ -1,7 +1,8 @@
-"""The int8 GEMV on repacked weights (tandem.qgemv_packed) against the row layout's ops it replaces, on SmolLM2's
-linear shapes: qlinear_q8 (qgemv_q8 up to 16 rows with VNNI, the AVX2 decode body on AVX2) and qgemm_q8 (the GEMM,
-AMX where the CPU has it), all on the same random weights and x, interleaved, best of --reps. The three give the
-same bits (tests/kernels/test_qgemv_packed.py), so the figures choose qgemv_packed_rows() only.
+"""The int8 GEMV on repacked weights (tandem.gemv_packed_q8act) against the row layout's ops it replaces, on SmolLM2's
+linear shapes: linear_rows_q8act (gemv_rows_q8act up to 16 rows with VNNI, the AVX2 decode body on AVX2) and
+gemm_rows_q8act (the GEMM, AMX where the CPU has it), all on the same random weights and x, interleaved, best of --reps.
+The three give the same bits (tests/kernels/test_gemv_packed_q8act.py), so the figures choose
+gemv_packed_q8act_max_rows() only.
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/packed_gemv.py [--threads 1] [--rows 1,2,...]
     TANDEM_ISA=avx2 ... (the AVX2 bodies)        writes benchmarks/results/packed_gemv[_TAG].json
@@ -19,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tests.kernels.test_qgemm import _weight  # noqa: E402
+from tests.kernels.test_gemm_rows_q8act import _weight  # noqa: E402
 
 from tandem import kernels  # noqa: E402
 from tandem.kernels.quant import Q4_1, Q8_0  # noqa: E402
@@ -69,12 +70,13 @@ def main() -> None:
         res = []
         for m in rows:
             x = torch.randn(m, k)
-            ops = {"qlinear_q8": lambda: T.qlinear_q8(x, q.data, qt, k, None),
-                   "qgemm_q8": lambda: T.qgemm_q8(x, q.data, qt, k, None),
-                   "qgemv_packed": lambda: T.qgemv_packed(x, packed, qt, k, n, None)}
+            ops = {"linear_rows_q8act": lambda: T.linear_rows_q8act(x, q.data, qt, k, None),
+                   "gemm_rows_q8act": lambda: T.gemm_rows_q8act(x, q.data, qt, k, None),
+                   "gemv_packed_q8act": lambda: T.gemv_packed_q8act(x, packed, qt, k, n, None)}
             res.append({"m": m, **{name: round(best_ms(f, args.reps), 4) for name, f in ops.items()}})
         out["shapes"].append({"n": n, "k": k, "qtype": qt, "rows": res})
-        print(n, k, qt, " | ".join(f"{r['m']}: {r['qlinear_q8']:.3f} {r['qgemm_q8']:.3f} {r['qgemv_packed']:.3f}"
+        print(n, k, qt, " | ".join(f"{r['m']}: {r['linear_rows_q8act']:.3f} {r['gemm_rows_q8act']:.3f} "
+                                   f"{r['gemv_packed_q8act']:.3f}"
                                    for r in res), flush=True)
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.join(here, "results", f"packed_gemv{'_' + args.tag if args.tag else ''}.json")

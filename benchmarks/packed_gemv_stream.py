@@ -1,5 +1,5 @@
-"""The one-row decode GEMV streaming weights from DRAM: tandem.qgemv_packed on the packed copy against the row
-layout's qlinear_q8, per K-quant, over several 8192 x 8192 matrices summing to past --mb MB (well past L3, so
+"""The one-row decode GEMV streaming weights from DRAM: tandem.gemv_packed_q8act on the packed copy against the row
+layout's linear_rows_q8act, per K-quant, over several 8192 x 8192 matrices summing to past --mb MB (well past L3, so
 every pass reads DRAM), each op timed over whole passes and given as GB/s of the weight bytes it reads (the two
 layouts are the same size). Random super-blocks with small finite fp16 scales.
 
@@ -66,8 +66,8 @@ def main() -> None:
         count = -(-args.mb * 10**6 // per)
         ws = [(w := random_weight(name, n, k, i), T.pack_gemv(w.data, qt, k)) for i in range(count)]
         mb = sum(w.data.numel() for w, _ in ws) / 1e6
-        packed = gbps(lambda w: T.qgemv_packed(x, w[1], qt, k, n, None), ws, args.passes)
-        rows = gbps(lambda w: T.qlinear_q8(x, w[0].data, qt, k, None), ws, args.passes)
+        packed = gbps(lambda w: T.gemv_packed_q8act(x, w[1], qt, k, n, None), ws, args.passes)
+        rows = gbps(lambda w: T.linear_rows_q8act(x, w[0].data, qt, k, None), ws, args.passes)
         print(f"{name}: {len(ws)} matrices, {mb:.0f} MB: packed {packed:.1f} GB/s, row layout {rows:.1f} GB/s "
               f"({packed / rows:.2f}x)", flush=True)
         del ws

@@ -1,4 +1,4 @@
-"""Where a long prefill's time goes with prefill_act="int8" (the int8 GEMM qgemm_q8 and fp32 SDPA) and "bf16"
+"""Where a long prefill's time goes with prefill_act="int8" (the int8 GEMM gemm_rows_q8act and fp32 SDPA) and "bf16"
 (oneDNN's bf16 GEMM, AMX tiles where the CPU has them, and bf16 SDPA): one prompt of --len tokens prefilled
 in one chunk, the engine inline (the executor in this process) so torch.profiler sees every op.
 
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_profile import cpu_flags  # noqa: E402
 
 FAMILIES = [  # (family, op-name predicate), first match wins
-    ("linears (qgemm_q8 / bf16 mm)", lambda n: n in ("tandem::qgemm_q8", "aten::mm", "aten::addmm",
-                                                      "tandem::qgemv_packed", "tandem::qlinear_q8")),
+    ("linears (gemm_rows_q8act / bf16 mm)", lambda n: n in ("tandem::gemm_rows_q8act", "aten::mm", "aten::addmm",
+                                                      "tandem::gemv_packed_q8act", "tandem::linear_rows_q8act")),
     ("attention (SDPA flash)", lambda n: "flash_attention" in n),
     ("dtype conversions (copy_)", lambda n: n == "aten::copy_"),
     ("SiLU x up", lambda n: n in ("aten::silu", "aten::mul", "tandem::silu_mul")),

@@ -6,7 +6,7 @@ path, with a log line, where it cannot be built. EngineConfig.kernels selects "n
 from __future__ import annotations
 
 from .library import ISA_NAMES, available, isa, unavailable_reason
-from .quant import NATIVE_QTYPES, QuantWeight, qlinear
+from .quant import NATIVE_QTYPES, QuantWeight, linear_rows
 
 __all__ = ["available", "unavailable_reason", "isa", "ISA_NAMES", "NATIVE_QTYPES", "QuantWeight",
-           "qlinear"]
+           "linear_rows"]

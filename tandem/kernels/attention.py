@@ -69,7 +69,7 @@ def causal_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index:
                      positions: torch.Tensor, scale: float, window: int = 0, bf16_products: bool = False
                      ) -> torch.Tensor:
     """extend_attention's function (same arguments, K/V already in the cache) with each token's output the bits
-    decode_attention gives it as a decode row over its own causal keys (csrc/causal_attention.inc): the same
+    decode_attention gives it as a decode row over its own causal keys (csrc/causal_attention.cpp): the same
     whatever chunk, step or batch the token comes in. bf16_products: as decode_attention's."""
     return torch.ops.tandem.causal_attention(q, cache, layer, kv_index, tok_row, positions, scale, window, -1,
                                              bf16_products)

@@ -16,7 +16,7 @@ Q4_1's time per weight); Q5_K rows likewise as [headers][qh u32 a sub-block][qs 
 sub-block then being a Q5_1 block. Their 6-bit / int8 sub-block scales are decoded once per row and call.
 F16 / BF16 rows are the GGUF's halves, read by the same kernels as blocks of 32 (half the bytes of fp32).
 Rows are whole blocks along K, so permuting or concatenating rows (llama's q/k un-permutation, the fused qkv
-and gate_up) works on the bytes as on a dense matrix. See csrc/qlinear.cpp for the block formats.
+and gate_up) works on the bytes as on a dense matrix. See csrc/linear_rows.cpp for the block formats.
 """
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
 BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32)}
-# What tandem.qlinear_q8 reads (kernels_act="int8", the default): every integer block type. F16 / BF16 weights
+# What tandem.linear_rows_q8act reads (kernels_act="int8", the default): every integer block type. F16 / BF16 weights
 # keep fp32 activations (their values are not integers; llama.cpp rounds x to F16 / BF16 for them instead).
 INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
-# Rows of x up to which the in-kernel GEMV bodies run (qlinear, qlinear_q8; measured: 1.4x the fp32 GEMM at 65
-# rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
-# activations the int8 GEMM qgemm_q8 (gemm_rows() below: right there, with VNNI and AVX2). Each body keeps
+# Rows of x up to which the in-kernel GEMV bodies run (linear_rows, linear_rows_q8act; measured: 1.4x the fp32 GEMM at
+# 65 rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
+# activations the int8 GEMM gemm_rows_q8act (gemm_rows() below: right there, with VNNI and AVX2). Each body keeps
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
 # is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 with VNNI: none, see GEMM_ROWS).
 SMALL_M = 96
@@ -118,28 +118,28 @@ _small_m: int | None = None
 
 
 def small_m() -> int:
-    """Rows up to which qlinear runs in-kernel on this CPU."""
+    """Rows up to which linear_rows runs in-kernel on this CPU."""
     global _small_m
     if _small_m is None:
         _small_m = SMALL_M if torch.ops.tandem.isa(-1) == 2 else SMALL_M_AVX2
     return _small_m
 
 
-def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, int8_act: bool = False
+def linear_rows(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, int8_act: bool = False
             ) -> torch.Tensor:
     """x [M, K] fp32 @ dequant(w)^T (+ bias) -> [M, N]. int8_act (INT8_ACT_QTYPES): rows of x rounded to int8
-    halves of 16 first; past gemm_rows() rows by the int8 GEMM qgemm_q8, else up to small_m() rows by
-    qlinear_q8. Otherwise (fp32 activations, or a type without the int8 GEMM) past small_m() rows the weights are
+    halves of 16 first; past gemm_rows() rows by the int8 GEMM gemm_rows_q8act, else up to small_m() rows by
+    linear_rows_q8act. Otherwise (fp32 activations, or a type without the int8 GEMM) past small_m() rows the weights are
     dequantized into a reused buffer for MKL's fp32 GEMM."""
     global _scratch
     q8 = int8_act and w.qtype in INT8_ACT_QTYPES
     m = x.shape[0]
     if q8 and m > gemm_rows(w.qtype):
-        return torch.ops.tandem.qgemm_q8(x, w.data, w.qtype, w.k, bias)
+        return torch.ops.tandem.gemm_rows_q8act(x, w.data, w.qtype, w.k, bias)
     if m <= small_m():
         if q8:
-            return torch.ops.tandem.qlinear_q8(x, w.data, w.qtype, w.k, bias)
-        return torch.ops.tandem.qlinear(x, w.data, w.qtype, w.k, bias)
+            return torch.ops.tandem.linear_rows_q8act(x, w.data, w.qtype, w.k, bias)
+        return torch.ops.tandem.linear_rows(x, w.data, w.qtype, w.k, bias)
     if _scratch.numel() < w.numel():
         _scratch = torch.empty(w.numel())
     dense = _scratch[:w.numel()].view(w.shape)
@@ -147,16 +147,16 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, i
     return F.linear(x, dense, bias)
 
 
-# Rows of x past which qgemm_q8 takes over from qlinear_q8's GEMV bodies, by the GEMM's body on this CPU
-# (qgemm_q8_body). Not where the GEMM gets faster (one thread, Intel Xeon with AMX, SmolLM2 / Gemma 3 shapes,
-# Q4_1 / Q4_K / Q6_K / Q8_0 / Q5_0: the AMX body level with qlinear_q8 at 16-24 rows and 2.2x ahead at 64, the
+# Rows of x past which gemm_rows_q8act takes over from linear_rows_q8act's GEMV bodies, by the GEMM's body on this CPU
+# (gemm_rows_q8act_body). Not where the GEMM gets faster (one thread, Intel Xeon with AMX, SmolLM2 / Gemma 3 shapes,
+# Q4_1 / Q4_K / Q6_K / Q8_0 / Q5_0: the AMX body level with linear_rows_q8act at 16-24 rows and 2.2x ahead at 64, the
 # VNNI body level at 24-32 and 1.7x at 64) but small_m(): the two round x the same way and differ in fp32
 # order only, yet in the int8 mode a last-bit difference moves a value of the next layer across a rounding
 # step of x now and then, and 30 layers grow that to ~0.01-0.07 in a logprob (measured on SmolLM2: one prompt
 # prefilled in chunks of 16 rows, the GEMV, vs 24, the GEMM with its threshold lowered to 20). So the boundary
-# stays at the decode batch sizes' far end; only one arithmetic for every row count removes it, as qgemv_q8
-# does for Q4_1 / Q4_K / Q8_0 / Q5_0 (qlinear_q8 runs it, then the GEMM, at any row count: there the threshold is a speed
-# choice only). The AVX2 body (a half's sums in int16 for the narrow types, a last tile's padding half skipped)
+# stays at the decode batch sizes' far end; only one arithmetic for every row count removes it, as gemv_rows_q8act
+# does for Q4_1 / Q4_K / Q8_0 / Q5_0 (linear_rows_q8act runs it, then the GEMM, at any row count: there the threshold is
+# a speed choice only). The AVX2 body (a half's sums in int16 for the narrow types, a last tile's padding half skipped)
 # measured on an AMD EPYC Zen 3, one thread: 1.1-3x MKL's fp32 GEMM plus the dequantization at 17-128 rows on
 # SmolLM2's and Gemma 3's shapes (the Q8_0 head 2-3x), behind only on the 576 x 1536 down projection at 17-32
 # (0.7-0.8x) and the 960 x 576 qkv at 17 (0.7x; level at 24-64), ahead summed over a SmolLM2 layer and head at
@@ -168,15 +168,15 @@ _packed_rows: dict[int, int] = {}
 def packed_rows(qtype: int) -> int:
     """Rows of x up to which a linear with a repacked copy of its weight (tandem.pack_gemv, made at load for
     Q4_0 / Q4_1 / Q5_0 / Q8_0 and Q2_K to Q6_K with int8 activations; the K-quants take every row count
-    where a body runs) runs tandem.qgemv_packed, the GEMM's bits at 2-2.7x the row layout's GEMV
-    (csrc/qgemv_packed.cpp says where it was measured): 256 with AVX-512 VNNI and AMX (past it the GEMM's AMX
+    where a body runs) runs tandem.gemv_packed_q8act, the GEMM's bits at 2-2.7x the row layout's GEMV
+    (csrc/gemv_packed_q8act.cpp says where it was measured): 256 with AVX-512 VNNI and AMX (past it the GEMM's AMX
     tiles); 4096 with VNNI and no AMX (1.08-1.86x the GEMM's VNNI body up to 2048 rows, prefill
     chunks too); with AVX2 every row count (2^40: its many-row tile is level with or ahead of the AVX2 GEMM up to
     2048 rows).
     0: no copy is made for this type here."""
     if qtype not in _packed_rows:
         from .library import available
-        _packed_rows[qtype] = torch.ops.tandem.qgemv_packed_rows(qtype) if available() else 0
+        _packed_rows[qtype] = torch.ops.tandem.gemv_packed_q8act_max_rows(qtype) if available() else 0
     return _packed_rows[qtype]
 
 
@@ -191,10 +191,10 @@ _gemm_rows: dict[int, int] = {}
 
 
 def gemm_rows(qtype: int) -> int:
-    """Rows of x past which qlinear runs the int8 GEMM for this type on this CPU (a huge number: never)."""
+    """Rows of x past which linear_rows runs the int8 GEMM for this type on this CPU (a huge number: never)."""
     if qtype not in _gemm_rows:
         # Never below small_m() (an AVX-512 CPU without VNNI runs the AVX2 GEMM body: there it is small_m())
-        _gemm_rows[qtype] = max(GEMM_ROWS.get(torch.ops.tandem.qgemm_q8_body(qtype), 1 << 62), small_m())
+        _gemm_rows[qtype] = max(GEMM_ROWS.get(torch.ops.tandem.gemm_rows_q8act_body(qtype), 1 << 62), small_m())
     return _gemm_rows[qtype]
 
 
@@ -202,8 +202,8 @@ _gemv_is_gemm: dict[int, bool] = {}
 
 
 def gemv_is_gemm(w: QuantWeight) -> bool:
-    """Does qlinear_q8's GEMV give a row the int8 GEMM's bits for w's type on this CPU (and ISA body)? Probed once
-    a type on w's first rows: where it does not (Q5_1 here), a linear that would switch from one to the other at
+    """Does linear_rows_q8act's GEMV give a row the int8 GEMM's bits for w's type on this CPU (and ISA body)? Probed
+    once a type on w's first rows: where it does not (Q5_1 here), a linear that would switch from one to the other at
     gemm_rows() takes the GEMM at every row count instead (QLinear.gemm_always), so a row's bits never follow
     the step's size (batch invariance, model/attention_paths.py). True where no GEMM body runs this type."""
     if w.qtype not in _gemv_is_gemm:
@@ -212,8 +212,8 @@ def gemv_is_gemm(w: QuantWeight) -> bool:
         else:
             rows = w.data[:32].contiguous()
             x = torch.randn(3, w.k, generator=torch.Generator().manual_seed(0))
-            _gemv_is_gemm[w.qtype] = torch.equal(torch.ops.tandem.qlinear_q8(x, rows, w.qtype, w.k, None),
-                                                 torch.ops.tandem.qgemm_q8(x, rows, w.qtype, w.k, None))
+            _gemv_is_gemm[w.qtype] = torch.equal(torch.ops.tandem.linear_rows_q8act(x, rows, w.qtype, w.k, None),
+                                                 torch.ops.tandem.gemm_rows_q8act(x, rows, w.qtype, w.k, None))
     return _gemv_is_gemm[w.qtype]
 
 
@@ -247,7 +247,7 @@ def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
-def qlinear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_rows_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize_ref(w.data, w.qtype, w.k), bias)
 
 
@@ -312,7 +312,7 @@ def _half(b: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """K-quant super-blocks (GGUF layout, csrc/qlinear.cpp) -> fp32 [N, K]."""
+    """K-quant super-blocks (GGUF layout, csrc/linear_rows.cpp) -> fp32 [N, K]."""
     n, ns = data.shape[0], k // 256
     raw = data.reshape(n, ns, BLOCK_BYTES[qtype])
     b = raw.int()
@@ -359,7 +359,7 @@ def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xb * inv).to(torch.int8), d
 
 
-def qlinear_q8_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_rows_q8act_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The int8-activation linear in float64: dequantized weights times the dequantized int8 rows of x."""
     xq, d = quantize_act_ref(x)
     xd = (xq.double() * d.double()).reshape(x.shape)

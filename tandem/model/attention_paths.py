@@ -4,7 +4,7 @@ The rule (batch_invariant, the default of the native path): every token attends 
 op's, whatever its role, chunk or batch mates. Decode rows, verify rows and the overlap loop's riding rows attend
 by the decode op (csrc/decode_attention.cpp); every token of a chunk (a prompt's, in any chunk size, or a
 retracted request's outputs recomputed) by tandem.causal_attention, which gives each token the decode op's bits
-for its own causal keys (csrc/causal_attention.inc; in GEMM form, causal_gemm_simd.inc / causal_gemm_bf16.inc):
+for its own causal keys (csrc/causal_attention.cpp; in GEMM form, causal_gemm_simd.inc / causal_gemm_bf16.inc):
 scores as four fma chains in one order, tiles and chunks at absolute key positions, chunk states folded in
 order. So a token's KV is the same bits whichever path made it, and the prefix cache reuses any token's, an
 earlier answer held in a later prompt included. With the linears' own invariant (kernels/quant.py: the int8
@@ -99,7 +99,7 @@ class Attention:
                           meta: AttentionMeta) -> torch.Tensor:
         """A chunk's tokens under batch_invariant (a prompt's, or a retracted request's outputs), q [T, H, D]:
         the step's K/V written to the cache, then every token attends its row's keys up to its position with
-        the decode op's arithmetic (csrc/causal_attention.inc): the bits it gets as a decode row."""
+        the decode op's arithmetic (csrc/causal_attention.cpp): the bits it gets as a decode row."""
         kv = meta.kv
         kv.write(i, k, v)
         return causal_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,

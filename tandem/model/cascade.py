@@ -14,7 +14,7 @@ padded layout with the prefix's columns cut off. Outputs equal the one-attention
 (tests/model/test_cascade_extend.py); where the linears round activations to int8, such a difference can flip a
 rounding and move a logprob as much as a prefix-cache hit does (~0.1 on SmolLM2 with random-token prompts,
 measured). `shared_prefix_attention=False` turns it off. The decode op's sharing
-(csrc/shared_prefix_attention.inc) is the bit-exact one, for decode rows.
+(csrc/shared_prefix_attention.cpp) is the bit-exact one, for decode rows.
 """
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.quant import (INT8_ACT_QTYPES, QuantWeight, gemv_is_gemm, packed_gather, packed_rows, qlinear,
+from ..kernels.quant import (INT8_ACT_QTYPES, QuantWeight, gemv_is_gemm, linear_rows, packed_gather, packed_rows,
                              small_m)
 
 
-ALL_ROWS = 1 << 40   # qgemv_packed_rows() of a type whose packed copy takes every row count
+ALL_ROWS = 1 << 40   # gemv_packed_q8act_max_rows() of a type whose packed copy takes every row count
 SMALL_M = 64        # rows up to which a CPU linear runs as a bmm over row blocks of the weight
 ROW_BLOCKS = 8
 
@@ -46,8 +46,8 @@ class QLinear:
 
     With int8 activations, weights of a type tandem.pack_gemv interleaves (Q4_0 / Q4_1 / Q5_0 / Q8_0, and the
     K-quants Q2_K to Q6_K of the K-quant files) get a repacked copy per part (`packed`) for up to
-    packed_rows() rows of x, where tandem.qgemv_packed gives the GEMM's bits 2-2.7x faster than the row layout's
-    GEMV (decode and speculative verify steps; csrc/qgemv_packed.cpp). For the 32-weight types the row layout stays
+    packed_rows() rows of x, where tandem.gemv_packed_q8act gives the GEMM's bits 2-2.7x faster than the row layout's
+    GEMV (decode and speculative verify steps; csrc/gemv_packed_q8act.cpp). For the 32-weight types the row layout stays
     beside it (as many bytes again) for longer prefill chunks; the K-quants' packed copy takes every row count, so
     release_rows() lets the row layout go and the model holds each weight once (issue 46: a 1.12 GB file took
     1.87 GB)."""
@@ -56,11 +56,12 @@ class QLinear:
                  int8_act: bool = False) -> None:
         self.parts, self.bias = (weight if isinstance(weight, list) else [weight]), bias
         self.int8_act = int8_act
-        # The decode call decided once: the op overload and its arguments (qlinear's choice for few rows).
+        # The decode call decided once: the op overload and its arguments (linear_rows's choice for few rows).
         w = self.parts[0]
         q8 = int8_act and w.qtype in INT8_ACT_QTYPES
         self._few = (small_m() if len(self.parts) == 1 else -1,
-                     (torch.ops.tandem.qlinear_q8 if q8 else torch.ops.tandem.qlinear).default, w.data, w.qtype, w.k)
+                     (torch.ops.tandem.linear_rows_q8act if q8 else torch.ops.tandem.linear_rows).default, w.data,
+                     w.qtype, w.k)
         # Packed parts run up to the rows every part's type allows (all parts packable, or none packed).
         rows = {packed_rows(p.qtype) if int8_act and p.qtype in INT8_ACT_QTYPES else 0 for p in self.parts}
         self.packed_rows = rows.pop() if len(rows) == 1 else 0
@@ -117,19 +118,19 @@ class QLinear:
         rows, op, data, qtype, k = self._few
         if x.shape[0] <= self.packed_rows:              # the repacked copy: the same bits as the ops below
             if len(self.parts) == 1:
-                return torch.ops.tandem.qgemv_packed.default(x, self.packed_parts[0], qtype, k, data.shape[0],
+                return torch.ops.tandem.gemv_packed_q8act.default(x, self.packed_parts[0], qtype, k, data.shape[0],
                                                              self.bias)
-            y = torch.cat([torch.ops.tandem.qgemv_packed.default(x, pk, p.qtype, p.k, p.data.shape[0], None)
+            y = torch.cat([torch.ops.tandem.gemv_packed_q8act.default(x, pk, p.qtype, p.k, p.data.shape[0], None)
                            for p, pk in zip(self.parts, self.packed_parts)], dim=-1)
             return y if self.bias is None else y + self.bias
         if x.shape[0] <= rows:                          # one part, in-kernel rows: straight to the op
             return op(x, data, qtype, k, self.bias)
         if self.gemm_always:
-            y = torch.cat([torch.ops.tandem.qgemm_q8(x, p.data, p.qtype, p.k, None) for p in self.parts], dim=-1)
+            y = torch.cat([torch.ops.tandem.gemm_rows_q8act(x, p.data, p.qtype, p.k, None) for p in self.parts], dim=-1)
             return y if self.bias is None else y + self.bias
         if len(self.parts) == 1:
-            return qlinear(x, self.parts[0], self.bias, self.int8_act)
-        y = torch.cat([qlinear(x, p, None, self.int8_act) for p in self.parts], dim=-1)
+            return linear_rows(x, self.parts[0], self.bias, self.int8_act)
+        y = torch.cat([linear_rows(x, p, None, self.int8_act) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
 

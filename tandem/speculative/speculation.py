@@ -23,7 +23,7 @@ MAX_PROBE_GAP = 256       # doubling after each probe that accepted nothing (a p
 # Cost of one more row in a decode step, as a fraction of a one-row step, until the engine has measured it
 # (observe_step): measured on SmolLM2-135M Q4_1, 2 cores, serial loop, verify steps of one request whose drafts are
 # all rejected, with the row layout's GEMV: 4 drafts cost 1.82x a plain step, 8 drafts 2.52x (0.20 and 0.19 a
-# row). The repacked GEMV (the qgemv_packed op) made a row cheaper, and rows cost differently on every CPU and
+# row). The repacked GEMV (the gemv_packed_q8act op) made a row cheaper, and rows cost differently on every CPU and
 # model: hence the measured value (Speculation.row_cost).
 ROW_COST = 0.2
 ROW_COST_RANGE = (0.02, 1.0)     # a measured sample is clipped to this (a shared machine's outliers)

@@ -22,9 +22,9 @@ def cpu_level() -> int:
 
 def has_vnni() -> bool:
     """Whether the int8 ops run their AVX-512 VNNI body for isa=2 (without VNNI they run the AVX2 one there):
-    qgemm_q8's own answer."""
+    gemm_rows_q8act's own answer."""
     from tandem.kernels.quant import Q8_0
-    return kernels.available() and int(torch.ops.tandem.qgemm_q8_body(Q8_0, 2)) >= 2
+    return kernels.available() and int(torch.ops.tandem.gemm_rows_q8act_body(Q8_0, 2)) >= 2
 
 
 def skip_reason(level: int, vnni: bool = False) -> str | None:

@@ -1,4 +1,4 @@
-"""Shared-prefix (cascade) attention in the native decode op (csrc/shared_prefix_attention.inc): rows whose keys
+"""Shared-prefix (cascade) attention in the native decode op (csrc/shared_prefix_attention.cpp): rows whose keys
 start with the same KV slots read them once for all, up to 8 rows of a chunk attending it together (each K and
 V row loaded and widened once for all their query heads). Its invariant is that it changes no bit: every row's
 output equals, bit for bit, the op with sharing off, the row attended alone and the row at another thread

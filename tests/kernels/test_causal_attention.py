@@ -1,4 +1,4 @@
-"""The causal attention of prompt tokens (csrc/causal_attention.inc): every token gets, bit for bit, what the
+"""The causal attention of prompt tokens (csrc/causal_attention.cpp): every token gets, bit for bit, what the
 decode op gives it as a decode row over its own causal keys, however the prompt is cut into chunks and
 whatever else the call holds (the batch-invariance rule of tandem/model/attention_paths.py). Checked on every
 ISA body, every KV cache dtype, GQA and head sizes of the supported models, sliding windows, long contexts

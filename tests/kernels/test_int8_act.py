@@ -13,7 +13,8 @@ from tests.kernels.test_quant_types import weights, whole
 
 from tandem import kernels
 from tandem.kernels.quant import (F16, INT8_ACT_QTYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-                                  Q8_0, dequantize_ref, gemm_rows, qlinear, qlinear_q8_ref, quantize_act_ref, small_m)
+                                  Q8_0, dequantize_ref, gemm_rows, linear_rows, linear_rows_q8act_ref, quantize_act_ref,
+                                  small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -29,7 +30,7 @@ def test_every_integer_type_reads_int8():
 @pytest.mark.parametrize("isa", isas(vnni=True))
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (5, 4, 160),
                                      (17, 6, 224), (64, 13, 1536), (200, 3, 512)])
-def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
+def test_linear_rows_int8_act_equals_reference(name, isa, m, n, k):
     """x rounded to int8 blocks (the reference's rounding, bit for bit), integer block dot products (Q5: the
     fifth bits joined to the nibbles first; K-quants: their 16- or 32-weight sub-block scales); equal to the
     float64 product of the dequantized operands up to fp32 summation order. K covers whole 4-block groups and
@@ -43,11 +44,11 @@ def test_qlinear_int8_act_equals_reference(name, isa, m, n, k):
     xq, d = quantize_act_ref(x)
     xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
     for b in (None, bias):
-        y = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, b, isa)
+        y = torch.ops.tandem.linear_rows_q8act(x, q.data, q.qtype, k, b, isa)
         assert y.shape == (m, n)
-        assert_close_sum(y, xd, w, qlinear_q8_ref(x, q, b))
+        assert_close_sum(y, xd, w, linear_rows_q8act_ref(x, q, b))
     if m <= small_m():
-        assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k))
+        assert torch.equal(linear_rows(x, q, int8_act=True), torch.ops.tandem.linear_rows_q8act(x, q.data, q.qtype, k))
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -59,29 +60,29 @@ def test_a_row_is_the_same_at_any_row_count(name, isa):
     k = whole(608, qtype)
     q = blocks(7, k, qtype, seed=3) if qtype in (Q4_K, Q6_K) else weights(7, k, qtype, seed=3)
     x, bias = torch.randn(37, k), torch.randn(7)
-    full = torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, k, bias, isa)
+    full = torch.ops.tandem.linear_rows_q8act(x, q.data, q.qtype, k, bias, isa)
     for r in (0, 5, 36):
-        assert torch.equal(torch.ops.tandem.qlinear_q8(x[r:r + 1], q.data, q.qtype, k, bias, isa), full[r:r + 1])
-    assert torch.equal(torch.ops.tandem.qlinear_q8(x[4:7], q.data, q.qtype, k, bias, isa), full[4:7])
+        assert torch.equal(torch.ops.tandem.linear_rows_q8act(x[r:r + 1], q.data, q.qtype, k, bias, isa), full[r:r + 1])
+    assert torch.equal(torch.ops.tandem.linear_rows_q8act(x[4:7], q.data, q.qtype, k, bias, isa), full[4:7])
 
 
-def test_qlinear_int8_act_dispatch():
-    """int8 activations where the op reads the type: up to small_m() rows by qlinear_q8, past gemm_rows() by
+def test_linear_rows_int8_act_dispatch():
+    """int8 activations where the op reads the type: up to small_m() rows by linear_rows_q8act, past gemm_rows() by
     the int8 GEMM where this CPU has its body (else fp32 activations past small_m()); F16 / BF16 weights keep
     fp32."""
     q8, qk, half = blocks(9, 256, Q8_0), blocks(9, 256, Q4_K), weights(9, 256, F16)
     x = torch.randn(3, 256)
     for q in (q8, qk):
-        assert torch.equal(qlinear(x, q, int8_act=True), torch.ops.tandem.qlinear_q8(x, q.data, q.qtype, 256))
-        assert not torch.equal(qlinear(x, q, int8_act=True), qlinear(x, q))
-    assert torch.equal(qlinear(x, half, int8_act=True), qlinear(x, half))
+        assert torch.equal(linear_rows(x, q, int8_act=True), torch.ops.tandem.linear_rows_q8act(x, q.data, q.qtype, 256))
+        assert not torch.equal(linear_rows(x, q, int8_act=True), linear_rows(x, q))
+    assert torch.equal(linear_rows(x, half, int8_act=True), linear_rows(x, half))
     big = torch.randn(small_m() + 1, 256)
-    gemm = torch.ops.tandem.qgemm_q8(big, q8.data, Q8_0, 256) if big.shape[0] > gemm_rows(Q8_0) else qlinear(big, q8)
-    assert torch.equal(qlinear(big, q8, int8_act=True), gemm)
+    gemm = torch.ops.tandem.gemm_rows_q8act(big, q8.data, Q8_0, 256) if big.shape[0] > gemm_rows(Q8_0) else linear_rows(big, q8)
+    assert torch.equal(linear_rows(big, q8, int8_act=True), gemm)
     with pytest.raises(RuntimeError, match="int8 activations support"):
-        torch.ops.tandem.qlinear_q8(x, half.data, F16, 256)
+        torch.ops.tandem.linear_rows_q8act(x, half.data, F16, 256)
     with pytest.raises(RuntimeError, match="multiple of 256"):
-        torch.ops.tandem.qlinear_q8(torch.randn(1, 96), blocks(2, 256, Q6_K).data, Q6_K, 96)
+        torch.ops.tandem.linear_rows_q8act(torch.randn(1, 96), blocks(2, 256, Q6_K).data, Q6_K, 96)
 
 
 def _tiny_gguf(tmp_path, monkeypatch, quant: str) -> str:

@@ -70,5 +70,5 @@ def test_on_this_cpu_the_cases_are_the_librarys_answer():
         assert (reason is None) == (int(torch.ops.tandem.isa(requested)) == requested)
     assert helper.runnable() == list(range(level + 1))
     assert [p.id for p in helper.isas()] == [None, None, None]
-    vnni = int(torch.ops.tandem.qgemm_q8_body(8, 2)) >= 2                       # 8: Q8_0
+    vnni = int(torch.ops.tandem.gemm_rows_q8act_body(8, 2)) >= 2                       # 8: Q8_0
     assert helper.has_vnni() == vnni and (2 in helper.runnable(vnni=True)) == (level == 2 and vnni)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.kernels.quant import (BLOCK_BYTES, K_QUANTS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, QuantWeight,
-                                  dequantize_ref, qlinear, qlinear_ref)
+                                  dequantize_ref, linear_rows, linear_rows_ref)
 from tests.helpers.isa import isas
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
@@ -68,30 +68,30 @@ def test_dequantize_equals_gguf(name, isa):
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (2, 5, 64), (3, 33, 96), (4, 9, 608), (17, 64, 160),
                                      (64, 13, 1536), (200, 3, 512),
                                      (5, 258, 64)])
-def test_qlinear_equals_reference(name, isa, m, n, k):
+def test_linear_rows_equals_reference(name, isa, m, n, k):
     """K-quant cases take K up to whole 256-weight super-blocks (256, 768, 1536, 512)."""
     k = k_of(k, QTYPES[name])
     q = blocks(n, k, QTYPES[name], seed=m + n)
     x, bias = torch.randn(m, k), torch.randn(n)
     w = dequantize_ref(q.data, q.qtype, k)
     for b in (None, bias):
-        y = torch.ops.tandem.qlinear(x, q.data, q.qtype, k, b, isa)
-        ref = qlinear_ref(x, q, b)
+        y = torch.ops.tandem.linear_rows(x, q.data, q.qtype, k, b, isa)
+        ref = linear_rows_ref(x, q, b)
         assert y.shape == (m, n)
         assert_close_sum(y, x, w, ref)
 
 
 @pytest.mark.parametrize("qtype, k", [(Q4_1, 224), (Q4_K, 512), (Q6_K, 256)])
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 65, 200])
-def test_qlinear_dispatch_equals_reference(m, qtype, k):
+def test_linear_rows_dispatch_equals_reference(m, qtype, k):
     """The Python entry point: in-kernel up to SMALL_M rows, dequantize + fp32 GEMM past it."""
     from tandem.kernels.quant import small_m
     assert 1 <= small_m() < 200
     q = blocks(45, k, qtype, seed=m)
     x = torch.randn(m, k)
-    w, ref = dequantize_ref(q.data, q.qtype, q.k), qlinear_ref(x, q)
-    assert_close_sum(qlinear(x, q), x, w, ref)
-    assert_close_sum(qlinear(x.t().contiguous().t(), q), x, w, ref)          # a strided x
+    w, ref = dequantize_ref(q.data, q.qtype, q.k), linear_rows_ref(x, q)
+    assert_close_sum(linear_rows(x, q), x, w, ref)
+    assert_close_sum(linear_rows(x.t().contiguous().t(), q), x, w, ref)          # a strided x
 
 
 # int8 activations (kernels_act="int8", the default): tests/kernels/test_int8_act.py
@@ -105,13 +105,13 @@ def test_rows_cat_and_errors():
     ids = torch.tensor([4, 0, 4])
     assert torch.equal(a.rows(ids), a.dequantize()[ids])
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.tandem.qlinear(torch.randn(1, 40), a.data, Q8_0, 40)
+        torch.ops.tandem.linear_rows(torch.randn(1, 40), a.data, Q8_0, 40)
     with pytest.raises(RuntimeError, match="bytes a row"):
-        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, Q4_1, 64)
+        torch.ops.tandem.linear_rows(torch.randn(1, 64), a.data, Q4_1, 64)
     with pytest.raises(RuntimeError, match="multiple of 256"):
-        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, Q4_K, 64)
+        torch.ops.tandem.linear_rows(torch.randn(1, 64), a.data, Q4_K, 64)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        torch.ops.tandem.qlinear(torch.randn(1, 64), a.data, 16, 64)          # IQ2_XXS
+        torch.ops.tandem.linear_rows(torch.randn(1, 64), a.data, 16, 64)          # IQ2_XXS
     assert a.data.shape[1] == 2 * BLOCK_BYTES[Q8_0]
 
 

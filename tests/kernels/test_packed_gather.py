@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.helpers.isa import runnable
-from tests.kernels.test_qgemm import _weight
+from tests.kernels.test_gemm_rows_q8act import _weight
 
 from tandem import kernels
 from tandem.kernels.quant import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_gather
@@ -48,11 +48,11 @@ def test_block_type_rows_are_dequantizes_bit_for_bit(name, qtype, n, k):
     _check(qtype, n, k, seed=n + k)
 
 
-def test_qlinear_lookup_rows_is_the_same_held_or_released():
+def test_linear_rows_lookup_rows_is_the_same_held_or_released():
     """QLinear.lookup_rows: the row layout's rows while held, the packed copy's after release_rows(), the same
     bits (a Q4_0 / Q4_1 / Q5_0 / Q8_0 head releases its rows only where its copy takes every row count: forced here)."""
     from tandem.model.linear import ALL_ROWS, QLinear
-    if T.qgemv_packed_rows(Q6_K) == 0:
+    if T.gemv_packed_q8act_max_rows(Q6_K) == 0:
         pytest.skip("no packed copy on a CPU without AVX2")
     idx = _index(45, 3)
     for qtype in (Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, Q8_0, Q5_0, Q4_1, Q4_0):

@@ -13,8 +13,8 @@ from tests.kernels.test_kernels import assert_close_sum
 
 from tandem import kernels
 from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, NATIVE_QTYPES, Q2_K, Q3_K, Q4_K,
-                                  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, qlinear, qlinear_ref,
-                                  small_m)
+                                  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, linear_rows,
+                                  linear_rows_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
@@ -86,7 +86,7 @@ def test_dequantize_bit_identical_to_gguf(name, isa, source):
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("m, n, k", [(1, 1, 32), (1, 7, 576), (1, 65, 1536), (2, 5, 64), (3, 33, 96), (4, 9, 608),
                                      (17, 64, 160), (64, 13, 1536), (200, 3, 512), (5, 258, 64)])
-def test_qlinear_equals_reference(name, isa, m, n, k):
+def test_linear_rows_equals_reference(name, isa, m, n, k):
     """Odd shapes; K rounded up to whole blocks (K-quants: 256, 768, 1536, 512); M = 1-4 runs the fused path,
     more rows the tiled one."""
     qtype = NEW[name]
@@ -95,20 +95,20 @@ def test_qlinear_equals_reference(name, isa, m, n, k):
     x, bias = torch.randn(m, k), torch.randn(n)
     w = dequantize_ref(q.data, qtype, k)
     for b in (None, bias):
-        y = torch.ops.tandem.qlinear(x, q.data, qtype, k, b, isa)
+        y = torch.ops.tandem.linear_rows(x, q.data, qtype, k, b, isa)
         assert y.shape == (m, n)
-        assert_close_sum(y, x, w, qlinear_ref(x, q, b))
+        assert_close_sum(y, x, w, linear_rows_ref(x, q, b))
 
 
 @pytest.mark.parametrize("name", NEW)
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 200])
-def test_qlinear_dispatch_equals_reference(name, m):
+def test_linear_rows_dispatch_equals_reference(name, m):
     """The Python entry point (in-kernel up to small_m() rows, dequantize + fp32 GEMM past it)."""
     assert small_m() < 200
     qtype = NEW[name]
     q = weights(37, whole(320, qtype), qtype, seed=m)
     x = torch.randn(m, q.k)
-    assert_close_sum(qlinear(x, q), x, dequantize_ref(q.data, qtype, q.k), qlinear_ref(x, q))
+    assert_close_sum(linear_rows(x, q), x, dequantize_ref(q.data, qtype, q.k), linear_rows_ref(x, q))
 
 
 def test_cat_and_rows():

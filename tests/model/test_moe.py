@@ -238,9 +238,9 @@ def test_moe_experts_op_on_every_isa_body(quant, quantized):
         for t in range(3):
             row, out = x[t:t + 1], None
             for r, e in enumerate(ids[t].tolist()):
-                gu = ops.qgemv_packed(row, gus[e], gu_type, h, 2 * inter, None, isa)
+                gu = ops.gemv_packed_q8act(row, gus[e], gu_type, h, 2 * inter, None, isa)
                 a = ops.silu_mul(gu, isa)
-                y = ops.qgemv_packed(a, downs[e], down_type, inter, h, None, isa) * w[t:t + 1, r:r + 1]
+                y = ops.gemv_packed_q8act(a, downs[e], down_type, inter, h, None, isa) * w[t:t + 1, r:r + 1]
                 out = y if out is None else out + y
             assert torch.equal(got[t], out[0]), (isa, t)
         expect = ref(x)

@@ -16,7 +16,7 @@ from tandem.model.numerics import Numerics
 
 NATIVE_INT8 = Numerics(native=True, int8_act=True)     # the native ops, int8 activations
 
-pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.qgemv_packed_rows(Q6_K) == 0,
+pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.gemv_packed_q8act_max_rows(Q6_K) == 0,
                                 reason="needs the native kernels on a CPU with AVX2 (the packed copy)")
 
 

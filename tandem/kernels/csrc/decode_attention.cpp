@@ -32,7 +32,7 @@
 // One task holds every query head of a row: the G = H / KVH heads of a KV head share each K and V row read,
 // and a slot's K and V for every KV head (one contiguous [2, KVH, D] run per layer) are read once.
 // Thread split: over tasks (row, chunk of its keys; or up to MAX_SHARED_ROWS rows' same chunk of shared slots,
-// attended together: shared_prefix_attention.inc), by count or from one counter (attend_rows). A task keeps per
+// attended together: shared_prefix_attention.cpp), by count or from one counter (attend_rows). A task keeps per
 // query head a running max, a sum of exponentials and an unnormalized output over its keys (flash-decoding). A
 // row whose keys are one chunk writes its normalized output at once; otherwise each chunk leaves its partial
 // [H, D] and (max, sum) per head, and the task that finishes a row's last chunk folds them in chunk order
@@ -41,7 +41,7 @@
 // MIN_CHUNK keys, whole tiles), and its chunks and tiles lie at absolute key positions (a sliding window's first
 // ones begin part-way, the keys before its start scored -inf), so its summation order never depends on the
 // other rows of the batch or the thread count (nor does split_heads' split of a row's KV heads over tasks);
-// causal_attention.inc gives a prompt's tokens these same bits. The int8-activation linears round x to integers,
+// causal_attention.cpp gives a prompt's tokens these same bits. The int8-activation linears round x to integers,
 // which turns any last-bit difference into a visible one; with this, a row's output is the same in any batch
 // (the overlap loop's riding rows, a speculative verify step, another loop) and under any device_threads. (The
 // old policy sized chunks from B and the thread count; fixed 64-key chunks cost batch 1 at 2k context ~1.4 ms a
@@ -62,6 +62,7 @@
 #include <memory>
 #include <vector>
 
+#include "decode_attention.h"
 #include "kv_q8.h"
 #include "ops.h"
 #include "vec.h"
@@ -70,7 +71,6 @@ namespace tandem {
 
 bool cpu_has_bf16();
 
-constexpr int64_t TILE = 64;         // keys scored before their values are accumulated (the extend op's block)
 constexpr int64_t MIN_CHUNK = 256;   // fewest keys of a split chunk (the batch-invariant split, above)
 constexpr int64_t ROW_CHUNKS = 16;   // chunks a long row is split into
 
@@ -79,17 +79,6 @@ static int64_t row_chunk(int64_t n) {
   const int64_t c = std::max(MIN_CHUNK, (n + ROW_CHUNKS - 1) / ROW_CHUNKS);
   return (c + TILE - 1) / TILE * TILE;
 }
-constexpr int64_t PREFETCH = 32;     // keys ahead whose K and V rows are prefetched (into L2: measured faster than L1)
-constexpr int64_t MAX_SHARED_ROWS = 32;    // the most rows a task carries (attend's arrays)
-constexpr int64_t SHARED_PREFIX_ROWS = 8;  // rows of a shared-prefix task (more are split over several: their
-                                           // states and queries stay within L1 / L2)
-
-struct AttnArgs {
-  const float* q; const void* cache; const int64_t* kv_index; const int64_t* seq_lens;   // cache: float/bf16/fp16
-  int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // strides in cache elements: L 2 KVH row_elems
-  float scale;
-  int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
-};
 
 // A thread's working memory for attend (decode_attention_task.inc) over tasks of up to R rows.
 struct Scratch {
@@ -144,7 +133,7 @@ static void value_block(float* const* acc, const float* const* p, int64_t nq, co
     for (int64_t j = 0; j < n; ++j) axpy(acc[c], p[c][j], v[j], D);
 }
 // merge_head (decode_attention_simd.inc's fold) in the scalar body's numbers: products rounded before each sum.
-static void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out) {
+void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out) {
   float M = ml[0], L = ml[1];
   std::copy(acc, acc + D, out);
   for (int64_t c = 1; c < n; ++c) {
@@ -159,14 +148,10 @@ static void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms
 #include "decode_attention_task.inc"
 }  // namespace scalar
 
-// A causal_attention call's tokens for causal_gemm_simd.inc: token t attends keys [start[t], lens[t]) of kv row
-// srow[t].
-struct CausalCols { const int64_t *start, *lens, *srow; };
-
 #define TANDEM_SIMD_BODY "decode_attention_simd.inc"      // its helpers, then the task over them
 #include "simd_namespaces.inc"
 
-static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
+void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   const auto t = cache.scalar_type();
   TORCH_CHECK(cache.dim() == 5 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kByte) &&
                   cache.is_contiguous() && cache.size(2) == 2,
@@ -177,29 +162,32 @@ static void check_cache(const at::Tensor& cache, int64_t layer, int64_t D) {
   TORCH_CHECK(layer >= 0 && layer < cache.size(1), "tandem.decode_attention: layer out of range");
 }
 
-using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*,
-                         float* const*, float* const*, Scratch&, int64_t, int64_t);
-using MergeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
-// A body's merge_head (its own numbers: fused products on AVX2 and AVX-512, as causal_gemm_simd.inc's fold).
-static MergeFn merge_for(Isa isa) {
-  return TANDEM_BODY(isa, merge_head);
-}
 template <typename T>
 static AttendFn attend_for(Isa isa) {
   return TANDEM_BODY(isa, attend<T>);
 }
 // bf16: the bf16-products body (decode_attention_bf16.inc) where it runs: a bf16 cache, the AVX-512 body on a CPU
 // with AVX512-BF16 and D % 32 == 0; elsewhere the fp32 helpers, bit for bit the op without it.
-static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
+AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
   if (bf16 && kv == at::kBFloat16 && isa == kAvx512 && cpu_has_bf16() && D % 32 == 0)
     return avx512::attend<c10::BFloat16, true>;
   return kv == at::kBFloat16 ? attend_for<c10::BFloat16>(isa) : kv == at::kHalf ? attend_for<c10::Half>(isa)
          : kv == at::kByte ? attend_for<KvQ8>(isa) : attend_for<float>(isa);
 }
 
-#include "shared_prefix_attention.inc"
+// One-row tasks for every chunk not in a shared task: chunk j of row b is keys [j c, (j + 1) c) of its own
+// [start, lens) (absolute positions, so a sliding window's first chunk and tile may begin mid-way).
+static void plan_rest(const Queries& qs, Plan& plan) {
+  for (int64_t b = 0; b < (int64_t)qs.lens.size(); ++b) {
+    const int64_t c = qs.chunk[b], j0 = qs.start[b] / c, n = qs.first[b + 1] - qs.first[b];
+    for (int64_t j = plan.shared.empty() ? 0 : plan.shared[b]; j < n; ++j) {
+      plan.tasks.push_back({(int64_t)plan.members.size(), 1, qs.srow.empty() ? b : qs.srow[b]});
+      plan.add(b, std::max(qs.start[b], (j0 + j) * c), std::min((j0 + j + 1) * c, qs.lens[b]), j);
+    }
+  }
+}
 
-// Runs a plan (shared_prefix_attention.inc's Plan) over query rows q.lens / q.first (Queries) into out rows H * D
+// Runs a plan (decode_attention.h's Plan) over query rows q.lens / q.first (Queries) into out rows H * D
 // apart. A task's R rows attend its chunk together, tile by tile (decode_attention_task.inc): the chunk's K and V
 // come from memory once, each tile's K and V rows are widened once for all of them, and each row's outputs are
 // the bits it gets alone. R is at most SHARED_PREFIX_ROWS (a prompt's tokens: causal_rows), so the rows' states
@@ -210,8 +198,8 @@ static AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D) {
 // the threads take tasks in plan order from one counter until none is left: a shared task of R rows costs less
 // than R one-row tasks over the same keys, so a split fixed in advance left one thread waiting (~15 % of a
 // 32-row shared-prefix step's attention at 2 threads). Which thread runs a task never changes a bit.
-static void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, AttendFn attend, MergeFn merge_head,
-                     float* o) {
+void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, AttendFn attend, MergeFn merge_head,
+              float* o) {
   const int64_t B = (int64_t)qs.lens.size(), H = a.H, D = a.D;
   const std::vector<int64_t>& first = qs.first;
   const int64_t chunks = first[B];
@@ -295,7 +283,7 @@ static void split_heads(Plan& plan, const AttnArgs& a) {
 // Row b of a query set attends keys [start, lens) (a sliding window's start, else 0) in chunks of `chunk` keys
 // at absolute positions (chunk j: keys [j c, (j + 1) c)), so a key's chunk and tile follow its position alone.
 // Its chunks are [first[b], first[b + 1]) in the partial buffers.
-static void chunk_rows(Queries& qs, int64_t chunk_keys, int64_t Lk) {
+void chunk_rows(Queries& qs, int64_t chunk_keys, int64_t Lk) {
   const int64_t B = (int64_t)qs.lens.size();
   qs.chunk.resize(B);
   qs.first.assign(B + 1, 0);
@@ -399,7 +387,5 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
   attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;
 }
-
-#include "causal_attention.inc"
 
 }  // namespace tandem

@@ -10,8 +10,8 @@
 //   delta    fp32 [B, E] or none the previous layer's MLP output, still to add (none for layer 0)
 //   w        [qkv, o, gate_up, down] GGUF blocks (QuantWeight.data), qtypes their ggml types; qkv may be three
 //            weights [q, k, v] of different block types (Q4_K_M's Q6_K attn_v), whose outputs are concatenated
-//   packed   per entry of w, its repacked copy (tandem.pack_gemv; an empty tensor: none), run by qgemv_packed
-//            up to qgemv_packed_rows() rows (the same bits as qlinear_q8)
+//   packed   per entry of w, its repacked copy (tandem.pack_gemv; an empty tensor: none), run by gemv_packed_q8act
+//            up to gemv_packed_q8act_max_rows() rows (the same bits as linear_rows_q8act)
 //   int8     whether a linear of an integer block type rounds its input to int8 (kernels_act="int8")
 //   qk_norm  fp32 [H + KVH, D] or none: Qwen3's QK-norm (head_rms_norm_ on the fused qkv before RoPE)
 //   mlp      false: w is [qkv, o] or [q, k, v, o] and the op returns the MLP's normed input instead (an MoE layer,
@@ -28,7 +28,7 @@
 namespace tandem {
 
 static bool int8_type(int64_t qtype) { return qtype == 2 || qtype == 3 || (qtype >= 6 && qtype <= 8) ||
-                                              (qtype >= 10 && qtype <= 14); }  // qlinear_q8's types
+                                              (qtype >= 10 && qtype <= 14); }  // linear_rows_q8act's types
 
 at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& attn_norm,
                          const at::Tensor& mlp_norm, double eps, at::TensorList w, at::IntArrayRef qtypes,
@@ -43,16 +43,16 @@ at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& d
               " (mlp false: without gate_up and down)");
   const int nq = (int)(w.size() - tail);                                // parts of the qkv projection
   auto lin = [&](const at::Tensor& in, int i, const std::optional<at::Tensor>& bias) {
-    if (int8 && packed[i].numel() && in.size(0) <= qgemv_packed_rows(qtypes[i])) {
-      RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-      return qgemv_packed(in, packed[i], qtypes[i], in.size(1), w[i].size(0), bias, -1);
+    if (int8 && packed[i].numel() && in.size(0) <= gemv_packed_q8act_max_rows(qtypes[i])) {
+      RECORD_FUNCTION("tandem::gemv_packed_q8act", std::vector<c10::IValue>());
+      return gemv_packed_q8act(in, packed[i], qtypes[i], in.size(1), w[i].size(0), bias, -1);
     }
     if (int8 && int8_type(qtypes[i])) {
-      RECORD_FUNCTION("tandem::qlinear_q8", std::vector<c10::IValue>());
-      return qlinear_q8(in, w[i], qtypes[i], in.size(1), bias, -1);
+      RECORD_FUNCTION("tandem::linear_rows_q8act", std::vector<c10::IValue>());
+      return linear_rows_q8act(in, w[i], qtypes[i], in.size(1), bias, -1);
     }
-    RECORD_FUNCTION("tandem::qlinear", std::vector<c10::IValue>());
-    return qlinear(in, w[i], qtypes[i], in.size(1), bias, -1);
+    RECORD_FUNCTION("tandem::linear_rows", std::vector<c10::IValue>());
+    return linear_rows(in, w[i], qtypes[i], in.size(1), bias, -1);
   };
   at::Tensor h;
   {

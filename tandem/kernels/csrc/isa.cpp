@@ -48,7 +48,7 @@ bool cpu_has_bf16() {
   return __builtin_cpu_supports("avx512bf16");
 }
 
-// AMX int8 tiles (Sapphire Rapids and later), for qgemm_q8's AMX body: the CPU has AMX-TILE and AMX-INT8, the
+// AMX int8 tiles (Sapphire Rapids and later), for gemm_rows_q8act's AMX body: the CPU has AMX-TILE and AMX-INT8, the
 // OS saves the tile state (XCR0 bits 17-18) and grants this process the tile data (Linux arch_prctl
 // ARCH_REQ_XCOMP_PERM, once; the grant is process-wide). TANDEM_ISA, when set, must say "amx" for it: any
 // other cap (avx512, avx2, scalar) turns it off, so one variable still forces every lower body.

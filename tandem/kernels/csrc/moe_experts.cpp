@@ -4,7 +4,7 @@
 // The same kernels on the same tensors as the op-by-op path, so the same bits (a packed GEMV gives a row the same
 // bits at any row count; the weighted sum is the same elementwise sequence); one dispatch a layer instead of ~30
 // (benchmarks/results/moe_a3b.md: 7.5 ms of a 26 ms decode step went to the calls around the GEMVs).
-// All T k gate_ups run in one thread split, then all downs (qgemv_packed_jobs): two parallel regions a layer,
+// All T k gate_ups run in one thread split, then all downs (gemv_packed_q8act_jobs): two parallel regions a layer,
 // not two an expert, each thread streaming whole experts (Qwen3-30B-A3B's shape: 1.6-1.75 -> 1.26-1.38 ms a
 // layer with the experts streamed from memory, the stacked tensors below included).
 //
@@ -43,8 +43,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, int64_t g
   const std::vector<int64_t> jobs(idp, idp + T * k);   // job t k + r: row t's expert of rank r (ids checked there)
   at::Tensor gu = at::empty({T * k, 2 * inter}, x.options()), y = at::empty({T * k, H}, x.options());
   {
-    RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-    qgemv_packed_jobs(xc, gate_up, jobs, k, gu_qtype, H, 2 * inter, gu.data_ptr<float>(), isa);   // x row t: k jobs
+    RECORD_FUNCTION("tandem::gemv_packed_q8act", std::vector<c10::IValue>());
+    gemv_packed_q8act_jobs(xc, gate_up, jobs, k, gu_qtype, H, 2 * inter, gu.data_ptr<float>(), isa);   // x row t: k jobs
   }
   at::Tensor a;
   {
@@ -52,8 +52,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, int64_t g
     a = act == 0 ? silu_mul(gu, isa) : gelu_tanh_mul(gu, isa);
   }
   {
-    RECORD_FUNCTION("tandem::qgemv_packed", std::vector<c10::IValue>());
-    qgemv_packed_jobs(a, down, jobs, 1, down_qtype, inter, H, y.data_ptr<float>(), isa);
+    RECORD_FUNCTION("tandem::gemv_packed_q8act", std::vector<c10::IValue>());
+    gemv_packed_q8act_jobs(a, down, jobs, 1, down_qtype, inter, H, y.data_ptr<float>(), isa);
   }
   // A row's outputs times their weights, added in rank order: each product rounded, then each sum, as at::mul
   // then at::add compute them (no fma: this function is built for the baseline x86-64, which has none to contract

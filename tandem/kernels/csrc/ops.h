@@ -23,8 +23,9 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1,
               "tandem: ", name, " must be fp32 [rows, features] with contiguous rows");
 }
-// A linear's tensors as its bodies read them (qlinear, qlinear_q8, qgemm_q8, qgemv_q8, qgemv_packed): x and the
-// bias contiguous (bias undefined: none), y = fp32 [M, N] for the output, not yet written.
+// A linear's tensors as its bodies read them (linear_rows, linear_rows_q8act, gemm_rows_q8act, gemv_rows_q8act,
+// gemv_packed_q8act): x and the bias contiguous (bias undefined: none), y = fp32 [M, N] for the output, not yet
+// written.
 struct LinearIo {
   at::Tensor x, bias, y;
 };
@@ -33,24 +34,24 @@ inline LinearIo linear_io(const at::Tensor& x, const std::optional<at::Tensor>& 
   io.y = at::empty({io.x.size(0), N}, io.x.options());
   return io;
 }
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                   const std::optional<at::Tensor>& bias, int64_t isa);
-at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                      const std::optional<at::Tensor>& bias, int64_t isa);
-at::Tensor qgemm_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias, int64_t isa);
-at::Tensor qgemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias, int64_t isa);
-// Rows up to which qlinear_q8 runs qgemv_q8 for this type (past them qgemm_q8, the same bits); 0: its own
-// bodies (other types, or a CPU without AVX2). _isa: for an ISA request as qlinear_q8's.
-int64_t qgemv_q8_rows(int64_t qtype);
-int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa);
-// The int8 GEMV on weights repacked at load (qgemv_packed.cpp): the layout, the op, and the rows of x up
-// to which a model runs it where it holds the packed copy (0: not this type or CPU).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                       const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor linear_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                             const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor gemm_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                           const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor gemv_rows_q8act(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                           const std::optional<at::Tensor>& bias, int64_t isa);
+// Rows up to which linear_rows_q8act runs gemv_rows_q8act for this type (past them gemm_rows_q8act, the same bits); 0:
+// its own bodies (other types, or a CPU without AVX2). _isa: for an ISA request as linear_rows_q8act's.
+int64_t gemv_rows_q8act_max_rows(int64_t qtype);
+int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa);
+// The int8 GEMV on weights repacked at load: the layout (pack_gemv.cpp), the op (gemv_packed_q8act.cpp), and the
+// rows of x up to which a model runs it where it holds the packed copy (0: not this type or CPU).
 at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K);
-at::Tensor qgemv_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias, int64_t isa);
-int64_t qgemv_packed_rows(int64_t qtype);
+at::Tensor gemv_packed_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                             const std::optional<at::Tensor>& bias, int64_t isa);
+int64_t gemv_packed_q8act_max_rows(int64_t qtype);
 // Rows `index` of an N-row weight out of its packed copy, fp32 [len(index), K]: dequantize's values on the row
 // layout (packed_gather.cpp), for a tied embedding's lookup in the LM head's copy.
 at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N, const at::Tensor& index,
@@ -59,28 +60,28 @@ at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int
 // q [M][K], dx / sxh [M][K / 16], off [M][K / 16] = unit * sum of the half's quants.
 struct PackedX { const int8_t* q; const float *dx, *sxh; const int32_t* off; };
 PackedX quantize_packed_x(const at::Tensor& x, int32_t unit);
-// Its K-quant bodies (qgemv_packed_k.cpp: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); body 2 AVX-512 VNNI, 1 AVX2.
+// Its K-quant bodies (gemv_packed_k_q8act.cpp: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); body 2 AVX-512 VNNI, 1 AVX2.
 bool packable_k(int64_t qtype);
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
-at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                          const at::Tensor& bias, at::Tensor y, int body);
+at::Tensor gemv_packed_k_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                               const at::Tensor& bias, at::Tensor y, int body);
 // Several packed GEMVs of one type in one thread split (an MoE row's chosen experts, moe_experts.cpp): job j
 // multiplies row j / rep of x (fp32 [J / rep, K]) by stacked[ids[j]] (stacked: pack_gemv's copies of E [N, K]
-// weights, uint8 [E, groups, bytes]) into row j of y (fp32 [J, N]). Each output is the tile qgemv_packed
+// weights, uint8 [E, groups, bytes]) into row j of y (fp32 [J, N]). Each output is the tile gemv_packed_q8act
 // computes for that row and weight alone (the same x rounding, the same groups), so the same bits; one parallel
 // region for all the jobs instead of one a job.
-void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                       int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa);
-void qgemv_packed_k_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                         int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body);
+void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                            int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa);
+void gemv_packed_k_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                              int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body);
 // Their check of the stacked copies ([E, NG, gbytes]) and the ids (each in [0, E)); returns the first copy.
 inline const uint8_t* stacked_copies(const at::Tensor& stacked, const std::vector<int64_t>& ids, int64_t NG,
                                      int64_t gbytes, int64_t N) {
   TORCH_CHECK(stacked.dim() == 3 && stacked.scalar_type() == at::kByte && stacked.is_contiguous() &&
-              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.qgemv_packed: stacked must be pack_gemv's "
+              stacked.size(1) == NG && stacked.size(2) == gbytes, "tandem.gemv_packed_q8act: stacked must be pack_gemv's "
               "copies, uint8 [E, ", NG, ", ", gbytes, "] for N = ", N);
   for (const int64_t e : ids)
-    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.qgemv_packed: expert id ", e, " out of [0, ",
+    TORCH_CHECK(e >= 0 && e < stacked.size(0), "tandem.gemv_packed_q8act: expert id ", e, " out of [0, ",
                 stacked.size(0), ")");
   return stacked.data_ptr<uint8_t>();
 }
@@ -98,13 +99,13 @@ void split_jobs(int64_t J, int64_t NG, int64_t per, const F& fn) {
     }
   });
 }
-// The SIMD body qgemm_q8 runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
-int64_t qgemm_q8_body(int64_t qtype, int64_t isa);
+// The SIMD body gemm_rows_q8act runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
+int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs
 // naming `op`.
 void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                      const std::optional<at::Tensor>& bias);
-// A row of x rounded to int8 halves of 16 in natural order (qlinear_q8's rounding, shared by qgemm_q8):
+// A row of x rounded to int8 halves of 16 in natural order (linear_rows_q8act's rounding, shared by gemm_rows_q8act):
 // q [K], dx / sxh [2 K / 32] per half, sx [K / 32] per block.
 void quantize_act_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, float* sxh);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa);

@@ -10,7 +10,7 @@
 //
 // How: each requested row's row-layout bytes are rebuilt from its group (the inverse of the pack) and
 // dequantized by tandem.dequantize's own body, so the values are bit for bit dequantize's on the row layout, on
-// every ISA. The layouts are those of qgemv_packed.cpp (Q4_0, Q4_1, Q5_0, Q8_0), qgemv_packed_k.cpp (Q4_K,
+// every ISA. The layouts are those of gemv_packed_q8act.cpp (Q4_0, Q4_1, Q5_0, Q8_0), gemv_packed_k_q8act.cpp (Q4_K,
 // Q5_K, Q6_K) and packed_k23.h (Q2_K, Q3_K), described in their headers; tests/kernels/test_packed_gather.py holds
 // the pack and this inverse together.
 #include <ATen/ATen.h>
@@ -44,7 +44,7 @@ int64_t group_bytes(int64_t qt, int64_t K) {
   return K / 32 * ((qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256) + (qt == kQ4_1 ? 64 : 32));   // quants, scales
 }
 
-// Q4_0 / Q4_1 / Q5_0 / Q8_0 (qgemv_packed.cpp's pack_gemv): the regrouped row [d x nb][m x nb (Q4_1)][qh x nb
+// Q4_0 / Q4_1 / Q5_0 / Q8_0 (gemv_packed_q8act.cpp's pack_gemv): the regrouped row [d x nb][m x nb (Q4_1)][qh x nb
 // (Q5_0, from H: packed_q5.h)][qs x nb].
 void unpack_row_q(int64_t qt, const uint8_t* gp, int r, int64_t nb, uint8_t* row) {
   const int64_t QB = qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256, qs_at = (qt == kQ4_1 ? 4 : qt == kQ5_0 ? 6 : 2) * nb;
@@ -63,7 +63,7 @@ void unpack_row_q(int64_t qt, const uint8_t* gp, int r, int64_t nb, uint8_t* row
   }
 }
 
-// Q4_K / Q5_K (qgemv_packed_k.cpp's pack_group): the regrouped row [16-byte headers x ns][Q5_K: qh u32 a
+// Q4_K / Q5_K (gemv_packed_k_q8act.cpp's pack_group): the regrouped row [16-byte headers x ns][Q5_K: qh u32 a
 // sub-block][16 nibble bytes a sub-block]; Q5_K's fifth bits come back from H (packed_q5.h).
 void unpack_row_q45k(int64_t qt, const uint8_t* gp, int r, int64_t ns, uint8_t* row) {
   const int64_t QB = qt == kQ5_K ? 320 : 256, qs_at = (qt == kQ5_K ? 48 : 16) * ns;

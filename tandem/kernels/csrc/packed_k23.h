@@ -1,5 +1,5 @@
-// The packed super-block of Q2_K and Q3_K (16 rows, qgemv_packed_k23.inc's tiles), shared by the pack
-// (qgemv_packed_k.cpp) and packed_gather.cpp's inverse: where each byte of a row's GGUF super-block lands.
+// The packed super-block of Q2_K and Q3_K (16 rows, gemv_packed_q8act_k23.inc's tiles), shared by the pack
+// (gemv_packed_k_q8act.cpp) and packed_gather.cpp's inverse: where each byte of a row's GGUF super-block lands.
 //
 // GGUF super-blocks, 256 weights, element e = 128 h + 32 t + l (h < 2, t < 4, l < 32) has its low two bits at
 // bits 2 t of qs[32 h + l]; 16-weight half u = e / 16 has its own scale:

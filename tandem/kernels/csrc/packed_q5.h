@@ -1,6 +1,6 @@
 // The fifth bits of a 32-weight block (Q5_0's block, Q5_K's sub-block) in a packed group of 16 rows, shared by
-// the packs (qgemv_packed.cpp, qgemv_packed_k.cpp), their tiles and packed_gather.cpp's inverse: 64 bytes H after
-// the block's 4 nibble vectors, byte 4 r + t of H holding row r's fifth bit of element 4 p + t at bit p and of
+// the packs (gemv_packed_q8act.cpp, gemv_packed_k_q8act.cpp), their tiles and packed_gather.cpp's inverse: 64 bytes H
+// after the block's 4 nibble vectors, byte 4 r + t of H holding row r's fifth bit of element 4 p + t at bit p and of
 // element 16 + 4 p + t at bit 4 + p (qh: bit i element i's, quant.py's row layout). So vector p's fifth bits
 // reach bit 4 of its bytes by one 16-bit shift (none for p = 0 of the high nibbles) and one masked OR.
 #pragma once

@@ -1,5 +1,6 @@
-// The rows of x the packed GEMVs read (qgemv_packed.cpp, qgemv_packed_k.cpp), rounded as qgemm_q8 rounds them
-// (quantize_act_row), with each half's sum of quants times what the type's unsigned weight bytes add (ops.h).
+// The rows of x the packed GEMVs read (gemv_packed_q8act.cpp, gemv_packed_k_q8act.cpp), rounded as gemm_rows_q8act
+// rounds them (quantize_act_row), with each half's sum of quants times what the type's unsigned weight bytes add
+// (ops.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

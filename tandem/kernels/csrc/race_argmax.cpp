@@ -1,6 +1,7 @@
 // The sampler's exponential race in one pass over each row, noise included:
 //   race_argmax(x [B, V], t [B]?, seeds [B]?) -> int64 [B],  out[i] = argmax_j (x[i, j] / t[i] - log E[i, j])
-//   race_noise(seeds [B], V) -> log E [B, V]      (the noise alone, for tests and the reference's check)
+//   race_noise(seeds [B], V) -> log E [B, V]      (the noise alone, for tests and the reference's check:
+//                                                  race_noise.cpp)
 // t absent: no division; seeds absent: no noise (plain argmax, the greedy rows). E[i, j] ~ Exp(1) comes from
 // a counter-based hash of (seeds[i], j): v = (hash24 + 1) / 2^24 in (0, 1], E = max(-log v, FLT_MIN), so a
 // row's noise is a pure function of its seed, computed lane-parallel. A row of 49,152 tokens, one thread:
@@ -19,10 +20,11 @@
 #include <limits>
 #include <vector>
 
+#include "race.h"
 #include "vec.h"
 
 namespace tandem {
-namespace {
+namespace race {   // named, not anonymous: race_noise.cpp reads its rows' scores (race.h)
 
 constexpr uint32_t kGolden = 0x9E3779B9u, kMul1 = 0x7feb352du, kMul2 = 0x846ca68bu;  // lowbias32's constants
 
@@ -38,15 +40,6 @@ inline float log_noise_scalar(uint32_t k0, uint32_t k1, uint32_t j) {
   float E = -Vec1::log(v);
   return Vec1::log(E < FLT_MIN ? FLT_MIN : E);
 }
-
-struct Row {
-  const float* x;
-  float t;
-  bool div;           // divide by t
-  bool noise;         // subtract log E
-  uint32_t k0, k1;    // the row's seed, low and high halves
-  int64_t V;
-};
 
 inline float value(const Row& r, int64_t j) {
   float v = r.div ? r.x[j] / r.t : r.x[j];
@@ -152,12 +145,6 @@ TANDEM_KERNEL_AVX2 int64_t first_max(const float* s, int64_t V) {
 }
 }  // namespace avx2
 
-Row make_row(const float* x, const float* t, const int64_t* seeds, int64_t b, int64_t V) {
-  const uint64_t seed = seeds ? (uint64_t)seeds[b] : 0;
-  return Row{x ? x + b * V : nullptr, t ? t[b] : 1.f, t != nullptr, seeds != nullptr, (uint32_t)seed,
-             (uint32_t)(seed >> 32), V};
-}
-
 at::Tensor checked_seeds(const std::optional<at::Tensor>& s_in, int64_t B) {
   if (!s_in.has_value()) return at::Tensor();
   at::Tensor s = s_in->contiguous();
@@ -166,7 +153,9 @@ at::Tensor checked_seeds(const std::optional<at::Tensor>& s_in, int64_t B) {
   return s;
 }
 
-}  // namespace
+}  // namespace race
+
+using namespace race;
 
 at::Tensor race_argmax(const at::Tensor& x_in, const std::optional<at::Tensor>& t_in,
                        const std::optional<at::Tensor>& seeds_in, int64_t isa_req) {
@@ -197,24 +186,6 @@ at::Tensor race_argmax(const at::Tensor& x_in, const std::optional<at::Tensor>& 
         s = buf.data();
       }
       po[b] = TANDEM_BODY(isa, first_max)(s, V);
-    }
-  });
-  return out;
-}
-
-at::Tensor race_noise(const at::Tensor& seeds_in, int64_t V, int64_t isa_req) {
-  TORCH_CHECK(V > 0 && V < (1ll << 31), "tandem.race_noise: 0 < vocab < 2^31");
-  at::Tensor seeds = checked_seeds(seeds_in, seeds_in.dim() == 1 ? seeds_in.size(0) : -1);
-  const int64_t B = seeds.size(0);
-  at::Tensor zeros = at::zeros({B, V}, seeds.options().dtype(at::kFloat));
-  at::Tensor out = at::empty({B, V}, zeros.options());
-  const int64_t* ps = seeds.data_ptr<int64_t>();
-  const Isa isa = resolve_isa(isa_req);
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      TANDEM_BODY(isa, scores)(make_row(zeros.data_ptr<float>(), nullptr, ps, b, V), out.data_ptr<float>() + b * V);
-      float* o = out.data_ptr<float>() + b * V;
-      for (int64_t j = 0; j < V; ++j) o[j] = -o[j];      // scores are 0 - log E
     }
   });
   return out;

@@ -1,6 +1,18 @@
 // Every op's schema, in one place: torch.ops.tandem.<name>. `isa` = -1 picks the best body this CPU runs
-// (capped by TANDEM_ISA); 0 scalar, 1 AVX2, 2 AVX-512 force one (capped by what the CPU has), for tests; qgemm_q8
-// also takes 3, its AMX body where the CPU has AMX-INT8 (else its AVX-512 one).
+// (capped by TANDEM_ISA); 0 scalar, 1 AVX2, 2 AVX-512 force one (capped by what the CPU has), for tests;
+// gemm_rows_q8act also takes 3, its AMX body where the CPU has AMX-INT8 (else its AVX-512 one).
+//
+// The quantized linears are named by what they do: shape, weight layout, then _q8act where x is rounded to int8.
+//   op                  shape                    weights                        x
+//   linear_rows         any rows of x (M)        rows: GGUF blocks, a row per   fp32
+//                                                output (QuantWeight.data)
+//   linear_rows_q8act   any M (GEMV bodies,      rows                           int8 halves of 16 (the decode
+//                       then tiles)                                             default, kernels_act="int8")
+//   gemv_rows_q8act     few M (GEMV)             rows                           int8, the GEMM's bits
+//   gemm_rows_q8act     many M (GEMM)            rows                           int8
+//   gemv_packed_q8act   GEMV (any M on AVX2)     packed at load (pack_gemv)     int8, the GEMM's bits
+// Helpers: <op>_max_rows, the rows of x up to which that GEMV runs here (0: not this type or CPU);
+// gemm_rows_q8act_body, the GEMM's body here; gemv_packed_k_q8act (C++ only), the packed GEMV's K-quant half.
 #include <torch/library.h>
 
 #include "ops.h"
@@ -11,16 +23,16 @@ static int64_t isa_op(int64_t requested) { return resolve_isa(requested); }
 }  // namespace tandem
 
 TORCH_LIBRARY(tandem, m) {
-  m.def("qlinear(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
-  m.def("qlinear_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
-  m.def("qgemm_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
-  m.def("qgemv_q8(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
-  m.def("qgemv_q8_rows(int qtype) -> int", &tandem::qgemv_q8_rows);
+  m.def("linear_rows(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("linear_rows_q8act(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("gemm_rows_q8act(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("gemv_rows_q8act(Tensor x, Tensor w, int qtype, int k, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("gemv_rows_q8act_max_rows(int qtype) -> int", &tandem::gemv_rows_q8act_max_rows);
   m.def("pack_gemv(Tensor w, int qtype, int k) -> Tensor");
-  m.def("qgemv_packed(Tensor x, Tensor packed, int qtype, int k, int n, Tensor? bias=None, int isa=-1) -> Tensor");
-  m.def("qgemv_packed_rows(int qtype) -> int", &tandem::qgemv_packed_rows);
+  m.def("gemv_packed_q8act(Tensor x, Tensor packed, int qtype, int k, int n, Tensor? bias=None, int isa=-1) -> Tensor");
+  m.def("gemv_packed_q8act_max_rows(int qtype) -> int", &tandem::gemv_packed_q8act_max_rows);
   m.def("packed_gather(Tensor packed, int qtype, int k, int n, Tensor index, int isa=-1) -> Tensor");
-  m.def("qgemm_q8_body(int qtype, int isa=-1) -> int", &tandem::qgemm_q8_body);
+  m.def("gemm_rows_q8act_body(int qtype, int isa=-1) -> int", &tandem::gemm_rows_q8act_body);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
@@ -55,12 +67,12 @@ TORCH_LIBRARY(tandem, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
-  m.impl("qlinear", &tandem::qlinear);
-  m.impl("qlinear_q8", &tandem::qlinear_q8);
-  m.impl("qgemm_q8", &tandem::qgemm_q8);
-  m.impl("qgemv_q8", &tandem::qgemv_q8);
+  m.impl("linear_rows", &tandem::linear_rows);
+  m.impl("linear_rows_q8act", &tandem::linear_rows_q8act);
+  m.impl("gemm_rows_q8act", &tandem::gemm_rows_q8act);
+  m.impl("gemv_rows_q8act", &tandem::gemv_rows_q8act);
   m.impl("pack_gemv", &tandem::pack_gemv);
-  m.impl("qgemv_packed", &tandem::qgemv_packed);
+  m.impl("gemv_packed_q8act", &tandem::gemv_packed_q8act);
   m.impl("packed_gather", &tandem::packed_gather);
   m.impl("dequantize", &tandem::dequantize);
   m.impl("dequantize_out", &tandem::dequantize_out);

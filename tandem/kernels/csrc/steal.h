@@ -1,5 +1,5 @@
-// A parallel loop whose threads take work from one another: the packed GEMVs' thread split (qgemv_packed.cpp,
-// qgemv_packed_k.cpp, and split_jobs for an MoE row's experts).
+// A parallel loop whose threads take work from one another: the packed GEMVs' thread split (gemv_packed_q8act.cpp,
+// gemv_packed_k_q8act.cpp, and split_jobs for an MoE row's experts).
 //
 // Why: at::parallel_for splits statically, so a region ends when its slowest thread does. The device threads
 // share the machine's cores with the host (on 2 cores the scheduler's ~0.8 ms of Python a decode step, the

@@ -2,13 +2,13 @@
 // large decode batches), in place of dequantize-to-fp32 + MKL's fp32 GEMM, which ran at the fp32 rate and made
 // every row re-decode the same weights (issue 22's profile).
 //
-// The rows of x are rounded to int8 halves of 16 exactly as qlinear_q8 rounds them (quantize_act_row: the same
+// The rows of x are rounded to int8 halves of 16 exactly as linear_rows_q8act rounds them (quantize_act_row: the same
 // xq, dx and sums), then laid out for the micro-kernel in tiles of 16 tokens: the 16 int32 lanes of a register
 // are 16 tokens, and one vpdpbusd adds 4 products of 4 consecutive k for all of them against one weight row's
 // 4 signed quants broadcast from memory (the x bytes ride unsigned, as xq + 128). A tile of 12 weight rows is
 // unpacked once per pass of up to 256 tokens into natural-order signed bytes with a scale (and a min) per
 // 16-weight half, so each weight is decoded once for all the tokens of the pass, and no weight layout changes
-// at load time (the same QuantWeight rows serve qlinear, qlinear_q8, the embedding and tensor parallelism).
+// at load time (the same QuantWeight rows serve linear_rows, linear_rows_q8act, the embedding and tensor parallelism).
 //
 // With q the unpacked signed quant of a weight (weight = dw_u q + mh_u over half u; mh = 0 without a min), an
 // output is, for every half u in order, then the bias:
@@ -17,11 +17,12 @@
 //   Q5_K / Q2_K; sxh_u = dx_u sum_i xq_i)
 // The same operations in the same order run in the scalar, AVX2 and AVX-512 bodies, whatever M is and whichever
 // tile a token lands in, so the op's rows are bit for bit the same across bodies, batch sizes and threads. They
-// differ from qlinear_q8's (which sums 4-product partials per lane) in fp32 rounding only: the integer sums are
-// the same exact values, so the gap to the float64 specification is of the same size (tests/kernels/test_qgemm.py).
-// Measured (one thread, AMD EPYC with AVX-512 VNNI, SmolLM2's shapes): 1.6-2.1x MKL's fp32 GEMM plus the
-// dequantization at 128-512 rows; the AVX2 body 1.1-3x MKL past 16 rows on an AVX2-only Zen 3 (quant.py). End
-// to end, 16 prompts x 1000 tokens prefill in 1.41x less time. The micro-kernels: qgemm_q8_tiles.inc.
+// differ from linear_rows_q8act's (which sums 4-product partials per lane) in fp32 rounding only: the integer sums are
+// the same exact values, so the gap to the float64 specification is of the same size
+// (tests/kernels/test_gemm_rows_q8act.py). Measured (one thread, AMD EPYC with AVX-512 VNNI, SmolLM2's shapes):
+// 1.6-2.1x MKL's fp32 GEMM plus the dequantization at 128-512 rows; the AVX2 body 1.1-3x MKL past 16 rows on an
+// AVX2-only Zen 3 (quant.py). End to end, 16 prompts x 1000 tokens prefill in 1.41x less time. The micro-kernels:
+// gemm_rows_q8act_tiles.inc.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -60,7 +61,7 @@ TANDEM_KERNEL_F16C void row_k_scales(int64_t qt, const uint8_t* row, int64_t nb,
 }
 
 // One QuantWeight row -> q [K] signed quants in natural order, dw / mh [2 nb] per half (mh only with a min).
-// The formats are qlinear.cpp's (regrouped rows, quant.py's docstring); sc: scratch of 4 nb floats.
+// The formats are linear_rows.cpp's (regrouped rows, quant.py's docstring); sc: scratch of 4 nb floats.
 void unpack_row(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, float* dw, float* mh, float* sc) {
   // (q null: the scales only, the quants having come from unpack_quants_avx2.)
   if (qt == kQ2_K || qt == kQ3_K || qt == kQ6_K) {
@@ -282,8 +283,8 @@ XTiles tile_x(const float* x, int64_t M, int64_t K, bool signed_x) {
   return t;
 }
 
-#include "qgemm_q8_tiles.inc"
-#include "qgemm_q8_amx.inc"
+#include "gemm_rows_q8act_tiles.inc"
+#include "gemm_rows_q8act_amx.inc"
 
 // The GEMM over weight tiles W (WTile: kRows interleaved rows for the scalar, AVX2 and VNNI micro-kernels;
 // WTileAmx: 16 natural-order rows for the AMX one). fn: out [W::kR][kTok] += the halves [u0, u1) of the tile's
@@ -340,7 +341,7 @@ std::pair<TileFn<WTile>, TileFn<WTile>> avx2_tiles(int64_t qt) {
 
 bool cpu_has_amx();
 
-int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
+int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa_req) {
   switch (qtype) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
     case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: break;
@@ -351,15 +352,15 @@ int64_t qgemm_q8_body(int64_t qtype, int64_t isa_req) {
   return isa >= kAvx2 ? 1 : 0;
 }
 
-at::Tensor qgemm_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  check_int8_args("tandem.qgemm_q8", x_in, w, qtype, K, bias_in);
+at::Tensor gemm_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                           const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  check_int8_args("tandem.gemm_rows_q8act", x_in, w, qtype, K, bias_in);
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
   if (M == 0 || N == 0) return y;
   const Isa isa = resolve_isa(isa_req);
   const bool mn = has_min(qtype);
-  const int64_t body = qgemm_q8_body(qtype, isa_req);
+  const int64_t body = gemm_rows_q8act_body(qtype, isa_req);
   const XTiles xt = tile_x(x.data_ptr<float>(), M, K, body == 3);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;

@@ -1,4 +1,4 @@
-// A step's prompt tokens attended with the decode op's arithmetic (included by decode_attention.cpp):
+// A step's prompt tokens attended with the decode op's arithmetic (decode_attention.cpp's tasks, decode_attention.h):
 // causal_attention gives every token the bits decode_attention gives it as a decode row over its own causal
 // keys (kv_index[tok_row[t]], positions[t] + 1 of them), whatever else the step holds.
 //
@@ -21,6 +21,28 @@
 // benchmarks/results/batch_invariance_cost.md), their queries [R, H, D] held to CAUSAL_QUERY_FLOATS.
 // Partials of split rows are kept for one slice of tokens at a time (at most SLICE_PARTIALS chunk states), so a
 // long chunk of a large model does not hold them all at once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "decode_attention.h"
+#include "kv_q8.h"
+#include "ops.h"
+#include "vec.h"
+
+namespace tandem {
+
+// A causal_attention call's tokens for causal_gemm_simd.inc: token t attends keys [start[t], lens[t]) of kv row
+// srow[t].
+struct CausalCols { const int64_t *start, *lens, *srow; };
+
+#define TANDEM_SIMD_BODY "causal_attention_simd.inc"      // the GEMM form's tasks
+#include "simd_namespaces.inc"
+
 constexpr int64_t SLICE_PARTIALS = 4096;
 constexpr int64_t CAUSAL_QUERY_FLOATS = 1 << 15;
 
@@ -174,3 +196,5 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   }
   return out;
 }
+
+}  // namespace tandem

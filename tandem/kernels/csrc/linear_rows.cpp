@@ -44,7 +44,7 @@
 // however many rows x has. Meant for few rows (decode, M <= ~96); for prefill the Python side dequantizes
 // the layer and calls the fp32 GEMM (measured faster there).
 //
-// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (qlinear_simd.inc, with the
+// ISA: the scalar body below is the specification; the AVX2 and AVX-512 bodies (linear_rows_simd.inc, with the
 // vector helpers of vec.h and vec_ext.inc) equal it up to summation order. The dequantized weights are
 // bit-identical (d * q + m unfused, as gguf-py).
 #include <ATen/ATen.h>
@@ -78,7 +78,7 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
     case kQ5_K: return 176;
     case kQ6_K: return 210;
   }
-  TORCH_CHECK(false, "tandem.qlinear: unsupported ggml type ", qtype,
+  TORCH_CHECK(false, "tandem.linear_rows: unsupported ggml type ", qtype,
               " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, ",
               "Q5_K=13, Q6_K=14)");
 }
@@ -152,7 +152,7 @@ static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, in
   return q41 ? d * (float)q + fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) : d * (float)(q - 8);
 }
 
-static void dequant_row(int64_t qtype, const uint8_t* row, int64_t nb, float* dst, float* = nullptr) {
+void dequant_row(int64_t qtype, const uint8_t* row, int64_t nb, float* dst, float* = nullptr) {
   for (int64_t b = 0; b < nb; ++b)
     for (int i = 0; i < 32; ++i) dst[b * 32 + i] = weight(qtype, row, nb, b, i);
 }
@@ -172,13 +172,13 @@ static void gemm_rows(const GemmArgs& a, int64_t n0, int64_t n1, float* buf) {
 
 #include "vec_ext.inc"
 
-#define TANDEM_SIMD_BODY "qlinear_simd.inc"
+#define TANDEM_SIMD_BODY "linear_rows_simd.inc"
 #include "simd_namespaces.inc"
 
 using GemmRows = void (*)(const GemmArgs&, int64_t, int64_t, float*);
-using DequantRow = void (*)(int64_t, const uint8_t*, int64_t, float*, float*);
 
-static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+// Also dequantize.cpp's: the check of a row-layout weight, and (each body's dequant_row) its dequantization.
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   const int64_t bytes = block_bytes(qtype), qk = block_weights(qtype);
   TORCH_CHECK(K > 0 && K % qk == 0, "tandem: K must be a positive multiple of ", qk, " for ggml type ", qtype,
               ", got ", K);
@@ -188,11 +188,11 @@ static void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
               "expected ", K / qk * bytes, " for K=", K);
 }
 
-at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                   const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+at::Tensor linear_rows(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                       const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_weight(w, qtype, K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qlinear: x must be fp32 [M, ", K, "]");
+              "tandem.linear_rows: x must be fp32 [M, ", K, "]");
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
   if (M == 0 || N == 0) return y;
@@ -207,31 +207,6 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, i
     fn(a, t0 * nr, std::min(t1 * nr, N), buf.data());
   });
   return y;
-}
-
-void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa_req);
-
-at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa_req) {
-  at::Tensor out = at::empty({w.size(0), K}, w.options().dtype(at::kFloat));
-  dequantize_out(w, qtype, K, out, isa_req);
-  return out;
-}
-
-// Into a caller's buffer: prefill dequantizes a layer per call, and a fresh multi-MB tensor each time
-// costs its page faults (the CPU allocator returns large blocks to the OS).
-void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa_req) {
-  check_weight(w, qtype, K);
-  const int64_t N = w.size(0), row_bytes = w.size(1);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == N * K,
-              "tandem.dequantize_out: out must be a contiguous fp32 tensor of N * K elements");
-  Isa isa = resolve_isa(isa_req);
-  DequantRow fn = TANDEM_BODY(isa, dequant_row);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(4 * (K / 32));
-    for (int64_t n = n0; n < n1; ++n) fn(qtype, src + n * row_bytes, K / 32, dst + n * K, sc.data());
-  });
 }
 
 }  // namespace tandem

@@ -1,8 +1,9 @@
 // The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q5_0, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
-// of x of a decode step or a speculative verify step (up to qgemv_packed_rows()), each output computed by qgemm_q8's operations in qgemm_q8's
-// order (qgemm_q8.cpp's header), so its rows are bit for bit the GEMM's and qgemv_q8's at any row count.
+// of x of a decode step or a speculative verify step (up to gemv_packed_q8act_max_rows()), each output computed by
+// gemm_rows_q8act's operations in gemm_rows_q8act's order (gemm_rows_q8act.cpp's header), so its rows are bit for bit
+// the GEMM's and gemv_rows_q8act's at any row count.
 //
-// Why another layout: qgemv_q8 reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
+// Why another layout: gemv_rows_q8act reads the weight rows as they are (lanes over 16 rows, 64 bytes of one row a
 // load), so each vpdpbusd leaves 4-product partials of one row that must be summed across lanes and transposed
 // (reduce4, lanes4: ~2.7 shuffle or add per vpdpbusd, all on the one 512-bit shuffle port of Intel cores), and
 // all of it again for every row of x. Here a group of 16 output rows is interleaved once at load so that one
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_layout.h"
 #include "packed_q5.h"
 #include "vec.h"
 
@@ -38,16 +40,7 @@ bool cpu_has_vnni();
 
 namespace {
 
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8 };
-constexpr int kG = 16;                      // output rows of a group: the int32 / fp32 lanes
-
-constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256; }   // QB
-constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }                          // SB
-constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34; }
-bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0; }
-
-
-struct XRows {              // rows of x rounded as qgemm_q8 rounds them (quantize_act_row), natural order
+struct XRows {              // rows of x rounded as gemm_rows_q8act rounds them (quantize_act_row), natural order
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
   const int32_t* off;           // [M][nh]: what the unsigned weight bytes add to a half's sum (Q4_0 8 sum(x),
@@ -324,7 +317,7 @@ void groups(int body, const uint8_t* wp, int64_t gbytes, int64_t nb, const XRows
   }
 }
 
-// The body qgemv_packed runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
+// The body gemv_packed_q8act runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
 int packed_body(int64_t isa_req) {
   const Isa isa = resolve_isa(isa_req);
   return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
@@ -332,12 +325,12 @@ int packed_body(int64_t isa_req) {
 
 }  // namespace
 
-// Rows of x up to which a model runs this op where it holds a packed copy (past them qlinear_q8 / qgemm_q8, the
-// same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one thread, an
-// Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x qgemv_q8 at 1-16 rows and
-// 1.2-2.2x qgemm_q8's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past 256); the AVX2
-// body (TANDEM_ISA=avx2 there) 1.8-2.7x qlinear_q8's AVX2 body at 1-16 rows; with tile_avx2_rows past 2 rows
-// (1.05-1.5x the 2-row tiles) 1.2-11x the AVX2 GEMM at 3-128 rows and 0.93-1.24x at 256-1024
+// Rows of x up to which a model runs this op where it holds a packed copy (past them linear_rows_q8act /
+// gemm_rows_q8act, the same bits); 0: not this type, or a CPU with neither body (then no copy is made). Measured on one
+// thread, an Intel Xeon with AMX, SmolLM2's shapes (results/packed_gemv.md): the VNNI body 2.2-2.6x gemv_rows_q8act at
+// 1-16 rows and 1.2-2.2x gemm_rows_q8act's AMX body at 16-256 (level or ahead up to 1024: prefill keeps the GEMM past
+// 256); the AVX2 body (TANDEM_ISA=avx2 there) 1.8-2.7x linear_rows_q8act's AVX2 body at 1-16 rows; with tile_avx2_rows
+// past 2 rows (1.05-1.5x the 2-row tiles) 1.2-11x the AVX2 GEMM at 3-128 rows and 0.93-1.24x at 256-1024
 // (results/packed_gemv_avx2_rows.md), so on AVX2 it takes every row count, prefill chunks included (kAllRows).
 // On AVX-512 VNNI without AMX (an AMD EPYC, 2 threads, results/packed_gemv_vnni_rows.md) the GEMM runs its VNNI
 // body, and the packed one is 1.08-1.86x it at 256-2048 rows on every shape, 1.02-1.29x at 4096 and 0.89-1.23x at
@@ -347,76 +340,37 @@ constexpr int64_t kVnniRows = 4096;
 
 bool cpu_has_amx();
 
-// The K-quants (qgemv_packed_k.cpp) take every row count wherever a body runs: there the packed copy is the
+// The K-quants (gemv_packed_k_q8act.cpp) take every row count wherever a body runs: there the packed copy is the
 // weight's only one (QLinear releases the row layout), so no other op is left to take longer chunks.
-int64_t qgemv_packed_rows(int64_t qtype) {
+int64_t gemv_packed_q8act_max_rows(int64_t qtype) {
   const int body = packed_body(-1);
   if (packable_k(qtype)) return body ? kAllRows : 0;
   if (!packable(qtype)) return 0;
   return body == 2 ? (cpu_has_amx() ? 256 : kVnniRows) : body == 1 ? kAllRows : 0;
 }
 
-at::Tensor pack_gemv(const at::Tensor& w, int64_t qtype, int64_t K) {
-  if (packable_k(qtype)) return pack_gemv_k(w, qtype, K);
-  TORCH_CHECK(packable(qtype), "tandem.pack_gemv: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml "
-              "types 2, 3, 6, 8, 10-14), got ", qtype);
-  TORCH_CHECK(K > 0 && K % 32 == 0, "tandem.pack_gemv: K must be a positive multiple of 32, got ", K);
-  const int64_t nb = K / 32, rb = row_block_bytes(qtype) * nb;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == rb,
-              "tandem.pack_gemv: w must be a contiguous uint8 [N, ", rb, "] tensor (QuantWeight.data)");
-  const int64_t N = w.size(0), NG = (N + kG - 1) / kG, QB = quant_bytes(qtype);
-  const int64_t gbytes = nb * (QB + scale_bytes(qtype));
-  at::Tensor out = at::zeros({NG, gbytes}, w.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  // The regrouped row (quant.py): [d fp16 x nb][m fp16 x nb (Q4_1)][qh u32 x nb (Q5_0)][qs: 16 (Q4, Q5_0) or 32
-  // (Q8_0) bytes x nb].
-  const int64_t qs_at = (qtype == kQ4_1 ? 4 : qtype == kQ5_0 ? 6 : 2) * nb, qs_bytes = qtype == kQ8_0 ? 32 : 16;
-  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      uint8_t* gp = op + g * gbytes;
-      for (int r = 0; r < kG && g * kG + r < N; ++r) {
-        const uint8_t* row = wp + (g * kG + r) * rb;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* qs = row + qs_at + qs_bytes * b;
-          uint8_t* q = gp + b * QB;
-          for (int v = 0; v < (qtype == kQ8_0 ? 8 : 4); ++v)     // vector v: bytes 4 v .. 4 v + 3 of the block
-            for (int t = 0; t < 4; ++t)
-              q[64 * v + 4 * r + t] = qtype == kQ8_0 ? (uint8_t)(qs[4 * v + t] ^ 0x80) : qs[4 * v + t];
-          uint32_t qh = 0;
-          if (qtype == kQ5_0) std::memcpy(&qh, row + 2 * nb + 4 * b, 4);
-          for (int t = 0; t < 4 && qtype == kQ5_0; ++t) q[256 + 4 * r + t] = q5_h_byte(qh, t);
-          std::memcpy(gp + nb * QB + 32 * b + 2 * r, row + 2 * b, 2);                          // d
-          if (qtype == kQ4_1) std::memcpy(gp + nb * QB + 32 * nb + 32 * b + 2 * r, row + 2 * nb + 2 * b, 2);  // m
-        }
-      }
-    }
-  });
-  return out;
-}
-
-at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                        const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                             const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype) || packable_k(qtype),
-              "tandem.qgemv_packed: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
+              "tandem.gemv_packed_q8act: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
               "10-14), got ", qtype);
   const int body = packed_body(isa_req);
-  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
-  TORCH_CHECK(N > 0, "tandem.qgemv_packed: N must be > 0");
+  TORCH_CHECK(body > 0, "tandem.gemv_packed_q8act needs AVX2 (or AVX-512 VNNI)");
+  TORCH_CHECK(N > 0, "tandem.gemv_packed_q8act: N must be > 0");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == K,
-              "tandem.qgemv_packed: x must be fp32 [M, ", K, "]");
+              "tandem.gemv_packed_q8act: x must be fp32 [M, ", K, "]");
   TORCH_CHECK(!bias_in.has_value() || (bias_in->scalar_type() == at::kFloat && bias_in->numel() == N),
-              "tandem.qgemv_packed: bias must be fp32 [N]");
+              "tandem.gemv_packed_q8act: bias must be fp32 [N]");
   if (packable_k(qtype)) {
     auto [x, bias, y] = linear_io(x_in, bias_in, N);
-    return qgemv_packed_k(x, packed, qtype, K, N, bias, y, body);
+    return gemv_packed_k_q8act(x, packed, qtype, K, N, bias, y, body);
   }
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(0) == NG && packed.size(1) == gbytes,
-              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
+              "tandem.gemv_packed_q8act: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   auto [x, bias, y] = linear_io(x_in, bias_in, N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
@@ -438,23 +392,23 @@ at::Tensor qgemv_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_
   return y;
 }
 
-void qgemv_packed_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                       int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa_req) {
+void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                            int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int64_t isa_req) {
   const int body = packed_body(isa_req);
-  TORCH_CHECK(body > 0, "tandem.qgemv_packed needs AVX2 (or AVX-512 VNNI)");
+  TORCH_CHECK(body > 0, "tandem.gemv_packed_q8act needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K && rep > 0 &&
               x.size(0) * rep == (int64_t)ids.size(),
-              "tandem.qgemv_packed: x must be contiguous fp32 [jobs / rep, ", K, "]");
-  if (packable_k(qtype)) return qgemv_packed_k_jobs(x, stacked, ids, rep, qtype, K, N, y, body);
-  TORCH_CHECK(packable(qtype), "tandem.qgemv_packed: no packed layout for ggml type ", qtype);
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.qgemv_packed: K must be a positive multiple of 32 and N > 0");
+              "tandem.gemv_packed_q8act: x must be contiguous fp32 [jobs / rep, ", K, "]");
+  if (packable_k(qtype)) return gemv_packed_k_q8act_jobs(x, stacked, ids, rep, qtype, K, N, y, body);
+  TORCH_CHECK(packable(qtype), "tandem.gemv_packed_q8act: no packed layout for ggml type ", qtype);
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 32 and N > 0");
   const int64_t nb = K / 32, nh = 2 * nb, NG = (N + kG - 1) / kG;
   const int64_t gbytes = nb * (quant_bytes(qtype) + scale_bytes(qtype));
   const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
   const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
-  split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // qgemv_packed's chunks for one row
+  split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // gemv_packed_q8act's chunks for one row
     const int64_t m = j / rep;
     const XRows xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
     const uint8_t* wp = base + ids[j] * NG * gbytes;

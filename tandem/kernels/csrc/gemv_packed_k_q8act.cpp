@@ -1,12 +1,12 @@
-// qgemv_packed for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on weights interleaved
-// at load for 16 output rows, as qgemv_packed.cpp does for Q4_0 / Q4_1 / Q8_0, with qgemm_q8's arithmetic (its
-// header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q2_K / Q4_K / Q5_K f = fma(sxh_u,
+// gemv_packed_q8act for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on weights interleaved
+// at load for 16 output rows, as gemv_packed_q8act.cpp does for Q4_0 / Q4_1 / Q8_0, with gemm_rows_q8act's arithmetic
+// (its header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q2_K / Q4_K / Q5_K f = fma(sxh_u,
 // mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them (d sc_j, m_j (-dmin);
-// Q6_K d scale_u; Q2_K / Q3_K: qgemv_packed_k23.inc). So its rows are bit for bit the GEMM's and qgemv_q8's, at
-// any row count. Here: the op, the pack and the AVX-512 VNNI tiles of Q4_K / Q5_K / Q6_K; their AVX2 tiles in
-// qgemv_packed_k_avx2.inc, both of Q2_K / Q3_K's in qgemv_packed_k23.inc.
+// Q6_K d scale_u; Q2_K / Q3_K: gemv_packed_q8act_k23.inc). So its rows are bit for bit the GEMM's and
+// gemv_rows_q8act's, at any row count. Here: the op, the pack and the AVX-512 VNNI tiles of Q4_K / Q5_K / Q6_K; their
+// AVX2 tiles in gemv_packed_k_q8act_avx2.inc, both of Q2_K / Q3_K's in gemv_packed_q8act_k23.inc.
 //
-// Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (qgemv_q8) read it
+// Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (gemv_rows_q8act) read it
 // at ~32 GB/s where llama.cpp reads ~43 on the same cores (issue 46). The packed layout is the file's size
 // exactly (16 rows x 144, 176 or 210 bytes a super-block; Q2_K / Q3_K 84, 110), so a model keeps it as the
 // weight's only copy.
@@ -43,7 +43,7 @@ namespace {
 enum : int64_t { kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 constexpr int kG = 16;
 
-constexpr bool k23(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }           // qgemv_packed_k23.inc's types
+constexpr bool k23(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }           // gemv_packed_q8act_k23.inc's types
 constexpr int64_t row_sb_bytes(int64_t qt) {
   return k23(qt) ? k23_row_bytes(qt) : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210;
 }
@@ -51,7 +51,7 @@ constexpr int64_t sb_bytes(int64_t qt) { return kG * row_sb_bytes(qt); }        
 constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }   // its quants
 constexpr bool has_min(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }        // Q4_K, Q5_K: d, dmin, scales
 
-struct KX {                 // rows of x rounded as qgemm_q8 rounds them, natural order
+struct KX {                 // rows of x rounded as gemm_rows_q8act rounds them, natural order
   const int8_t* q;              // [M][K]
   const float *dx, *sxh;        // [M][nh]
   const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half, Q3_K 4 sum(x); the others unused
@@ -97,7 +97,7 @@ TANDEM_KERNEL_VNNI inline __m512i q6k_bits512(__m512i v, __m512i hb, int p, int 
 // super-block it reads (past the group's end: the next group's, read next; a prefetch past the weights does not
 // fault). One group a tile keeps the weights one sequential stream a thread. Measured on the 1.5B-shaped file's
 // matrices streamed from DRAM on an AMD EPYC (2 threads, one row of x): 37-47 ms a step with 4 groups a tile and
-// the next 4 requested whole into L1 (as qgemv_packed.cpp does), 27-30 ms with 4 streams and this prefetch,
+// the next 4 requested whole into L1 (as gemv_packed_q8act.cpp does), 27-30 ms with 4 streams and this prefetch,
 // 20-25 ms with one stream (L2-resident, 4 groups a tile was no faster).
 constexpr int64_t kPrefetchAhead = 4096;
 
@@ -219,10 +219,10 @@ TANDEM_KERNEL_VNNI void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_
   store16<MT>(f, m0, bias, y, ldy, n0, N);
 }
 
-#include "qgemv_packed_k_avx2.inc"
-#include "qgemv_packed_k23.inc"
+#include "gemv_packed_k_q8act_avx2.inc"
+#include "gemv_packed_q8act_k23.inc"
 
-// The type's tile: this file's, or qgemv_packed_k23.inc's.
+// The type's tile: this file's, or gemv_packed_q8act_k23.inc's.
 template <int64_t QT, int MT>
 void tile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y, int64_t n0, int64_t N) {
   if constexpr (k23(QT)) ktile23<QT, MT>(gp, ns, x, m0, bias, y, N, n0, N);
@@ -340,13 +340,13 @@ at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
-at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
-                          const at::Tensor& bias, at::Tensor y, int body) {
-  TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.qgemv_packed: K must be a positive multiple of 256 for K-quants");
+at::Tensor gemv_packed_k_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
+                               const at::Tensor& bias, at::Tensor y, int body) {
+  TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 256 for K-quants");
   const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(0) == NG && packed.size(1) == gbytes,
-              "tandem.qgemv_packed: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
+              "tandem.gemv_packed_q8act: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
   PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);    // the values' offsets
@@ -369,15 +369,15 @@ at::Tensor qgemv_packed_k(const at::Tensor& x, const at::Tensor& packed, int64_t
 }
 
 
-void qgemv_packed_k_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
-                         int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body) {
-  TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.qgemv_packed: K must be a positive multiple of 256 for K-quants");
+void gemv_packed_k_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, const std::vector<int64_t>& ids,
+                              int64_t rep, int64_t qtype, int64_t K, int64_t N, float* y, int body) {
+  TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 256 for K-quants");
   const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
   const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
   const PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);
-  split_jobs(J, NG, body == 1 ? 1 : 4, [&](int64_t j, int64_t g0, int64_t g1) {   // qgemv_packed_k's, one row
+  split_jobs(J, NG, body == 1 ? 1 : 4, [&](int64_t j, int64_t g0, int64_t g1) {   // gemv_packed_k_q8act's, one row
     const int64_t m = j / rep;
     const KX xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
     const uint8_t* wp = base + ids[j] * NG * gbytes;

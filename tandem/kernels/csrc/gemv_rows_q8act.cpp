@@ -1,8 +1,8 @@
 // The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K, Q8_0 and, VNNI only, Q5_0; an AVX-512 VNNI body here,
-// an AVX2 one in qgemv_q8_avx2.inc): for a few rows of x, each
-// output computed by qgemm_q8's operations in qgemm_q8's order (qgemm_q8.cpp's header), so its rows are
-// bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
-// decode kernel qlinear_q8 scales 4-product partials per lane instead, so its rows differ from the GEMM's in
+// an AVX2 one in gemv_rows_q8act_avx2.inc): for a few rows of x, each
+// output computed by gemm_rows_q8act's operations in gemm_rows_q8act's order (gemm_rows_q8act.cpp's header), so its
+// rows are bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
+// decode kernel linear_rows_q8act scales 4-product partials per lane instead, so its rows differ from the GEMM's in
 // the last bits, and in the int8 mode those bits grow into ~0.01-0.07 of a logprob over 30 layers).
 //
 // Lanes over 16 weight rows. One step reads 64 quant bytes of each row: Q4_1 / Q4_K, 4 blocks' (sub-blocks')
@@ -12,7 +12,8 @@
 // are reduced exactly and transposed at once (reduce4), four such groups' 128-bit lanes transposed again
 // (lanes4), so each half's 16 rows' exact sums sit in one register, and the fp32 chain runs half after half
 // with lanes over the rows: f = fma(float(isum_u), dx_u dw_u, f), then (Q4_1, Q4_K) f = fma(sxh_u, mh_u, f); y = f +
-// bias: qgemm_q8's operands and order (its scalar tile_scalar), so tests/kernels/test_qgemm.py asserts equality.
+// bias: gemm_rows_q8act's operands and order (its scalar tile_scalar), so tests/kernels/test_gemm_rows_q8act.py asserts
+// equality.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +37,7 @@ constexpr int kG = 16;      // weight rows of a group: the 16 lanes of the fp32 
 constexpr int kMx = 4;      // rows of x per pass over a group's weights
 
 // The bodies' type tags: a ggml type, or minus a nibble type whose values are read from the group's predecoded
-// copy (predecode; only Q5_0 takes it, see `predecoded` in qgemv_q8).
+// copy (predecode; only Q5_0 takes it, see `predecoded` in gemv_rows_q8act).
 constexpr int64_t base_of(int64_t qt) { return qt < 0 ? -qt : qt; }
 constexpr bool gv_min(int64_t qt) { return base_of(qt) == kQ4_1 || base_of(qt) == kQ4_K; }   // a second fma a half
 constexpr bool is_q5(int64_t qt) { return base_of(qt) == kQ5_0; }
@@ -80,7 +81,7 @@ TANDEM_KERNEL_VNNI inline void transpose16(__m512 m[16]) {
   }
 }
 
-// The group's scales with lanes over its rows, as qgemm_q8 unpacks them (both halves of a block share them):
+// The group's scales with lanes over its rows, as gemm_rows_q8act unpacks them (both halves of a block share them):
 // dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; Q4_K its sub-blocks'
 // fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]). 16 blocks of the 16 rows at a time, transposed.
 TANDEM_KERNEL_VNNI void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh,
@@ -198,7 +199,7 @@ TANDEM_KERNEL_VNNI inline __m512 chain(__m512 f, __m512i isum, float dx, float s
   return f;
 }
 
-struct XRows {            // rows of x rounded as qgemm_q8 rounds them, in the layout step_sums reads
+struct XRows {            // rows of x rounded as gemm_rows_q8act rounds them, in the layout step_sums reads
   const int8_t* q;            // [M][stride]: Q4_1 / Q4_K / Q5_0, per 4 blocks their elements 0-15 then 16-31;
                               // Q8_0 natural
   const float *dx, *sxh;      // [M][2 nb]
@@ -250,9 +251,9 @@ void group_all(const Group& g, const XRows& x, int64_t M, const float* bias, flo
   }
 }
 
-#include "qgemv_q8_avx2.inc"
+#include "gemv_rows_q8act_avx2.inc"
 
-// The body qgemv_q8 runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
+// The body gemv_rows_q8act runs for this ISA request: 2 AVX-512 VNNI, 1 AVX2 (also AVX-512 without VNNI), 0 none.
 int gemv_body(int64_t isa_req) {
   const Isa isa = resolve_isa(isa_req);
   return isa == kAvx512 && cpu_has_vnni() ? 2 : isa >= kAvx2 ? 1 : 0;
@@ -260,36 +261,36 @@ int gemv_body(int64_t isa_req) {
 
 }  // namespace
 
-// Rows of x up to which qlinear_q8 runs this GEMV on these types, past which qgemm_q8 (the same bits), by the
-// body: measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md). AVX-512
-// VNNI: Q4_1 and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x qlinear_q8's former body at 1 row), Q8_0 up to
+// Rows of x up to which linear_rows_q8act runs this GEMV on these types, past which gemm_rows_q8act (the same bits), by
+// the body: measured on one thread, SmolLM2's and Gemma 3's shapes (benchmarks/results/unified_int8.md). AVX-512
+// VNNI: Q4_1 and Q4_K ahead of the GEMM up to 16 rows (1.0-1.4x linear_rows_q8act's former body at 1 row), Q8_0 up to
 // 8; Q5_0 (Gemma 3's q / k / gate / up) up to 16, 1.1-1.5x its former body at 1-16 rows (AMD EPYC, one
 // thread), so the GEMM can take over from 17 rows (2.3x the former body at 64). AVX2: Q4_K up to 16 rows
 // (1.0-1.25x the decode body); Q4_1 and Q8_0 not (0.7-1.0x it; benchmarks/results/avx2_session.md); Q5_0 has
-// no AVX2 body. 0: not this type or CPU (the scalar fallback keeps qlinear_q8's
+// no AVX2 body. 0: not this type or CPU (the scalar fallback keeps linear_rows_q8act's
 // own body).
-int64_t qgemv_q8_rows_isa(int64_t qtype, int64_t isa_req) {
+int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa_req) {
   const int body = gemv_body(isa_req);
   if (body == 2) return qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 8 : 0;
   if (body == 1) return qtype == kQ4_K ? 16 : 0;
   return 0;
 }
 
-int64_t qgemv_q8_rows(int64_t qtype) { return qgemv_q8_rows_isa(qtype, -1); }
+int64_t gemv_rows_q8act_max_rows(int64_t qtype) { return gemv_rows_q8act_max_rows_isa(qtype, -1); }
 
-at::Tensor qgemv_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                    const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  check_int8_args("tandem.qgemv_q8", x_in, w, qtype, K, bias_in);
+at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                           const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  check_int8_args("tandem.gemv_rows_q8act", x_in, w, qtype, K, bias_in);
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0 || qtype == kQ5_0,
-              "tandem.qgemv_q8: Q4_1, Q4_K, Q8_0 or Q5_0 (ggml types 3, 12, 8, 6), got ", qtype);
+              "tandem.gemv_rows_q8act: Q4_1, Q4_K, Q8_0 or Q5_0 (ggml types 3, 12, 8, 6), got ", qtype);
   const int body = gemv_body(isa_req);
-  TORCH_CHECK(body > 0, "tandem.qgemv_q8 needs AVX2 (or AVX-512 VNNI)");
-  TORCH_CHECK(qtype != kQ5_0 || body == 2, "tandem.qgemv_q8: Q5_0 needs AVX-512 VNNI (the AVX2 body has no Q5_0)");
+  TORCH_CHECK(body > 0, "tandem.gemv_rows_q8act needs AVX2 (or AVX-512 VNNI)");
+  TORCH_CHECK(qtype != kQ5_0 || body == 2, "tandem.gemv_rows_q8act: Q5_0 needs AVX-512 VNNI (the AVX2 body has no Q5_0)");
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32, nh = 2 * nb, row_bytes = w.size(1);
   if (M == 0 || N == 0) return y;
-  // x rounded as qlinear_q8 / qgemm_q8 round it (quantize_act_row); Q4_1's bytes per xg blocks (a step's: 4
-  // VNNI, 2 AVX2): elements 0-15 of each, then 16-31 (blocks past nb zero). Padded by a step so the last
+  // x rounded as linear_rows_q8act / gemm_rows_q8act round it (quantize_act_row); Q4_1's bytes per xg blocks (a step's:
+  // 4 VNNI, 2 AVX2): elements 0-15 of each, then 16-31 (blocks past nb zero). Padded by a step so the last
   // step's loads stay in the buffer.
   const bool q4 = qtype != kQ8_0;
   const int64_t xg = body == 2 ? 4 : 2, stride = q4 ? (nb + xg - 1) / xg * 32 * xg : (nb + 1) / 2 * 64;

@@ -15,7 +15,7 @@
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
 // the result differs from the fp32-activation kernel by the rounding of x (tests/kernels/test_int8_act.py bounds it,
 // benchmarks/kl_divergence.py measures it against llama.cpp's own).
-// Weights: the QuantWeight rows of qlinear.cpp. Q4 / Q5 (and Q4_K / Q5_K) activations are stored in the
+// Weights: the QuantWeight rows of linear_rows.cpp. Q4 / Q5 (and Q4_K / Q5_K) activations are stored in the
 // nibble order of the weights: a group of g blocks (g = 4 on AVX-512, 2 on AVX2, then 2 / 1 for the tail) holds
 // the g blocks' elements 0-15, then their elements 16-31, so one load of 16 g quant bytes, masked and shifted
 // (Q5: the fifth bits added from qh), lines up with two loads of x. Q8_0, Q2_K, Q3_K and Q6_K activations stay
@@ -52,7 +52,7 @@ constexpr bool natural_order(int64_t qtype) { return qtype == kQ8_0 || is_k16(qt
 constexpr int64_t k16_bytes(int64_t qtype) { return qtype == kQ2_K ? 84 : qtype == kQ3_K ? 110 : 210; }
 
 // The unsigned q of element i < 32 of 32-weight block j < 8 of a Q2_K / Q3_K / Q6_K super-block (h = j / 4,
-// t = j % 4; element 128 h + 32 t + i of the super-block, qlinear.cpp's formats), and its offset:
+// t = j % 4; element 128 h + 32 t + i of the super-block, linear_rows.cpp's formats), and its offset:
 // the weight is s_u (q - offset) (Q2_K: d sc_u q - dmin m_u, offset 0 and the min apart).
 inline int k16_q(int64_t qtype, const uint8_t* blk, int j, int i) {
   const int h = j / 4, t = j % 4;
@@ -242,7 +242,7 @@ TANDEM_KERNEL_VNNI inline __m256i dot(__m256i acc, __m256i u, __m256i s) { retur
 TANDEM_KERNEL_VNNI inline __m128i dot(__m128i acc, __m128i u, __m128i s) { return _mm_dpbusd_epi32(acc, u, s); }
 #define TGT TANDEM_KERNEL_VNNI
 #define Q8_GROUP4 1
-#include "qlinear_q8_simd.inc"
+#include "linear_rows_q8act_simd.inc"
 #undef Q8_GROUP4
 #undef TGT
 }  // namespace avx512
@@ -257,7 +257,7 @@ TANDEM_KERNEL_AVX2 inline __m128i dot(__m128i acc, __m128i u, __m128i s) {
 }
 #define TGT TANDEM_KERNEL_AVX2
 #define Q8_GROUP4 0
-#include "qlinear_q8_simd.inc"
+#include "linear_rows_q8act_simd.inc"
 #undef Q8_GROUP4
 #undef TGT
 }  // namespace avx2
@@ -295,14 +295,14 @@ void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, i
               ": bias must be fp32 [N]");
 }
 
-at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                      const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
-  check_int8_args("tandem.qlinear_q8", x_in, w, qtype, K, bias_in);
-  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0 with VNNI): the GEMM's arithmetic at every row count (qgemv_q8.cpp),
-  // so a row's output is the same bits at any M and in any step; the bodies below otherwise.
-  if (const int64_t gv = qgemv_q8_rows_isa(qtype, isa_req); gv > 0)
-    return x_in.size(0) <= gv ? qgemv_q8(x_in, w, qtype, K, bias_in, isa_req)
-                              : qgemm_q8(x_in, w, qtype, K, bias_in, isa_req);
+at::Tensor linear_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                             const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
+  check_int8_args("tandem.linear_rows_q8act", x_in, w, qtype, K, bias_in);
+  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0 with VNNI): the GEMM's arithmetic at every row count
+  // (gemv_rows_q8act.cpp), so a row's output is the same bits at any M and in any step; the bodies below otherwise.
+  if (const int64_t gv = gemv_rows_q8act_max_rows_isa(qtype, isa_req); gv > 0)
+    return x_in.size(0) <= gv ? gemv_rows_q8act(x_in, w, qtype, K, bias_in, isa_req)
+                              : gemm_rows_q8act(x_in, w, qtype, K, bias_in, isa_req);
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32;
   if (M == 0 || N == 0) return y;
@@ -311,7 +311,7 @@ at::Tensor qlinear_q8(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   using Rows = void (*)(const Q8Args&, int64_t, int64_t);
   Rows fn = TANDEM_BODY(isa, rows);
   const int group = natural_order(qtype) ? 0 : TANDEM_BODY(isa, GROUP);
-  // Reused per thread, grow-only (as qgemm_q8's tiles: a fresh buffer of MBs is mapped and unmapped each call).
+  // Reused per thread, grow-only (as gemm_rows_q8act's tiles: a fresh buffer of MBs is mapped and unmapped each call).
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xs;
   static thread_local std::vector<QRow> rows;

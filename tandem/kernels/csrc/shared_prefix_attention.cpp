@@ -1,6 +1,7 @@
-// Shared-prefix (cascade) attention for decode_attention.cpp: rows whose keys start with the same KV slots (a
-// radix-cache prefix several requests hit, the n samples of one prompt, a verify step's rows of one request)
-// read those slots once per step for all of them, instead of once per row.
+// Shared-prefix (cascade) attention, the decode op's planner (decode_attention.cpp runs its tasks) and its switch:
+// rows whose keys start with the same KV slots (a radix-cache prefix several requests hit, the n samples of one
+// prompt, a verify step's rows of one request) read those slots once per step for all of them, instead of once
+// per row.
 //
 // Found from kv_index itself (the slots are the tree node's: no scheduler state is needed, and a mixed step's
 // decode part or a verify step is covered too): rows are grouped by their first slot and chunk size; a row
@@ -16,10 +17,19 @@
 // are merged in chunk order as before: only which rows a task carries changes. So every output is the same bits with
 // sharing on or off, in any batch and at any thread count (tests/kernels/test_cascade_attention.py).
 // Local (sliding-window) rows whose window has moved off position 0 start elsewhere and never share.
+#include <ATen/ATen.h>
 
-static std::atomic<bool> g_shared_prefix{true};
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "decode_attention.h"
+#include "ops.h"
+
+namespace tandem {
+
+std::atomic<bool> g_shared_prefix{true};          // read by shared_prefix_on() (decode_attention.h)
 static std::atomic<int64_t> g_shared_reads{0};   // row chunks served by shared tasks since the library loaded
-static bool shared_prefix_on() { return g_shared_prefix.load(std::memory_order_relaxed); }
 
 // torch.ops.tandem.shared_prefix_attention(on): on 0 / 1 switches it (the engine's shared_prefix_attention
 // option, set by the executor before each step; tests); -1 only asks. Returns the setting in force; -2 returns
@@ -30,37 +40,8 @@ int64_t shared_prefix_attention(int64_t on) {
   return shared_prefix_on();
 }
 
-// Query rows (decode rows, or a prompt's tokens: causal_attention.inc): row b attends keys [start[b], lens[b]) of
-// kv_index row srow[b], in chunks of chunk[b] keys at absolute positions, [first[b], first[b + 1]) in the partials.
-struct Queries {
-  std::vector<int64_t> start, lens, srow, chunk, first;
-  Queries slice(int64_t b0, int64_t b1) const {      // rows [b0, b1), renumbered from 0
-    auto cut = [&](const std::vector<int64_t>& v) { return std::vector<int64_t>(v.begin() + b0, v.begin() + b1); };
-    Queries s{cut(start), cut(lens), cut(srow), cut(chunk), {}};
-    for (int64_t b = b0; b <= b1; ++b) s.first.push_back(first[b] - first[b0]);
-    return s;
-  }
-};
-
-struct Task {                              // rows members[m0, m0 + R), which read kv_index row srow,
-  int64_t m0, R, srow;                      // for KV heads [h0, h1) (h1 0: every head)
-  int64_t h0 = 0, h1 = 0;
-};
-
-// Member m (a query row of a task) attends keys [lo[m], hi[m]), its row's chunk ord[m] (counted from its first).
-struct Plan {
-  std::vector<Task> tasks;                   // shared tasks first, then one-row tasks in row order
-  std::vector<int64_t> members, lo, hi, ord;
-  std::vector<int64_t> shared;               // per row: its chunks [0, shared[b]) are in shared tasks
-  bool any_shared = false;
-  int64_t head_groups = 1;                   // tasks a row's chunk is split into by KV heads (split_heads)
-  void add(int64_t b, int64_t k0, int64_t k1, int64_t j) {
-    members.push_back(b), lo.push_back(k0), hi.push_back(k1), ord.push_back(j);
-  }
-};
-
 // The shared tasks (see the top of this file); plan.shared gets each row's count of shared chunks.
-static void plan_shared(const AttnArgs& a, const Queries& qs, Plan& plan) {
+void plan_shared(const AttnArgs& a, const Queries& qs, Plan& plan) {
   const int64_t B = a.B, Lk = a.Lk;
   const std::vector<int64_t>&start = qs.start, &chunk = qs.chunk, &first = qs.first;
   const int64_t* idx = a.kv_index;
@@ -113,14 +94,4 @@ static void plan_shared(const AttnArgs& a, const Queries& qs, Plan& plan) {
   }
 }
 
-// One-row tasks for every chunk not in a shared task: chunk j of row b is keys [j c, (j + 1) c) of its own
-// [start, lens) (absolute positions, so a sliding window's first chunk and tile may begin mid-way).
-static void plan_rest(const Queries& qs, Plan& plan) {
-  for (int64_t b = 0; b < (int64_t)qs.lens.size(); ++b) {
-    const int64_t c = qs.chunk[b], j0 = qs.start[b] / c, n = qs.first[b + 1] - qs.first[b];
-    for (int64_t j = plan.shared.empty() ? 0 : plan.shared[b]; j < n; ++j) {
-      plan.tasks.push_back({(int64_t)plan.members.size(), 1, qs.srow.empty() ? b : qs.srow[b]});
-      plan.add(b, std::max(qs.start[b], (j0 + j) * c), std::min((j0 + j + 1) * c, qs.lens[b]), j);
-    }
-  }
-}
+}  // namespace tandem
