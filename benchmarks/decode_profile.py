@@ -27,6 +27,8 @@ FAMILIES = [  # (family, predicate on the op name), first match wins
     ("fused layer op's own time", lambda n: "decode_layer" in n),    # its calls are profiled by their op names
     ("quantized linears", lambda n: n.startswith(("tandem::linear_rows", "tandem::gemm_rows", "tandem::gemv_"))
      or n in ("aten::mm", "aten::addmm", "aten::linear")),
+    ("gated delta rule (linear-attention layers)", lambda n: "gated_delta_rule" in n),
+    ("experts (route + expert GEMVs)", lambda n: n.startswith("tandem::moe_")),
     ("decode attention", lambda n: "attention" in n),
     ("norms", lambda n: "rms_norm" in n),
     ("rope", lambda n: "rope" in n),

@@ -118,7 +118,7 @@ class ModelRunner:
             weight_bytes = sum(t.numel() for t in state.values()) * dtype.itemsize
             free = _free_memory_bytes(self.device) - (weight_bytes if self.device.type == "cuda" else 0)
             free -= 2 * _layer_weights(state) if n.prefill_bf16 else 0    # the bf16 copies the model is to make
-            free -= (rows + spec.state_checkpoints) * state_bytes_per_row(c, linear_layers)   # state pool
+            free -= (rows + spec.state_checkpoints) * state_bytes_per_row(layout.local(c), linear_layers)
             num_slots = max(256, min(int(free * spec.kv_memory_fraction) // bytes_per_slot, 1 << 20))
             num_slots, = every_rank(group, num_slots)    # slot ids come from one scheduler: every rank holds all
         max_context = c.max_position_embeddings if spec.max_model_len is None else spec.max_model_len
@@ -134,7 +134,7 @@ class ModelRunner:
                    and not any(layer["window"] for layer in self.model.layers))
         self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
         # A hybrid's linear layers keep a state per request-table row (model/recurrent_state.py)
-        self.recurrent = (RecurrentState(c, linear_layers, rows, self.device, spec.state_checkpoints)
+        self.recurrent = (RecurrentState(layout.local(c), linear_layers, rows, self.device, spec.state_checkpoints)
                           if linear_layers else None)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)

@@ -133,7 +133,8 @@ class LlamaModel:
         c, lay, p = self.config, self.layout, f"model.layers.{i}."
         layer = dict(attn_norm=ws.norm(p + "input_layernorm.weight"), window=c.window(i))     # window 0: global
         if c.is_linear(i):
-            layer["mixer"] = GatedDeltaNet(ws, c, i, sum(1 for l in self.layers if "mixer" in l), self.native)
+            layer["mixer"] = GatedDeltaNet(ws, lay.local(c), i, sum(1 for l in self.layers if "mixer" in l),
+                                           self.native)      # a tp rank's: its heads (shard.py)
         else:
             layer.update(self._attention_weights(ws, p), kv=sum(1 for l in self.layers if "mixer" not in l))
         if c.is_moe(i):                     # a router and its experts in place of the dense MLP
@@ -292,7 +293,10 @@ class LlamaModel:
                 delta = self._decode_layer(i, layer, x, delta, positions, meta)
                 continue
             x, h = ops.add_norm(x, delta, layer["attn_norm"])
-            o = layer["mixer"](h, meta.recurrent) if "mixer" in layer else self._attend(ops, layer, h, meta, b0)
+            if "mixer" in layer:                    # out_proj's partial sums over a tp rank's value heads, reduced
+                o = self._reduce(layer["mixer"](h, meta.recurrent))
+            else:
+                o = self._attend(ops, layer, h, meta, b0)
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
                 o = ops.norm(o, layer["post_attn_norm"])
             x, h = ops.add_norm(x, o, layer["mlp_norm"])

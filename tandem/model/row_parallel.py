@@ -39,6 +39,9 @@ def add_in_order(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None)
 def check_chunks(c: ModelConfig, chunks: int, name: str = "the model") -> None:
     """Refuse, before anything loads, chunks that do not cut o's and down's inputs into whole 32-weight blocks
     (the K-quants' 256-weight super-blocks are checked where the weights load: chunk_width)."""
+    if chunks and c.linear_layers:
+        raise ValueError(f"tp_reduce_chunks does not cover linear-attention layers yet: {name}'s Gated DeltaNet "
+                         f"output would still add its ranks' sums by rank (use tp_reduce_chunks 0)")
     if chunks and c.num_experts:
         raise ValueError(f"tp_reduce_chunks does not cover expert layers yet: {name}'s experts would still add "
                          f"their ranks' sums by rank (use tp_reduce_chunks 0)")

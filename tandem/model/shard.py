@@ -17,6 +17,7 @@ a 32-weight block boundary, and is dequantized otherwise (logged).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -40,15 +41,15 @@ def _fits(c: ModelConfig, n: int) -> list[str]:
     if c.num_experts and c.num_experts % n and c.moe_intermediate_size % n:
         why.append(f"neither its {c.num_experts} experts nor their width {c.moe_intermediate_size} "
                    f"are divisible by {n}")
+    if c.shared_expert_intermediate_size % n:
+        why.append(f"its shared expert's width {c.shared_expert_intermediate_size} is not divisible by {n}")
+    if c.linear_layers and c.linear_num_key_heads % n:
+        why.append(f"its {c.linear_num_key_heads} linear-attention key heads are not divisible by {n}")
     return why
 
 
 def check_tp_size(c: ModelConfig, n: int, name: str = "the model") -> None:
     """A clear ValueError when the model's shapes do not split over n ranks."""
-    if n > 1 and c.linear_layers:
-        raise ValueError(f"tp_size {n}: {name} is a hybrid linear-attention model ({c.architecture}), whose Gated "
-                         f"DeltaNet layers do not split over tensor-parallel ranks yet; serve it with tp_size 1 "
-                         f"(pp_size may split its layers)")
     why = _fits(c, n)
     if why:
         ok = [k for k in range(1, c.num_heads + 1) if not _fits(c, k)]
@@ -74,6 +75,17 @@ class TPLayout:
     experts: int = 0         # experts held on this rank (whole, or split by moe_inter)
     expert_start: int = 0
     expert_parallel: bool = False   # whole experts a rank, a range of them on each
+    shared_inter: int = 0    # rows of the shared expert's gate / up (columns of its down) on this rank
+    linear_k_heads: int = 0  # a hybrid's Gated DeltaNet key heads on this rank, and the value heads they serve
+    linear_k_start: int = 0
+
+    def local(self, c: ModelConfig) -> ModelConfig:
+        """The config as this rank's linear-attention layers and state pool see it: its heads only."""
+        if not c.linear_layers or self.size == 1:
+            return c
+        r = c.linear_num_value_heads // c.linear_num_key_heads
+        return dataclasses.replace(c, linear_num_key_heads=self.linear_k_heads,
+                                   linear_num_value_heads=self.linear_k_heads * r)
 
     @property
     def held_experts(self) -> range | None:
@@ -96,8 +108,10 @@ class TPLayout:
         else:                                  # every expert split by its intermediate rows
             moe, moe_start = c.moe_intermediate_size // size, rank * (c.moe_intermediate_size // size)
             experts, expert_start = c.num_experts, 0
+        lk = c.linear_num_key_heads // size
         return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab,
-                        moe, moe_start, experts, expert_start, experts < c.num_experts)
+                        moe, moe_start, experts, expert_start, experts < c.num_experts,
+                        c.shared_expert_intermediate_size // size, lk, rank * lk)
 
 
 def _rows(t, a: int, b: int, pad_to: int | None = None):
@@ -130,7 +144,11 @@ def cols(t, a: int, b: int, cut: list[str], name: str):
 def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
     """This rank's slice of an HF-named state dict (tensors or QuantWeight); the input is consumed."""
     d = c.head_dim
+    g = 2 if c.attn_output_gate else 1              # a gated q_proj: each head's q and gate rows together
+    q_rows = (lay.head_start * d * g, (lay.head_start + lay.heads) * d * g)
     q = (lay.head_start * d, (lay.head_start + lay.heads) * d)
+    shared = (lay.rank * lay.shared_inter, (lay.rank + 1) * lay.shared_inter)
+    linear = _linear_index(c, lay) if c.linear_layers and lay.size > 1 else None
     kv = (lay.kv_head_start * d, (lay.kv_head_start + lay.kv_heads) * d)
     mlp = (lay.inter_start, lay.inter_start + lay.inter)
     experts = (lay.moe_inter_start, lay.moe_inter_start + lay.moe_inter)
@@ -140,6 +158,10 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         t = state.pop(name)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(t, *vocab, pad_to=lay.vocab)
+        elif ".linear_attn." in name:
+            out[name] = _linear_part(name, t, linear, cut) if linear is not None else t
+        elif ".shared_expert." in name:         # split by its width, as the dense MLP
+            out[name] = cols(t, *shared, cut, name) if ".down_proj." in name else _rows(t, *shared)
         elif ".experts." in name:               # before the dense MLP's names, which an expert's also match
             if lay.held_experts is not None:   # whole experts a rank: this rank's, as they are; not the others'
                 if int(name.split(".experts.")[1].split(".")[0]) in lay.held_experts:
@@ -147,7 +169,7 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
             else:
                 out[name] = cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
         elif ".q_proj." in name:
-            out[name] = _rows(t, *q)
+            out[name] = _rows(t, *q_rows)
         elif ".k_proj." in name or ".v_proj." in name:
             out[name] = _rows(t, *kv)
         elif ".gate_proj." in name or ".up_proj." in name:
@@ -160,5 +182,44 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
             out[name] = t
     if cut and lay.rank == 0:
         log.warning("tp_size %d cuts the GGUF blocks (32 weights along K) of %d row-parallel weights (%s ...): "
-                    "their slices are dequantized to fp32 (more memory, the fp32 GEMM)", lay.size, len(cut), cut[0])
+                    "their slices are dequantized to fp32 (more memory, the fp32 GEMM)", lay.size, len(set(cut)), cut[0])
     return out
+
+
+def _linear_index(c: ModelConfig, lay: TPLayout) -> dict:
+    """Which rows (channels, heads) of a Gated DeltaNet layer this rank holds: its key heads' q and k, and the value
+    heads they serve. HF's order groups a key head's value heads together (a range); llama.cpp's Qwen3.5 files tile
+    them (value head j * key heads + g reads key head g): the same heads, in the same tiled order locally."""
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r, keys = nv // nk, range(lay.linear_k_start, lay.linear_k_start + lay.linear_k_heads)
+    heads = ([j * nk + g for j in range(r) for g in keys] if c.linear_value_heads_tiled
+             else [g * r + j for g in keys for j in range(r)])
+    heads_t = torch.tensor(heads)
+    qk = torch.cat([torch.arange(g * dk, (g + 1) * dk) for g in keys])
+    v = (heads_t[:, None] * dv + torch.arange(dv)).reshape(-1)
+    return {"heads": heads_t, "v": v, "qkv": torch.cat([qk, nk * dk + qk, 2 * nk * dk + v])}
+
+
+def _linear_part(name: str, t, index: dict, cut: list[str]):
+    """This rank's part of a linear-attention tensor (_linear_index): rows of the projections and the conv, its
+    value heads' A / dt_bias, out_proj's columns of its value heads (the partial sums all-reduced)."""
+    from .linear import take_rows
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return take_rows(t, index["qkv"])
+    if name.endswith("in_proj_z.weight"):
+        return take_rows(t, index["v"])
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", ".A_log", ".dt_bias")):
+        return take_rows(t, index["heads"])
+    if name.endswith("out_proj.weight"):
+        cols_ = index["v"]
+        if not isinstance(t, QuantWeight):
+            return t[:, cols_].contiguous()
+        # its value heads' columns, run by run (tiled: one run a value head per key head), each cut as cols()
+        # cuts (whole blocks where the run's ends fall on block boundaries, else dequantized)
+        ends = (torch.nonzero(cols_[1:] != cols_[:-1] + 1).reshape(-1) + 1).tolist()
+        runs = [cols(t, int(cols_[a]), int(cols_[b - 1]) + 1, cut, name) for a, b in zip([0] + ends, ends + [len(cols_)])]
+        if all(isinstance(r, QuantWeight) for r in runs):
+            return QuantWeight.from_gguf(torch.cat([r.to_gguf() for r in runs], dim=1).contiguous(), t.qtype,
+                                         len(cols_))
+        return torch.cat([r.dequantize() if isinstance(r, QuantWeight) else r for r in runs], dim=1)
+    return t                                    # the gated norm's weight: per head dim, whole on every rank

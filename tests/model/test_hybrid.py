@@ -172,21 +172,28 @@ def test_hybrid_config_errors_and_state_size():
     assert pool.nbytes == 5 * state_bytes_per_row(c, 3) == 5 * 3 * 4 * ((2 * 16 + 32) * 3 + 4 * 8 * 8)
 
 
-def test_pp2_equals_pp1_and_refusals(tmp_path_factory, make_llm):
-    """Pipeline stages hold their own layers' states (stage 0 has linear layers only: no KV at all); tp and
-    speculative decoding, which the state does not follow yet, are refused by name."""
+def test_pp2_and_tp2_equal_one_device_and_refusals(tmp_path_factory, tmp_path, monkeypatch, make_llm):
+    """Pipeline stages hold their own layers' states (stage 0 has linear layers only: no KV at all); tp ranks hold
+    their key heads' q / k and the value heads they serve (HF's grouped order, and the tiled order of llama.cpp's
+    Qwen3.5 files), out_proj's partial sums all-reduced, and a slice of the shared expert; speculative decoding,
+    which the state does not follow yet, is refused by name."""
     from tandem import LLM
-    m = tiny_hybrid("qwen3_5", tmp_path_factory)
+    from tandem.model.shard import TPLayout
+    m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
     ps = prompts_for(m["ref"].config.vocab_size, n=4, seed=9)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = {}
-    for pp in (1, 2):
-        llm = make_llm(m["hf"], pp_size=pp, max_running_requests=8, max_prefill_tokens=16, device_threads=1)
-        outs[pp] = [o.token_ids for o in llm.generate(ps, params, use_tqdm=False)]
-        llm.shutdown()
-    assert outs[1] == outs[2]
-    with pytest.raises(ValueError, match="tp_size 2.*hybrid linear-attention"):
-        LLM(m["hf"], tp_size=2)
+    for source, split in (("hf", "pp_size"), ("hf", "tp_size"), ("q8", "tp_size")):
+        outs = {}
+        for n in (1, 2):
+            llm = make_llm(m[source], max_running_requests=8, max_prefill_tokens=16, device_threads=1,
+                           cache_dir=str(tmp_path / "cache"), **{split: n})
+            outs[n] = [o.token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+            if n == 2 and split == "tp_size":
+                c = llm.engine.model_config
+                assert [TPLayout.of(c, 2, r).local(c).linear_num_value_heads for r in (0, 1)] == [2, 2]
+            llm.shutdown()
+        assert outs[1] == outs[2], (source, split)
     with pytest.raises(ValueError, match="speculative decoding does not roll"):
         LLM(m["hf"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
