@@ -85,6 +85,20 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, fres
     return elementwise(F.silu, acc.t().contiguous())
 
 
+def causal_conv_decode(x: torch.Tensor, w: torch.Tensor, conv: torch.Tensor, rec: RecurrentRows) -> torch.Tensor:
+    """causal_conv for a step of one token a row, every row at once: x [B, C]; conv the layer's pool [slots, C,
+    width - 1]. Each output is the same sequence of products and sums as causal_conv's, so the same bits."""
+    before = conv[rec.slots]                                                # [B, C, width - 1] (a copy)
+    if any(rec.fresh):
+        before[rec.fresh_t] = 0
+    win = torch.cat([before.to(x.dtype), x[:, :, None]], dim=2)             # [B, C, width]
+    acc = win[..., 0] * w[:, 0]
+    for j in range(1, w.shape[1]):
+        acc = acc + win[..., j] * w[:, j]
+    conv[rec.slots] = win[..., 1:]
+    return elementwise(F.silu, acc.contiguous())
+
+
 class GatedDeltaNet:
     """Layer i's weights: q / k / v / z / b / a in one projection (rows in that order), the conv, the decay's
     A and dt_bias, the gated norm's weight (as it is: not a (1 + w) norm) and the output projection."""
@@ -122,8 +136,11 @@ class GatedDeltaNet:
                                      self.heads_v, self.heads_v], dim=-1)
         conv, ssm = rec.conv[self.j], rec.ssm[self.j]
         slots = rec.slots.tolist()
-        mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
-                           for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
+        if rec.decode_only:
+            mixed = causal_conv_decode(mixed, self.conv_w, conv, rec)
+        else:
+            mixed = torch.cat([causal_conv(mixed[s:e], self.conv_w, conv[slot], fresh)
+                               for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh)])
         q, k, v = self._qk_normed(mixed.float())
         v = v.reshape(t, self.heads_v, self.dv)
         beta = elementwise(torch.sigmoid, b.float())

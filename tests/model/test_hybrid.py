@@ -127,6 +127,12 @@ def test_mixer_rows_stand_alone(native, tmp_path_factory):
     second = step([7, 6], [1, 12], [1, 17], torch.cat([proj[:1], proj[15:27]]))
     assert torch.equal(torch.cat([first, second[1:]]), together[10:27])
     assert torch.equal(pool.ssm[0, 6], pool.ssm[0, 3]) and torch.equal(pool.conv[0, 6], pool.conv[0, 3])
+    pool.ssm[0, 7], pool.conv[0, 7] = pool.ssm[0, 1], pool.conv[0, 1]        # a decode step (every row one token:
+    x = proj[30:31]                                                          # the conv of all rows at once) ==
+    decoded = step([1, 2], [1, 1], [10, 2], torch.cat([x, proj[9:10]]))      # the row by row path of a mixed step
+    mixed = step([7, 4], [1, 2], [10, 6], torch.cat([x, proj[:2]]))
+    assert torch.equal(decoded[:1], mixed[:1]) and torch.equal(pool.ssm[0, 1], pool.ssm[0, 7])
+    assert torch.equal(pool.conv[0, 1], pool.conv[0, 7])
 
 
 def test_vision_language_checkpoint_serves_its_text_model(tmp_path_factory, tmp_path, make_llm):
