@@ -29,6 +29,7 @@ class EngineConfig:
     mixed_prefill_tokens: int = 256     # prefill tokens of a step with decode rows (lower: smoother streams)
     prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
     state_checkpoints: int | None = None    # hybrid linear-attention models: saved states the prefix cache may hold (each one request's state); None: 2 x max_running_requests; 0: no prefix-cache hits for them
+    state_memory_fraction: float = 0.25     # hybrid models: the most of free memory their linear-attention states may take (a running request's and each checkpoint's); fewer running requests and checkpoints where max_running_requests' would not fit
     hybrid_checkpoint_tokens: int = 0   # hybrid models: checkpoint a prompt's state at the first prefill chunk end past each multiple of this many tokens (and where a request's tokens end); 0: at every chunk end
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV slots; None: kv_memory_fraction of free memory
@@ -95,6 +96,8 @@ class EngineConfig:
         if self.state_checkpoints is not None and self.state_checkpoints < 0 or self.hybrid_checkpoint_tokens < 0:
             raise ValueError(f"state_checkpoints ({self.state_checkpoints}) and hybrid_checkpoint_tokens "
                              f"({self.hybrid_checkpoint_tokens}) must be >= 0")
+        if not 0.0 < self.state_memory_fraction <= 0.95:
+            raise ValueError(f"state_memory_fraction must be in (0, 0.95], got {self.state_memory_fraction}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         self._check_tp()

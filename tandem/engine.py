@@ -46,6 +46,7 @@ class Engine:
         check_chunks(self.model_config, config.tp_reduce_chunks, self.model_name)
         check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name)
         check_hybrid(self.model_config, config, self.model_name)
+        config = self.config = fit_hybrid_state(self.model_config, config)
         spec = runner_spec(config, self.source)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
@@ -244,3 +245,29 @@ def check_hybrid(c, config: EngineConfig, name: str) -> None:
     if c.linear_layers and config.speculative_config is not None:
         raise ValueError(f"speculative_config: {name} is a hybrid linear-attention model ({c.architecture}); "
                          f"speculative decoding does not roll its recurrent state back yet: serve it without")
+
+
+def fit_hybrid_state(c, config: EngineConfig) -> EngineConfig:
+    """A hybrid model's states in state_memory_fraction of free memory: every running request holds one (a row of
+    the request table, spare rows included), the prefix cache's checkpoints one each. Where they would not all fit,
+    the checkpoints keep a third at most and fewer requests run, said once in the log: Qwen3.6-35B-A3B's state is
+    ~66 MB, so 128 rows alone would take 8.8 GB."""
+    if not c.linear_layers:
+        return config
+    import logging
+    import os
+
+    from .model.recurrent_state import state_bytes_per_row
+    per = state_bytes_per_row(c, len(c.linear_layers)) // max(1, config.tp_size)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = int(free * config.state_memory_fraction) // per
+    spare = config.spare_rows() + 1
+    if config.max_running_requests + spare + config.checkpoints() <= fits:
+        return config
+    ckpts = min(config.checkpoints(), fits // 3)            # a third at most: a prefix cache that still hits
+    rows = min(config.max_running_requests, max(1, fits - ckpts - spare))
+    logging.getLogger(__name__).warning(
+        "%s: a request's linear-attention state takes %.1f MB; state_memory_fraction %.2f of free memory holds %d: "
+        "max_running_requests %d -> %d, state checkpoints %d -> %d", c.architecture, per / 1e6,
+        config.state_memory_fraction, fits, config.max_running_requests, rows, config.checkpoints(), ckpts)
+    return config.replace(max_running_requests=rows, state_checkpoints=ckpts)

@@ -245,3 +245,23 @@ def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, tmp_path, mo
     small.shutdown()
     want = run_with(make_llm(m["q8"], max_prefill_tokens=512, prefix_cache=False, **kw), "overlap", ps, long)
     assert [(o.token_ids, o.outputs[0].logprobs) for o in got] == [(o.token_ids, o.outputs[0].logprobs) for o in want]
+
+
+def test_states_fit_their_memory_share():
+    """Where max_running_requests' states and the checkpoints would not fit state_memory_fraction of free memory,
+    fewer requests run and the checkpoints keep a third at most; where they fit, nothing changes."""
+    from tandem.config import EngineConfig
+    from tandem.engine import fit_hybrid_state
+    from tandem.model.config import ModelConfig
+    from tandem.model.recurrent_state import state_bytes_per_row
+    d = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+         "num_hidden_layers": 40, "intermediate_size": 32, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "head_dim": 16}
+    c = ModelConfig.from_hf_dict(d)
+    assert round(state_bytes_per_row(c, len(c.linear_layers)) / 1e6) == 66           # Qwen3.6-35B-A3B's
+    big = fit_hybrid_state(c, EngineConfig(max_running_requests=128, state_memory_fraction=0.01))
+    assert big.max_running_requests < 128 and big.state_checkpoints <= (big.max_running_requests + 5 +
+                                                                         big.state_checkpoints) // 3 + 1
+    small = ModelConfig.from_hf_dict({**d, "num_hidden_layers": 4, "linear_key_head_dim": 8,
+                                      "linear_value_head_dim": 8})
+    assert fit_hybrid_state(small, EngineConfig(max_running_requests=4)) == EngineConfig(max_running_requests=4)
