@@ -16,6 +16,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .device.ranks import runner_spec, rank_threads
 from .request import Req, StepOutput
+from .model.recurrent_state import state_bytes_per_row
 from .sampling_params import SamplingParams
 from .scheduler.loops import LOOPS
 from .scheduler.grammar import Grammars
@@ -87,7 +88,7 @@ class Engine:
         from .scheduler.policy import make_policy
         self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, Grammars(self.grammar),
                                    speculation, make_policy(config), UrgentSteps(self.executor.nests_steps),
-                                   recurrent=bool(self.model_config.linear_layers))
+                                   recurrent=state_bytes_per_row(mc := self.model_config, len(mc.linear_layers)))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -257,7 +258,6 @@ def fit_hybrid_state(c, config: EngineConfig) -> EngineConfig:
     import logging
     import os
 
-    from .model.recurrent_state import state_bytes_per_row
     per = state_bytes_per_row(c, len(c.linear_layers)) // max(1, config.tp_size)
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     fits = int(free * config.state_memory_fraction) // per

@@ -19,10 +19,11 @@ from .state_checkpoints import StateCheckpoints
 
 class KVCacheManager:
     def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool,
-                 checkpoints: StateCheckpoints | None = None, recurrent: bool = False) -> None:
+                 checkpoints: StateCheckpoints | None = None, recurrent: int = 0) -> None:
         self.kv = KVSlotAllocator(num_slots)
         # A hybrid model's request also carries a linear-attention state, which a cached prefix's KV does not give
-        # back: it resumes from a state checkpoint (state_checkpoints.py), or, with none, from position 0
+        # back: it resumes from a state checkpoint (state_checkpoints.py), or, with none, from position 0.
+        # recurrent: the bytes of that state (0: not a hybrid), for the memory the states take (stats)
         self.recurrent = recurrent
         self.checkpoints = checkpoints if recurrent and prefix_cache else None
         self.cache = RadixCache() if prefix_cache else None
@@ -204,6 +205,9 @@ class KVCacheManager:
             "kv_usage": 1.0 - self.available() / self.kv.num_slots,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            **({} if not self.recurrent else {
+                "state_bytes": self.recurrent * (self.rows.size - self.rows.available()
+                                                 + (self.checkpoints.held() if self.checkpoints else 0))}),
             **({} if self.checkpoints is None else {
                 "state_checkpoints": self.checkpoints.size, "held_state_checkpoints": self.checkpoints.held(),
                 "state_checkpoints_saved": self.checkpoints.saved,

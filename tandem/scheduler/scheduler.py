@@ -44,7 +44,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, executor: Executor, sink: Callable[[list[StepOutput]], None],
                  recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
                  grammars: Grammars | None = None, spec: Speculation | None = None,
-                 policy: FCFS | None = None, urgent: UrgentSteps | None = None, recurrent: bool = False) -> None:
+                 policy: FCFS | None = None, urgent: UrgentSteps | None = None, recurrent: int = 0) -> None:
         self.config = config
         self.policy = policy or FCFS()      # who goes first: admission order, preemption, retraction (policy.py)
         self.grammars = grammars            # the grammar branch (grammar.py); None: no structured outputs
@@ -55,7 +55,7 @@ class Scheduler:
         self.sink = sink
         self.recorder = recorder or Recorder(enabled=False)
         # Request-table rows: the running cap's, and spare ones urgent steps' requests take (EngineConfig.spare_rows)
-        # recurrent: a hybrid model's rows also hold a linear-attention state (model/recurrent_state.py)
+        # recurrent: the bytes of the linear-attention state a hybrid model's row holds (model/recurrent_state.py)
         checkpoints = StateCheckpoints(config.checkpoints(), config.hybrid_checkpoint_tokens) if recurrent else None
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
                                      config.prefix_cache, checkpoints if checkpoints and checkpoints.size else None,
@@ -303,6 +303,6 @@ class Scheduler:
             "num_waiting": self.num_queued(),
             "num_preemptions": self.retractions,
             **{k: mem[k] for k in ("kv_usage", "prefix_cache_queries", "prefix_cache_hits")},
-            **{k: v for k, v in mem.items() if "state_checkpoints" in k},      # a hybrid model's
+            **{k: v for k, v in mem.items() if k.startswith(("state_", "held_state_"))},     # a hybrid model's
             **self.spec.stats.as_stats(),
         }

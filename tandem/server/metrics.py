@@ -30,6 +30,8 @@ GAUGES = {
     "tandem:num_requests_running": ("num_running", "Requests in the running batch."),
     "tandem:num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
     "tandem:kv_cache_usage_perc": ("kv_usage", "Fraction of KV cache slots in use (1 = full)."),
+    "tandem:state_bytes": ("state_bytes", "Hybrid models: bytes of the linear-attention states held now (the running "
+                           "requests' and the prefix cache's checkpoints)."),
     "tandem:state_checkpoints_held": ("held_state_checkpoints", "Hybrid models: saved linear-attention states the "
                                       "prefix cache holds (of state_checkpoints, each one request's state)."),
     "tandem:device_idle_fraction": ("device_idle_fraction",

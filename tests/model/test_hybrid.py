@@ -234,6 +234,7 @@ def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, tmp_path, mo
             [(o.token_ids, o.outputs[0].logprobs) for o in ref]
         s = llm.stats()
         assert s["state_checkpoints_restored"] - before["state_checkpoints_restored"] >= 4, s
+        assert s["state_bytes"] == s["held_state_checkpoints"] * llm.engine.scheduler.memory.recurrent > 0
         # turn 2's hit: turn 1's prompt and all of its answer but (serial) the last token, whose state is not computed
         assert outs[1].num_cached_tokens >= len(base) + 8 - 1
     llm.shutdown()
