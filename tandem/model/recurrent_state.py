@@ -28,7 +28,7 @@ def state_bytes_per_row(c: ModelConfig, layers: int) -> int:
 
 
 class RecurrentState:
-    """The device's state pool: conv [L, rows, C, width - 1] and ssm [L, rows, Hv, Dk, Dv], fp32, zeroed once; and
+    """The device's state pool: conv [L, rows, C, width - 1] and ssm [L, rows, Hv, Dk, Dv], fp32; and
     the prefix cache's checkpoints of it, the same per layer, `checkpoints` of them
     (memory/state_checkpoints.py decides what each holds)."""
 
@@ -36,8 +36,14 @@ class RecurrentState:
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
         shapes = ((conv_dim, c.linear_conv_kernel - 1),
                   (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
-        self.conv, self.ssm = (torch.zeros(layers, rows, *sh, dtype=torch.float32, device=device) for sh in shapes)
-        self.saved_conv, self.saved_ssm = (torch.zeros(layers, checkpoints, *sh, dtype=torch.float32, device=device)
+        # Left uninitialized, as the KV cache: a row's first step starts from zeros (fresh) whatever its slot holds,
+        # a checkpoint is written before it is read, and pages never touched cost no memory (a 4-layer
+        # Qwen3.6-35B-A3B-shaped file's 133 rows and 256 checkpoints would have held 2.6 GB at once). Row 0, the
+        # padding row padded batch rows read, is zeroed.
+        self.conv, self.ssm = (torch.empty(layers, rows, *sh, dtype=torch.float32, device=device) for sh in shapes)
+        self.conv[:, 0].zero_()
+        self.ssm[:, 0].zero_()
+        self.saved_conv, self.saved_ssm = (torch.empty(layers, checkpoints, *sh, dtype=torch.float32, device=device)
                                            for sh in shapes)
         self.device = device
 
