@@ -73,14 +73,24 @@ class RadixCache:
         return slots[:depth], node
 
     def lru_checkpoint(self) -> Node | None:
-        """The least recently used unlocked node holding a checkpoint (to take it back when none is free)."""
-        best, stack = None, [self.root]
-        while stack:
+        """The unlocked node holding a checkpoint to take back when none is free: the least recently used of those a
+        deeper checkpoint on their path supersedes (an earlier turn's or chunk's, under a request's newer end),
+        else the least recently used of all. A chat's newest turn ends are the leaves a next turn resumes from."""
+        order, stack = [], [self.root]
+        while stack:                                    # parents before children; walked back: children first
             node = stack.pop()
+            order.append(node)
             stack.extend(node.children.values())
-            if node.checkpoint is not None and node.lock == 0 and (best is None or node.last_access < best.last_access):
-                best = node
-        return best
+        below: dict[int, bool] = {}                     # id(node) -> a checkpoint somewhere under it
+        best: dict[bool, Node | None] = {True: None, False: None}
+        for node in reversed(order):
+            under = any(below[id(c)] or c.checkpoint is not None for c in node.children.values())
+            below[id(node)] = under
+            if node.checkpoint is not None and node.lock == 0:
+                b = best[under]
+                if b is None or node.last_access < b.last_access:
+                    best[under] = node
+        return best[True] or best[False]
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut child's edge after n tokens; returns the new upper node (same lock as child)."""

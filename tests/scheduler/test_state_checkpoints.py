@@ -67,3 +67,19 @@ def test_a_steps_copies_save_then_restore_then_save_after_the_forward():
     assert ckpts.wants(0, 40) and not ckpts.wants(40, 60) and ckpts.wants(60, 70)
     assert StateCheckpoints(1).wants(5, 6)                           # every=0: every chunk's end
     assert isinstance(ckpts.take_ops(), np.ndarray)
+
+
+def test_a_full_pool_gives_up_a_superseded_checkpoint_before_a_newest_end():
+    """A chat's earlier checkpoints (a deeper one under them on the same path) go before the ends a next turn
+    resumes from, even where those ends were used longer ago."""
+    ckpts = StateCheckpoints(3)
+    turn1, turn2 = list(range(10)), list(range(10)) + [7, 7, 7]
+    cache = _tree_with(turn2, [10, 13], ckpts)                   # turn 1's end, then turn 2's under it
+    cache.insert([50, 51], [30, 31])                             # another chat's end, used after
+    _, other = cache.match_prefix([50, 51])
+    assert ckpts.take(cache, other) is not None and ckpts.available() == 0
+    cache.match_prefix(turn1)                                    # turn 1's node touched last: the most recent
+    _, new = cache.match_prefix([50])
+    ckpts.take(cache, new)
+    assert cache.match_checkpointed(turn2)[1].checkpoint is not None      # turn 2's end kept
+    assert len(cache.match_checkpointed(turn2)[0]) == 13 and len(cache.match_checkpointed(turn1 + [1])[0]) < 10
