@@ -38,14 +38,16 @@ def conversations(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
     return system, turns
 
 
-def run_chat(send, system, turns, answer: int) -> dict:
-    """send(prompts, n) -> [(output ids, seconds until done)] for prompts sent at once. The last turn asks 1 token."""
+def run_chat(send, system, turns, answer: int, rewrite: int = 0) -> dict:
+    """send(prompts, n) -> [(output ids, seconds until done)] for prompts sent at once. The last turn asks 1 token.
+    rewrite: the history keeps each answer without its first `rewrite` tokens, as chat templates that drop an earlier
+    turn's reasoning re-render it (the next prompt leaves the cached tokens where that answer starts)."""
     history = [list(system) for _ in turns]
     for t in range(len(turns[0])):
         last = t == len(turns[0]) - 1
         prompts = [h + conv[t] for h, conv in zip(history, turns)]
         outs = send(prompts, 1 if last else answer)
-        history = [p + ids for p, (ids, _) in zip(prompts, outs)]
+        history = [p + ids[rewrite:] for p, (ids, _) in zip(prompts, outs)]
     ttft = sorted(s for _, s in outs)
     return {"last_turn_ttft_s": ttft, "last_turn_ttft_median_s": statistics.median(ttft),
             "last_prompt_tokens": statistics.median(len(p) for p in prompts)}
@@ -65,7 +67,7 @@ def tandem_side(args, system, turns) -> dict:
 
     try:
         s0 = steal()
-        row = run_chat(send, system, turns, args.answer)
+        row = run_chat(send, system, turns, args.answer, args.rewrite)
         st = llm.stats()
         c = llm.engine.model_config
         row.update(steal_ticks=steal() - s0, prefix_cache_hit_rate=st["prefix_cache_hits"] / st["prefix_cache_queries"],
@@ -100,7 +102,7 @@ def llama_side(args, system, turns) -> dict:
 
     try:
         s0 = steal()
-        row = run_chat(send, system, turns, args.answer)
+        row = run_chat(send, system, turns, args.answer, args.rewrite)
         row.update(steal_ticks=steal() - s0, prefix_cache_hit_rate=cached[0] / max(1, cached[1]))
         return row
     finally:
@@ -121,6 +123,8 @@ def main() -> int:
     ap.add_argument("--user", type=int, default=200, help="user tokens a turn")
     ap.add_argument("--answer", type=int, default=32, help="answer tokens a turn (the last turn: 1)")
     ap.add_argument("--checkpoint-tokens", type=int, default=0, help="tandem's hybrid_checkpoint_tokens")
+    ap.add_argument("--rewrite", type=int, default=0,
+                    help="drop each answer's first N tokens from the history (a template that strips reasoning)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()

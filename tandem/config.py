@@ -28,7 +28,7 @@ class EngineConfig:
     # (a 12 x 924-token burst took 2.1x longer at 256 than prefill-first). 256 is the throughput-side default.
     mixed_prefill_tokens: int = 256     # prefill tokens of a step with decode rows (lower: smoother streams)
     prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
-    state_checkpoints: int | None = None    # hybrid linear-attention models: saved states the prefix cache may hold (each one request's state); None: 2 x max_running_requests; 0: no prefix-cache hits for them
+    state_checkpoints: int | None = None    # hybrid linear-attention models: saved states the prefix cache may hold (each one request's state); None: 4 x max_running_requests; 0: no prefix-cache hits for them
     state_memory_fraction: float = 0.25     # hybrid models: the most of free memory their linear-attention states may take (a running request's and each checkpoint's); fewer running requests and checkpoints where max_running_requests' would not fit
     hybrid_checkpoint_tokens: int = 0   # hybrid models: checkpoint a prompt's state at the first prefill chunk end past each multiple of this many tokens (and where a request's tokens end); 0: at every chunk end
     max_model_len: int | None = None    # context cap; None: the model's max_position_embeddings
@@ -200,7 +200,7 @@ class EngineConfig:
         """State checkpoints of a hybrid model's prefix cache (state_checkpoints; none without a prefix cache)."""
         if not self.prefix_cache:
             return 0
-        return 2 * self.max_running_requests if self.state_checkpoints is None else self.state_checkpoints
+        return 4 * self.max_running_requests if self.state_checkpoints is None else self.state_checkpoints
 
     def spare_rows(self) -> int:
         """Request-table rows past max_running_requests: where urgent steps' requests go while the rows of

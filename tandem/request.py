@@ -71,6 +71,8 @@ class Req:
     cached_len: int = 0                    # leading slots matched in the prefix cache at admission
     cache_node: object | None = None       # the radix node that match ends at, locked while running
     state_from: int | None = None          # hybrid models: the state checkpoint its first chunk resumes from
+    prompt_state: tuple[int, int] | None = None   # hybrid: (length, checkpoint) of its prompt's state, saved before
+                                           # the tree held its KV there (a batch mate's prefix); attached as it leaves
     num_cached_tokens: int | None = None   # prompt tokens served from the cache at first admission
     queue_time: float | None = None        # seconds from arrival to first admission (a retraction keeps it)
     num_launched: int = 0

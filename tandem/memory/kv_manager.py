@@ -123,6 +123,11 @@ class KVCacheManager:
         held = self.cache.insert(fill[:n], req.slots[:n])
         if self.checkpoints is not None and n == req.filled:
             self._checkpoint(req, fill[:n], after_step=False)
+        if req.prompt_state is not None:                   # its prompt's end, now in the tree (n >= it)
+            depth, cid = req.prompt_state
+            self.checkpoints.attach(self.cache, self.cache.match_prefix(fill[:depth])[1] if depth <= n
+                                    else self.cache.root, cid)
+            req.prompt_state = None
         # [0, cached_len): the tree's own slots; [cached_len, held): this request's copy of KV the tree got
         # meanwhile from another request (freed); [held, n): now the tree's; [n, allocated): freed.
         self.kv.free(req.slots[req.cached_len:max(held, req.cached_len)] + req.slots[n:])
@@ -142,9 +147,22 @@ class KVCacheManager:
         if self.cache is None or req.filled <= req.cached_len:
             return
         ids = req.fill_ids()[:req.filled]
-        if len(self.cache.match_prefix(ids)[0]) != req.cached_len:
-            return
+        held = len(self.cache.match_prefix(ids)[0])
         start = req.cached_len
+        if held != start:
+            # A hybrid's state here is still worth keeping where the tree holds these very tokens (a batch mate
+            # sharing the prompt put them there): a chat's next turn that leaves this prompt's answer resumes here
+            if self.checkpoints is None or not self.checkpoints.wants(start, req.filled):
+                return
+            if held == req.filled:
+                self._checkpoint(req, ids, after_step=True)
+            elif req.filled == len(req.prompt_ids) and req.prompt_state is None:
+                # its prompt's end, which the tree lacks until it leaves: saved now, attached then (_cache_kv)
+                cid = self.checkpoints.take(self.cache, None)
+                if cid is not None:
+                    self.checkpoints.save(req.row, cid, after_step=True)
+                    req.prompt_state = (req.filled, cid)
+            return
         self.cache.insert(ids, req.slots[:req.filled])
         slots, node = self.cache.match_prefix(ids)
         self.cache.lock(node)

@@ -29,6 +29,7 @@ class Node:
     lock: int = 0
     last_access: int = 0
     checkpoint: int | None = None                     # a saved state after this edge's last token (hybrid models)
+    ckpt_used: int = 0                                # when it was last saved or resumed from (the clock's tick)
 
 
 class RadixCache:
@@ -70,27 +71,26 @@ class RadixCache:
         while node is not self.root and node.checkpoint is None:
             depth -= len(node.key)
             node = node.parent
+        if node is not self.root:
+            self.use_checkpoint(node)
         return slots[:depth], node
 
     def lru_checkpoint(self) -> Node | None:
-        """The unlocked node holding a checkpoint to take back when none is free: the least recently used of those a
-        deeper checkpoint on their path supersedes (an earlier turn's or chunk's, under a request's newer end),
-        else the least recently used of all. A chat's newest turn ends are the leaves a next turn resumes from."""
-        order, stack = [], [self.root]
-        while stack:                                    # parents before children; walked back: children first
+        """The unlocked node whose checkpoint was used (saved or resumed from) least recently: the one to take back
+        when none is free. By use, not by the matches passing through: a chat's next turn resumes from its last
+        answer's end (or, where the template re-renders that answer, from its prompt's end), so the kind that
+        workload never resumes from goes first."""
+        best, stack = None, [self.root]
+        while stack:
             node = stack.pop()
-            order.append(node)
             stack.extend(node.children.values())
-        below: dict[int, bool] = {}                     # id(node) -> a checkpoint somewhere under it
-        best: dict[bool, Node | None] = {True: None, False: None}
-        for node in reversed(order):
-            under = any(below[id(c)] or c.checkpoint is not None for c in node.children.values())
-            below[id(node)] = under
-            if node.checkpoint is not None and node.lock == 0:
-                b = best[under]
-                if b is None or node.last_access < b.last_access:
-                    best[under] = node
-        return best[True] or best[False]
+            if node.checkpoint is not None and node.lock == 0 and (best is None or node.ckpt_used < best.ckpt_used):
+                best = node
+        return best
+
+    def use_checkpoint(self, node: Node) -> None:
+        """Mark a node's checkpoint used now (saved, or a request resumes from it)."""
+        node.ckpt_used = next(self._clock)
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut child's edge after n tokens; returns the new upper node (same lock as child)."""

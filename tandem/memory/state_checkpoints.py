@@ -12,8 +12,8 @@ class decides which id holds what and queues the copies the next launched step m
   2. restores into rows whose first chunk resumes from a checkpoint,
   3. the forward,
   4. saves of rows whose chunk in this step ends at a new checkpoint.
-A checkpoint id is taken back when its node is evicted, or, when none is free, from the least recently used
-unlocked node holding one (its KV stays). A locked node's checkpoint is never taken: a request resuming from it
+A checkpoint id is taken back when its node is evicted, or, when none is free, from the unlocked node whose
+checkpoint was least recently saved or resumed from (its KV stays). A locked node's checkpoint is never taken: a request resuming from it
 locks it from its admission until it leaves, past the step that restores it.
 """
 from __future__ import annotations
@@ -41,8 +41,9 @@ class StateCheckpoints:
         each multiple of `every`."""
         return self.every <= 0 or end // self.every > start // self.every
 
-    def take(self, cache: RadixCache, node: Node) -> int | None:
-        """Give `node` a checkpoint id (None: every id is held by a locked node)."""
+    def take(self, cache: RadixCache, node: Node | None) -> int | None:
+        """Give `node` a checkpoint id (None: every id is held by a locked node). node None: an id held for a node
+        the tree does not have yet (attach() gives it one, or free() takes it back)."""
         self._free.extend(cache.freed_checkpoints)
         cache.freed_checkpoints.clear()
         if not self._free:
@@ -51,8 +52,19 @@ class StateCheckpoints:
                 return None
             self._free.append(victim.checkpoint)
             victim.checkpoint = None
-        node.checkpoint = self._free.pop()
-        return node.checkpoint
+        cid = self._free.pop()
+        if node is not None:
+            node.checkpoint = cid
+            cache.use_checkpoint(node)
+        return cid
+
+    def attach(self, cache: RadixCache, node: Node, cid: int) -> None:
+        """A held id (take(cache, None)) as `node`'s checkpoint, or back to the free list where it has one."""
+        if node is cache.root or node.checkpoint is not None:
+            self._free.append(cid)
+            return
+        node.checkpoint = cid
+        cache.use_checkpoint(node)
 
     def save(self, row: int, cid: int, after_step: bool = False) -> None:
         self._ops.append((SAVE_AFTER if after_step else SAVE, row, cid))

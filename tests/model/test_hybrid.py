@@ -266,3 +266,30 @@ def test_states_fit_their_memory_share():
     small = ModelConfig.from_hf_dict({**d, "num_hidden_layers": 4, "linear_key_head_dim": 8,
                                       "linear_value_head_dim": 8})
     assert fit_hybrid_state(small, EngineConfig(max_running_requests=4)) == EngineConfig(max_running_requests=4)
+
+
+def test_a_rerendered_answer_resumes_from_the_prompts_end(tmp_path_factory, tmp_path, monkeypatch, make_llm):
+    """Chats that share a system prompt with batch mates (their prompts' KV private until they leave) and whose next
+    turn re-renders the previous answer (its first tokens dropped, as templates drop reasoning): each next turn
+    resumes from its own previous prompt's end, saved when that prompt's last chunk ran; the bits of a cold run."""
+    m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
+    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    system = list(range(300, 340))
+
+    def chats(llm):
+        hist, last, outs = [list(system) for _ in range(3)], None, []
+        for t in range(3):
+            prompts = [h + [400 + 10 * i + t] * 5 for i, h in enumerate(hist)]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if last is not None:
+                assert all(o.num_cached_tokens >= n for o, n in zip(outs, last)), [o.num_cached_tokens for o in outs]
+            last = [len(p) for p in prompts] if llm.engine.config.prefix_cache else [0, 0, 0]
+            hist = [p + o.token_ids[2:] for p, o in zip(prompts, outs)]
+        return [(o.token_ids, o.outputs[0].logprobs) for o in outs]
+
+    kw = dict(cache_dir=str(tmp_path / "cache"), max_running_requests=8, max_prefill_tokens=16)
+    cold = make_llm(m["q8"], prefix_cache=False, **kw)
+    ref = chats(cold)
+    cold.shutdown()
+    assert chats(make_llm(m["q8"], **kw)) == ref

@@ -41,6 +41,7 @@ def test_ids_come_back_from_evicted_nodes_then_from_the_least_recent_unlocked_on
     assert ckpts.take(cache, node) is None
     cache.unlock(cache.match_prefix(list(range(10)))[1])
     assert ckpts.take(cache, node) is not None                        # the least recently used one gave its id
+    assert cache.match_checkpointed(list(range(10)))[1].checkpoint is not None   # depth 10: resumed from, kept
     assert sum(n.checkpoint is not None for n in _nodes(cache)) == 2
     cache.evict(100)                                                  # every leaf gone: their ids come back
     ckpts.reclaim(cache)
@@ -69,16 +70,16 @@ def test_a_steps_copies_save_then_restore_then_save_after_the_forward():
     assert isinstance(ckpts.take_ops(), np.ndarray)
 
 
-def test_a_full_pool_gives_up_a_superseded_checkpoint_before_a_newest_end():
-    """A chat's earlier checkpoints (a deeper one under them on the same path) go before the ends a next turn
-    resumes from, even where those ends were used longer ago."""
+def test_a_full_pool_gives_up_the_checkpoint_least_recently_saved_or_resumed_from():
+    """By use, not by the matches passing through a node: a chat's turn-1 end, touched by a match since but neither
+    saved nor resumed from, goes before turn 2's end."""
     ckpts = StateCheckpoints(3)
     turn1, turn2 = list(range(10)), list(range(10)) + [7, 7, 7]
     cache = _tree_with(turn2, [10, 13], ckpts)                   # turn 1's end, then turn 2's under it
     cache.insert([50, 51], [30, 31])                             # another chat's end, used after
     _, other = cache.match_prefix([50, 51])
     assert ckpts.take(cache, other) is not None and ckpts.available() == 0
-    cache.match_prefix(turn1)                                    # turn 1's node touched last: the most recent
+    cache.match_prefix(turn1)                                    # turn 1's node touched last (not a use)
     _, new = cache.match_prefix([50])
     ckpts.take(cache, new)
     assert cache.match_checkpointed(turn2)[1].checkpoint is not None      # turn 2's end kept
