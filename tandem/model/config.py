@@ -129,6 +129,13 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if self.is_linear(i))
 
     @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's conv (and its in_proj_qkv rows): q and k of every key head, v of
+        every value head."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * \
+            self.linear_value_head_dim
+
+    @property
     def rotary_dim(self) -> int:
         """The dims of a head RoPE turns (the first ones): head_dim unless partial_rotary_factor says less."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -112,7 +112,7 @@ class GatedDeltaNet:
         self.key_dim, self.value_dim = self.heads_k * self.dk, self.heads_v * self.dv
         self.in_proj = ws.lin(cat_rows([ws.w(p + n) for n in ("in_proj_qkv.weight", "in_proj_z.weight",
                                                                 "in_proj_b.weight", "in_proj_a.weight")]))
-        self.conv_w = ws.w(p + "conv1d.weight").float().reshape(2 * self.key_dim + self.value_dim, -1).contiguous()
+        self.conv_w = ws.w(p + "conv1d.weight").float().reshape(c.linear_conv_dim, -1).contiguous()
         self.neg_a = -ws.w(p + "A_log").float().exp()                         # [Hv]
         self.dt_bias = ws.w(p + "dt_bias").float()
         self.norm_w = ws.w(p + "norm.weight")

@@ -21,8 +21,7 @@ from .linear_attention import RecurrentRows
 
 def state_bytes_per_row(c: ModelConfig, layers: int) -> int:
     """Bytes of one row's state over `layers` linear-attention layers."""
-    conv = (2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim) \
-        * (c.linear_conv_kernel - 1)
+    conv = c.linear_conv_dim * (c.linear_conv_kernel - 1)
     ssm = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
     return layers * (conv + ssm) * 4
 
@@ -33,8 +32,7 @@ class RecurrentState:
     (memory/state_checkpoints.py decides what each holds)."""
 
     def __init__(self, c: ModelConfig, layers: int, rows: int, device: torch.device, checkpoints: int = 0) -> None:
-        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-        shapes = ((conv_dim, c.linear_conv_kernel - 1),
+        shapes = ((c.linear_conv_dim, c.linear_conv_kernel - 1),
                   (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
         # Left uninitialized, as the KV cache: a row's first step starts from zeros (fresh) whatever its slot holds,
         # a checkpoint is written before it is read, and pages never touched cost no memory (a 4-layer

@@ -60,11 +60,10 @@ def linear_attention_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]
     """A Gated DeltaNet layer's weights in Qwen3.5's names (Qwen3-Next's fused qkvz / ba are split into them at
     load: split_fused)."""
     p, h = f"model.layers.{i}.linear_attn.", c.hidden_size
-    kd, vd, hv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim, \
-        c.linear_num_value_heads
-    return {p + "in_proj_qkv.weight": (2 * kd + vd, h), p + "in_proj_z.weight": (vd, h),
+    vd, hv = c.linear_num_value_heads * c.linear_value_head_dim, c.linear_num_value_heads
+    return {p + "in_proj_qkv.weight": (c.linear_conv_dim, h), p + "in_proj_z.weight": (vd, h),
             p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h),
-            p + "conv1d.weight": (2 * kd + vd, 1, c.linear_conv_kernel), p + "dt_bias": (hv,), p + "A_log": (hv,),
+            p + "conv1d.weight": (c.linear_conv_dim, 1, c.linear_conv_kernel), p + "dt_bias": (hv,), p + "A_log": (hv,),
             p + "norm.weight": (c.linear_value_head_dim,), p + "out_proj.weight": (h, vd)}
 
 

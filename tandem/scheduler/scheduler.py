@@ -56,10 +56,10 @@ class Scheduler:
         self.recorder = recorder or Recorder(enabled=False)
         # Request-table rows: the running cap's, and spare ones urgent steps' requests take (EngineConfig.spare_rows)
         # recurrent: the bytes of the linear-attention state a hybrid model's row holds (model/recurrent_state.py)
-        checkpoints = StateCheckpoints(config.checkpoints(), config.hybrid_checkpoint_tokens) if recurrent else None
+        checkpoints = (StateCheckpoints(config.checkpoints(), config.hybrid_checkpoint_tokens)
+                       if recurrent and config.checkpoints() else None)
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
-                                     config.prefix_cache, checkpoints if checkpoints and checkpoints.size else None,
-                                     recurrent)
+                                     config.prefix_cache, checkpoints, recurrent)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe
