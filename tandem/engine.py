@@ -241,11 +241,12 @@ class Engine:
 
 
 def check_hybrid(c, config: EngineConfig, name: str) -> None:
-    """What a hybrid linear-attention model's state does not yet follow: a speculative verify run advances the state
-    by draft tokens it may reject (the state would need a copy per position to roll back to)."""
-    if c.linear_layers and config.speculative_config is not None:
+    """What a hybrid linear-attention model's state does not follow yet: a verify run's rejected drafts are taken
+    back out of the state by the device that samples (model/verify_runs.py), which under tp is rank 0 alone."""
+    if c.linear_layers and config.speculative_config is not None and config.tp_size > 1:
         raise ValueError(f"speculative_config: {name} is a hybrid linear-attention model ({c.architecture}); "
-                         f"speculative decoding does not roll its recurrent state back yet: serve it without")
+                         f"speculative decoding under tp_size > 1 does not take the other ranks' states back "
+                         f"past rejected drafts yet: serve it with tp_size 1 or without speculation")
 
 
 def fit_hybrid_state(c, config: EngineConfig) -> EngineConfig:

@@ -166,6 +166,10 @@ class ModelRunner:
             return None
         logits, prompt_lp, embeddings = forward
         tokens, accepted, lp = self._sample(step, inputs, logits, masks)
+        if accepted is not None and self.recurrent is not None:
+            # verify runs' linear-attention states back to their kept tokens (model/verify_runs.py), before any
+            # later step reads them
+            self.model.roll_back(inputs.meta.recurrent, (accepted[1] + 1).tolist())
         self._stash(step, inputs.rows, tokens, accepted)
         return ForwardOutput(tokens, lp, prompt_lp, embeddings)
 
@@ -203,7 +207,7 @@ class ModelRunner:
         input_ids = self._input_ids(step, lay, tok_req_row, reads_ids)
         meta = self.layouts.for_step(step, rows, positions, out_cache_loc, lay)
         if self.recurrent is not None:
-            meta.recurrent = self.recurrent.rows_of(step.rows, step.extend_lens, step.seq_lens)
+            meta.recurrent = self.recurrent.rows_of(step.rows, step.extend_lens, step.seq_lens, step.draft_lens)
         plp = prompt_logprob_targets(step)          # (flat indices, target ids) of prompt logprobs, or None
         index = mean_index(step, meta.last_index if plp is None else torch.cat([meta.last_index, self._tensor(plp[0])]))
         penalized = self.samples and step.has_penalties

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .elementwise import elementwise
 from .linear import cat_rows
+from .verify_runs import VerifyRuns
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RecurrentRows:
     ssm: torch.Tensor           # [linear layers, slots, value heads, Dk, Dv] fp32
     starts_t: torch.Tensor
     fresh_t: torch.Tensor
+    runs: VerifyRuns | None = None      # a verify step's speculating requests, each one row (verify_runs.py)
 
     @property
     def decode_only(self) -> bool:
@@ -136,6 +138,8 @@ class GatedDeltaNet:
                                      self.heads_v, self.heads_v], dim=-1)
         conv, ssm = rec.conv[self.j], rec.ssm[self.j]
         slots = rec.slots.tolist()
+        if rec.runs is not None:
+            rec.runs.before_conv(self.j, conv, mixed)
         if rec.decode_only:
             mixed = causal_conv_decode(mixed, self.conv_w, conv, rec)
         else:
@@ -156,8 +160,12 @@ class GatedDeltaNet:
             if self.tiled and self.heads_v != self.heads_k:
                 q, k = self._to_value_heads(q), self._to_value_heads(k)
             q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+            if rec.runs is not None:
+                rec.runs.before_rule(self.j, ssm, k, v, g, beta)
             return torch.ops.tandem.gated_delta_rule_(q, k, v, g, beta, ssm, rec.slots, rec.starts_t, rec.fresh_t)
         q, k = self._to_value_heads(q), self._to_value_heads(k)
+        if rec.runs is not None:
+            rec.runs.before_rule(self.j, ssm, k, v, g, beta)
         o = torch.empty_like(v)
         for slot, s, e, fresh in zip(slots, rec.starts, rec.starts[1:], rec.fresh):
             state = ssm[slot]
@@ -165,6 +173,32 @@ class GatedDeltaNet:
                 state.zero_()
             o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
         return o
+
+    def roll_back(self, rec: RecurrentRows, kept: list[int]) -> None:
+        """Each verify run of the step that keeps fewer tokens than it ran (kept[i]: run i's accepted drafts + 1):
+        its state from before the step, advanced again by the kept tokens alone (verify_runs.py): the conv state
+        their last inputs, the delta rule the same op on the same inputs, so the bits of k + 1 decode steps."""
+        runs = rec.runs
+        r = runs.layers.pop(self.j)
+        back = runs.kept_back(kept)
+        if not back:
+            return
+        conv, ssm = rec.conv[self.j], rec.ssm[self.j]
+        for i in back:
+            s, n, slot = runs.offsets[i], kept[i], runs.slots[i]
+            conv[slot] = torch.cat([r.conv[i].to(r.x.dtype), r.x[s:s + n].t()], dim=1)[:, n:]
+            ssm[slot] = r.ssm[i]
+        idx, starts = runs.kept_tokens(back, kept)
+        k, v, g, beta = (t[idx.to(t.device)].contiguous() for t in r.rule)
+        slots = [runs.slots[i] for i in back]
+        if self.native:                          # q: any (the output is not read); k stands in
+            dev = v.device
+            torch.ops.tandem.gated_delta_rule_(k, k, v, g, beta, ssm, torch.tensor(slots, device=dev),
+                                               torch.tensor(starts, device=dev),
+                                               torch.zeros(len(slots), dtype=torch.bool, device=dev))
+            return
+        for slot, a, b in zip(slots, starts, starts[1:]):
+            delta_rule_reference(k[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ssm[slot])
 
     def _qk_normed(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q / sqrt(Dk) and k, each head L2-normed, and v, from the conv's output [T, q k v]. Native: per row in

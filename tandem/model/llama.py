@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .kv_cache import AttentionMeta
 from .layer_ops import NativeOps, TorchOps
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, take_rows, tied_table
-from .linear_attention import GatedDeltaNet
+from .linear_attention import GatedDeltaNet, RecurrentRows
 from .moe import build_moe
 from .numerics import Numerics
 from .rope import rope_inv_freq
@@ -307,6 +307,13 @@ class LlamaModel:
             if c.sandwich_norm:
                 delta = ops.norm(delta, layer["post_mlp_norm"])
         return x, delta
+
+    def roll_back(self, rec: "RecurrentRows", kept: list[int]) -> None:
+        """A verify step's runs of a hybrid model: each linear layer's states back to the tokens kept (kept[i]: run
+        i's accepted drafts + 1; model/verify_runs.py)."""
+        for layer in self.layers:
+            if "mixer" in layer:
+                layer["mixer"].roll_back(rec, kept)
 
     def _attend(self, ops: "NativeOps | TorchOps", layer: dict, h: torch.Tensor, meta: AttentionMeta,
                 b0: int) -> torch.Tensor:

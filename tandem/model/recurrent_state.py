@@ -17,6 +17,7 @@ import torch
 from .config import ModelConfig
 from ..memory.state_checkpoints import RESTORE, SAVE_AFTER
 from .linear_attention import RecurrentRows
+from .verify_runs import VerifyRuns
 
 
 def state_bytes_per_row(c: ModelConfig, layers: int) -> int:
@@ -62,10 +63,19 @@ class RecurrentState:
                 self.saved_conv[:, dst].copy_(self.conv[:, src])
                 self.saved_ssm[:, dst].copy_(self.ssm[:, src])
 
-    def rows_of(self, rows: np.ndarray, extend_lens: np.ndarray, seq_lens: np.ndarray) -> RecurrentRows:
-        """The step's rows (request-table rows, new tokens, lengths after the step) as the layers read them."""
+    def rows_of(self, rows: np.ndarray, extend_lens: np.ndarray, seq_lens: np.ndarray,
+                draft_lens: np.ndarray | None = None) -> RecurrentRows:
+        """The step's rows (request-table rows, new tokens, lengths after the step) as the layers read them. A
+        verify step's speculating request (draft_lens: k at its head row, -1 at its draft rows) is one row of k + 1
+        tokens here: its drafts' rows share its slot and advance its state in order (model/verify_runs.py)."""
+        runs = None if draft_lens is None else VerifyRuns.of(rows, draft_lens, extend_lens)
+        if runs is not None:
+            head = draft_lens > 0
+            extend_lens, seq_lens = extend_lens + head * draft_lens, seq_lens + head * draft_lens
+            keep = draft_lens >= 0
+            rows, extend_lens, seq_lens = rows[keep], extend_lens[keep], seq_lens[keep]
         starts = np.concatenate([[0], np.cumsum(extend_lens)]).astype(np.int64)
         fresh = np.asarray(seq_lens - extend_lens == 0, dtype=bool)
         slots = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
         return RecurrentRows(slots, [int(s) for s in starts], [bool(f) for f in fresh], self.conv, self.ssm,
-                             torch.from_numpy(starts).to(self.device), torch.from_numpy(fresh).to(self.device))
+                             torch.from_numpy(starts).to(self.device), torch.from_numpy(fresh).to(self.device), runs)

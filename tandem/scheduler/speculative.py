@@ -23,8 +23,9 @@ launched.
 
 Picked only from host truth (pick_batch processes the pending step first, so such a step runs serially): a
 request with an in-flight drafting step that is penalized (the device's penalty counts of a dropped row cannot be
-undone), speculates with a draft model (its cache follows host truth), or whose runs seldom hold (a failed pick
-ahead costs more than the wait: AHEAD_MIN_HOLD). Grammar rows never draft.
+undone), speculates with a draft model (its cache follows host truth), whose runs seldom hold (a failed pick
+ahead costs more than the wait: AHEAD_MIN_HOLD), or is served by a hybrid model (a dropped row's tokens would stay
+in its linear-attention state: model/verify_runs.py). Grammar rows never draft.
 """
 from __future__ import annotations
 
@@ -68,9 +69,12 @@ def may_draft(req: Req) -> bool:
 
 def assumable(s: "Scheduler", req: Req) -> bool:
     """May be picked while its drafting step is in flight, on the assumption of the docstring above (and while
-    that assumption pays: AHEAD_MIN_HOLD)."""
+    that assumption pays: AHEAD_MIN_HOLD). Never on a hybrid model (s.memory.recurrent: its rows hold a
+    linear-attention state): a dropped row would still advance the request's state, which, unlike KV slots,
+    cannot be freed; model/verify_runs.py relies on this."""
     p, cfg = req.params, s.config.speculative_config
-    return cfg is not None and cfg.method == "ngram" and req.spec.hold >= AHEAD_MIN_HOLD and not (
+    return cfg is not None and cfg.method == "ngram" and not s.memory.recurrent and \
+        req.spec.hold >= AHEAD_MIN_HOLD and not (
         p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
 
 

@@ -41,6 +41,10 @@ class DraftModel:
         if source.config.vocab_size != target_config.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({source.config.vocab_size} tokens) "
                              f"differs from the target's ({target_config.vocab_size})")
+        if source.config.linear_layers:
+            raise ValueError(f"speculative_config: the draft model is a hybrid linear-attention model "
+                             f"({source.config.architecture}): its state would keep the drafts the target rejects; "
+                             f"draft with an attention-only model")
         if load_tokenizer(source).get_vocab() != target_tokenizer.get_vocab():
             raise ValueError("speculative_config: the draft model's tokenizer differs from the target's")
         spec = RunnerSpec(source=source, device="cpu", dtype="float32", max_running=max_running,

@@ -181,9 +181,7 @@ def test_hybrid_config_errors_and_state_size():
 def test_pp2_and_tp2_equal_one_device_and_refusals(tmp_path_factory, tmp_path, monkeypatch, make_llm):
     """Pipeline stages hold their own layers' states (stage 0 has linear layers only: no KV at all); tp ranks hold
     their key heads' q / k and the value heads they serve (HF's grouped order, and the tiled order of llama.cpp's
-    Qwen3.5 files), out_proj's partial sums all-reduced, and a slice of the shared expert; speculative decoding,
-    which the state does not follow yet, is refused by name."""
-    from tandem import LLM
+    Qwen3.5 files), out_proj's partial sums all-reduced, and a slice of the shared expert."""
     from tandem.model.shard import TPLayout
     m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
     skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
@@ -200,8 +198,6 @@ def test_pp2_and_tp2_equal_one_device_and_refusals(tmp_path_factory, tmp_path, m
                 assert [TPLayout.of(c, 2, r).local(c).linear_num_value_heads for r in (0, 1)] == [2, 2]
             llm.shutdown()
         assert outs[1] == outs[2], (source, split)
-    with pytest.raises(ValueError, match="speculative decoding does not roll"):
-        LLM(m["hf"], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_chat_turns_resume_from_state_checkpoints(tmp_path_factory, tmp_path, monkeypatch, make_llm):
