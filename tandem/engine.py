@@ -252,7 +252,8 @@ def check_hybrid(c, config: EngineConfig, name: str) -> None:
 def fit_hybrid_state(c, config: EngineConfig) -> EngineConfig:
     """A hybrid model's states in state_memory_fraction of free memory: every running request holds one (a row of
     the request table, spare rows included), the prefix cache's checkpoints one each. Where they would not all fit,
-    the checkpoints keep a third at most and fewer requests run, said once in the log: Qwen3.6-35B-A3B's state is
+    the checkpoints keep a third at most and fewer requests run, said once in the log (the states a verify step
+    keeps, one a speculating request of it, count as rows): Qwen3.6-35B-A3B's state is
     ~66 MB, so 128 rows alone would take 8.8 GB."""
     if not c.linear_layers:
         return config
@@ -263,6 +264,8 @@ def fit_hybrid_state(c, config: EngineConfig) -> EngineConfig:
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     fits = int(free * config.state_memory_fraction) // per
     spare = config.spare_rows() + 1
+    if config.speculative_config is not None:      # a verify step keeps its runs' states (model/verify_runs.py)
+        spare += config.speculative_config.disable_by_batch_size
     if config.max_running_requests + spare + config.checkpoints() <= fits:
         return config
     ckpts = min(config.checkpoints(), fits // 3)            # a third at most: a prefix cache that still hits

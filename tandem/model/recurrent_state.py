@@ -45,10 +45,11 @@ class RecurrentState:
         self.saved_conv, self.saved_ssm = (torch.empty(layers, checkpoints, *sh, dtype=torch.float32, device=device)
                                            for sh in shapes)
         self.device = device
+        self._scratch = tuple(t[:, :0] for t in (self.conv, self.ssm))     # scratch(): none until a verify step
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for t in (self.conv, self.ssm, self.saved_conv, self.saved_ssm))
+        return sum(t.numel() * 4 for t in (self.conv, self.ssm, self.saved_conv, self.saved_ssm, *self._scratch))
 
     def copy(self, ops: np.ndarray, after_forward: bool) -> None:
         """The step's checkpoint copies (StepInput.state_ops), in their order: before the forward, saves of rows
@@ -63,12 +64,20 @@ class RecurrentState:
                 self.saved_conv[:, dst].copy_(self.conv[:, src])
                 self.saved_ssm[:, dst].copy_(self.ssm[:, src])
 
+    def scratch(self, runs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for `runs` rows' states (conv, ssm; every layer), where a verify step keeps the states its runs
+        started from (model/verify_runs.py): grown to the most runs a step has had, and kept."""
+        if self._scratch[0].shape[1] < runs:
+            self._scratch = tuple(torch.empty(t.shape[0], runs, *t.shape[2:], dtype=t.dtype, device=t.device)
+                                  for t in (self.conv, self.ssm))
+        return self._scratch
+
     def rows_of(self, rows: np.ndarray, extend_lens: np.ndarray, seq_lens: np.ndarray,
                 draft_lens: np.ndarray | None = None) -> RecurrentRows:
         """The step's rows (request-table rows, new tokens, lengths after the step) as the layers read them. A
         verify step's speculating request (draft_lens: k at its head row, -1 at its draft rows) is one row of k + 1
         tokens here: its drafts' rows share its slot and advance its state in order (model/verify_runs.py)."""
-        runs = None if draft_lens is None else VerifyRuns.of(rows, draft_lens, extend_lens)
+        runs = None if draft_lens is None else VerifyRuns.of(rows, draft_lens, extend_lens, self.scratch)
         if runs is not None:
             head = draft_lens > 0
             extend_lens, seq_lens = extend_lens + head * draft_lens, seq_lens + head * draft_lens

@@ -19,6 +19,7 @@ dropped row ever advances a state past what its request keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -35,10 +36,13 @@ class LayerRecord:
 
 @dataclass
 class VerifyRuns:
-    """The step's runs: the i-th holds lens[i] tokens from starts[i] in state slot slots[i]."""
+    """The step's runs: the i-th holds lens[i] tokens from starts[i] in state slot slots[i]. The states before the
+    step go to `saved` (conv [L, >= R, C, width - 1], ssm [L, >= R, Hv, Dk, Dv]: the pool's scratch, kept between
+    steps, so a step's copies touch no new page)."""
     slots: list[int]
     starts: list[int]
     lens: list[int]
+    saved: tuple = ()
     layers: dict[int, LayerRecord] = field(default_factory=dict)     # by linear layer index, filled as they run
 
     def __post_init__(self) -> None:
@@ -46,26 +50,31 @@ class VerifyRuns:
         self.offsets = [0, *np.cumsum(self.lens).tolist()]           # run i's tokens in a record: offsets[i:i + 2]
 
     @classmethod
-    def of(cls, rows: np.ndarray, draft_lens: np.ndarray, extend_lens: np.ndarray) -> "VerifyRuns | None":
-        """The runs of a step's rows (StepInput: request-table rows, draft_lens, extend_lens), before merging."""
+    def of(cls, rows: np.ndarray, draft_lens: np.ndarray, extend_lens: np.ndarray,
+           scratch: Callable[[int], tuple]) -> "VerifyRuns | None":
+        """The runs of a step's rows (StepInput: request-table rows, draft_lens, extend_lens), before merging;
+        scratch(R): where R runs' states before the step go."""
         heads = np.flatnonzero(draft_lens > 0)
         if not len(heads):
             return None
         first = np.concatenate([[0], np.cumsum(extend_lens)])
         return cls([int(r) for r in rows[heads]], [int(s) for s in first[heads]],
-                   [int(k) + 1 for k in draft_lens[heads]])
+                   [int(k) + 1 for k in draft_lens[heads]], scratch(len(heads)))
 
     def slot_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.slots, dtype=torch.int64, device=device)
 
     def before_conv(self, j: int, conv: torch.Tensor, x: torch.Tensor) -> None:
         """Layer j, before its conv: the runs' conv states (conv: the layer's pool) and inputs (x [T, C])."""
-        self.layers[j] = LayerRecord(conv[self.slot_tensor(conv.device)], x[self.tokens.to(x.device)])
+        out = self.saved[0][j, :len(self.slots)]
+        torch.index_select(conv, 0, self.slot_tensor(conv.device), out=out)
+        self.layers[j] = LayerRecord(out, x[self.tokens.to(x.device)])
 
     def before_rule(self, j: int, ssm: torch.Tensor, k, v, g, beta) -> None:
         """Layer j, before its delta rule: the runs' states (ssm: the layer's pool) and inputs ([T, ...] each)."""
         rec, tok = self.layers[j], self.tokens.to(v.device)
-        rec.ssm = ssm[self.slot_tensor(ssm.device)]
+        rec.ssm = self.saved[1][j, :len(self.slots)]
+        torch.index_select(ssm, 0, self.slot_tensor(ssm.device), out=rec.ssm)
         rec.rule = tuple(t[tok] for t in (k, v, g, beta))
 
     def kept_back(self, kept: list[int]) -> list[int]:
