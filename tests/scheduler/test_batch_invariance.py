@@ -6,7 +6,8 @@ chunked prefill (small step budgets), mixed steps, prefix-cache hits on the targ
 a small KV cache, both loops, 1 and 2 device threads, speculation. Every target's tokens and logprobs must be the
 same bits as alone, through the engine and through the server (official openai client, concurrent streams).
 Quantized GGUF files (Q8_0, every K-quant, Q5_1) with the default int8 kernels: the mode whose paths differ by
-step size unless the rule holds.
+step size unless the rule holds; and a hybrid model's (linear-attention states carried across chunks, resumed from
+state checkpoints, retracted).
 """
 from __future__ import annotations
 
@@ -26,11 +27,16 @@ VOCAB = 1000
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
-    """A tiny Llama (hidden 256: K-quant rows; 4 layers, 256 positions of RoPE) as Q8_0, K_MIX and Q5_1 files."""
+    """A tiny Llama (hidden 256: K-quant rows; 4 layers, 256 positions of RoPE) as Q8_0, K_MIX and Q5_1 files; a
+    tiny hybrid (Qwen3.5-MoE: linear-attention layers, a shared expert) as Q8_0."""
+    from tests.helpers.tiny_hybrid import write_hybrid_gguf
     d = tmp_path_factory.mktemp("inv")
     hf = make_tiny_model(d / "hf", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return {q: str(write_tiny_gguf(d / f"{q}.gguf", hf, quant=q)) for q in ("Q8_0", "K_MIX", "Q5_1")}
+    files = {q: str(write_tiny_gguf(d / f"{q}.gguf", hf, quant=q)) for q in ("Q8_0", "K_MIX", "Q5_1")}
+    hybrid = make_tiny_model(d / "hybrid", "qwen3_5_moe", seed=5, max_position_embeddings=1024)
+    files["hybrid_Q8_0"] = write_hybrid_gguf(d / "hybrid.gguf", hybrid, quant="Q8_0", with_tokenizer=True)
+    return files
 
 
 def targets(rng: random.Random) -> list[tuple[str, list[int], SamplingParams]]:
@@ -122,6 +128,9 @@ def assert_same(alone: dict, loaded: dict, tgts: list) -> None:
     ("Q5_1", dict(device_threads=2, scheduler="serial"),
      dict(device_threads=2, scheduler="overlap", max_prefill_tokens=48, kv_cache_tokens=900,
           speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+    ("hybrid_Q8_0", dict(device_threads=1, scheduler="serial"),     # states resumed from checkpoints, retracted
+     dict(device_threads=2, scheduler="overlap", max_prefill_tokens=48, kv_cache_tokens=400,
+          hybrid_checkpoint_tokens=16, speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
 ])
 def test_targets_alone_and_in_random_traffic(ggufs, make_llm, quant, alone_kw, load_kw):
     rng = random.Random(quant)
