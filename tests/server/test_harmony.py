@@ -92,3 +92,36 @@ def test_special_tokens_are_looked_up_in_the_tokenizer():
     assert speaks_harmony(tok) and not speaks_harmony(plain)
     with pytest.raises(ValueError, match="lacks <\\|start\\|>"):
         special_ids(plain)
+
+
+def test_the_grammar_starts_after_the_final_channels_header():
+    """A structured output's gate on a harmony output (Generation.reasoning_gate: the ids of
+    `<|channel|>final<|message|>`, tandem/grammar/after_reasoning.py): analysis and commentary are free, the
+    matcher sees the final channel's body from its first token."""
+    import numpy as np
+    from tandem.grammar.after_reasoning import AfterReasoning
+    from tandem.server.harmony import FINAL_HEADER
+    from tests.helpers.tiny_harmony import SCRIPTS, harmony_tokenizer
+    from tests.helpers.tiny_models import smollm2_tokenizer
+
+    class Seen:
+        def __init__(self):
+            self.ids, self.done, self.error = [], False, ""
+
+        def accept(self, t):
+            self.ids.append(t)
+            return True
+
+        def fill_mask(self, row):
+            row.fill(0)
+
+    tok = harmony_tokenizer(smollm2_tokenizer())
+    encode = lambda s: tok.encode(s, add_special_tokens=False)     # noqa: E731
+    m = Seen()
+    gate = AfterReasoning(m, encode(FINAL_HEADER))
+    row = np.zeros(4, dtype=np.int32)
+    for t in encode(SCRIPTS["json"]):
+        gate.fill_mask(row)
+        assert (row == (-1 if gate.state == "reasoning" else 0)).all()
+        assert gate.accept(t)
+    assert tok.decode(m.ids, skip_special_tokens=False) == '{"answer": 42}<|return|>'
