@@ -10,8 +10,9 @@ body's type and is not read). What the bodies become:
 - a recipient (commentary `to=functions.NAME`): a tool call, NAME with the body as its arguments;
 - final, and commentary without a recipient (a preamble to the user): content.
 Bodies of one kind are joined by a newline (vLLM joins analysis messages so). Parsing reads the text with the
-special tokens kept (Generation decodes a harmony chat output with skip_special_tokens off), as vLLM's parser
-reads token ids: the markers are atomic tokens, so a model writing their text as plain tokens is read alike.
+special tokens kept (Generation decodes a harmony chat output with skip_special_tokens off), so that one state
+machine serves whole texts and streams cut anywhere; unlike vLLM's parser, which reads token ids, a marker's text
+that a model spells out in ordinary tokens is read as the marker too.
 A header never closed by `<|message|>` (cut by max_tokens) says nothing and is dropped; a body cut by the end of
 the output is kept, a tool call cut so included (its arguments as written; the finish reason says "length").
 """
