@@ -248,7 +248,8 @@ def tool_use_blocks(calls: list[dict]) -> list[dict]:
 
 
 def stop_reason(finish_reason: str | None, stop_sequence: str | None, tool_use: bool) -> str | None:
-    if tool_use:
+    """A tool call cut by max_tokens (a harmony call's arguments as far as written) stops at max_tokens."""
+    if tool_use and finish_reason != "length":
         return "tool_use"
     if stop_sequence is not None:
         return "stop_sequence"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..cli import add_engine_args, engine_config
 from ..config import EngineConfig
 from ..replicas.replica_set import DataParallel, add_dp_args, dp_options, replica_cores
+from .harmony import NAMES as HARMONY_NAMES, special_ids, speaks_harmony
 
 GRACEFUL_S = 5
 ENGINE_FAILURE_GRACE_S = 30.0
@@ -44,9 +45,11 @@ def add_parser(subparsers) -> None:
                    help="'auto': fields a request omits (temperature, top_p, top_k, min_p, repetition_penalty) take "
                         "the model's defaults (generation_config.json, a GGUF's general.sampling.*; shown in "
                         "/v1/models); 'none': tandem's own defaults")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", *HARMONY_NAMES],
                    help="split a thinking model's <think>...</think> text into the chat message's reasoning_content "
-                        "(streamed as delta.reasoning_content); tool calls are parsed from the rest (default: off)")
+                        "(streamed as delta.reasoning_content); tool calls are parsed from the rest; gpt-oss: the "
+                        "harmony format's channels into reasoning, tool calls and content (default: gpt-oss for a "
+                        "model whose tokenizer and chat template speak harmony, else off)")
     p.add_argument("--max-messages", type=int, default=2048,
                    help="refuse chat requests with more messages with 400")
     p.add_argument("--health-timeout", type=float, default=30.0,
@@ -109,7 +112,7 @@ class ServeOptions:
     dp: DataParallel = DataParallel()
     engine_failure_grace_s: float = ENGINE_FAILURE_GRACE_S
     generation_config: str = "auto"     # "auto": the model's sampling defaults for omitted fields; "none"
-    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think> text into reasoning_content (reasoning.py)
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1" (reasoning.py), "gpt-oss" (harmony.py)
     watchdog_timeout_s: float = WATCHDOG_S  # hung this long with requests open: fail them, exit 1 (0: off)
 
 
@@ -147,7 +150,8 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
         client.on_output = metrics.on_output
         frontend = Frontend(tokenizer, info.max_context, info.vocab_size, limits.max_messages, defaults)
         fingerprint = await asyncio.to_thread(system_fingerprint, config, source.weight_files)
-        app = build_app(client, frontend, name, metrics, limits, fingerprint, options.reasoning_parser)
+        app = build_app(client, frontend, name, metrics, limits, fingerprint,
+                        reasoning_parser(options.reasoning_parser, tokenizer))
         life.server = _make_server(uvicorn.Config(app, host=options.host, port=options.port,
                                                   log_level=options.log_level, lifespan="off",
                                                   timeout_graceful_shutdown=GRACEFUL_S))
@@ -165,6 +169,21 @@ async def run_server(config: EngineConfig, options: ServeOptions = ServeOptions(
             frontend.close()
         life.remove()                              # the last folder is gone: default handlers from here
     return 1 if client.engine_failed and options.exit_on_engine_failure else 0
+
+
+def reasoning_parser(asked: str | None, tokenizer) -> str | None:
+    """--reasoning-parser, or gpt-oss for a model that speaks harmony (its output is unreadable without it);
+    SystemExit naming what is missing where gpt-oss is asked of a tokenizer without harmony's tokens."""
+    if asked is None and speaks_harmony(tokenizer):
+        logging.getLogger(__name__).info("the model's tokenizer and chat template speak harmony: "
+                                            "--reasoning-parser gpt-oss")
+        return "gpt-oss"
+    if asked in HARMONY_NAMES:
+        try:
+            special_ids(tokenizer)
+        except ValueError as e:
+            raise SystemExit(f"--reasoning-parser {asked}: {e}") from None
+    return asked
 
 
 def _make_server(config):

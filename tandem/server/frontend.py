@@ -131,6 +131,11 @@ class Frontend:
         extra: dict = {}
         if tool_plan is not None:
             messages, extra = tools.render_messages(messages, tool_plan, self.tokenizer.chat_template)
+        if req.reasoning_effort is not None:
+            if "reasoning_effort" not in self.tokenizer.chat_template:
+                raise APIError(400, "reasoning_effort is not supported by this model: its chat template does not "
+                                    "read reasoning_effort", "reasoning_effort")
+            extra["reasoning_effort"] = req.reasoning_effort
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=req.add_generation_prompt,

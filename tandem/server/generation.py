@@ -20,9 +20,11 @@ from fastapi.responses import StreamingResponse
 from ..replicas.engine_client import EngineError, RequestStream
 from ..replicas.replica_set import ReplicaSet
 from ..request import StepOutput
+from ..sampling_params import SamplingParams
 from .frontend import Frontend, TextStream
 from .protocol import APIError, ChatCompletionRequest
-from . import tools
+from . import harmony, tools
+from .harmony import HarmonySplitter
 from .reasoning import END, START, ReasoningSplitter
 from .tools import ToolPlan
 
@@ -54,11 +56,16 @@ class Streamed:
     calls: list[dict] = field(default_factory=list)     # OpenAI tool_calls (tools.parse)
     finish_reason: str | None = None    # OpenAI's: "tool_calls" where the output called tools (tools.parse)
 
-    def finish(self, plan: ToolPlan, reason: str | None) -> str:
-        """End the output: its tool calls parsed out; returns the content not yet streamed, none when the calls
-        are all there is (what a tool call might have begun was held back: tools.content_prefix)."""
+    def finish(self, plan: ToolPlan, reason: str | None, calls: list[dict] | None = None) -> str:
+        """End the output: its tool calls parsed out (or given: a harmony output's, parsed from its channels);
+        returns the content not yet streamed, none when the calls are all there is (what a tool call might have
+        begun was held back: tools.content_prefix)."""
         self.reason = reason
-        self.content, self.calls, self.finish_reason = tools.parse(plan, self.text, reason)
+        if calls is not None:
+            self.content, self.calls = (self.text or None) if calls else self.text, calls
+            self.finish_reason = "tool_calls" if calls and reason == "stop" else reason
+        else:
+            self.content, self.calls, self.finish_reason = tools.parse(plan, self.text, reason)
         return (self.content or "")[self.sent:] if not self.calls or self.content else ""
 
 
@@ -74,7 +81,7 @@ class Choice:
     want_logprobs: bool = False
     lps: list = field(default_factory=list)   # (token, logprob, top) entries not yet sent
     offset: int = 0                # text offset of the next token (completions' logprobs.text_offset)
-    split: ReasoningSplitter | None = None    # a chat output's reasoning split (--reasoning-parser)
+    split: ReasoningSplitter | HarmonySplitter | None = None    # a chat output's split (--reasoning-parser)
     out: Streamed = field(default_factory=Streamed)     # the output as content_deltas read it
 
 
@@ -86,7 +93,9 @@ def cached_tokens(choices: list[Choice]) -> int:
 class Generation:
     def __init__(self, client: ReplicaSet, frontend: Frontend, reasoning_parser: str | None = None) -> None:
         self.client, self.fe = client, frontend
-        self.reasoning_parser = reasoning_parser       # --reasoning-parser (reasoning.py), or None
+        self.reasoning_parser = reasoning_parser       # --reasoning-parser (reasoning.py, harmony.py), or None
+        # gpt-oss: harmony's special token ids, looked up (a ValueError at start-up if the tokenizer lacks them)
+        self.harmony = harmony.special_ids(frontend.tokenizer) if harmony.is_parser(reasoning_parser) else None
 
     # ---- submit --------------------------------------------------------------------------------------------
     async def chat_prompt(self, chat: ChatCompletionRequest, one_call: bool = False) -> tuple[ToolPlan, list[int]]:
@@ -94,6 +103,10 @@ class Generation:
         choice at one call through the grammar (Anthropic's disable_parallel_tool_use, parallel_tool_calls=false)."""
         def prompt() -> tuple[ToolPlan, list[int]]:
             plan = tools.plan(chat.tools, chat.tool_choice)
+            if self.harmony is not None and plan.schema is not None:
+                raise APIError(400, f"tool_choice {chat.tool_choice!r} is not supported with the gpt-oss parser: "
+                                    "a harmony model calls tools in its own format; give auto or none",
+                               "tool_choice")
             if plan.mode == "required" and one_call:
                 plan.schema = {**plan.schema, "maxItems": 1}
             return plan, self.fe.chat_ids(chat, plan)
@@ -104,6 +117,8 @@ class Generation:
         starts in the reasoning follows the rendered prompt's last tokens (a template that opens <think>)."""
         if self.reasoning_parser is None:
             return None
+        if self.harmony is not None:
+            return HarmonySplitter()
         return ReasoningSplitter.for_prompt(self.reasoning_parser, self.fe.tokenizer.decode(prompt_ids[-16:]))
 
     async def submit(self, body, prompts: list[list[int]], kind: str, arrival: float,
@@ -118,6 +133,9 @@ class Generation:
         if structured is not None and chat:
             for ids, p in zip(prompts, params):
                 p.reasoning_end_ids, p.reasoning_start_id = self.reasoning_gate(ids)
+        if self.harmony is not None and chat:
+            for p in params:
+                self.harmony_params(p)
         rid = f"{kind}-{uuid.uuid4().hex}"
         plan = [(ids, p.sample(i)) for ids, p in zip(prompts, params) for i in range(p.n)]
         subs = await self.submit_all([(rid if len(plan) == 1 else f"{rid}-{k}", ids, self.fe.params_dict(p))
@@ -140,6 +158,12 @@ class Generation:
             raise failed[0]
         return subs
 
+    def harmony_params(self, p: SamplingParams) -> None:
+        """A harmony chat output: <|return|> and <|call|> end it (<|end|> only closes a message), and its
+        special tokens stay in the text, which the parser reads (harmony.py)."""
+        p.skip_special_tokens = False
+        p.stop_token_ids = list(dict.fromkeys([*p.stop_token_ids, *(self.harmony[t] for t in harmony.STOPS)]))
+
     def reasoning_gate(self, prompt_ids: list[int]) -> tuple[list[int] | None, int | None]:
         """(reasoning_end_ids, reasoning_start_id) of a grammar that starts after the reasoning, as the splitter
         reads the output (tandem/grammar/after_reasoning.py): an output that starts in the reasoning waits for
@@ -149,6 +173,8 @@ class Generation:
         if split is None:
             return None, None
         encode = functools.partial(self.fe.tokenizer.encode, add_special_tokens=False)
+        if isinstance(split, HarmonySplitter):      # the final channel's header: what follows is the answer
+            return encode(harmony.FINAL_HEADER), None
         end = encode(END)
         if split.mode == "reasoning":
             return end, None
@@ -224,9 +250,11 @@ class Generation:
                     yield c, "reasoning", thought
             out.text += delta
             if o.finished:
-                yield c, "end", out.finish(plan, o.finish_reason)
+                calls = split.calls if isinstance(split, HarmonySplitter) else None
+                yield c, "end", out.finish(plan, o.finish_reason, calls)
                 continue
-            safe = len(out.text) if plan.mode == "none" else tools.content_prefix(plan, out.text)
+            harmonic = isinstance(split, HarmonySplitter)      # its calls are no content: all of it is safe
+            safe = len(out.text) if plan.mode == "none" or harmonic else tools.content_prefix(plan, out.text)
             if safe > out.sent:
                 yield c, "content", out.text[out.sent:safe]
                 out.sent = safe

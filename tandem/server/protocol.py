@@ -5,6 +5,7 @@ and the frontend, so every invalid value surfaces as a 400 that names its field 
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Callable, Literal
 
@@ -224,11 +225,30 @@ class ChatMessage(_Strict):
         return None
 
     def as_template_dict(self) -> dict:
+        """The message as chat templates read it (vLLM's shape): a tool call's JSON arguments as an object
+        (templates write `arguments|tojson`; a string would come out quoted), and an assistant turn's
+        reasoning_content also as `thinking` (gpt-oss's template reads that name)."""
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             d["content"] = "".join(p.text for p in self.content)
         d.setdefault("content", "")           # an assistant turn that only called tools
+        if isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_object_arguments(c) for c in d["tool_calls"]]
+        if self.role == "assistant" and isinstance(d.get("reasoning_content"), str):
+            d.setdefault("thinking", d["reasoning_content"])
         return d
+
+
+def _object_arguments(call: Any) -> Any:
+    """A tool call whose function.arguments is a JSON object's text, with the object instead (else as it is)."""
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(f["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**f, "arguments": args}} if isinstance(args, dict) else call
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -243,6 +263,9 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True       # extra (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None   # extra (vLLM): passed to the chat template
+    # to the chat template as `reasoning_effort` (gpt-oss's writes it into its system message); refused by a
+    # template that does not read it (Frontend.chat_prompt), never silently dropped
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         for i, m in enumerate(self.messages):

@@ -22,7 +22,7 @@ from .protocol import APIError, ChatCompletionRequest, Int64, _Strict, refuse
 PATH = "/v1/responses"
 # The chat request's field names that differ from this API's: an error about one names the Responses field.
 PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
-          "response_format": "text.format"}
+          "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def is_responses_path(path: str) -> bool:
@@ -126,6 +126,14 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None     # the only one a model without the option has
 
 
+class ReasoningConfig(_Strict):
+    """`reasoning`: the effort goes to the chat template (the chat route's reasoning_effort); no summaries are
+    written (the reasoning item holds the reasoning itself)."""
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: None = None
+    generate_summary: None = None
+
+
 class StreamOptions(_Strict):
     include_obfuscation: bool | None = None        # accepted: no obfuscation padding is sent
 
@@ -161,7 +169,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None     # echoed; no effect on generation
     user: str | None = None                    # the tenant (--scheduling-policy fair), as on the chat route
     truncation: Literal["auto", "disabled"] | None = None
-    reasoning: dict[str, Any] | None = None    # refused unless null
+    reasoning: ReasoningConfig | None = None   # effort: the chat route's reasoning_effort
     include: list[str] | None = None           # refused unless empty
     # extras the chat route takes (vLLM's names)
     seed: Int64 | None = None
@@ -178,8 +186,6 @@ class ResponsesRequest(_Strict):
                                             "responses; send the whole conversation in `input`")
         if self.truncation == "auto":
             return "truncation", "truncation \"auto\" is not supported (only \"disabled\": an over-long input is a 400)"
-        if self.reasoning is not None:
-            return "reasoning", "reasoning is not supported (the model has no reasoning options)"
         if self.include:
             return "include", f"include is not supported ({self.include[0]!r})"
         if self.stream_options is not None and not self.stream:
@@ -253,7 +259,8 @@ class ResponsesRequest(_Strict):
         fields: dict[str, Any] = {"messages": self.chat_messages(), "tools": self.chat_tools(), "tool_choice": choice,
                                   "response_format": self.response_format(), "stream": self.stream,
                                   "max_tokens": self.max_output_tokens, "stop": self.stop, "seed": self.seed,
-                                  "chat_template_kwargs": self.chat_template_kwargs}
+                                  "chat_template_kwargs": self.chat_template_kwargs,
+                                  "reasoning_effort": self.reasoning.effort if self.reasoning else None}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "user"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
@@ -304,7 +311,8 @@ def response(body: ResponsesRequest, rid: str, created_at: int, status: str, out
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": None, "store": False,
+            "reasoning": {"effort": body.reasoning.effort, "summary": None} if body.reasoning else None,
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
