@@ -14,8 +14,11 @@ from .kv_quant import head_dim, to_cache, widen
 
 
 def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
-    """The ops' sinks argument: fp32 and contiguous (a bf16 checkpoint's parameter is widened exactly)."""
-    return None if sinks is None else sinks.detach().float().contiguous()
+    """The ops' sinks argument: fp32 and contiguous (a bf16 checkpoint's parameter is widened exactly); as is when
+    it already is (Attention keeps them so: no conversion a layer a step)."""
+    if sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()):
+        return sinks
+    return sinks.detach().float().contiguous()
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, kv_index: torch.Tensor,

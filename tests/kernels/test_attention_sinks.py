@@ -50,7 +50,8 @@ def test_reference_is_the_lse_form():
     """sink_attention (transformers' explicit softmax with the sink column) equals SDPA's output times
     sigmoid(lse - sink), and a sink of -inf gives SDPA's output."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, H, 4, D, generator=g), torch.randn(2, KVH, 7, D, generator=g), torch.randn(2, KVH, 7, D, generator=g)
+    q = torch.randn(2, H, 4, D, generator=g)
+    k, v = torch.randn(2, KVH, 7, D, generator=g), torch.randn(2, KVH, 7, D, generator=g)
     mask = torch.rand(2, 1, 4, 7, generator=g) < 0.7
     mask[..., 0] = True
     s = _sinks()
@@ -144,8 +145,128 @@ def test_decode_qkv_matches_reference(dtype, window):
 
 
 @native
+@pytest.mark.parametrize("isa", isas())
+def test_shared_prefix_tasks_keep_the_bits(isa):
+    """Decode rows on shared prefixes (csrc/shared_prefix_attention.cpp: several rows a task) with sinks: the same
+    bits with sharing on and off and for a row alone, close to the reference. (Global rows: a local row whose
+    window has left position 0 never shares.)"""
+    window = 0
+    from tests.kernels.test_cascade_attention import BATCHES, shared_batch
+    cache, kv_index, lens = shared_batch(BATCHES["branching"], kvh=KVH, d=D, dtype=torch.bfloat16, seed=2)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1)) * 3
+    s = _sinks(3)
+
+    def run(share, rows=slice(None)):
+        old = tandem.shared_prefix_attention(int(share))
+        try:
+            return tandem.decode_attention(q[rows], cache, 1, kv_index[rows], lens[rows], SCALE, isa, -1, window,
+                                           False, s)
+        finally:
+            tandem.shared_prefix_attention(old)
+    before = tandem.shared_prefix_attention(-2)
+    on = run(True)
+    assert tandem.shared_prefix_attention(-2) > before, "no chunk was shared"
+    assert torch.equal(on, run(False))
+    assert torch.equal(on[1:2], run(True, slice(1, 2)))
+    want = extend_attention_ref(q, cache, 1, kv_index, torch.arange(len(lens)), lens - 1, SCALE, window, s)
+    torch.testing.assert_close(on.reshape(len(lens), -1), want, rtol=2e-5, atol=2e-5)
+
+
+@native
 def test_bad_sinks_are_refused():
     q, cache, kv_index, tok_row, pos = _inputs(torch.float32)
     for bad in (torch.zeros(H + 1), torch.zeros(H, dtype=torch.float64), torch.zeros(2 * H)[::2]):
         with pytest.raises(RuntimeError, match="sinks"):
             tandem.causal_attention(q, cache, 1, kv_index, tok_row, pos, SCALE, 0, -1, False, bad)
+
+
+# The Attention entry point (model/attention_paths.py): a step laid out as the runner lays it out
+# (device/attention_layout.py), every path with layer 0's sinks against the reference.
+PATHS = {   # name: (native, batch_invariant, cascade, extend_lens, seq_lens, the ops it takes)
+    "causal": (True, True, False, [12, 5], [12, 40], {"causal_attention"}),
+    "token": (True, False, False, [3, 1], [3, 40], {"decode_attention_qkv_"}),
+    "extend": (True, False, False, [12, 5], [12, 40], {"extend_attention"}),
+    "mixed": (True, True, False, [1, 1, 9], [30, 7, 20], {"decode_attention_qkv_", "causal_attention"}),
+    "mixed_extend": (True, False, False, [1, 1, 9], [30, 7, 20], {"decode_attention_qkv_", "extend_attention"}),
+    "sdpa": (False, False, False, [12, 5], [12, 40], {"sdpa_sinks"}),
+    "sdpa_fresh": (False, False, False, [6, 4], [6, 4], {"sdpa_sinks"}),
+    "sdpa_mixed": (False, False, False, [1, 1, 9], [30, 7, 20], {"sdpa_sinks"}),
+    "cascade": (False, False, True, [4, 3], [80, 75], {"cascade_attention"}),
+}
+SHARED = 70          # the cascade's rows share their first 70 slots
+
+
+class _Model:
+    def __init__(self, attention):
+        self.native, self.attention = attention.native, attention
+
+
+def _step(ext, seq, attention, cascade, seed=0):
+    """A step's layout (meta), its q, k, v, its cache and each row's slots, on rows ext new of seq keys."""
+    from tandem.device.attention_layout import AttentionLayouts
+    from tandem.device.step_layout import row_groups, token_layout
+    from tandem.model.kv_cache import AttentionMeta, PagedKVCache
+    g = torch.Generator().manual_seed(seed)
+    ext, seq = np.array(ext), np.array(seq)
+    b, lk = len(ext), int(seq.max())
+    cache = PagedKVCache(b * lk + SHARED, 1, KVH, D, torch.bfloat16, torch.device("cpu"))
+    cache.data[:-1] = torch.randn(cache.data[:-1].shape, generator=g).bfloat16()
+    slots = torch.randperm(b * lk + SHARED, generator=g)
+    req_to_token = slots[SHARED:].view(b, lk).clone()
+    if cascade:
+        req_to_token[:, :SHARED] = slots[:SHARED]
+    lay = token_layout(ext, seq)
+    positions = torch.from_numpy(lay.positions).long()
+    loc = req_to_token[torch.from_numpy(lay.tok_row).long(), positions]
+    layouts = AttentionLayouts(torch.device("cpu"), req_to_token, cache, _Model(attention), cascade)
+    nd, groups = row_groups(ext, seq)
+    if len(groups) == 1:
+        meta = layouts._group(seq, ext, torch.arange(b), positions, loc, torch.from_numpy(lay.last), lay)
+    else:
+        parts = []
+        for part, (lo, hi) in enumerate(groups):
+            t0, t1 = (lo, hi) if hi <= nd else (nd, len(positions))
+            m = layouts._group(seq[lo:hi], ext[lo:hi], torch.arange(lo, hi), positions[t0:t1], loc[t0:t1], None,
+                               token_layout(ext[lo:hi], seq[lo:hi]), part=part)
+            parts.append((slice(t0, t1), m))
+        meta = AttentionMeta(None, None, None, None, torch.from_numpy(lay.last), parts)
+    t = len(positions)
+    q, k, v = (torch.randn(t, n, D, generator=g) for n in (H, KVH, KVH))
+    return meta, (q, k, v), cache, req_to_token, torch.from_numpy(lay.tok_row).long(), positions
+
+
+@native
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_paths_take_the_sinks(path, window, monkeypatch):
+    """Every path of a step's tokens with sinks within fp32 rounding of the reference; the paths of the
+    batch-invariance rule (the causal op, the token path, decode rows) exactly the decode op's bits per token."""
+    from tandem.model import attention_paths
+    from tandem.model.attention_paths import Attention
+    from tandem.model.numerics import Numerics
+    native, bi, cascade, ext, seq, ops = PATHS[path]
+    if cascade and window:
+        pytest.skip("the runner never takes the cascade with sliding windows (device/attention_layout.py)")
+    monkeypatch.setattr(attention_paths, "small_m", lambda: 4)        # tiny chunks reach the extend op
+    ran = set()
+    for name in ("causal_attention", "extend_attention", "decode_attention_qkv_", "sdpa_sinks", "cascade_attention"):
+        op = getattr(attention_paths, name)
+        monkeypatch.setattr(attention_paths, name, lambda *a, _op=op, _name=name, **kw: ran.add(_name) or _op(*a, **kw))
+    attention = Attention(Numerics(native=native, batch_invariant=bi, kv_dtype=torch.bfloat16), SCALE, H, [window],
+                          [_sinks(7).bfloat16()])                       # a checkpoint's bf16 parameter
+    meta, (q, k, v), cache, req_to_token, tok_row, pos = _step(ext, seq, attention, cascade)
+    if cascade:
+        assert meta.shared is not None
+    got = attention(0, q, k, v, meta)
+    assert ran == ops
+    s = _sinks(7).bfloat16().float()
+    want = extend_attention_ref(q, cache.data, 0, req_to_token, tok_row, pos, SCALE, window, s)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    if native and (bi or path == "token"):
+        rows = [tandem.decode_attention(q[i:i + 1], cache.data, 0, req_to_token[tok_row[i:i + 1]], pos[i:i + 1] + 1,
+                                        SCALE, -1, -1, window, False, s) for i in range(len(pos))]
+        assert torch.equal(got, torch.cat(rows).reshape(len(pos), -1))
+    plain = Attention(Numerics(native=native, batch_invariant=bi, kv_dtype=torch.bfloat16), SCALE, H, [window])
+    meta, (q, k, v), cache, req_to_token, tok_row, pos = _step(ext, seq, plain, cascade)
+    torch.testing.assert_close(plain(0, q, k, v, meta),
+                               extend_attention_ref(q, cache.data, 0, req_to_token, tok_row, pos, SCALE, window))
