@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..kernels.attention import causal_attention, decode_attention_qkv_, extend_attention
 from ..kernels.quant import small_m
-from .cascade import cascade_attention
+from .cascade import cascade_attention, sdpa_sinks
 from .kv_cache import AttentionMeta
 from .numerics import Numerics
 
@@ -35,10 +35,14 @@ class Attention:
     SDPA on gathered keys); extend_native: a long chunk attends by a native op (else SDPA: the torch path, or
     prefill_bf16's bf16 SDPA on AMX tiles); extend_dtype: SDPA's and the cascade's dtype (bf16 under
     prefill_bf16); extend_bf16 / decode_bf16: the extend / decode (and causal) ops take bf16 products.
-    windows[i]: layer i's sliding window (0: global)."""
+    windows[i]: layer i's sliding window (0: global). sinks[i]: layer i's attention sinks (gpt-oss: fp32 [H], a
+    logit per query head in every token's softmax, kernels/attention.py) or None; every path takes them, the rule
+    above kept (the causal op folds them as the decode op does)."""
 
-    def __init__(self, numerics: Numerics, scale: float, num_heads: int, windows: list[int]) -> None:
+    def __init__(self, numerics: Numerics, scale: float, num_heads: int, windows: list[int],
+                 sinks: list[torch.Tensor | None] | None = None) -> None:
         self.scale, self.num_heads, self.windows = scale, num_heads, windows
+        self.sinks = [None if s is None else s.detach().float().contiguous() for s in sinks or [None] * len(windows)]
         n = numerics
         self.native, self.batch_invariant, self.extend_native = n.native, n.batch_invariant, n.extend_native
         self.extend_dtype = n.extend_dtype      # cascade masks are made in it too
@@ -63,13 +67,16 @@ class Attention:
         if meta.shared is not None:     # rows on one cached prefix: it once, their own keys after it
             queries = q[meta.q_index].transpose(1, 2)
             return cascade_attention(q, meta.shared.keys_values(meta.kv.cache.data, i, q.dtype), queries, keys,
-                                     values, meta.mask, meta.token_rc, self.scale).to(out_dtype)
+                                     values, meta.mask, meta.token_rc, self.scale, self.sinks[i]).to(out_dtype)
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
         else:
             queries = q[meta.q_index].transpose(1, 2)                   # [B, H, Lq, D]
-        window = self.windows[i]
-        if meta.fresh is not None and not window:
+        window, sinks = self.windows[i], self.sinks[i]
+        if sinks is not None:           # the sink added to SDPA's output by its log-sum-exp
+            out = sdpa_sinks(queries, keys, values, meta.window_mask(window) if window else meta.mask, self.scale,
+                             sinks)
+        elif meta.fresh is not None and not window:
             out = self._causal_rows(queries, keys, values, meta.fresh)
         else:
             mask = meta.window_mask(window) if window else meta.mask
@@ -93,7 +100,7 @@ class Attention:
         kv = meta.kv
         kv.write(i, k, v)
         return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
-                                self.windows[i], bf16_products=self.extend_bf16)
+                                self.windows[i], bf16_products=self.extend_bf16, sinks=self.sinks[i])
 
     def _causal_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           meta: AttentionMeta) -> torch.Tensor:
@@ -103,7 +110,7 @@ class Attention:
         kv = meta.kv
         kv.write(i, k, v)
         return causal_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
-                                self.windows[i], bf16_products=self.decode_bf16)
+                                self.windows[i], bf16_products=self.decode_bf16, sinks=self.sinks[i])
 
     def _causal_rows(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      lens: list[int]) -> torch.Tensor:
@@ -131,7 +138,8 @@ class Attention:
         if kv.tok_kv_index is None:                     # once a step, not once a layer
             kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
-                                     self.scale, self.num_heads, self.windows[i], self.decode_bf16)  # [T, H*D]
+                                     self.scale, self.num_heads, self.windows[i], self.decode_bf16,
+                                     self.sinks[i])                                                 # [T, H*D]
 
     def decode(self, i: int, qkv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
@@ -139,4 +147,5 @@ class Attention:
         sits at position seq_len - 1."""
         kv = meta.kv
         return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
-                                     self.scale, self.num_heads, self.windows[i], self.decode_bf16)  # [B, H*D]
+                                     self.scale, self.num_heads, self.windows[i], self.decode_bf16,
+                                     self.sinks[i])                                                 # [B, H*D]

@@ -57,18 +57,34 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def sdpa_sinks(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+               sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA with attention sinks (gpt-oss; kernels/attention.py), queries [B, H, Lq, D], keys / values
+    [B, KVH, Lk, D], mask [B, 1, Lq, Lk] bool -> [B, H, Lq, D]: the flash op's output and log-sum-exp, the sink
+    added after the fact: a sink sigma takes exp(sigma) of the softmax's mass, so out = o sigmoid(lse - sigma)."""
+    o, lse = _flash(queries, keys, values, 0.0, False, attn_mask=additive(mask, queries.dtype), scale=scale)
+    keep = torch.sigmoid(lse.float() - sinks.float()[None, :, None])         # [B, H, Lq]
+    return (o.float() * keep[..., None]).to(o.dtype)
+
+
 def cascade_attention(q: torch.Tensor, prefix_kv: tuple[torch.Tensor, torch.Tensor], queries: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      token_rc: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+                      token_rc: tuple[torch.Tensor, torch.Tensor], scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] the step's new tokens; prefix_kv [1, KVH, P, D] each; queries [B, H, Lq, D], keys / values
     [B, KVH, Ls, D] and the additive mask [B, 1, Lq, Ls] of the rows' own keys after the prefix; token_rc maps
-    flat tokens to (row, col). Returns [T, H * D]."""
+    flat tokens to (row, col); sinks [H] (gpt-oss) or None: a third part of log-sum-exp sigma and no output.
+    Returns [T, H * D]."""
     o1, l1 = _flash(q.transpose(0, 1)[None], prefix_kv[0], prefix_kv[1], 0.0, False, scale=scale)
     o1, l1 = o1[0].transpose(0, 1), l1[0].transpose(0, 1)               # [T, H, D], [T, H]
     o2, l2 = _flash(queries, keys, values, 0.0, False, attn_mask=mask, scale=scale)
     rows, cols = token_rc
     o2, l2 = o2.transpose(1, 2)[rows, cols], l2.transpose(1, 2)[rows, cols]   # [T, H, D], [T, H]
     m = torch.maximum(l1, l2)
+    if sinks is not None:
+        sink = sinks.float().expand_as(l1)
+        m = torch.maximum(m, sink)
     w1, w2 = (l1 - m).exp_(), (l2 - m).exp_()                            # each part's share of the softmax
-    out = (o1 * w1[..., None]).add_(o2 * w2[..., None]).div_((w1 + w2)[..., None])
+    total = w1 + w2 if sinks is None else w1 + w2 + (sink - m).exp_()
+    out = (o1 * w1[..., None]).add_(o2 * w2[..., None]).div_(total[..., None])
     return out.reshape(q.shape[0], -1)

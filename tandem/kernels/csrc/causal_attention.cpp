@@ -1,6 +1,7 @@
 // A step's prompt tokens attended with the decode op's arithmetic (decode_attention.cpp's tasks, decode_attention.h):
 // causal_attention gives every token the bits decode_attention gives it as a decode row over its own causal
-// keys (kv_index[tok_row[t]], positions[t] + 1 of them), whatever else the step holds.
+// keys (kv_index[tok_row[t]], positions[t] + 1 of them), whatever else the step holds. With sinks (fp32 [H],
+// attention_sink.h) too: both ops fold a head's sink into its final state by the one finish_head.
 //
 // Why: the extend op (extend_attention.cpp) and SDPA sum in another order than the decode op, and which of them
 // a token took followed the step's size (how many tokens its chunk had), so a prompt's first token and the KV it
@@ -144,7 +145,8 @@ static bool causal_gemm(const AttnArgs& a, const Queries& qs, Isa isa, at::Scala
 
 at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& tok_row_in, const at::Tensor& positions_in,
-                            double scale, int64_t window, int64_t isa_req, bool bf16_products) {
+                            double scale, int64_t window, int64_t isa_req, bool bf16_products,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "tandem.causal_attention: q must be fp32 [T, H, D]");
   const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
@@ -176,7 +178,8 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   chunk_rows(qs, -1, Lk);
   at::Tensor out = at::empty({T, H * D}, q.options());
   const AttnArgs a{q.data_ptr<float>(), cache.data_ptr(), idx, nullptr, T, H, KVH, D, Lk, 2 * KVH * E,
-                   cache.size(1) * 2 * KVH * E, layer, (float)scale, T > 1 ? q.stride(0) : H * D};
+                   cache.size(1) * 2 * KVH * E, layer, (float)scale, T > 1 ? q.stride(0) : H * D,
+                   sink_data(sinks, H, "tandem.causal_attention")};
   const Isa isa = resolve_isa(isa_req);
   const AttendFn attend = pick_attend(isa, cache.scalar_type(), bf16_products, D);
   float* o = out.data_ptr<float>();

@@ -14,6 +14,9 @@
 //   bf16_products                           bf16 cache, AVX512-BF16, D % 32 == 0: the scores and the values as
 //                                           vdpbf16ps on bf16 pairs (decode_attention_bf16.inc; the engine's
 //                                           decode_attention option); elsewhere ignored (the fp32 products)
+//   sinks    fp32 [H] or None               attention sinks (gpt-oss): a logit per query head joining every
+//                                           row's softmax as a key with no value, folded into each head's final
+//                                           state (attention_sink.h); None: the op as without them, bit for bit
 //
 // decode_attention_qkv_ is the step's whole attention in one call (issue 17: per layer it replaced two
 // index_put writes, a split, three views, a contiguous copy of q and a reshape, ~25 dispatched torch ops):
@@ -133,7 +136,8 @@ static void value_block(float* const* acc, const float* const* p, int64_t nq, co
     for (int64_t j = 0; j < n; ++j) axpy(acc[c], p[c][j], v[j], D);
 }
 // merge_head (decode_attention_simd.inc's fold) in the scalar body's numbers: products rounded before each sum.
-void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out) {
+void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, const float* sink,
+                float* out) {
   float M = ml[0], L = ml[1];
   std::copy(acc, acc + D, out);
   for (int64_t c = 1; c < n; ++c) {
@@ -143,7 +147,7 @@ void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64
     for (int64_t d = 0; d < D; ++d) out[d] = b * acc[c * as + d] + out[d] * a;
     M = Mn;
   }
-  for (int64_t d = 0; d < D; ++d) out[d] /= L;
+  finish_head(out, 1, M, L, sink, D, out);
 }
 #include "decode_attention_task.inc"
 }  // namespace scalar
@@ -235,10 +239,12 @@ void run_plan(const AttnArgs& a, const Queries& qs, const Plan& plan, AttendFn a
       float* orow = o + b * H * D;
       if (n == 1) {                                      // its heads' outputs; a head split's other tasks the rest
         for (int64_t i = t.h0 * G; i < h1 * G; ++i)
-          for (int64_t d = 0; d < D; ++d) orow[i * D + d] /= mls[r][2 * i + 1];
+          finish_head(orow + i * D, 1, mls[r][2 * i], mls[r][2 * i + 1], a.sinks ? a.sinks + i : nullptr, D,
+                      orow + i * D);
       } else if (pending[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {   // the row's last chunk: merge
         for (int64_t i = 0; i < H; ++i)
-          merge_head(pacc + first[b] * H * D + i * D, H * D, pml + first[b] * H * 2 + i * 2, H * 2, n, D, orow + i * D);
+          merge_head(pacc + first[b] * H * D + i * D, H * D, pml + first[b] * H * 2 + i * 2, H * 2, n, D,
+                     a.sinks ? a.sinks + i : nullptr, orow + i * D);
       }
     }
   };
@@ -336,7 +342,8 @@ static void write_kv(const float* src, int64_t rs, int64_t off, void* cache, int
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& seq_lens_in, double scale,
-                            int64_t isa_req, int64_t chunk_keys, int64_t window, bool bf16_products) {
+                            int64_t isa_req, int64_t chunk_keys, int64_t window, bool bf16_products,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "tandem.decode_attention: q must be fp32 [B, H, D]");
   at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
   at::Tensor kv_index = as_long(kv_index_in), seq_lens = as_long(seq_lens_in);
@@ -348,7 +355,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
   const int64_t E = cache.size(4);                     // a head row's elements (D, or q8_0's bytes)
   const AttnArgs a{q.data_ptr<float>(), cache.data_ptr(), kv_index.data_ptr<int64_t>(),
                    seq_lens.data_ptr<int64_t>(), B, H, KVH, D, Lk, 2 * KVH * E, cache.size(1) * 2 * KVH * E, layer,
-                   (float)scale, B > 1 ? q.stride(0) : H * D};
+                   (float)scale, B > 1 ? q.stride(0) : H * D, sink_data(sinks, H, "tandem.decode_attention")};
   at::Tensor out = at::empty({B, H, D}, q.options());
   attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;
@@ -357,7 +364,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, int
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer,
                                  const at::Tensor& loc_in, const at::Tensor& kv_index_in,
                                  const at::Tensor& seq_lens_in, double scale, int64_t H, int64_t isa_req,
-                                 int64_t chunk_keys, int64_t window, bool bf16_products) {
+                                 int64_t chunk_keys, int64_t window, bool bf16_products,
+                                 const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(cache.dim() == 5, "tandem.decode_attention_qkv_: cache must be [S + 1, L, 2, KVH, D]");
   const int64_t KVH = cache.size(3), E = cache.size(4), B = qkv.size(0);
   const int64_t D = cache.scalar_type() == at::kByte ? E / Q8_BYTES * Q8_BLOCK : E;   // q8_0: D / 32 blocks
@@ -382,7 +390,8 @@ at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache,
     default: write_kv<float>(src, rs, H * D, c, off, l, B, KVH, D, slot_stride);
   }
   const AttnArgs a{src, cache.data_ptr(), kv_index.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                   B, H, KVH, D, kv_index.size(1), 2 * KVH * E, slot_stride, layer, (float)scale, rs};
+                   B, H, KVH, D, kv_index.size(1), 2 * KVH * E, slot_stride, layer, (float)scale, rs,
+                   sink_data(sinks, H, "tandem.decode_attention_qkv_")};
   at::Tensor out = at::empty({B, H * D}, qkv.options());
   attend_rows(a, cache.scalar_type(), out.data_ptr<float>(), isa_req, chunk_keys, window, bf16_products);
   return out;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention_sink.h"
 #include "vec.h"
 
 namespace tandem {
@@ -24,6 +25,7 @@ struct AttnArgs {
   int64_t B, H, KVH, D, Lk, layer_stride, slot_stride, layer;  // strides in cache elements: L 2 KVH row_elems
   float scale;
   int64_t q_stride;                                             // floats from row b's [H, D] queries to b + 1's
+  const float* sinks = nullptr;                                 // [H] attention sinks (attention_sink.h), or none
 };
 
 // Query rows (decode rows, or a prompt's tokens: causal_attention.cpp): row b attends keys [start[b], lens[b]) of
@@ -58,7 +60,7 @@ struct Plan {
 struct Scratch;   // a thread's working memory for attend (decode_attention.cpp)
 using AttendFn = void (*)(const AttnArgs&, const int64_t*, int64_t, const int64_t*, const int64_t*, const int64_t*,
                          float* const*, float* const*, Scratch&, int64_t, int64_t);
-using MergeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+using MergeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, float*);
 
 // The cache's checks (shape, dtype, layer) for an op over head size D.
 void check_cache(const at::Tensor& cache, int64_t layer, int64_t D);
@@ -66,15 +68,16 @@ void check_cache(const at::Tensor& cache, int64_t layer, int64_t D);
 AttendFn pick_attend(Isa isa, at::ScalarType kv, bool bf16, int64_t D);
 // Each body's merge of a split row's chunks (decode_attention.cpp's scalar one, decode_attention_simd.inc's).
 namespace scalar {
-void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, float* out);
+void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D, const float* sink,
+                float* out);
 }  // namespace scalar
 namespace avx2 {
 TANDEM_KERNEL_AVX2 void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D,
-                                   float* out);
+                                   const float* sink, float* out);
 }  // namespace avx2
 namespace avx512 {
 TANDEM_KERNEL_AVX512 void merge_head(const float* acc, int64_t as, const float* ml, int64_t ms, int64_t n, int64_t D,
-                                     float* out);
+                                     const float* sink, float* out);
 }  // namespace avx512
 // A body's merge_head (its own numbers: fused products on AVX2 and AVX-512, as causal_gemm_simd.inc's fold).
 inline MergeFn merge_for(Isa isa) {

@@ -8,6 +8,8 @@
 //   tok_row   int64 [T]                 row of each token; a row's tokens are consecutive in T
 //   positions int64 [T]                 each token's key position p: it attends its row's keys [lo, p], lo = 0 or,
 //                                       with window > 0, max(0, p + 1 - window) (a sliding-window layer)
+//   sinks     fp32 [H] or None          attention sinks (gpt-oss, attention_sink.h): a logit per query head in
+//                                       every token's softmax, folded into each column's final (max, sum)
 //   out       fp32 [T, H D]
 // The same function as decode_attention(q, cache, layer, kv_index[tok_row], positions + 1) (the reference in
 // tests), up to fp32 summation order. Every step's K/V must already be in the cache (the caller writes them).
@@ -33,6 +35,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention_sink.h"
 #include "kv_q8.h"
 #include "ops.h"
 #include "vec.h"
@@ -54,6 +57,7 @@ struct ExtArgs {
   int64_t H, KVH, D, window;
   float scale;
   float* out;                                        // [T, H D]
+  const float* sinks;                                // [H] attention sinks (attention_sink.h), or nullptr
 };
 
 struct ExtTask { int64_t t0, n, g, cost; };          // tokens [t0, t0 + n) of one row, KV head g
@@ -89,7 +93,8 @@ void extend_task(const ExtArgs& a, const ExtTask& t, float* scratch) {
         const T* v = cache + slots[j] * a.slot_stride + a.KVH * hs;
         for (int64_t d = 0; d < D; ++d) o[d] += w * elem(v, d);
       }
-      for (int64_t d = 0; d < D; ++d) o[d] /= sum;
+      const float a_sink = a.sinks ? fold_sink(m, sum, a.sinks[t.g * G + h]) : 1.f;
+      for (int64_t d = 0; d < D; ++d) o[d] = a.sinks ? o[d] * a_sink / sum : o[d] / sum;
     }
   }
 }
@@ -109,7 +114,7 @@ TaskFn task_for(Isa isa) {
 at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int64_t layer,
                             const at::Tensor& kv_index_in, const at::Tensor& tok_row_in,
                             const at::Tensor& positions_in, double scale, int64_t window, int64_t isa_req,
-                            bool bf16_products) {
+                            bool bf16_products, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "tandem.extend_attention: q must be fp32 [T, H, D]");
   const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
@@ -172,7 +177,8 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& cache, int
                                         : task_for<float>(isa);
   const int64_t E = cache.size(4);
   const ExtArgs a{q.data_ptr<float>(), T > 1 ? q.stride(0) : H * D, cache.data_ptr(), cache.size(1) * 2 * KVH * E,
-                  layer * 2 * KVH * E, idx, Lk, rows, p, H, KVH, D, window, (float)scale, out.data_ptr<float>()};
+                  layer * 2 * KVH * E, idx, Lk, rows, p, H, KVH, D, window, (float)scale, out.data_ptr<float>(),
+                  sink_data(sinks, H, "tandem.extend_attention")};
   const int64_t max_cols = (per_task * G + 15) / 16 * 16;         // a task holds <= per_task tokens
   const int64_t max_keys = *std::max_element(row_end.begin(), row_end.end());
   const size_t floats = (size_t)std::max({scratch_floats(max_cols, D), avx512::scratch_floats_bf16(max_cols, D),

@@ -112,17 +112,18 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa
 void dequantize_out(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out, int64_t isa);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
                             const at::Tensor& seq_lens, double scale, int64_t isa, int64_t chunk_keys,
-                            int64_t window, bool bf16_products);
+                            int64_t window, bool bf16_products, const std::optional<at::Tensor>& sinks);
 int64_t shared_prefix_attention(int64_t on);
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
                             const at::Tensor& tok_row, const at::Tensor& positions, double scale, int64_t window,
-                            int64_t isa, bool bf16_products);
+                            int64_t isa, bool bf16_products, const std::optional<at::Tensor>& sinks);
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, const at::Tensor& kv_index,
                             const at::Tensor& tok_row, const at::Tensor& positions, double scale, int64_t window,
-                            int64_t isa, bool bf16_products);
+                            int64_t isa, bool bf16_products, const std::optional<at::Tensor>& sinks);
 at::Tensor decode_attention_qkv_(const at::Tensor& qkv, const at::Tensor& cache, int64_t layer, const at::Tensor& loc,
                                  const at::Tensor& kv_index, const at::Tensor& seq_lens, double scale, int64_t heads,
-                                 int64_t isa, int64_t chunk_keys, int64_t window, bool bf16_products);
+                                 int64_t isa, int64_t chunk_keys, int64_t window, bool bf16_products,
+                                 const std::optional<at::Tensor>& sinks = std::nullopt);   // sinks: attention_sink.h
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps);

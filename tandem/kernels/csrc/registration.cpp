@@ -36,14 +36,14 @@ TORCH_LIBRARY(tandem, m) {
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
-        "int isa=-1, int chunk_keys=-1, int window=0, bool bf16_products=False) -> Tensor");
+        "int isa=-1, int chunk_keys=-1, int window=0, bool bf16_products=False, Tensor? sinks=None) -> Tensor");
   m.def("decode_attention_qkv_(Tensor qkv, Tensor(a!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
         "Tensor seq_lens, float scale, int heads, int isa=-1, int chunk_keys=-1, int window=0, "
-        "bool bf16_products=False) -> Tensor");
+        "bool bf16_products=False, Tensor? sinks=None) -> Tensor");
   m.def("extend_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor tok_row, Tensor positions, "
-        "float scale, int window=0, int isa=-1, bool bf16_products=False) -> Tensor");
+        "float scale, int window=0, int isa=-1, bool bf16_products=False, Tensor? sinks=None) -> Tensor");
   m.def("causal_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor tok_row, Tensor positions, "
-        "float scale, int window=0, int isa=-1, bool bf16_products=False) -> Tensor");
+        "float scale, int window=0, int isa=-1, bool bf16_products=False, Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu, int isa=-1) -> Tensor");
