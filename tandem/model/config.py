@@ -15,6 +15,8 @@ class ModelConfig:
     """One decoder; architectures differ only by the switches below (read from config.json or GGUF metadata).
 
     llama / mistral: the defaults (mistral may set sliding_window). qwen2: attention_bias. qwen3: qk_norm.
+    gpt_oss: attention sinks, q / k / v / o biases, alternating sliding (128) and full layers, YaRN, experts in
+    every layer with biases, a biased router softmaxed over its top-k and the clamped SwiGLU ("swiglu_oai").
     gemma3: qk_norm, sandwich_norm, norm_offset 1, gelu_tanh, embed_scale, query_pre_attn_scalar, and
     sliding layers (layer_types) with their own RoPE base (rope_local_theta). qwen3_moe: qk_norm and experts
     (num_experts > 0: a router picks num_experts_per_tok of them per token in place of the dense MLP, except in
@@ -62,6 +64,13 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0   # RoPE turns the first head_dim * factor dims of a head; the rest pass
     attn_output_gate: bool = False   # q_proj also gives each head a gate: attention output * sigmoid(gate)
     linear_value_heads_tiled: bool = False   # value head h reads key head h mod key heads (llama.cpp's Qwen3.5 files); else h div (value / key heads), HF's
+    # gpt-oss
+    attention_sinks: bool = False    # each head's softmax also counts a learned sink logit (self_attn.sinks), no value
+    attention_out_bias: bool = False     # o_proj has a bias (gpt-oss; attention_bias covers q / k / v)
+    moe_bias: bool = False           # the router and every expert's linears have biases
+    moe_routing: str = "softmax_topk"    # "softmax_topk": softmax over all experts, then top-k; "topk_softmax": top-k logits, then their softmax (gpt-oss)
+    swiglu_alpha: float = 1.702      # hidden_act "swiglu_oai": (clamp(up) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=limit)
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,8 +94,10 @@ class ModelConfig:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)")
+        if self.moe_routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"moe_routing {self.moe_routing!r} is not supported (softmax_topk, topk_softmax)")
         self._check_experts()
         self._check_linear_attention()
 

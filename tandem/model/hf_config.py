@@ -22,12 +22,14 @@ SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # HF model_type -> our architecture name (a config.json without "architectures").
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                    "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
                    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
-                   "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+                   "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
+                   "gpt_oss": "gpt_oss"}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(SUPPORTED_HF_ARCHITECTURES.values()))
 # Hybrids: Gated DeltaNet layers (layer_types "linear_attention") between gated full-attention layers.
@@ -44,6 +46,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                "rope_local_theta": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "sliding_window_pattern": 6},
     "mixtral": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "gpt_oss": {"rope_theta": 150_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "sliding_window": 128},
 }
 # rope_parameters keys that are not a scaling: the partial rotary share, and Qwen3.5's multimodal sections (text
 # alone gives every section the same position, so MRoPE is plain RoPE there)
@@ -168,6 +172,9 @@ def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | N
         extra["qk_norm"] = True
     if arch in HYBRID_ARCHITECTURES:
         extra.update(_hf_linear_attention(d))
+    if arch == "gpt_oss":
+        extra.update(_hf_gpt_oss(d))
+        return extra
     if arch == "gemma3":
         local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
         if _normalize_rope_scaling({k: v for k, v in (local_params or {}).items() if k != "rope_theta"}):
@@ -186,10 +193,21 @@ def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | N
     return extra
 
 
+def _hf_gpt_oss(d: dict) -> dict[str, Any]:
+    """gpt-oss's switches: a learned sink logit per head in every softmax, an output bias on o_proj, the router's
+    bias with the softmax over the chosen experts' logits, every expert's biases and its clamped SwiGLU (whatever
+    hidden_act says: transformers' experts ignore it)."""
+    if d.get("attention_bias") is False:
+        raise ValueError("gpt_oss: attention_bias=False is not supported (its attention has q / k / v / o biases)")
+    return dict(attention_sinks=True, attention_out_bias=True, moe_bias=True, moe_routing="topk_softmax",
+                hidden_act="swiglu_oai", swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(d.get("swiglu_limit", 7.0)))
+
+
 def _hf_experts(arch: str, d: dict) -> dict[str, Any]:
     """The expert switches of an MoE config (qwen3_moe, mixtral); transformers 5 writes qwen3_moe's num_experts
     as num_local_experts."""
-    if arch not in ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next"):
+    if arch not in ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next", "gpt_oss"):
         return {}
     n = d.get("num_experts") or d.get("num_local_experts")
     if arch == "qwen3_next" and not n:
@@ -201,7 +219,9 @@ def _hf_experts(arch: str, d: dict) -> dict[str, Any]:
         raise ValueError(f"{arch}: shared experts are not supported")
     out = dict(num_experts=int(n), num_experts_per_tok=int(d["num_experts_per_tok"]),
                shared_expert_intermediate_size=shared)
-    if arch != "mixtral":
+    if arch == "gpt_oss":               # the softmax runs over the top-k: their weights sum to 1 as they are
+        out.update(moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=False)
+    elif arch != "mixtral":
         # Qwen3.5-MoE always renormalizes its top-k (its config has no norm_topk_prob); Qwen3-Next by default
         out.update(moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
                    norm_topk_prob=bool(d.get("norm_topk_prob", arch != "qwen3_moe")),
@@ -247,6 +267,10 @@ def _sliding(arch: str, d: dict, num_layers: int, defaults: dict) -> tuple[int |
         return int(window), tuple(types)
     if arch in ("mistral", "mixtral") and window:
         return int(window), None
+    if arch == "gpt_oss":                     # sliding and full layers alternate, the first sliding
+        types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(num_layers)]
+        return int(window or defaults["sliding_window"]), tuple(types)
     if arch in HYBRID_ARCHITECTURES:          # three linear-attention layers to one full, unless it lists them
         every = int(d.get("full_attention_interval") or 4)
         types = d.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"

@@ -23,7 +23,7 @@ from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once
 from .linear_attention import GatedDeltaNet, RecurrentRows
 from .moe import build_moe
 from .numerics import Numerics
-from .rope import rope_inv_freq
+from .rope import rope_attention_factor, rope_inv_freq
 from .row_parallel import ChunkedRows, add_in_order, chunked_rows
 from .shard import TPLayout, cols
 
@@ -108,16 +108,18 @@ class LlamaModel:
         hold_once([self.lm_head], False)
         if c.tie_word_embeddings and first and last:    # one stage (rank) holds both: the head's copy serves both
             self.embed = tied_table(self.embed, self.lm_head)
-        self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context)
+        self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context, rope_attention_factor(c))
         self.cos_local, self.sin_local = self.cos, self.sin
         if c.rope_local_theta and c.sliding_window:
-            self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context)
+            self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context,
+                                                              rope_attention_factor(c, local=True))
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        self.attention = Attention(numerics, self.scale, self.num_heads,
-                                   [layer["window"] for layer in self.layers if "mixer" not in layer])
+        attending = [layer for layer in self.layers if "mixer" not in layer]
+        self.attention = Attention(numerics, self.scale, self.num_heads, [layer["window"] for layer in attending],
+                                   [layer.get("sinks") for layer in attending])
 
     # The record's choices under the names the body, attention_layout.py, tests and benchmarks read
     native = property(lambda self: self.numerics.native)
@@ -165,12 +167,21 @@ class LlamaModel:
         qkv = cat_rows([q] + [ws.w(p + f"self_attn.{n}_proj.weight") for n in "kv"] + ([gate] if gate is not None else []))
         qkv_bias = (torch.cat([ws.w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                     if c.attention_bias else None)
-        return dict(qkv=ws.lin(qkv, qkv_bias), o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight"))
+        out = dict(qkv=ws.lin(qkv, qkv_bias), o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight",
+                                                                        c.attention_out_bias))
+        if c.attention_sinks:               # gpt-oss: each head's sink logit (this rank's heads), fp32
+            out["sinks"] = ws.w(p + "self_attn.sinks").float().contiguous()
+        return out
 
-    def _row_parallel_lin(self, ws: "_StateReader", name: str) -> "Linear | QLinear | ChunkedRows":
-        """o or down: one linear, or under tp_reduce_chunks this rank's column chunks of it (row_parallel.py)."""
+    def _row_parallel_lin(self, ws: "_StateReader", name: str, bias: bool = False
+                          ) -> "Linear | QLinear | ChunkedRows":
+        """o or down: one linear, or under tp_reduce_chunks this rank's column chunks of it (row_parallel.py).
+        bias: the linear has one (name's .bias; under tp rank 0's, zeros elsewhere: shard.py)."""
+        b = ws.w(name[:-len("weight")] + "bias") if bias else None
+        if b is not None and self.chunks_here:
+            raise ValueError(f"tp_reduce_chunks: {name} has a bias, which the column chunks do not add yet")
         if not self.chunks_here:
-            return ws.lin(ws.w(name))
+            return ws.lin(ws.w(name), b)
         return chunked_rows(ws.w(name), self.chunks_here, name, lambda w, a, b: cols(w, a, b, [], name), ws.lin)
 
     def _plan_decode_layer_ops(self) -> None:
@@ -181,7 +192,7 @@ class LlamaModel:
         layer's op stops at its MLP's normed input ("blocks" without gate_up and down; the experts run after)."""
         c = self.config
         plain = (not c.sandwich_norm and c.hidden_act == "silu" and not c.attn_output_gate
-                 and c.rotary_dim == c.head_dim)
+                 and c.rotary_dim == c.head_dim and not c.attention_sinks and not c.attention_out_bias)
         for layer in self.layers if plain else []:
             lins = [layer[k] for k in (("qkv", "o") if "moe" in layer else ("qkv", "o", "gate_up", "down"))]
             if (not layer["window"] and all(isinstance(lin, QLinear) and not lin.gemm_always for lin in lins)
@@ -202,10 +213,13 @@ class LlamaModel:
             return rows.start if m.q_index is not None and rows.stop - rows.start > small_m() else t
         return 0 if meta.q_index is not None and t > small_m() else t
 
-    def _rope_table(self, inv_freq: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_table(self, inv_freq: torch.Tensor, max_context: int, factor: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [max_context, D], times YaRN's attention factor where the scaling has one."""
         freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
-        return emb.cos().to(device=self.device, dtype=self.dtype), emb.sin().to(device=self.device, dtype=self.dtype)
+        cos, sin = (emb.cos(), emb.sin()) if factor == 1.0 else (emb.cos() * factor, emb.sin() * factor)
+        return cos.to(device=self.device, dtype=self.dtype), sin.to(device=self.device, dtype=self.dtype)
 
     def _rope(self, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's cos/sin tables [max_context, D]: a sliding layer's own base where it has one."""

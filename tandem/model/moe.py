@@ -1,4 +1,4 @@
-"""A mixture-of-experts layer (Qwen3-MoE, Mixtral): a router picks num_experts_per_tok of num_experts gated MLPs
+"""A mixture-of-experts layer (Qwen3-MoE, Mixtral, gpt-oss): a router picks num_experts_per_tok of num_experts gated MLPs
 for each token, each chosen expert runs on the tokens routed to it, and their outputs are summed with the router's
 weights. It stands in place of the dense MLP of a decoder layer (llama.py).
 
@@ -40,9 +40,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' order: softmax over all experts in fp32, top-k, then (norm_topk_prob) divided by their sum.
-    Returns (weights [T, k] fp32, expert ids [T, k] int64), by descending weight."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, routing: str = "softmax_topk"
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' order: softmax over all experts in fp32, top-k, then (norm_topk_prob) divided by their sum;
+    or (routing "topk_softmax", gpt-oss) the top-k logits, then their softmax. Returns (weights [T, k] fp32,
+    expert ids [T, k] int64), by descending weight. Every step per row."""
+    if routing == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -50,13 +55,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of [n, 2I] (gate rows, then up rows): (clamp(up, -l, l) + 1) * g * sigmoid(alpha g),
+    g = clamp(gate, max=l); the sigmoid per element whatever the row count (elementwise)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * elementwise(torch.sigmoid, gate * alpha))
+
+
 class MoE:
     """A layer's router and experts. experts[e] = (gate_up [2I, hidden], down [hidden, I]) linears, or None for an
     expert another tp rank holds."""
 
     def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
-                 act: str = "silu", held: range | None = None, shared: tuple | None = None) -> None:
+                 act: str = "silu", held: range | None = None, shared: tuple | None = None,
+                 router_bias: torch.Tensor | None = None, routing: str = "softmax_topk",
+                 swiglu: tuple[float, float] = (1.702, 7.0)) -> None:
         self.experts = experts
+        # gpt-oss: the router's bias, the softmax over the top-k, the clamped SwiGLU's (alpha, limit); they route
+        # and activate in torch (tandem.moe_route has neither), per row as the rest
+        self.router_bias, self.routing, self.swiglu = router_bias, routing, swiglu
+        native_route = native and router_bias is None and routing == "softmax_topk"
         # The shared expert (Qwen3.5-MoE, Qwen3-Next): (gate_up, down, its gate's weight [1, hidden] fp32), run on
         # every row and added times sigmoid(x . gate) after the routed experts' sum
         self.shared = shared
@@ -65,13 +84,13 @@ class MoE:
         self._one_op = self._plan_one_op()
         # The router ([E, hidden] fp32) as its path reads it, held once: native, tandem.moe_route's layout
         # (csrc/moe_route.cpp: transposed, experts zero-padded to a multiple of 64); else as it is (router_logits).
-        self.router = None if native else router
-        self.router_t = F.pad(router.t(), (0, -router.shape[0] % 64)).contiguous() if native else None
+        self.router = None if native_route else router
+        self.router_t = F.pad(router.t(), (0, -router.shape[0] % 64)).contiguous() if native_route else None
 
     def _plan_one_op(self) -> tuple | None:
         """moe_experts' arguments (csrc/moe_experts.cpp: a decode row's experts in one op, the same bits) where
         every expert's linears are one packed part of one type each; else None (the op-by-op path)."""
-        if not self.native:
+        if not self.native or self.act == "swiglu_oai":
             return None
         held = [pair for pair in self.experts if pair is not None]
         gus, downs = [gu for gu, _ in held], [d for _, d in held]
@@ -104,6 +123,8 @@ class MoE:
 
     def _mlp(self, gate_up, down, x: torch.Tensor) -> torch.Tensor:
         gu = gate_up(x)                                                  # [n, 2I]
+        if self.act == "swiglu_oai":
+            return down(swiglu_oai(gu, *self.swiglu))
         if self.native:
             ops = torch.ops.tandem
             return down(ops.silu_mul(gu) if self.act == "silu" else ops.gelu_tanh_mul(gu))
@@ -114,10 +135,13 @@ class MoE:
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum per row [T, hidden]."""
         t, k = x.shape[0], self.top_k
-        if self.native:
+        if self.router_t is not None:
             weights, ids = torch.ops.tandem.moe_route(x, self.router_t, len(self.experts), k, self.renormalize)
         else:
-            weights, ids = route(router_logits(x, self.router), k, self.renormalize)
+            logits = router_logits(x, self.router)
+            if self.router_bias is not None:
+                logits = logits + self.router_bias
+            weights, ids = route(logits, k, self.renormalize, self.routing)
         if t == 1 and self._one_op is not None:      # a decode row: one op, the bits of the path below
             gus, gu_type, downs, down_type, inter, act = self._one_op
             held, w = self.held, weights.to(x.dtype)
@@ -172,8 +196,9 @@ def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = Non
         if held is not None and e not in held:
             experts.append(None)
             continue
-        experts.append((ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
-                        ws.lin(ws.w(q + "down_proj.weight"))))
+        gu_bias = torch.cat([ws.w(q + "gate_proj.bias"), ws.w(q + "up_proj.bias")]) if c.moe_bias else None
+        experts.append((ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")]), gu_bias),
+                        ws.lin(ws.w(q + "down_proj.weight"), ws.w(q + "down_proj.bias") if c.moe_bias else None)))
     shared = None
     if c.shared_expert_intermediate_size:
         q = p + "shared_expert."
@@ -181,5 +206,7 @@ def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = Non
         gate = (gate.dequantize() if not isinstance(gate, torch.Tensor) else gate).float().contiguous()
         shared = (ws.lin(cat_rows([ws.w(q + "gate_proj.weight"), ws.w(q + "up_proj.weight")])),
                   ws.lin(ws.w(q + "down_proj.weight")), gate)
-    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act, held, shared)
+    bias = ws.w(p + "gate.bias").float() if c.moe_bias else None
+    return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act, held, shared,
+               bias, c.moe_routing, (c.swiglu_alpha, c.swiglu_limit))
 

@@ -34,7 +34,47 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_inv_freq(scaling, theta, dim)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn_inv_freq(scaling: dict, theta: float, dim: int) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), transformers' form: each frequency between its interpolated (/ factor) and its
+    original value by a linear ramp over the dims whose wavelengths fall between beta_fast and beta_slow rotations
+    of the original context (the ramp's ends rounded out unless truncate is false, as gpt-oss sets it)."""
+    factor, ctx = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolate = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return (1.0 / (factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
+
+
+def rope_attention_factor(config: ModelConfig, local: bool = False) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1 ln(factor) + 1, or the ratio of
+    two such with mscale / mscale_all_dim); 1 for every other scaling."""
+    scaling = None if local and config.rope_local_theta else config.rope_scaling
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

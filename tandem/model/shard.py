@@ -166,8 +166,14 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
             if lay.held_experts is not None:   # whole experts a rank: this rank's, as they are; not the others'
                 if int(name.split(".experts.")[1].split(".")[0]) in lay.held_experts:
                     out[name] = t
+            elif name.endswith("down_proj.bias"):
+                out[name] = _once(t, lay)
             else:
                 out[name] = cols(t, *experts, cut, name) if ".down_proj." in name else _rows(t, *experts)
+        elif name.endswith((".o_proj.bias", ".down_proj.bias")):     # a row-parallel linear's bias: added once
+            out[name] = _once(t, lay)
+        elif name.endswith(".self_attn.sinks"):     # gpt-oss: one a query head
+            out[name] = _rows(t, lay.head_start, lay.head_start + lay.heads)
         elif ".q_proj." in name:
             out[name] = _rows(t, *q_rows)
         elif ".k_proj." in name or ".v_proj." in name:
@@ -184,6 +190,12 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         log.warning("tp_size %d cuts the GGUF blocks (32 weights along K) of %d row-parallel weights (%s ...): "
                     "their slices are dequantized to fp32 (more memory, the fp32 GEMM)", lay.size, len(set(cut)), cut[0])
     return out
+
+
+def _once(bias: torch.Tensor, lay: TPLayout) -> torch.Tensor:
+    """A row-parallel linear's bias as a rank holds it: whole on rank 0, zeros on the others (the ranks' outputs
+    are summed)."""
+    return bias if lay.rank == 0 else torch.zeros_like(bias)
 
 
 def _linear_index(c: ModelConfig, lay: TPLayout) -> dict:

@@ -45,6 +45,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "self_attn.q_proj.bias": (q,),
                            p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if c.attention_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if c.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (c.num_heads,)
     shapes["model.norm.weight"] = (h,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
@@ -71,7 +75,9 @@ def split_fused(name: str, t, c: ModelConfig) -> list:
     """[(name, tensor)] of a checkpoint tensor in the contract's names: Qwen3-Next's in_proj_qkvz (per key head:
     its q, k, then its value heads' v and z rows) and in_proj_ba (per key head: its value heads' b, then a) as
     Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, the rows regrouped (q heads, k heads, v heads).
-    GGUF blocks stay blocks (whole rows move)."""
+    GGUF blocks stay blocks (whole rows move). gpt-oss's stacked experts and router: split_gpt_oss_experts."""
+    if (experts := split_gpt_oss_experts(name, t)) is not None:
+        return experts
     if not name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
         return [(name, t)]
     from .linear import take_rows
@@ -99,7 +105,34 @@ def expert_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     for e in range(c.num_experts):
         q = f"{p}experts.{e}."
         shapes.update({q + "gate_proj.weight": (n, h), q + "up_proj.weight": (n, h), q + "down_proj.weight": (h, n)})
+        if c.moe_bias:
+            shapes.update({q + "gate_proj.bias": (n,), q + "up_proj.bias": (n,), q + "down_proj.bias": (h,)})
+    if c.moe_bias:
+        shapes[p + "gate.bias"] = (c.num_experts,)
     return shapes
+
+
+def split_gpt_oss_experts(name: str, t) -> list | None:
+    """[(name, tensor)] in the contract's names of one of gpt-oss's stacked expert tensors (gate_up_proj [E, hidden,
+    2I], its gate and up columns interleaved, and down_proj [E, I, hidden], both input-major; their biases [E, 2I],
+    [E, hidden]) and of its router (mlp.router.*: the contract's mlp.gate.*); None for any other name."""
+    m = re.search(r"\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias)?|router\.(weight|bias))$", name)
+    if m is None:
+        return None
+    p = name[:m.start()] + ".mlp."
+    if m.group(4):
+        return [(p + "gate." + m.group(4), t)]
+    bias = bool(m.group(3))
+    out = []
+    for e in range(t.shape[0]):
+        q = f"{p}experts.{e}."
+        w = t[e] if bias else t[e].t()                     # weights as [out, in]
+        if m.group(2) == "down_proj":
+            out.append((q + "down_proj." + ("bias" if bias else "weight"), w.contiguous()))
+        else:
+            kind = "bias" if bias else "weight"
+            out += [(q + "gate_proj." + kind, w[0::2].contiguous()), (q + "up_proj." + kind, w[1::2].contiguous())]
+    return out
 
 
 # Mixtral's checkpoint names -> the contract's (Qwen3-MoE's): block_sparse_moe is mlp, w1 / w3 / w2 gate / up / down.

@@ -15,11 +15,12 @@ import numpy as np
 from ..config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe",
-                                "qwen3next")
+                                "qwen3next", "gpt-oss")
 _ARCHITECTURE = {"mistral": "llama", "qwen3moe": "qwen3_moe",     # GGUF general.architecture -> ModelConfig's
-                 "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
+                 "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next", "gpt-oss": "gpt_oss"}
 HYBRID_GGUF = ("qwen35", "qwen35moe", "qwen3next")
 STACKED = (".experts.gate_proj.weight", ".experts.up_proj.weight", ".experts.down_proj.weight")  # 3-D blocks
+STACKED_BIAS = (".experts.gate_proj.bias", ".experts.up_proj.bias", ".experts.down_proj.bias")    # gpt-oss: [E, n]
 # llama.cpp hard-codes what gemma3 GGUF files do not store: every 6th layer global, local RoPE base 10k.
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
@@ -62,6 +63,16 @@ _HYBRID_BLOCK_NAMES = {**_BLOCK_NAMES,
                        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# gpt-oss's (llama.cpp's converter): the pre-MLP norm as post_attention_norm, the sinks, o's, the router's and the
+# experts' biases (the experts' weights MXFP4 where the checkpoint was)
+_GPT_OSS_BLOCK_NAMES = {**_BLOCK_NAMES,
+                        "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "attn_sinks.weight": "self_attn.sinks",
+                        "attn_output.bias": "self_attn.o_proj.bias",
+                        "ffn_gate_inp.bias": "mlp.gate.bias",
+                        "ffn_gate_exps.bias": "mlp" + STACKED_BIAS[0],
+                        "ffn_up_exps.bias": "mlp" + STACKED_BIAS[1],
+                        "ffn_down_exps.bias": "mlp" + STACKED_BIAS[2]}
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")     # the older layout: one tensor per expert
 # gemma3's sandwich norms: llama.cpp's ffn_norm is the pre-MLP norm, post_attention_norm the one after attention.
 _GEMMA3_BLOCK_NAMES = {**_BLOCK_NAMES,
@@ -85,7 +96,7 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
         return _GLOBAL_NAMES[name]
     m = _BLK_RE.match(name)
     names = {"gemma3": _GEMMA3_BLOCK_NAMES, "qwen3_5": _HYBRID_BLOCK_NAMES, "qwen3_5_moe": _HYBRID_BLOCK_NAMES,
-             "qwen3_next": _HYBRID_BLOCK_NAMES}.get(arch, _BLOCK_NAMES)
+             "qwen3_next": _HYBRID_BLOCK_NAMES, "gpt_oss": _GPT_OSS_BLOCK_NAMES}.get(arch, _BLOCK_NAMES)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     e = _EXPERT_RE.match(m.group(2)) if m else None
@@ -170,6 +181,8 @@ def read_gguf_config(reader) -> ModelConfig:
         orig = get_field(reader, f"{arch}.rope.scaling.original_context_length")
         if stype == "yarn" and orig:
             scaling["original_max_position_embeddings"] = int(orig)
+        if stype == "yarn" and arch == "gpt-oss":      # its config's ramp (not in the file): 32 / 1, not rounded
+            scaling.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
     elif stype not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling type {stype!r}")
     elif get_field(reader, f"{arch}.rope.scale_linear") not in (None, 1.0):
@@ -233,7 +246,15 @@ def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: 
         out["sliding_window"] = int(window)
     elif arch in HYBRID_GGUF:
         out.update(_linear_attention(reader, arch, tensors, num_layers, head_dim))
+    elif arch == "gpt-oss":
+        # llama.cpp: sliding layers first, then every other one (its swa pattern 2); the rest as HF's config
+        out.update(sliding_window=int(window or 128), attention_sinks=True, attention_out_bias=True, moe_bias=True,
+                   layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                     for i in range(num_layers)),
+                   moe_routing="topk_softmax", hidden_act="swiglu_oai")
     out.update(_experts(reader, arch, tensors, num_layers))
+    if arch == "gpt-oss":
+        out["norm_topk_prob"] = False           # the softmax over the top-k already sums to 1
     return out
 
 

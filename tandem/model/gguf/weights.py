@@ -17,7 +17,7 @@ from gguf.constants import GGMLQuantizationType
 
 from ..config import ModelConfig
 from ..weights import expected_weight_shapes, name_list, split_fused
-from .config import STACKED, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
+from .config import STACKED, STACKED_BIAS, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
 from .file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,12 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
                 continue
             if name.endswith(STACKED):                  # a 3-D block of every expert: one entry per expert
                 out.update(_experts(t, name, shapes, t.qtype in keep))
+                bar.update(t.nbytes)
+                continue
+            if name.endswith(STACKED_BIAS):             # gpt-oss: every expert's bias [E, n], one entry each
+                a = dequantize_f32(t)
+                out.update({name.replace(".experts.", f".experts.{e}."): torch.from_numpy(np.array(a[e], np.float32))
+                            for e in range(a.shape[0])})
                 bar.update(t.nbytes)
                 continue
             if name.endswith("linear_attn.in_proj_ba.weight"):        # Qwen3-Next's b and a, split as HF's are
