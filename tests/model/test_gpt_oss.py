@@ -84,21 +84,19 @@ def _mxfp4_round_trip(w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(back).transpose(1, 2)
 
 
-def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, monkeypatch, make_llm):
-    """The file as llama.cpp's converter writes it, experts in MXFP4: the tokens of transformers' model holding the
-    same MXFP4 values, both kernel sets."""
+def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
+    """The file as llama.cpp's converter writes it, experts in MXFP4, a tokenizer in its metadata: the tokens of
+    transformers' model holding the same MXFP4 values, both kernel sets."""
     import copy
 
     from tests.helpers.tiny_gpt_oss import write_gpt_oss_gguf
-    from tests.helpers.tiny_models import skip_gguf_tokenizer_build
     m = tiny(tmp_path_factory)
-    path = write_gpt_oss_gguf(tmp_path / "tiny-gpt-oss.gguf", m["hf"], mxfp4=True)
+    path = write_gpt_oss_gguf(tmp_path / "tiny-gpt-oss.gguf", m["hf"], mxfp4=True, with_tokenizer=True)
     ref = copy.deepcopy(m["ref"])
     with torch.no_grad():
         for layer in ref.model.layers:
             for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                 w.copy_(_mxfp4_round_trip(w))
-    skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
     ps = prompts_for(ref.config.vocab_size, n=4, seed=9)
     refs = [hf_greedy(ref, p, MAX_NEW) for p in ps]
     for kernels in ("torch", "native"):

@@ -155,10 +155,12 @@ def gguf_weights(path: str, config: ModelConfig, quantized: bool = False) -> dic
 
 def build_gguf_tokenizer(path: str, out_dir: str, reader, config: ModelConfig) -> None:
     """Build the HF tokenizer (with chat template) from the GGUF metadata and save it."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
-                                        local_files_only=True)
+    # gpt-oss: AutoTokenizer first parses the file's whole config, and transformers (5.2x) fails on gpt-oss's
+    # rope.scaling keys there (it reads a key's length for its value); the tokenizer itself needs none of it
+    cls = PreTrainedTokenizerFast if config.architecture == "gpt_oss" else AutoTokenizer
+    tok = cls.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True)
     template = get_field(reader, "tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
         tok.chat_template = template
