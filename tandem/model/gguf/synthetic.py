@@ -1,5 +1,5 @@
-"""Write GGUF files of the shapes users run (1.5B-8B dense, Qwen3-30B-A3B's experts), random weights in llama.cpp's
-Q4_K_M type mix.
+"""Write GGUF files of the shapes users run (1.5B-8B dense, Qwen3-30B-A3B's experts, the Qwen3.6 hybrid), random
+weights in llama.cpp's Q4_K_M type mix (gpt-oss-20b: its MXFP4 experts, the rest Q8_0).
 
 No model can be downloaded here, yet the speed goals name 1.5B-8B files read by both tandem and llama.cpp. This
 writes one with the real shape (layers, widths, heads, vocabulary) and llama.cpp's Q4_K_M choice of type per
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Q4_K, Q5_K, Q6_K, F32 = 12, 13, 14, 0
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}       # a 256-weight super-block
+Q4_K, Q5_K, Q6_K, F32, Q8_0, MXFP4 = 12, 13, 14, 0, 8, 39
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, MXFP4: 17}     # a 256-weight super-block; Q8_0, MXFP4: 32
+BLOCK_WEIGHTS = {Q4_K: 256, Q5_K: 256, Q6_K: 256, Q8_0: 32, MXFP4: 32}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Shape:
     linear: tuple = ()          # a hybrid's Gated DeltaNet: (key heads, value heads, head dim, conv width); 3 of
                                 # every 4 layers (the 4th full attention, gated, RoPE on rotary_dim of head_dim)
     rotary_dim: int = 0
+    sliding: int = 0            # gpt-oss: sliding layers (every other one, the first sliding) see this many keys
+    yarn: tuple = ()            # (factor, original context): YaRN RoPE scaling
 
 
 SHAPES = {
@@ -65,6 +68,11 @@ SHAPES = {
     "qwen3.6-35b-a3b": Shape("qwen35moe", 40, 2048, 512, 16, 2, 248320, False, 1e7, head_dim=256, context=262144,
                              experts=256, experts_used=8, expert_width=512, qk_norm=True, shared_width=512,
                              linear=(16, 32, 128, 4), rotary_dim=64),
+    # gpt-oss-20b: 24 layers of 64 query / 8 KV heads of 64, sinks and biases, sliding (128) and full layers
+    # alternating; 32 experts of 2880 in MXFP4, 4 a token; YaRN x32 of 4096
+    "gpt-oss-20b": Shape("gpt-oss", 24, 2880, 2880, 64, 8, 201088, False, 150000.0, qkv_bias=True, head_dim=64,
+                         context=131072, experts=32, experts_used=4, expert_width=2880, sliding=128,
+                         yarn=(32.0, 4096)),
 }
 
 
@@ -79,6 +87,8 @@ def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, int], int]]:
     out = {"token_embd.weight": ((shape.vocab, h), Q6_K if shape.tied else Q4_K)}
     if shape.linear:
         return _hybrid_types(shape, out)
+    if shape.arch == "gpt-oss":
+        return _gpt_oss_types(shape)
     for i in range(n):
         more = use_more_bits(i, n)
         b = f"blk.{i}."
@@ -144,6 +154,30 @@ def _hybrid_types(shape: Shape, out: dict) -> dict:
     return out
 
 
+def _gpt_oss_types(shape: Shape) -> dict:
+    """gpt-oss as llama.cpp's MXFP4 files hold it: the experts MXFP4, the attention, the embedding and the head
+    Q8_0 (a width of 2880 is not whole 256-weight super-blocks, so no K-quant), the sinks, biases, norms and the
+    router F32."""
+    h, hd, e, w = shape.hidden, shape.head_dim, shape.experts, shape.expert_width
+    out = {"token_embd.weight": ((shape.vocab, h), Q8_0)}
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        out.update({b + "attn_norm.weight": ((h,), F32), b + "attn_q.weight": ((shape.heads * hd, h), Q8_0),
+                    b + "attn_q.bias": ((shape.heads * hd,), F32), b + "attn_k.weight": ((shape.kv_heads * hd, h), Q8_0),
+                    b + "attn_k.bias": ((shape.kv_heads * hd,), F32),
+                    b + "attn_v.weight": ((shape.kv_heads * hd, h), Q8_0),
+                    b + "attn_v.bias": ((shape.kv_heads * hd,), F32), b + "attn_output.weight": ((h, shape.heads * hd), Q8_0),
+                    b + "attn_output.bias": ((h,), F32), b + "attn_sinks.weight": ((shape.heads,), F32),
+                    b + "post_attention_norm.weight": ((h,), F32), b + "ffn_gate_inp.weight": ((e, h), F32),
+                    b + "ffn_gate_inp.bias": ((e,), F32),
+                    b + "ffn_gate_exps.weight": ((e, w, h), MXFP4), b + "ffn_gate_exps.bias": ((e, w), F32),
+                    b + "ffn_up_exps.weight": ((e, w, h), MXFP4), b + "ffn_up_exps.bias": ((e, w), F32),
+                    b + "ffn_down_exps.weight": ((e, h, w), MXFP4), b + "ffn_down_exps.bias": ((e, h), F32)})
+    out["output_norm.weight"] = ((h,), F32)
+    out["output.weight"] = ((shape.vocab, h), Q8_0)
+    return out
+
+
 def _hybrid_metadata(w, s: Shape) -> None:
     """A hybrid's keys as llama.cpp's converter writes them (gguf-py's names, spelled out: older gguf-py lacks some)."""
     nk, nv, d, width = s.linear
@@ -171,7 +205,15 @@ def _half(v: float) -> np.ndarray:
 
 
 def random_blocks(rows: int, k: int, qtype: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, K / 256 * block bytes] of valid random Q4_K / Q5_K / Q6_K super-blocks, weights of spread ~0.02."""
+    """uint8 [rows, K / block weights * block bytes] of valid random Q4_K / Q5_K / Q6_K super-blocks or Q8_0 /
+    MXFP4 blocks, weights of spread ~0.02."""
+    if qtype in (Q8_0, MXFP4):
+        b = rng.integers(0, 256, size=(rows, k // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
+        if qtype == Q8_0:
+            b[..., 0:2] = _half(3e-4)          # d x q (int8, sd ~74) ~ 0.02
+        else:
+            b[..., 0] = rng.integers(119, 122, size=(rows, k // 32), dtype=np.uint8)   # 2^(e - 128) x (sd ~5)
+        return b.reshape(rows, -1)
     ns = k // 256
     if qtype in (Q4_K, Q5_K):            # Q5_K: Q4_K's header, a fifth bit a weight (qh) before the low nibbles
         b = rng.integers(0, 256, size=(rows, ns, BLOCK_BYTES[qtype]), dtype=np.uint8)
@@ -225,7 +267,7 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, s.arch)
     w.add_name(f"synthetic {s.arch} {s.layers}x{s.hidden}")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if s.arch == "gpt-oss" else gguf.LlamaFileType.MOSTLY_Q4_K_M))
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -233,7 +275,7 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(1e-6 if s.arch in ("qwen2", "qwen3moe", "qwen35moe") else 1e-5)
+    w.add_layer_norm_rms_eps(1e-6 if s.arch in ("qwen2", "qwen3moe", "qwen35moe") else 1e-5)     # gpt-oss: 1e-5
     w.add_rope_dimension_count(s.rotary_dim or s.head_dim)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
@@ -244,13 +286,19 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
         w.add_expert_feed_forward_length(s.expert_width)
     if s.linear:
         _hybrid_metadata(w, s)
+    if s.sliding:
+        w.add_sliding_window(s.sliding)
+    if s.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(s.yarn[1])
     _tokenizer(w, s.vocab)
     types = tensor_types(s)
     for name, (dims, qt) in types.items():               # the table first: the data is streamed after it
         if qt == F32:
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
-        else:                                           # [(E,) rows, K]: K / 256 super-blocks a row
-            row = dims[-1] // 256 * BLOCK_BYTES[qt]
+        else:                                           # [(E,) rows, K]: K / block weights blocks a row
+            row = dims[-1] // BLOCK_WEIGHTS[qt] * BLOCK_BYTES[qt]
             w.add_tensor_info(name, (*dims[:-1], row), np.dtype(np.uint8), int(np.prod(dims[:-1])) * row,
                               raw_dtype=gguf.GGMLQuantizationType(qt))
     w.write_header_to_file()
@@ -269,7 +317,8 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
 def synthetic_file(shape: str, folder: str, layers: int | None = None) -> str:
     """The SHAPES key `shape` as `folder`/SHAPE-q4km.gguf (SHAPE-<layers>l-q4km.gguf with fewer layers), written
     once (through a temporary name, so an interrupted write never leaves a file that looks whole) and reused."""
-    path = os.path.join(folder, f"{shape}{'' if layers is None else f'-{layers}l'}-q4km.gguf")
+    kind = "mxfp4" if SHAPES[shape].arch == "gpt-oss" else "q4km"
+    path = os.path.join(folder, f"{shape}{'' if layers is None else f'-{layers}l'}-{kind}.gguf")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         write_synthetic_gguf(path + ".tmp", shape, layers=layers)
