@@ -47,7 +47,9 @@ NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # 65 rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
 # activations the int8 GEMM gemm_rows_q8act (gemm_rows() below: right there, with VNNI and AVX2). Each body keeps
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
-# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 with VNNI: none, see GEMM_ROWS).
+# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 / MXFP4 with VNNI: none, see
+# GEMM_ROWS). MXFP4 on AVX2 (and the scalar body) meets the GEMM there as Q4_0 does: its decode body sums 4-product
+# partials per lane, so gemv_is_gemm() is False and a linear takes the GEMM at every row count (QLinear.gemm_always).
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
