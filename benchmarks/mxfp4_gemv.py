@@ -1,8 +1,8 @@
 """MXFP4 against Q4_0 on gpt-oss-20b's expert shapes (hidden 2880, expert width 2880: gate_up [5760, 2880], down
 [2880, 2880]): the int8 linear at a decode row count (the GEMV: linear_rows_q8act, which on AVX-512 VNNI runs
 gemv_rows_q8act for MXFP4 and its own decode body for Q4_0) and at a prefill-chunk row count (gemm_rows_q8act), on the
-row layout both types share; Q4_0's packed GEMV (gemv_packed_q8act, made at load for it, not yet for MXFP4) beside
-them for scale. The two types alternate in each round, so a noisy neighbour hits both; each round prints its
+row layout both types share; and the packed GEMV (gemv_packed_q8act on the copy pack_gemv makes at load, what a
+model's decode steps and moe_experts run) at the decode row count. The two types alternate in each round, so a noisy neighbour hits both; each round prints its
 times and the CPU steal over it (/proc/stat, 8th field of the cpu line). Weights are random blocks (the time does
 not depend on the values).
 
@@ -68,10 +68,12 @@ def cases(rows_gemv: int, rows_gemm: int) -> dict:
             fn = torch.ops.tandem.linear_rows_q8act if op == "gemv" else torch.ops.tandem.gemm_rows_q8act
             out[f"{shape} {op} M={m}"] = {qt: (lambda fn=fn, x=x, q=q: fn(x, q.data, q.qtype, q.k, None))
                                           for qt, q in w.items()}
-        packed = torch.ops.tandem.pack_gemv(w[Q4_0].data, Q4_0, k)
         x = torch.randn(rows_gemv, k)
-        out[f"{shape} gemv M={rows_gemv}"]["Q4_0 packed"] = lambda p=packed, x=x, n=n, k=k: (
-            torch.ops.tandem.gemv_packed_q8act(x, p, Q4_0, k, n, None))
+        for qt in (MXFP4, Q4_0):
+            packed = torch.ops.tandem.pack_gemv(w[qt].data, qt, k)
+            out[f"{shape} packed M={rows_gemv}"] = out.get(f"{shape} packed M={rows_gemv}", {})
+            out[f"{shape} packed M={rows_gemv}"][qt] = lambda p=packed, x=x, n=n, k=k, qt=qt: (
+                torch.ops.tandem.gemv_packed_q8act(x, p, qt, k, n, None))
     return out
 
 
@@ -90,14 +92,14 @@ def main() -> None:
     for r in range(args.rounds):
         s0, o0 = cpu_ticks()
         for case, fns in table.items():
-            calls = 20 if "gemv" in case else 3
+            calls = 3 if "gemm" in case else 20
             for v, f in fns.items():
                 times[case][str(v)].append(time_ms(f, calls))
         s1, o1 = cpu_ticks()
         steal.append(s1 - s0), others.append(o1 - o0)
         row = "  ".join(f"{c}: " + " ".join(f"{t[-1]:.3f}" for t in times[c].values()) for c in table)
         print(f"round {r}: steal {steal[-1]} ticks, others {others[-1]} ticks  {row}", flush=True)
-    names = {str(MXFP4): "MXFP4", str(Q4_0): "Q4_0", "Q4_0 packed": "Q4_0 packed"}
+    names = {str(MXFP4): "MXFP4", str(Q4_0): "Q4_0"}
     summary = {case: {names[v]: statistics.median(t) for v, t in ts.items()} for case, ts in times.items()}
     result = {"cpu": cpu_flags(), "threads": args.threads, "rounds": args.rounds, "steal_ticks": steal,
               "other_processes_ticks": others,

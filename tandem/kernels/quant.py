@@ -175,7 +175,7 @@ _packed_rows: dict[int, int] = {}
 
 def packed_rows(qtype: int) -> int:
     """Rows of x up to which a linear with a repacked copy of its weight (tandem.pack_gemv, made at load for
-    Q4_0 / Q4_1 / Q5_0 / Q8_0 and Q2_K to Q6_K with int8 activations; the K-quants take every row count
+    Q4_0 / Q4_1 / Q5_0 / Q8_0 / MXFP4 and Q2_K to Q6_K with int8 activations; the K-quants take every row count
     where a body runs) runs tandem.gemv_packed_q8act, the GEMM's bits at 2-2.7x the row layout's GEMV
     (csrc/gemv_packed_q8act.cpp says where it was measured): 256 with AVX-512 VNNI and AMX (past it the GEMM's AMX
     tiles); 4096 with VNNI and no AMX (1.08-1.86x the GEMM's VNNI body up to 2048 rows, prefill

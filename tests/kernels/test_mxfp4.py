@@ -160,3 +160,27 @@ def test_refusals():
     if runnable((1,)):
         with pytest.raises(RuntimeError, match="MXFP4 need AVX-512 VNNI"):
             torch.ops.tandem.gemv_rows_q8act(torch.randn(2, 64), q.data, MXFP4, 64, None, 1)
+
+
+def test_packed_copy_and_moe_experts_give_the_gemms_bits():
+    """gpt-oss's decode path: each expert's packed copy (tandem.pack_gemv) gives the GEMM's bits on every body, and
+    tandem.moe_experts over the stacked copies equals its composition from those ops (each chosen expert's gate_up,
+    SiLU x up, down, weighted and summed in rank order), bit for bit."""
+    ops, n_exp, hidden, inter = torch.ops.tandem, 4, 96, 64
+    gate_up = [mxfp4(2 * inter, hidden, seed=10 + e) for e in range(n_exp)]
+    down = [mxfp4(hidden, inter, seed=20 + e) for e in range(n_exp)]
+    gus = torch.stack([ops.pack_gemv(q.data, MXFP4, hidden) for q in gate_up])
+    downs = torch.stack([ops.pack_gemv(q.data, MXFP4, inter) for q in down])
+    x = torch.randn(3, hidden)
+    ids, w = torch.tensor([[0, 2], [3, 1], [2, 2]]), torch.rand(3, 2)
+    for isa in runnable((1, 2), vnni=True):
+        gemm = ops.gemm_rows_q8act(x, gate_up[1].data, MXFP4, hidden, None, 0)
+        assert torch.equal(ops.gemv_packed_q8act(x, gus[1], MXFP4, hidden, 2 * inter, None, isa), gemm), isa
+        expect = []
+        for t in range(3):
+            y = [ops.gemv_packed_q8act(ops.silu_mul(ops.gemv_packed_q8act(x[t:t + 1], gus[e], MXFP4, hidden, 2 * inter,
+                                                                          None, isa), isa),
+                                       downs[e], MXFP4, inter, hidden, None, isa)[0] for e in ids[t].tolist()]
+            expect.append(y[0] * w[t, 0] + y[1] * w[t, 1])
+        got = ops.moe_experts(x, gus, MXFP4, downs, MXFP4, inter, ids, w, 0, isa)
+        assert torch.equal(got, torch.stack(expect)), isa
