@@ -49,7 +49,8 @@ NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
 # is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 / MXFP4 with VNNI: none, see
 # GEMM_ROWS). MXFP4 on AVX2 (and the scalar body) meets the GEMM there as Q4_0 does: its decode body sums 4-product
-# partials per lane, so gemv_is_gemm() is False and a linear takes the GEMM at every row count (QLinear.gemm_always).
+# partials per lane, so gemv_is_gemm() is False; a linear with its packed copy runs that at every row count on AVX2
+# (packed_rows), one without takes the GEMM at every row count (QLinear.gemm_always).
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).

@@ -281,8 +281,9 @@ int gemv_body(int64_t isa_req) {
 // thread), so the GEMM can take over from 17 rows (2.3x the former body at 64). AVX2: Q4_K up to 16 rows
 // (1.0-1.25x the decode body); Q4_1 and Q8_0 not (0.7-1.0x it; benchmarks/results/avx2_session.md); Q5_0 has
 // no AVX2 body. MXFP4 (gpt-oss's experts) up to 16 as Q5_0, whose arithmetic it shares (unsigned bytes, an offset
-// off each half's exact sum; one vpshufb where Q5_0 adds its fifth bits): at 1 row it runs 0.92-0.95x Q4_0's own
-// decode body on gpt-oss-20b's expert shapes (benchmarks/results/mxfp4_gemv.md; Intel Xeon with AMX, 2 threads);
+// off each half's exact sum; one vpshufb where Q5_0 adds its fifth bits): at 1 row it runs in 0.92-1.04x the time
+// of Q4_0's own decode body on gpt-oss-20b's expert shapes (benchmarks/results/mxfp4_gemv.md; Intel Xeon with AMX,
+// 2 threads; its row counts past 1 not measured);
 // AVX2: no body (linear_rows_q8act's own up to small_m()). 0: not this type or CPU (the scalar fallback keeps linear_rows_q8act's
 // own body).
 int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa_req) {
