@@ -5,13 +5,14 @@ each field of the 32-weight blocks gathered into one array, in the block's field
     Q4_0 [d fp16 x nb][qs x nb]                    Q4_1 [d fp16 x nb][m fp16 x nb][qs x nb]
     Q8_0 [d fp16 x nb][qs int8[32] x nb]
     Q5_0 [d fp16 x nb][qh u32 x nb][qs x nb]       Q5_1 [d fp16 x nb][m fp16 x nb][qh u32 x nb][qs x nb]
-    MXFP4 [e uint8 x nb][qs x nb]   (gpt-oss's experts: value kvalues_mxfp4[nibble] 2^(e - 128), see below)
-qs: 16 bytes of nibbles (Q4, Q5 low bits: element i < 16 the low nibble of byte i, i >= 16 the high nibble of
-byte i - 16), qh: bit i the fifth bit of element i. nb = K / 32 blocks. MXFP4's nibble is an E2M1 value, doubled to
-an integer of MXFP4_VALUES (-12..12), and e an E8M0 exponent: the block's scale 2^(e - 127) / 2, built from the
-bits as ggml's GGML_E8M0_TO_FP32_HALF (e < 2: the fp32 subnormals 2^-128, 2^-127), so every byte of e is finite. Scales apart from quants let a kernel
-convert 16 scales in one instruction and broadcast them from memory (measured: the per-block fp16 scale
-handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one execution port). K-quants
+    MXFP4 [e uint8 x nb][qs x nb]                  (gpt-oss's experts: value MXFP4_VALUES[nibble] 2^(e - 128))
+qs: 16 bytes of nibbles (Q4, Q5 low bits, MXFP4: element i < 16 the low nibble of byte i, i >= 16 the high nibble
+of byte i - 16), qh: bit i the fifth bit of element i. nb = K / 32 blocks. MXFP4's nibble is an E2M1 value doubled
+to an integer (-12..12), e an E8M0 exponent: the block's scale 2^(e - 127) / 2, from the bits as ggml's
+GGML_E8M0_TO_FP32_HALF (e < 2: the fp32 subnormals 2^-128, 2^-127), so every byte of e is finite (e8m0_half_ref).
+Scales apart from quants let a kernel convert 16 scales in one instruction and broadcast them from memory
+(measured: the per-block fp16 scale handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one
+execution port). K-quants
 (256-weight super-blocks): Q2_K, Q3_K and Q6_K rows keep the GGUF's bytes; Q4_K rows are regrouped (same size) as
 [16-byte super-block headers][quants, 16 bytes a 32-weight sub-block in Q4_0's nibble order], so the kernels
 treat a sub-block as a Q4_1 block (measured: the GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x
