@@ -1,13 +1,13 @@
-"""MXFP4 against Q4_0 on gpt-oss-20b's expert shapes (hidden 2880, expert width 2880: gate_up [5760, 2880], down
-[2880, 2880]): the int8 linear at a decode row count (the GEMV: linear_rows_q8act, which on AVX-512 VNNI runs
-gemv_rows_q8act for MXFP4 and its own decode body for Q4_0) and at a prefill-chunk row count (gemm_rows_q8act), on the
-row layout both types share; and the packed GEMV (gemv_packed_q8act on the copy pack_gemv makes at load, what a
-model's decode steps and moe_experts run) at the decode row count. The two types alternate in each round, so a noisy neighbour hits both; each round prints its
-times and the CPU steal over it (/proc/stat, 8th field of the cpu line). Weights are random blocks (the time does
-not depend on the values).
+"""MXFP4 against Q4_0 on gpt-oss-20b's expert shapes (hidden 2880, expert width 2880: gate_up [5760, 2880], down [2880,
+2880]): the int8 linear at a decode row count (the GEMV: linear_rows_q8act, which on AVX-512 VNNI runs
+gemv_rows_q8act for MXFP4 and its own decode body for Q4_0) and at a prefill-chunk row count (gemm_rows_q8act), on
+the row layout both types share; and the packed GEMV (gemv_packed_q8act on the copy pack_gemv makes at load, what a
+model's decode steps and moe_experts run) at the decode row count. The two types alternate in each round, so a noisy
+neighbour hits both; each round prints its times and the CPU steal over it (/proc/stat, 8th field of the cpu line).
+Weights are random blocks (the time does not depend on the values).
 
     flock /tmp/tandem-bench.lock .venv/bin/python benchmarks/mxfp4_gemv.py [--threads 2] [--rounds 5]
-    writes benchmarks/results/mxfp4_gemv.json and mxfp4_gemv.md
+    writes benchmarks/results/mxfp4_gemv.json (mxfp4_gemv.md beside it reads a run)
 """
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def main() -> None:
     with open(os.path.join(RESULTS, "mxfp4_gemv.json"), "w") as f:
         json.dump(result, f, indent=1)
     for c, s in summary.items():
-        print(f"{c}: " + ", ".join(f"{v} {t:.3f} ms" for v, t in s.items()) + f"; MXFP4 / Q4_0 {s['MXFP4'] / s['Q4_0']:.2f}")
+        times_ms = ", ".join(f"{v} {t:.3f} ms" for v, t in s.items())
+        print(f"{c}: {times_ms}; MXFP4 / Q4_0 {s['MXFP4'] / s['Q4_0']:.2f}")
 
 
 if __name__ == "__main__":

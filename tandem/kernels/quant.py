@@ -39,7 +39,8 @@ MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
-BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32), MXFP4: (1, 16)}
+BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32),
+                MXFP4: (1, 16)}
 # What tandem.linear_rows_q8act reads (kernels_act="int8", the default): every integer block type. F16 / BF16 weights
 # keep fp32 activations (their values are not integers; llama.cpp rounds x to F16 / BF16 for them instead).
 INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4})

@@ -1,7 +1,7 @@
-"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.gemv_packed_q8act; Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 and
-the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal gemm_rows_q8act's bit for bit
-at any row count, so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one that
-does not. Bad inputs are refused with a clear error."""
+"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.gemv_packed_q8act; Q4_0, Q4_1, Q5_0, Q8_0, MXFP4
+and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal gemm_rows_q8act's bit for
+bit at any row count, so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one
+that does not. Bad inputs are refused with a clear error."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The int8 GEMV with the GEMM's arithmetic (tandem.gemv_rows_q8act; Q4_1, Q4_K and Q8_0, an AVX-512 VNNI and an AVX2
-body; Q5_0, Gemma 3's main type, and MXFP4, gpt-oss's experts, the VNNI body only): its rows equal gemm_rows_q8act's bit for bit, so linear_rows_q8act
+body; Q5_0, Gemma 3's main type, and MXFP4, gpt-oss's experts, the VNNI body only): its rows equal gemm_rows_q8act's
+bit for bit, so linear_rows_q8act
 (which runs it up to gemv_rows_q8act_max_rows() rows and the GEMM past them, where that is not 0) gives a row the same
 bits at every row count, and SmolLM2 (Q4_1 + a Q8_0 head) decodes a request alone as in a batch where both its types
 have it (VNNI). Bad inputs are refused with a clear error."""

@@ -74,7 +74,8 @@ def test_gemm_bodies_and_gemv_are_one_arithmetic():
     for m in ROWS + (small_m(), small_m() + 1):
         spec = torch.ops.tandem.gemm_rows_q8act(x[:m], q.data, MXFP4, k, bias, 0)
         for body in gemm_bodies():
-            assert torch.equal(torch.ops.tandem.gemm_rows_q8act(x[:m], q.data, MXFP4, k, bias, body), spec), (m, body)
+            got = torch.ops.tandem.gemm_rows_q8act(x[:m], q.data, MXFP4, k, bias, body)
+            assert torch.equal(got, spec), (m, body)
         if m <= gv:
             assert torch.equal(torch.ops.tandem.gemv_rows_q8act(x[:m], q.data, MXFP4, k, bias, 2), spec), m
         xq, d = quantize_act_ref(x[:m])
@@ -138,7 +139,8 @@ def test_gguf_file_tensors_load_as_blocks(tmp_path):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     t = {t.name: t for t in GGUFFile(path).tensors}
     q = _tensor(t["blk.0.attn_q.weight"], quantized=True)
-    assert t["blk.0.attn_q.weight"].qtype == MXFP4 and isinstance(q, QuantWeight) and (q.qtype, q.shape) == (MXFP4, (8, 64))
+    assert t["blk.0.attn_q.weight"].qtype == MXFP4 and isinstance(q, QuantWeight)
+    assert (q.qtype, q.shape) == (MXFP4, (8, 64))
     expect = dequantize(quantize(mat, gguf.GGMLQuantizationType.MXFP4), gguf.GGMLQuantizationType.MXFP4)
     assert torch.equal(q.dequantize(), torch.from_numpy(expect))
     e = t["blk.0.ffn_gate_exps.weight"]
@@ -178,9 +180,10 @@ def test_packed_copy_and_moe_experts_give_the_gemms_bits():
         assert torch.equal(ops.gemv_packed_q8act(x, gus[1], MXFP4, hidden, 2 * inter, None, isa), gemm), isa
         expect = []
         for t in range(3):
-            y = [ops.gemv_packed_q8act(ops.silu_mul(ops.gemv_packed_q8act(x[t:t + 1], gus[e], MXFP4, hidden, 2 * inter,
-                                                                          None, isa), isa),
-                                       downs[e], MXFP4, inter, hidden, None, isa)[0] for e in ids[t].tolist()]
+            y = []
+            for e in ids[t].tolist():
+                gu = ops.gemv_packed_q8act(x[t:t + 1], gus[e], MXFP4, hidden, 2 * inter, None, isa)
+                y.append(ops.gemv_packed_q8act(ops.silu_mul(gu, isa), downs[e], MXFP4, inter, hidden, None, isa)[0])
             expect.append(y[0] * w[t, 0] + y[1] * w[t, 1])
         got = ops.moe_experts(x, gus, MXFP4, downs, MXFP4, inter, ids, w, 0, isa)
         assert torch.equal(got, torch.stack(expect)), isa

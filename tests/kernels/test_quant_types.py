@@ -12,13 +12,14 @@ from tests.helpers.isa import isas
 from tests.kernels.test_kernels import assert_close_sum
 
 from tandem import kernels
-from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, MXFP4, NATIVE_QTYPES, Q2_K, Q3_K, Q4_K,
-                                  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, linear_rows,
+from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, MXFP4, NATIVE_QTYPES, Q2_K, Q3_K,
+                                  Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, linear_rows,
                                   linear_rows_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
-NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "Q3_K": Q3_K, "Q2_K": Q2_K, "F16": F16, "BF16": BF16, "MXFP4": MXFP4}
+NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "Q3_K": Q3_K, "Q2_K": Q2_K, "F16": F16, "BF16": BF16,
+       "MXFP4": MXFP4}
 # Where a block's fp16 scales sit (d, and m / dmin): every other byte of a random block is valid.
 SCALE_BYTES = {Q5_0: slice(0, 2), Q5_1: slice(0, 4), Q5_K: slice(0, 4), Q3_K: slice(108, 110), Q2_K: slice(80, 84)}
 
