@@ -2,7 +2,8 @@
 byte and nibble; the native dequantize equals it on every ISA body; the int8 GEMM's bodies (scalar, AVX2, VNNI,
 AMX) and the VNNI GEMV are one arithmetic, bit for bit; linear_rows_q8act's own bodies are the float64 reference up
 to fp32 summation order; a row's bits do not depend on how many rows ride with it on either side of small_m() (and
-not at all where the GEMV has the type); a GGUF file's MXFP4 tensors load as QuantWeight blocks."""
+not at all where the GEMV has the type, nor in a model's linear, which runs the packed copy); the packed copy and
+moe_experts give the GEMM's bits; a GGUF file's MXFP4 tensors load as QuantWeight blocks."""
 from __future__ import annotations
 
 import numpy as np
@@ -187,3 +188,17 @@ def test_packed_copy_and_moe_experts_give_the_gemms_bits():
             expect.append(y[0] * w[t, 0] + y[1] * w[t, 1])
         got = ops.moe_experts(x, gus, MXFP4, downs, MXFP4, inter, ids, w, 0, isa)
         assert torch.equal(got, torch.stack(expect)), isa
+
+
+def test_a_model_linear_gives_a_row_the_same_bits_at_every_row_count():
+    """QLinear over an MXFP4 weight (int8 activations: its packed copy, the GEMV and the GEMM as the row count asks):
+    a row alone, in a decode-sized step and in a prefill-sized one is the same bits, and close to the reference."""
+    from tandem.model.linear import QLinear
+    q, bias = mxfp4(40, 2880, seed=3), torch.randn(40)
+    lin = QLinear(q, bias, int8_act=True)
+    assert lin.packed is not None and lin.packed_rows > 0
+    x = torch.randn(300, 2880)
+    full = lin(x)
+    for m in (1, 2, 7, 16, 17, small_m(), small_m() + 1, 299):
+        assert torch.equal(lin(x[:m]), full[:m]), m
+    assert float((full - linear_rows_q8act_ref(x, q, bias)).abs().max()) < 1e-3 * float(full.abs().max())
