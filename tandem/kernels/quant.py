@@ -5,10 +5,14 @@ each field of the 32-weight blocks gathered into one array, in the block's field
     Q4_0 [d fp16 x nb][qs x nb]                    Q4_1 [d fp16 x nb][m fp16 x nb][qs x nb]
     Q8_0 [d fp16 x nb][qs int8[32] x nb]
     Q5_0 [d fp16 x nb][qh u32 x nb][qs x nb]       Q5_1 [d fp16 x nb][m fp16 x nb][qh u32 x nb][qs x nb]
-qs: 16 bytes of nibbles (Q4, Q5 low bits: element i < 16 the low nibble of byte i, i >= 16 the high nibble of
-byte i - 16), qh: bit i the fifth bit of element i. nb = K / 32 blocks. Scales apart from quants let a kernel
-convert 16 scales in one instruction and broadcast them from memory (measured: the per-block fp16 scale
-handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one execution port). K-quants
+    MXFP4 [e uint8 x nb][qs x nb]                  (gpt-oss's experts: value MXFP4_VALUES[nibble] 2^(e - 128))
+qs: 16 bytes of nibbles (Q4, Q5 low bits, MXFP4: element i < 16 the low nibble of byte i, i >= 16 the high nibble
+of byte i - 16), qh: bit i the fifth bit of element i. nb = K / 32 blocks. MXFP4's nibble is an E2M1 value doubled
+to an integer (-12..12), e an E8M0 exponent: the block's scale 2^(e - 127) / 2, from the bits as ggml's
+GGML_E8M0_TO_FP32_HALF (e < 2: the fp32 subnormals 2^-128, 2^-127), so every byte of e is finite (e8m0_half_ref).
+Scales apart from quants let a kernel convert 16 scales in one instruction and broadcast them from memory
+(measured: the per-block fp16 scale handling of the interleaved GGUF layout kept the AVX-512 decode kernel on one
+execution port). K-quants
 (256-weight super-blocks): Q2_K, Q3_K and Q6_K rows keep the GGUF's bytes; Q4_K rows are regrouped (same size) as
 [16-byte super-block headers][quants, 16 bytes a 32-weight sub-block in Q4_0's nibble order], so the kernels
 treat a sub-block as a Q4_1 block (measured: the GGUF's order, two sub-blocks sharing 32 bytes, cost 1.6x
@@ -27,21 +31,28 @@ import torch.nn.functional as F
 
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30                          # ggml type ids
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+MXFP4 = 39
 BLOCK_BYTES = {F16: 64, BF16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110,
-               Q4_K: 144, Q5_K: 176, Q6_K: 210}   # per block (F16 / BF16: 32 halves)
+               Q4_K: 144, Q5_K: 176, Q6_K: 210, MXFP4: 17}   # per block (F16 / BF16: 32 halves)
+# MXFP4's nibble -> twice its E2M1 value (ggml's kvalues_mxfp4), so a block's scale is 2^(e - 127) / 2.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 BLOCK_WEIGHTS = {q: 256 if q in K_QUANTS else 32 for q in BLOCK_BYTES}  # weights along K per block
 # Bytes of each field of a 32-weight block, in the GGUF's order (the regrouped row keeps one array a field).
-BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32)}
+BLOCK_FIELDS = {Q4_0: (2, 16), Q4_1: (2, 2, 16), Q5_0: (2, 4, 16), Q5_1: (2, 2, 4, 16), Q8_0: (2, 32),
+                MXFP4: (1, 16)}
 # What tandem.linear_rows_q8act reads (kernels_act="int8", the default): every integer block type. F16 / BF16 weights
 # keep fp32 activations (their values are not integers; llama.cpp rounds x to F16 / BF16 for them instead).
-INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+INT8_ACT_QTYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4})
 NATIVE_QTYPES = frozenset(BLOCK_BYTES)
 # Rows of x up to which the in-kernel GEMV bodies run (linear_rows, linear_rows_q8act; measured: 1.4x the fp32 GEMM at
 # 65 rows, even at 128); past it MKL's fp32 GEMM on weights dequantized into a reused buffer takes over, or with int8
 # activations the int8 GEMM gemm_rows_q8act (gemm_rows() below: right there, with VNNI and AVX2). Each body keeps
 # an output's operations the same at every row count on its side (batch invariance), not across: small_m()
-# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 with VNNI: none, see GEMM_ROWS).
+# is the one row count where a row's last bits can change (Q4_1 / Q4_K / Q8_0 / Q5_0 / MXFP4 with VNNI: none, see
+# GEMM_ROWS). MXFP4 on AVX2 (and the scalar body) meets the GEMM there as Q4_0 does: its decode body sums 4-product
+# partials per lane, so gemv_is_gemm() is False; a linear with its packed copy runs that at every row count on AVX2
+# (packed_rows), one without takes the GEMM at every row count (QLinear.gemm_always).
 SMALL_M = 96
 # The AVX2 body has half the registers and lanes: measured with it forced on this machine, it beat the fp32
 # GEMM at 8 rows (1.3x) and lost at 64 (0.5x).
@@ -167,7 +178,7 @@ _packed_rows: dict[int, int] = {}
 
 def packed_rows(qtype: int) -> int:
     """Rows of x up to which a linear with a repacked copy of its weight (tandem.pack_gemv, made at load for
-    Q4_0 / Q4_1 / Q5_0 / Q8_0 and Q2_K to Q6_K with int8 activations; the K-quants take every row count
+    Q4_0 / Q4_1 / Q5_0 / Q8_0 / MXFP4 and Q2_K to Q6_K with int8 activations; the K-quants take every row count
     where a body runs) runs tandem.gemv_packed_q8act, the GEMM's bits at 2-2.7x the row layout's GEMV
     (csrc/gemv_packed_q8act.cpp says where it was measured): 256 with AVX-512 VNNI and AMX (past it the GEMM's AMX
     tiles); 4096 with VNNI and no AMX (1.08-1.86x the GEMM's VNNI body up to 2048 rows, prefill
@@ -228,6 +239,8 @@ def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         return data.contiguous().view(torch.float16).float()
     if qtype == BF16:
         return (data.contiguous().view(torch.int16).int() << 16).view(torch.float32)
+    if qtype == MXFP4:
+        return _dequantize_mxfp4_ref(data, k)
     if qtype in (Q5_0, Q5_1):
         d, *m, qh, qs = torch.split(data, [nb * f for f in BLOCK_FIELDS[qtype]], dim=1)
         d = _half(d.reshape(n, nb, 2))                                                # [N, nb, 1]
@@ -245,6 +258,23 @@ def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         return (d * (q - 8)).reshape(n, k)
     m = data[:, 2 * nb:4 * nb].contiguous().view(torch.float16).float()[..., None]
     return (d * q + m).reshape(n, k)
+
+
+def e8m0_half_ref(e: torch.Tensor) -> torch.Tensor:
+    """fp32 2^(e - 128) of E8M0 bytes, from the bits (ggml's GGML_E8M0_TO_FP32_HALF): (e - 1) << 23, and for e < 2
+    the subnormals 0x00200000 << e."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def _dequantize_mxfp4_ref(data: torch.Tensor, k: int) -> torch.Tensor:
+    """MXFP4 rows [e x nb][qs x nb] -> fp32 [N, K]: value times the scale, one rounding (exact: a power of two
+    times an integer of at most 4 bits, subnormals included)."""
+    n, nb = data.shape[0], k // 32
+    d = e8m0_half_ref(data[:, :nb])[..., None]                                          # [N, nb, 1]
+    qs = data[:, nb:].reshape(n, nb, 16).long()
+    q = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[torch.cat([qs & 15, qs >> 4], dim=-1)]
+    return (q * d).reshape(n, k)
 
 
 def linear_rows_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

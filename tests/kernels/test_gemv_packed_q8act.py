@@ -1,7 +1,7 @@
-"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.gemv_packed_q8act; Q4_0, Q4_1, Q5_0, Q8_0 and
-the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal gemm_rows_q8act's bit for bit
-at any row count, so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one that
-does not. Bad inputs are refused with a clear error."""
+"""The int8 GEMV on weights repacked at load (tandem.pack_gemv / tandem.gemv_packed_q8act; Q4_0, Q4_1, Q5_0, Q8_0, MXFP4
+and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; AVX-512 VNNI and AVX2 bodies): its rows equal gemm_rows_q8act's bit for
+bit at any row count, so a model that runs it for its decode and verify steps gives the same tokens and logprobs as one
+that does not. Bad inputs are refused with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -11,14 +11,14 @@ from tests.kernels.test_gemm_rows_q8act import _weight
 from tests.kernels.test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_rows,
+from tandem.kernels.quant import (MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_rows,
                                   linear_rows_q8act_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.gemv_packed_q8act_max_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX2")
 BODIES = runnable((1, 2), vnni=True)                             # AVX2, and AVX-512 VNNI where it is here
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q2_K": Q2_K, "Q3_K": Q3_K, "Q4_K": Q4_K, "Q5_K": Q5_K,
-         "Q6_K": Q6_K}
+         "Q6_K": Q6_K, "MXFP4": MXFP4}
 T = torch.ops.tandem
 
 
@@ -164,9 +164,9 @@ def test_k_quant_linear_rows_keeps_each_weight_once():
 
 def test_refusals():
     q = _weight(20, 256, Q5_1, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
         T.pack_gemv(q.data, Q5_1, 256)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
         T.gemv_packed_q8act(torch.randn(1, 256), q.data, Q5_1, 256, 20)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         T.pack_gemv(_weight(20, 256, Q4_K, seed=0).data, Q4_K, 320)

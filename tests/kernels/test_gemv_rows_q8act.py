@@ -1,5 +1,6 @@
 """The int8 GEMV with the GEMM's arithmetic (tandem.gemv_rows_q8act; Q4_1, Q4_K and Q8_0, an AVX-512 VNNI and an AVX2
-body; Q5_0, Gemma 3's main type, the VNNI body only): its rows equal gemm_rows_q8act's bit for bit, so linear_rows_q8act
+body; Q5_0, Gemma 3's main type, and MXFP4, gpt-oss's experts, the VNNI body only): its rows equal gemm_rows_q8act's
+bit for bit, so linear_rows_q8act
 (which runs it up to gemv_rows_q8act_max_rows() rows and the GEMM past them, where that is not 0) gives a row the same
 bits at every row count, and SmolLM2 (Q4_1 + a Q8_0 head) decodes a request alone as in a batch where both its types
 have it (VNNI). Bad inputs are refused with a clear error."""
@@ -12,13 +13,13 @@ from tests.kernels.test_gemm_rows_q8act import _weight
 from tests.kernels.test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, linear_rows
+from tandem.kernels.quant import MXFP4, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, linear_rows
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.isa(-1) < 1,
                                 reason="needs the native kernels on a CPU with AVX2")
-TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0, "Q5_0": Q5_0}
+TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0, "Q5_0": Q5_0, "MXFP4": MXFP4}
 BODIES = runnable((1, 2), vnni=True)                                     # AVX2, and VNNI where it is here
-VNNI_ONLY = {Q5_0}                                                       # types the AVX2 body does not have
+VNNI_ONLY = {Q5_0, MXFP4}                                                       # types the AVX2 body does not have
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -68,13 +69,13 @@ def test_rows_and_refusals():
     if torch.ops.tandem.isa(-1) < 2:                           # AVX2: Q4_1 and Q8_0 keep linear_rows_q8act's faster body
         assert torch.ops.tandem.gemv_rows_q8act_max_rows(Q4_1) == torch.ops.tandem.gemv_rows_q8act_max_rows(Q8_0) == 0
     q = _weight(4, 256, Q6_K, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_1, Q4_K, Q8_0 or Q5_0"):
+    with pytest.raises(RuntimeError, match="Q4_1, Q4_K, Q8_0, Q5_0 or MXFP4"):
         torch.ops.tandem.gemv_rows_q8act(torch.randn(2, 256), q.data, Q6_K, 256)
     q = _weight(4, 256, Q8_0, seed=0)
     with pytest.raises(RuntimeError, match="needs AVX2"):                    # isa 0: the scalar cap
         torch.ops.tandem.gemv_rows_q8act(torch.randn(2, 256), q.data, Q8_0, 256, None, 0)
     q5 = _weight(4, 256, Q5_0, seed=0)
-    with pytest.raises(RuntimeError, match="Q5_0 needs AVX-512 VNNI"):       # isa 1: the AVX2 body
+    with pytest.raises(RuntimeError, match="Q5_0 and MXFP4 need AVX-512 VNNI"):       # isa 1: the AVX2 body
         torch.ops.tandem.gemv_rows_q8act(torch.randn(2, 256), q5.data, Q5_0, 256, None, 1)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         torch.ops.tandem.gemv_rows_q8act(torch.randn(2, 128), q.data, Q8_0, 256)

@@ -12,14 +12,15 @@ from tests.kernels.test_kernels import assert_close_sum, blocks
 from tests.kernels.test_quant_types import weights, whole
 
 from tandem import kernels
-from tandem.kernels.quant import (F16, INT8_ACT_QTYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-                                  Q8_0, dequantize_ref, gemm_rows, linear_rows, linear_rows_q8act_ref, quantize_act_ref,
+from tandem.kernels.quant import (F16, INT8_ACT_QTYPES, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
+                                  Q6_K, Q8_0, dequantize_ref, gemm_rows, linear_rows, linear_rows_q8act_ref,
+                                  quantize_act_ref,
                                   small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q8_0": Q8_0, "Q2_K": Q2_K, "Q3_K": Q3_K,
-         "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+         "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K, "MXFP4": MXFP4}
 
 
 def test_every_integer_type_reads_int8():

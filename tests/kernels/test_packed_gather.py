@@ -1,5 +1,6 @@
 """tandem.packed_gather: rows of a weight read out of its packed copy (tandem.pack_gemv's layouts: Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K and Q4_0, Q4_1, Q5_0, Q8_0) are tandem.dequantize's rows of the row layout bit for bit, on every
+Q4_K, Q5_K, Q6_K and Q4_0, Q4_1, Q5_0, Q8_0, MXFP4) are tandem.dequantize's rows of the row layout bit for bit, on
+every
 ISA body, for any rows (N off the 16-row groups, the last group's rows, repeated rows), so a tied model's token
 lookup in its LM head's packed copy changes no bit. Bad arguments are refused with a clear error."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from tests.helpers.isa import runnable
 from tests.kernels.test_gemm_rows_q8act import _weight
 
 from tandem import kernels
-from tandem.kernels.quant import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_gather
+from tandem.kernels.quant import MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_gather
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
 T = torch.ops.tandem
@@ -41,7 +42,8 @@ def test_k_quant_rows_are_dequantizes_bit_for_bit(name, qtype, n, k):
     _check(qtype, n, k, seed=n + k)
 
 
-@pytest.mark.parametrize("name, qtype", [("Q4_0", Q4_0), ("Q4_1", Q4_1), ("Q5_0", Q5_0), ("Q8_0", Q8_0)])
+@pytest.mark.parametrize("name, qtype", [("Q4_0", Q4_0), ("Q4_1", Q4_1), ("Q5_0", Q5_0), ("Q8_0", Q8_0),
+                                         ("MXFP4", MXFP4)])
 @pytest.mark.parametrize("n, k", [(37, 32), (203, 96), (17, 576)])
 def test_block_type_rows_are_dequantizes_bit_for_bit(name, qtype, n, k):
     """The 32-weight types: where the packed copy takes every row count (AVX2), their heads drop the rows too."""
@@ -72,7 +74,7 @@ def test_refusals():
         T.packed_gather(packed, Q6_K, 512, 37, torch.tensor([36, 37]))
     with pytest.raises(RuntimeError, match=r"index\[0\] = -1 is out of range"):
         T.packed_gather(packed, Q6_K, 512, 37, torch.tensor([-1]))
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K"):
         T.packed_gather(packed, Q5_1, 512, 37, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="multiple of 256"):
         T.packed_gather(packed, Q6_K, 320, 37, torch.tensor([0]))

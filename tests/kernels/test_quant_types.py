@@ -12,13 +12,14 @@ from tests.helpers.isa import isas
 from tests.kernels.test_kernels import assert_close_sum
 
 from tandem import kernels
-from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, NATIVE_QTYPES, Q2_K, Q3_K, Q4_K,
-                                  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, linear_rows,
+from tandem.kernels.quant import (BF16, BLOCK_BYTES, BLOCK_WEIGHTS, F16, K_QUANTS, MXFP4, NATIVE_QTYPES, Q2_K, Q3_K,
+                                  Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantWeight, dequantize_ref, linear_rows,
                                   linear_rows_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernels not built: "
                                 f"{kernels.unavailable_reason()}")
-NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "Q3_K": Q3_K, "Q2_K": Q2_K, "F16": F16, "BF16": BF16}
+NEW = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q5_K": Q5_K, "Q3_K": Q3_K, "Q2_K": Q2_K, "F16": F16, "BF16": BF16,
+       "MXFP4": MXFP4}
 # Where a block's fp16 scales sit (d, and m / dmin): every other byte of a random block is valid.
 SCALE_BYTES = {Q5_0: slice(0, 2), Q5_1: slice(0, 4), Q5_K: slice(0, 4), Q3_K: slice(108, 110), Q2_K: slice(80, 84)}
 
@@ -33,6 +34,9 @@ def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
         h[(h & exp) == exp] &= ~np.uint16(0x4000)
         return torch.from_numpy(h.view(np.uint8))
     b = rng.integers(0, 256, (n, k // BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]), dtype=np.uint8)
+    if qtype == MXFP4:                              # every exponent byte is finite: small ones, weights ~0.01-1
+        b[..., 0] = rng.integers(118, 128, b.shape[:2], dtype=np.uint8)
+        return torch.from_numpy(b.reshape(n, -1))
     s = SCALE_BYTES[qtype]
     b[..., s] = (rng.standard_normal((*b.shape[:2], (s.stop - s.start) // 2)) * 0.01).astype(np.float16).view(np.uint8)
     return torch.from_numpy(b.reshape(n, -1))
@@ -55,7 +59,7 @@ def whole(k: int, qtype: int) -> int:
 
 
 def test_new_types_are_native():
-    assert {Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16} <= NATIVE_QTYPES
+    assert {Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, F16, BF16, MXFP4} <= NATIVE_QTYPES
 
 
 @pytest.mark.parametrize("name", NEW)

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "mxfp4.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -87,6 +88,17 @@ void unpack_row(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, float* dw
     }
     return;
   }
+  if (qt == kMXFP4) {                 // [e x nb][qs x nb]: the signed values, the scale 2^(e - 128) a block
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* s = row + nb + 16 * b;
+      for (int i = 0; q && i < 16; ++i) {
+        q[32 * b + i] = kMxfp4Values[s[i] & 15];
+        q[32 * b + 16 + i] = kMxfp4Values[s[i] >> 4];
+      }
+      dw[2 * b] = dw[2 * b + 1] = e8m0_half(row[b]);
+    }
+    return;
+  }
   const bool k = qt == kQ4_K || qt == kQ5_K, q5 = qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K;
   if (k) row_k_scales(qt, row, nb, sc);
   if (qt == kQ8_0) {
@@ -116,13 +128,14 @@ void unpack_row(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, float* dw
 
 // unpack_row's quants with AVX2, 32 a block (the scales and mins still from unpack_row's scalar code paths,
 // which are 1/16 of the work): Q4 / Q5 nibbles spread to bytes (Q5: the fifth bits from qh as a byte mask),
-// Q8_0 as is, Q6_K by q6_k_bytes; Q2_K / Q3_K stay scalar. hs [2 nb]: each half's sum of q.
+// Q8_0 as is, Q6_K by q6_k_bytes, MXFP4's nibbles looked up as signed values (vpshufb); Q2_K / Q3_K stay scalar. hs [2 nb]: each half's sum of q.
 TANDEM_KERNEL_AVX2 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64_t nb, int8_t* q, int32_t* hs) {
   const __m128i m4 = _mm_set1_epi8(0x0f);
-  const bool k = qt == kQ4_K || qt == kQ5_K, q5 = qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K;
-  const uint8_t* qh = row + (k ? 2 : has_min(qt) ? 4 : 2) * nb;
+  const bool k = qt == kQ4_K || qt == kQ5_K, q5 = qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K, mx = qt == kMXFP4;
+  const uint8_t* qh = row + (mx ? 1 : k ? 2 : has_min(qt) ? 4 : 2) * nb;
   const uint8_t* qs = qh + (q5 ? 4 * nb : 0);
-  const __m256i off = _mm256_set1_epi8((char)(has_min(qt) ? 0 : q5 ? 16 : 8));
+  const __m256i off = _mm256_set1_epi8((char)(has_min(qt) || mx ? 0 : q5 ? 16 : 8));
+  const __m128i mx_table = _mm_loadu_si128((const __m128i*)kMxfp4Values);
   const __m256i bias = _mm256_set1_epi8((char)0x80);
   if (qt == kQ2_K || qt == kQ3_K) return false;
   for (int64_t b = 0; b < nb; ++b) {
@@ -136,6 +149,7 @@ TANDEM_KERNEL_AVX2 bool unpack_quants_avx2(int64_t qt, const uint8_t* row, int64
     } else {
       const __m128i raw = _mm_loadu_si128((const __m128i*)(qs + 16 * b));
       v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+      if (mx) v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(mx_table), v);
       if (q5) {
         uint32_t hb;
         std::memcpy(&hb, qh + 4 * b, 4);
@@ -331,7 +345,7 @@ template <bool MIN, int MODE>
 std::pair<TileFn<WTile>, TileFn<WTile>> avx2_pair() { return {tile_avx2<MIN, MODE, 2>, tile_avx2<MIN, MODE, 1>}; }
 
 std::pair<TileFn<WTile>, TileFn<WTile>> avx2_tiles(int64_t qt) {
-  const bool narrow = qt == kQ4_0 || qt == kQ4_1 || qt == kQ4_K || qt == kQ2_K || qt == kQ3_K;
+  const bool narrow = qt == kQ4_0 || qt == kQ4_1 || qt == kQ4_K || qt == kQ2_K || qt == kQ3_K || qt == kMXFP4;
   if (qt == kQ8_0) return avx2_pair<false, kQ8>();
   if (has_min(qt)) return narrow ? avx2_pair<true, kNarrow>() : avx2_pair<true, kWide>();
   return narrow ? avx2_pair<false, kNarrow>() : avx2_pair<false, kWide>();
@@ -344,7 +358,7 @@ bool cpu_has_amx();
 int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa_req) {
   switch (qtype) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: break;
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kMXFP4: break;
     default: return 0;
   }
   const Isa isa = resolve_isa(isa_req);

@@ -1,4 +1,4 @@
-// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q5_0, Q8_0; an AVX-512 VNNI and an AVX2 body): for the rows
+// The int8 GEMV on weights repacked at load (Q4_0, Q4_1, Q5_0, Q8_0, MXFP4; an AVX-512 VNNI and an AVX2 body): for the rows
 // of x of a decode step or a speculative verify step (up to gemv_packed_q8act_max_rows()), each output computed by
 // gemm_rows_q8act's operations in gemm_rows_q8act's order (gemm_rows_q8act.cpp's header), so its rows are bit for bit
 // the GEMM's and gemv_rows_q8act's at any row count.
@@ -17,6 +17,7 @@
 //     bytes of the block (GGUF order: low nibble element 4 p + t, high nibble element 16 + 4 p + t), so the low
 //     nibbles of vector p are half 0's quants 4 p .. 4 p + 3 of every row and the high nibbles half 1's.
 //   Q5_0, QB = 320: Q4_0's 4 vectors, then H, the block's 64 bytes of fifth bits (packed_q5.h).
+//   MXFP4, QB = 256: Q4_0's 4 vectors, looked up as value + 12; its scales bf16 where Q4_0's d is (packed_mxfp4.h).
 //   Q8_0, QB = 512: vector 4 h + p holds byte 16 h + 4 p + t of row r's 32 quants at 4 r + t, xor 0x80 (w + 128,
 //     unsigned for vpdpbusd).
 // The operand vpdpbusd takes unsigned is the weight: Q4_1's nibbles are its quants; Q4_0's are q + 8, so a half's
@@ -31,6 +32,7 @@
 
 #include "ops.h"
 #include "packed_layout.h"
+#include "packed_mxfp4.h"
 #include "packed_q5.h"
 #include "vec.h"
 
@@ -68,15 +70,15 @@ TANDEM_KERNEL_VNNI void tile(const uint8_t* gp, int64_t gbytes, int64_t nb, cons
       } else {
         for (int p = 0; p < 4; ++p) {
           const __m512i v = _mm512_loadu_si512(q + 64 * p);
-          w[p] = _mm512_and_si512(v, m4);
-          w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          w[p] = packed_values512<QT>(_mm512_and_si512(v, m4));
+          w[4 + p] = packed_values512<QT>(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
         }
       }
       if constexpr (QT == kQ5_0) {
         const __m512i hb = _mm512_loadu_si512(q + 256);
         for (int p = 0; p < 4; ++p) w[p] = q5_bits512(w[p], hb, p, 0), w[4 + p] = q5_bits512(w[4 + p], hb, p, 1);
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
+      const __m512 d = packed_scales512<QT>(sc);
       __m512 mn = _mm512_setzero_ps();
       if constexpr (QT == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32 * nb)));
       for (int j = 0; j < MT; ++j) {
@@ -169,15 +171,15 @@ TANDEM_KERNEL_AVX2 void tile_avx2(const uint8_t* gp, int64_t nb, const XRows& x,
       } else {
         for (int p = 0; p < 4; ++p) {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p + 32 * s));
-          w[p] = _mm256_and_si256(v, m4);
-          w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          w[p] = packed_values256<QT>(_mm256_and_si256(v, m4));
+          w[4 + p] = packed_values256<QT>(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
         }
       }
       if constexpr (QT == kQ5_0) {
         const __m256i hb = _mm256_loadu_si256((const __m256i*)(q + 256 + 32 * s));
         for (int p = 0; p < 4; ++p) w[p] = q5_bits256(w[p], hb, p, 0), w[4 + p] = q5_bits256(w[4 + p], hb, p, 1);
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16 * s)));
+      const __m256 d = packed_scales256<QT>(sc + 16 * s);
       __m256 mn = _mm256_setzero_ps();
       if constexpr (QT == kQ4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 * nb + 16 * s)));
       for (int j = 0; j < MT; ++j) {
@@ -212,7 +214,7 @@ TANDEM_KERNEL_AVX2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRow
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = gp + b * QB + 32 * s;
     const uint8_t* sc = gp + nb * QB + 32 * b + 16 * s;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
+    const __m256 d = packed_scales256<QT>(sc);
     __m256 mn = _mm256_setzero_ps();
     if constexpr (QT == kQ4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32 * nb)));
     for (int h = 0; h < 2; ++h) {
@@ -223,7 +225,7 @@ TANDEM_KERNEL_AVX2 void tile_avx2_rows(const uint8_t* gp, int64_t nb, const XRow
           aw[p] = _mm256_abs_epi8(w[p]);
         } else {
           const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
-          w[p] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+          w[p] = packed_values256<QT>(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4));
           if constexpr (QT == kQ5_0) w[p] = q5_bits256(w[p], _mm256_loadu_si256((const __m256i*)(q + 256)), p, h);
         }
       }
@@ -352,8 +354,8 @@ int64_t gemv_packed_q8act_max_rows(int64_t qtype) {
 at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                              const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   TORCH_CHECK(packable(qtype) || packable_k(qtype),
-              "tandem.gemv_packed_q8act: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
-              "10-14), got ", qtype);
+              "tandem.gemv_packed_q8act: Q4_0, Q4_1, Q5_0, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, "
+              "6, 8, 39, 10-14), got ", qtype);
   const int body = packed_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.gemv_packed_q8act needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK(N > 0, "tandem.gemv_packed_q8act: N must be > 0");
@@ -374,7 +376,7 @@ at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, i
   auto [x, bias, y] = linear_io(x_in, bias_in, N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
-  const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
+  const PackedX px = quantize_packed_x(x, x_offset(qtype));
   const XRows xr{px.q, px.dx, px.sxh, px.off, K, nh};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -387,6 +389,7 @@ at::Tensor gemv_packed_q8act(const at::Tensor& x_in, const at::Tensor& packed, i
     if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else if (qtype == kQ5_0) groups<kQ5_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
+    else if (qtype == kMXFP4) groups<kMXFP4>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
     else groups<kQ8_0>(body, wp, gbytes, nb, xr, M, bp, yp, N, g0, g1);
   });
   return y;
@@ -407,7 +410,7 @@ void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, cons
   const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
-  const PackedX px = quantize_packed_x(x, qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0);
+  const PackedX px = quantize_packed_x(x, x_offset(qtype));
   split_jobs(J, NG, 4, [&](int64_t j, int64_t g0, int64_t g1) {     // gemv_packed_q8act's chunks for one row
     const int64_t m = j / rep;
     const XRows xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
@@ -416,6 +419,7 @@ void gemv_packed_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, cons
     if (qtype == kQ4_1) groups<kQ4_1>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);
     else if (qtype == kQ4_0) groups<kQ4_0>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);
     else if (qtype == kQ5_0) groups<kQ5_0>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);
+    else if (qtype == kMXFP4) groups<kMXFP4>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);
     else groups<kQ8_0>(body, wp, gbytes, nb, xr, 1, nullptr, yj, N, g0, g1);
   });
 }

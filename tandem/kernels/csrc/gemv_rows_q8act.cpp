@@ -1,4 +1,4 @@
-// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K, Q8_0 and, VNNI only, Q5_0; an AVX-512 VNNI body here,
+// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K, Q8_0 and, VNNI only, Q5_0 and MXFP4; an AVX-512 VNNI body here,
 // an AVX2 one in gemv_rows_q8act_avx2.inc): for a few rows of x, each
 // output computed by gemm_rows_q8act's operations in gemm_rows_q8act's order (gemm_rows_q8act.cpp's header), so its
 // rows are bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
@@ -19,6 +19,7 @@
 
 #include <vector>
 
+#include "mxfp4.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -40,7 +41,9 @@ constexpr int kMx = 4;      // rows of x per pass over a group's weights
 // copy (predecode; only Q5_0 takes it, see `predecoded` in gemv_rows_q8act).
 constexpr int64_t base_of(int64_t qt) { return qt < 0 ? -qt : qt; }
 constexpr bool gv_min(int64_t qt) { return base_of(qt) == kQ4_1 || base_of(qt) == kQ4_K; }   // a second fma a half
-constexpr bool is_q5(int64_t qt) { return base_of(qt) == kQ5_0; }
+// Types whose bytes ride unsigned with an offset taken off each half's exact sum (x.hs_off): Q5_0's 5-bit
+// values (v - 16), MXFP4's looked-up values + 12 (mxfp4.h).
+constexpr bool has_offset(int64_t qt) { return base_of(qt) == kQ5_0 || base_of(qt) == kMXFP4; }
 
 
 // Four weight rows' [4 halves x 4 partials] int32 sums -> [4 halves][4 rows]: each 128-bit lane a half, its 4
@@ -83,12 +86,15 @@ TANDEM_KERNEL_VNNI inline void transpose16(__m512 m[16]) {
 
 // The group's scales with lanes over its rows, as gemm_rows_q8act unpacks them (both halves of a block share them):
 // dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; Q4_K its sub-blocks'
-// fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]). 16 blocks of the 16 rows at a time, transposed.
+// fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]); MXFP4 its blocks' 2^(e - 128) (into tmp too).
+// 16 blocks of the 16 rows at a time, transposed.
 TANDEM_KERNEL_VNNI void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh,
                                      float* tmp) {
-  const bool kq = qt == kQ4_K;
-  if (kq)
-    for (int r = 0; r < kG; ++r) k_scales(qt, rows[r], nb, tmp + r * 4 * nb);
+  const bool kq = qt == kQ4_K || qt == kMXFP4;
+  for (int r = 0; kq && r < kG; ++r) {
+    if (qt == kMXFP4) e8m0_halves(rows[r], nb, tmp + r * 4 * nb);
+    else k_scales(qt, rows[r], nb, tmp + r * 4 * nb);
+  }
   for (int part = 0; part < (gv_min(qt) ? 2 : 1); ++part) {
     float* out = part ? mh : dw;
     for (int64_t b = 0; b < nb; b += 16) {
@@ -117,14 +123,19 @@ struct Group {            // kG weight rows (past N: a zero row) and their trans
 // hi 16-31 (bytes past nb zero). Q4_1 [d][m][qs], Q4_K [headers][qs]: the nibbles. Q5_0 [d][qh][qs]: nibble |
 // fifth bit << 4, the fifth bits from qh of 4 blocks (4 bytes each, bit j = element j) as byte masks over the 64
 // nibble bytes, bits 0-15 of each block's word for lo, 16-31 for hi (16 bytes from qh + 4 b stay inside the
-// row: qs follows qh).
+// row: qs follows qh). MXFP4 [e][qs]: the nibbles looked up as value + 12 (bytes past nb: zero).
 template <int64_t QT>
 TANDEM_KERNEL_VNNI inline void nibble_values(const uint8_t* row, int64_t nb, int64_t b, __m512i& lo, __m512i& hi) {
   const __mmask64 mk = nb - b >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * (nb - b))) - 1);
   const __m512i m16 = _mm512_set1_epi8(0x0f);
-  const __m512i v = _mm512_maskz_loadu_epi8(mk, row + (QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 2) * nb + 16 * b);
+  const __m512i v = _mm512_maskz_loadu_epi8(mk, row + (QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : QT == kMXFP4 ? 1 : 2) * nb + 16 * b);
   lo = _mm512_and_si512(v, m16);
   hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m16);
+  if constexpr (QT == kMXFP4) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kMxfp4Unsigned));
+    lo = _mm512_maskz_shuffle_epi8(mk, table, lo);
+    hi = _mm512_maskz_shuffle_epi8(mk, table, hi);
+  }
   if constexpr (QT == kQ5_0) {
     const __m512i b16 = _mm512_set1_epi8(0x10);
     const __m128i qh_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -148,7 +159,8 @@ TANDEM_KERNEL_VNNI void predecode(const uint8_t* const* rows, int64_t nb, uint8_
 
 // Step b of a group for one row of x: the exact sums of the halves the step covers (Q4_1 / Q4_K / Q5_0: blocks
 // b .. b + 3, o[0..3] elements 0-15, o[4..7] 16-31; Q8_0: blocks b, b + 1, o[0..3] their 4 halves in order).
-// Q5_0's sums here are of its unsigned 5-bit values (nibble | fifth bit << 4): group_rows takes 16 sum(x) off.
+// Q5_0's sums here are of its unsigned 5-bit values (nibble | fifth bit << 4), MXFP4's of value + 12: group_rows
+// takes 16 (12) sum(x) off.
 template <int64_t QT>
 TANDEM_KERNEL_VNNI inline void step_sums(const Group& g, int64_t b, const int8_t* xp, __m512i o[8]) {
   const int64_t nb = g.nb;
@@ -204,7 +216,8 @@ struct XRows {            // rows of x rounded as gemm_rows_q8act rounds them, i
                               // Q8_0 natural
   const float *dx, *sxh;      // [M][2 nb]
   int64_t stride;
-  const int32_t* hs16;        // [M][2 nb] 16 x each half's sum of q (Q5_0's offset: its quants are v - 16)
+  const int32_t* hs_off;      // [M][2 nb] the offset x each half's sum of q (Q5_0: 16, its quants are v - 16;
+                              // MXFP4: 12, its bytes value + 12)
 };
 
 // y [mt][kG] (nr real rows) of one group against rows m0 .. m0 + mt - 1 of x, the chains of the mt rows of x
@@ -229,7 +242,7 @@ TANDEM_KERNEL_VNNI void group_rows(const Group& g, const XRows& x, int64_t m0, c
       for (int64_t h = 0; h < halves; ++h) {           // halves in order: Q4_1 o[i] is block b + i's first half
         const int64_t u = u0 + h;
         __m512i isum = QT != kQ8_0 ? o[(h / 2) + 4 * (h % 2)] : o[h];
-        if constexpr (is_q5(QT)) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(x.hs16[m * nh + u]));
+        if constexpr (has_offset(QT)) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(x.hs_off[m * nh + u]));
         f[j] = chain<QT>(f[j], isum, dx[u], sxh[u], g, u);
       }
     }
@@ -267,11 +280,15 @@ int gemv_body(int64_t isa_req) {
 // 8; Q5_0 (Gemma 3's q / k / gate / up) up to 16, 1.1-1.5x its former body at 1-16 rows (AMD EPYC, one
 // thread), so the GEMM can take over from 17 rows (2.3x the former body at 64). AVX2: Q4_K up to 16 rows
 // (1.0-1.25x the decode body); Q4_1 and Q8_0 not (0.7-1.0x it; benchmarks/results/avx2_session.md); Q5_0 has
-// no AVX2 body. 0: not this type or CPU (the scalar fallback keeps linear_rows_q8act's
+// no AVX2 body. MXFP4 (gpt-oss's experts) up to 16 as Q5_0, whose arithmetic it shares (unsigned bytes, an offset
+// off each half's exact sum; one vpshufb where Q5_0 adds its fifth bits): at 1 row it runs in 0.92-1.04x the time
+// of Q4_0's own decode body on gpt-oss-20b's expert shapes (benchmarks/results/mxfp4_gemv.md; Intel Xeon with AMX,
+// 2 threads; its row counts past 1 not measured);
+// AVX2: no body (linear_rows_q8act's own up to small_m()). 0: not this type or CPU (the scalar fallback keeps linear_rows_q8act's
 // own body).
 int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa_req) {
   const int body = gemv_body(isa_req);
-  if (body == 2) return qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 8 : 0;
+  if (body == 2) return qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ5_0 || qtype == kMXFP4 ? 16 : qtype == kQ8_0 ? 8 : 0;
   if (body == 1) return qtype == kQ4_K ? 16 : 0;
   return 0;
 }
@@ -281,11 +298,12 @@ int64_t gemv_rows_q8act_max_rows(int64_t qtype) { return gemv_rows_q8act_max_row
 at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                            const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.gemv_rows_q8act", x_in, w, qtype, K, bias_in);
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0 || qtype == kQ5_0,
-              "tandem.gemv_rows_q8act: Q4_1, Q4_K, Q8_0 or Q5_0 (ggml types 3, 12, 8, 6), got ", qtype);
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kMXFP4,
+              "tandem.gemv_rows_q8act: Q4_1, Q4_K, Q8_0, Q5_0 or MXFP4 (ggml types 3, 12, 8, 6, 39), got ", qtype);
   const int body = gemv_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.gemv_rows_q8act needs AVX2 (or AVX-512 VNNI)");
-  TORCH_CHECK(qtype != kQ5_0 || body == 2, "tandem.gemv_rows_q8act: Q5_0 needs AVX-512 VNNI (the AVX2 body has no Q5_0)");
+  TORCH_CHECK((qtype != kQ5_0 && qtype != kMXFP4) || body == 2,
+              "tandem.gemv_rows_q8act: Q5_0 and MXFP4 need AVX-512 VNNI (the AVX2 body has neither)");
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0), nb = K / 32, nh = 2 * nb, row_bytes = w.size(1);
   if (M == 0 || N == 0) return y;
@@ -296,7 +314,8 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
   const int64_t xg = body == 2 ? 4 : 2, stride = q4 ? (nb + xg - 1) / xg * 32 * xg : (nb + 1) / 2 * 64;
   std::vector<int8_t> xq(M * stride, 0);
   std::vector<float> dx(M * nh), sxh(M * nh);
-  std::vector<int32_t> hs16(qtype == kQ5_0 ? M * nh : 0);
+  const int32_t offset = qtype == kQ5_0 ? 16 : qtype == kMXFP4 ? kMxfp4Offset : 0;
+  std::vector<int32_t> hs_off(offset ? M * nh : 0);
   {
     std::vector<int8_t> q(K);
     std::vector<float> sx(nb);
@@ -304,10 +323,10 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
       int8_t* row = xq.data() + m * stride;
       quantize_act_row(x.data_ptr<float>() + m * K, K, q4 ? q.data() : row, dx.data() + m * nh, sx.data(),
                        sxh.data() + m * nh);
-      for (int64_t u = 0; u < (int64_t)hs16.size() / M; ++u) {
+      for (int64_t u = 0; u < (int64_t)hs_off.size() / M; ++u) {
         int32_t sum = 0;
         for (int i = 0; i < 16; ++i) sum += q[16 * u + i];
-        hs16[m * nh + u] = 16 * sum;
+        hs_off[m * nh + u] = offset * sum;
       }
       for (int64_t b = 0; q4 && b < nb; ++b) {
         int8_t* g = row + (b / xg) * 32 * xg + (b % xg) * 16;
@@ -316,14 +335,14 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
       }
     }
   }
-  const XRows xr{xq.data(), dx.data(), sxh.data(), stride, hs16.data()};
+  const XRows xr{xq.data(), dx.data(), sxh.data(), stride, hs_off.data()};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int G = body == 2 ? kG : kG2;                  // weight rows of a group: the fp32 chain's lanes
   at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> zero(row_bytes, 0);
-    std::vector<float> dw(nb * G), mh(nb * G), tmp(qtype == kQ4_K ? G * 4 * nb : 0);
+    std::vector<float> dw(nb * G), mh(nb * G), tmp(qtype == kQ4_K || qtype == kMXFP4 ? G * 4 * nb : 0);
     // Q5_0 with several rows of x on the VNNI body: its values decoded once a group (predecode). Measured, one
     // thread, Gemma 3's 2048 x 640: 1.2x / 1.4x / 1.5x at 2 / 8 / 16 rows against decoding them for each row of x
     // (Q4_1 / Q4_K, whose decode is two ops, lose at 2 rows and gain nothing at 4-16: they decode inline).
@@ -352,6 +371,7 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
         else if (qtype == kQ4_1) group_all<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
         else if (qtype == kQ4_K) group_all<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
         else if (qtype == kQ5_0) group_all<kQ5_0>(g, xr, M, bn, yp + n0, N, nr);
+        else if (qtype == kMXFP4) group_all<kMXFP4>(g, xr, M, bn, yp + n0, N, nr);
         else group_all<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
       } else {
         if (qtype == kQ4_1) group_all_avx2<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);

@@ -7,6 +7,7 @@
 //   Q5_0 (22 B): d fp16 | qh[4] | qs[16]     value i = d * ((q4_i | (qh >> i & 1) << 4) - 16)
 //   Q5_1 (24 B): d fp16 | m fp16 | qh[4] | qs[16]   value i = d * (q4_i | (qh >> i & 1) << 4) + m
 //   F16 / BF16 (64 B): 32 halves              value i = the half, exact in fp32
+//   MXFP4 (17 B): e uint8 | qs[16]           value i = kMxfp4Values[q4_i] * 2^(e - 128) (mxfp4.h)
 // So element i < 16 is the low nibble of byte i, element i >= 16 the high nibble of byte i - 16 (q4_i), and
 // qh, a little-endian uint32, holds the fifth bit of element i at bit i.
 // K-quants, 256 weights along K per super-block (GGUF layout; Q4_K and Q5_K are regrouped at load, below):
@@ -28,6 +29,7 @@
 // nb = K / 32 blocks (F16 / BF16: the row's halves unchanged), otherwise regrouped (tandem/kernels/quant.py,
 // QuantWeight.from_gguf):
 //   [d fp16 x nb][m fp16 x nb, Q4_1 / Q5_1][qh uint32 x nb, Q5][qs x nb: 16 bytes (Q4, Q5) or 32 int8 (Q8) each]
+//   (MXFP4: [e uint8 x nb][qs 16 bytes x nb])
 // so a row's scales convert 16 at a time and broadcast from memory in the block loop. Q6_K rows are the GGUF's
 // super-blocks unchanged, as are Q2_K and Q3_K rows; Q4_K and Q5_K rows are regrouped (same size) as
 //   [d fp16 | dmin fp16 | scales[12] : 16 bytes x ns super-blocks][qh uint32 x nb, Q5_K]
@@ -53,6 +55,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mxfp4.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -77,10 +80,11 @@ static int64_t block_bytes(int64_t qtype) {     // bytes of one block (32 weight
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kMXFP4: return 17;
   }
   TORCH_CHECK(false, "tandem.linear_rows: unsupported ggml type ", qtype,
               " (supported: F16=1, BF16=30, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, ",
-              "Q5_K=13, Q6_K=14)");
+              "Q5_K=13, Q6_K=14, MXFP4=39)");
 }
 
 static bool is_k_quant(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }
@@ -138,6 +142,10 @@ static float weight(int64_t qtype, const uint8_t* row, int64_t nb, int64_t b, in
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
+  }
+  if (qtype == kMXFP4) {
+    const uint8_t byte = row[nb + 16 * b + i % 16];
+    return (float)kMxfp4Values[i < 16 ? byte & 15 : byte >> 4] * e8m0_half(row[b]);
   }
   float d = fp16_to_fp32(load_u16(row + 2 * b));
   if (qtype == kQ8_0) return d * (float)(int8_t)row[2 * nb + 32 * b + i];

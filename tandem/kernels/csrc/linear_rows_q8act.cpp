@@ -10,6 +10,8 @@
 //   Q8_0: y = sum_b d_b sum_h dx_bh sum_i q_i xq_i
 //   Q5_0, Q5_1: as Q4_0 (offset 16) and Q4_1, q_i the 5-bit value (0..31, still an unsigned byte for vpdpbusd)
 //   Q4_K, Q5_K: a sub-block is a Q4_1 / Q5_1 block with d = d sc_j and m = -dmin m_j (fp32, k_scales.inc)
+//   MXFP4: q_i = its value + 12 (0..24, one vpshufb of the nibbles), a Q4_1 block with d = 2^(e - 128) and
+//     m = -12 d (fp32 row scales as the K-quants', mxfp4.h)
 //   Q6_K, Q3_K, Q2_K: the unsigned q (0..63, 0..7, 0..3) of each 16-weight sub-block u = one half, scale s_u:
 //     y = sum_u s_u dx_u (sum_i q_i xq_i) - c_u sx_u, c_u = 32 s_u (Q6_K), 4 s_u (Q3_K), dmin m_u (Q2_K)
 // The integer sums are exact, so the bodies differ from the scalar specification only in fp32 summation order;
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <vector>
 
+#include "mxfp4.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -49,6 +52,8 @@ constexpr bool is_q5(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ5_1 ||
 constexpr bool is_k(int64_t qtype) { return qtype >= kQ2_K && qtype <= kQ6_K; }
 constexpr bool is_k16(int64_t qtype) { return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ6_K; }  // 16-weight scales
 constexpr bool natural_order(int64_t qtype) { return qtype == kQ8_0 || is_k16(qtype); }
+// fp32 scales decoded once per row and call (row_scales): the K-quants' sub-blocks', MXFP4's exponents.
+constexpr bool has_row_scales(int64_t qtype) { return is_k(qtype) || qtype == kMXFP4; }
 constexpr int64_t k16_bytes(int64_t qtype) { return qtype == kQ2_K ? 84 : qtype == kQ3_K ? 110 : 210; }
 
 // The unsigned q of element i < 32 of 32-weight block j < 8 of a Q2_K / Q3_K / Q6_K super-block (h = j / 4,
@@ -175,12 +180,18 @@ struct Q8Args {
 
 // Scalar specification (natural-order activations).
 // A K-quant row's sub-block scales as fp32 (k_scales' layout), once per row and call.
+// MXFP4: [d x nb][-12 d x nb], read as a Q4_K row's [d sc x nb][-dmin m x nb].
 TANDEM_KERNEL_F16C void row_scales(int64_t qtype, const uint8_t* row, int64_t nb, float* sc) {
-  k_scales(qtype, row, nb, sc);
+  if (qtype != kMXFP4) return k_scales(qtype, row, nb, sc);
+  e8m0_halves(row, nb, sc);
+  for (int64_t b = 0; b < nb; ++b) sc[nb + b] = -(float)kMxfp4Offset * sc[b];
 }
 
-// Where a row's 5th bits (qh) and quants (qs) start: [d][m][qh][qs] (legacy), [headers][qh][qs] (Q4_K / Q5_K).
-constexpr int64_t qh_offset(int64_t qtype, int64_t nb) { return (is_k(qtype) ? 2 : has_min(qtype) ? 4 : 2) * nb; }
+// Where a row's 5th bits (qh) and quants (qs) start: [d][m][qh][qs] (legacy), [headers][qh][qs] (Q4_K / Q5_K),
+// [e][qs] (MXFP4).
+constexpr int64_t qh_offset(int64_t qtype, int64_t nb) {
+  return qtype == kMXFP4 ? nb : (is_k(qtype) ? 2 : has_min(qtype) ? 4 : 2) * nb;
+}
 
 // Scalar specification (natural-order activations). sc: the row's K-quant scales (4 nb floats), or unused.
 namespace scalar {
@@ -190,7 +201,7 @@ void rows(const Q8Args& a, int64_t n0, int64_t n1) {
   std::vector<float> sc(4 * nb);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * a.row_bytes;
-    if (is_k(a.qtype)) row_scales(a.qtype, row, nb, sc.data());
+    if (has_row_scales(a.qtype)) row_scales(a.qtype, row, nb, sc.data());
     for (int64_t m = 0; m < a.M; ++m) {
       const QRow& x = a.x[m];
       float s = 0.f;
@@ -206,7 +217,7 @@ void rows(const Q8Args& a, int64_t n0, int64_t n1) {
           }
           continue;
         }
-        const float d = is_k(a.qtype) ? sc[b] : fp16_to_fp32(load_u16(row + 2 * b));
+        const float d = has_row_scales(a.qtype) ? sc[b] : fp16_to_fp32(load_u16(row + 2 * b));
         int dot[2] = {0, 0};                                            // the block's two halves
         if (a.qtype == kQ8_0) {
           for (int i = 0; i < 32; ++i) dot[i / 16] += (int8_t)row[2 * nb + 32 * b + i] * x.q[32 * b + i];
@@ -218,12 +229,13 @@ void rows(const Q8Args& a, int64_t n0, int64_t n1) {
         uint32_t h = 0;
         if (is_q5(a.qtype)) std::memcpy(&h, qh + 4 * b, 4);
         for (int i = 0; i < 16; ++i) {
-          const int lo = (qs[i] & 15) | (h >> i & 1) << 4, hi = (qs[i] >> 4) | (h >> (16 + i) & 1) << 4;
+          int lo = (qs[i] & 15) | (h >> i & 1) << 4, hi = (qs[i] >> 4) | (h >> (16 + i) & 1) << 4;
+          if (a.qtype == kMXFP4) lo = kMxfp4Unsigned[lo], hi = kMxfp4Unsigned[hi];
           dot[0] += lo * x.q[32 * b + i];
           dot[1] += hi * x.q[32 * b + 16 + i];
         }
         s += d * (x.dx[2 * b] * (float)dot[0] + x.dx[2 * b + 1] * (float)dot[1]);
-        if (is_k(a.qtype)) s += sc[nb + b] * x.sx[b];
+        if (has_row_scales(a.qtype)) s += sc[nb + b] * x.sx[b];
         else s += has_min(a.qtype) ? fp16_to_fp32(load_u16(row + 2 * nb + 2 * b)) * x.sx[b]
                                    : (is_q5(a.qtype) ? -16.f : -8.f) * d * x.sx[b];
       }
@@ -282,9 +294,10 @@ void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, i
     case kQ4_K: bytes = 144, qk = 256; break;
     case kQ5_K: bytes = 176, qk = 256; break;
     case kQ6_K: bytes = 210, qk = 256; break;
+    case kMXFP4: bytes = 17; break;
     default:
       TORCH_CHECK(false, op, ": int8 activations support Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13 and Q6_K=14, got ggml type ", qtype);
+                  "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14 and MXFP4=39, got ggml type ", qtype);
   }
   TORCH_CHECK(K > 0 && K % qk == 0, op, ": K must be a positive multiple of ", qk, " for ggml type ", qtype,
               ", got ", K);
@@ -298,7 +311,7 @@ void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, i
 at::Tensor linear_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                              const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.linear_rows_q8act", x_in, w, qtype, K, bias_in);
-  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0 with VNNI): the GEMM's arithmetic at every row count
+  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0, MXFP4 with VNNI): the GEMM's arithmetic at every row count
   // (gemv_rows_q8act.cpp), so a row's output is the same bits at any M and in any step; the bodies below otherwise.
   if (const int64_t gv = gemv_rows_q8act_max_rows_isa(qtype, isa_req); gv > 0)
     return x_in.size(0) <= gv ? gemv_rows_q8act(x_in, w, qtype, K, bias_in, isa_req)

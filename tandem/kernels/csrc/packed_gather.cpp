@@ -20,6 +20,7 @@
 
 #include "ops.h"
 #include "packed_k23.h"
+#include "packed_mxfp4.h"
 #include "packed_q5.h"
 
 namespace tandem {
@@ -37,7 +38,7 @@ bool k_quant(int64_t qt) { return k23(qt) || qt == kQ4_K || qt == kQ5_K || qt ==
 int64_t row_bytes(int64_t qt, int64_t K) {
   if (k23(qt)) return K / 256 * k23_row_bytes(qt);
   if (k_quant(qt)) return K / 256 * (qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210);
-  return K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34);
+  return K / 32 * (qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : qt == kMXFP4 ? 17 : 34);
 }
 int64_t group_bytes(int64_t qt, int64_t K) {
   if (k_quant(qt)) return kG * row_bytes(qt, K);
@@ -45,9 +46,10 @@ int64_t group_bytes(int64_t qt, int64_t K) {
 }
 
 // Q4_0 / Q4_1 / Q5_0 / Q8_0 (gemv_packed_q8act.cpp's pack_gemv): the regrouped row [d x nb][m x nb (Q4_1)][qh x nb
-// (Q5_0, from H: packed_q5.h)][qs x nb].
+// (Q5_0, from H: packed_q5.h)][qs x nb]; MXFP4 [e x nb][qs x nb], e from the packed bf16 scale (packed_mxfp4.h).
 void unpack_row_q(int64_t qt, const uint8_t* gp, int r, int64_t nb, uint8_t* row) {
-  const int64_t QB = qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256, qs_at = (qt == kQ4_1 ? 4 : qt == kQ5_0 ? 6 : 2) * nb;
+  const int64_t QB = qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256;
+  const int64_t qs_at = (qt == kQ4_1 ? 4 : qt == kQ5_0 ? 6 : qt == kMXFP4 ? 1 : 2) * nb;
   const int64_t qs_bytes = qt == kQ8_0 ? 32 : 16;
   const uint8_t flip = qt == kQ8_0 ? 0x80 : 0;         // Q8_0's packed quants are w + 128
   for (int64_t b = 0; b < nb; ++b) {
@@ -58,7 +60,8 @@ void unpack_row_q(int64_t qt, const uint8_t* gp, int r, int64_t nb, uint8_t* row
     uint32_t qh = 0;
     for (int t = 0; t < 4 && qt == kQ5_0; ++t) qh |= q5_qh_bits(q[256 + 4 * r + t], t);
     if (qt == kQ5_0) std::memcpy(row + 2 * nb + 4 * b, &qh, 4);
-    std::memcpy(row + 2 * b, gp + nb * QB + 32 * b + 2 * r, 2);                                     // d
+    if (qt == kMXFP4) row[b] = mxfp4_exponent(load_u16(gp + nb * QB + 32 * b + 2 * r));
+    else std::memcpy(row + 2 * b, gp + nb * QB + 32 * b + 2 * r, 2);                               // d
     if (qt == kQ4_1) std::memcpy(row + 2 * nb + 2 * b, gp + nb * QB + 32 * nb + 32 * b + 2 * r, 2);  // m
   }
 }
@@ -133,9 +136,9 @@ void unpack_row_k23(int64_t qt, const uint8_t* gp, int r, int64_t ns, uint8_t* r
 
 at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N, const at::Tensor& index,
                          int64_t isa) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 || k_quant(qtype),
-              "tandem.packed_gather: Q4_0, Q4_1, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, 8, "
-              "10-14), got ", qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 || qtype == kMXFP4 || k_quant(qtype),
+              "tandem.packed_gather: Q4_0, Q4_1, Q5_0, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (ggml types 2, 3, 6, "
+              "8, 39, 10-14), got ", qtype);
   const int64_t qk = k_quant(qtype) ? 256 : 32;
   TORCH_CHECK(K > 0 && K % qk == 0, "tandem.packed_gather: K must be a positive multiple of ", qk, ", got ", K);
   TORCH_CHECK(N > 0, "tandem.packed_gather: N must be > 0, got ", N);

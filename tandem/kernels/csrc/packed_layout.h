@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "mxfp4.h"
+
 namespace tandem {
 namespace {
 
@@ -12,8 +14,14 @@ constexpr int kG = 16;                      // output rows of a group: the int32
 
 constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : qt == kQ5_0 ? 320 : 256; }   // QB
 constexpr int64_t scale_bytes(int64_t qt) { return qt == kQ4_1 ? 64 : 32; }                          // SB
-constexpr int64_t row_block_bytes(int64_t qt) { return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : 34; }
-bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0; }
+constexpr int64_t row_block_bytes(int64_t qt) {
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : qt == kMXFP4 ? 17 : 34;
+}
+bool packable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0 || qt == kMXFP4; }
+// What the unsigned weight bytes add to a half's sum, in units of sum(x) (quantize_packed_x's unit).
+constexpr int32_t x_offset(int64_t qt) {
+  return qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : qt == kQ8_0 ? 128 : qt == kMXFP4 ? kMxfp4Offset : 0;
+}
 
 }  // namespace
 }  // namespace tandem

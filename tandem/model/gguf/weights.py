@@ -139,8 +139,8 @@ def _experts(t, name: str, shapes: dict, quantized: bool) -> dict:
 
 def gguf_weights(path: str, config: ModelConfig, quantized: bool = False) -> dict:
     """The state dict, straight from the GGUF file. quantized (the native kernels): matrices of a type in
-    NATIVE_QTYPES (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay GGUF blocks, the
-    rest fp32; otherwise (the torch reference) everything is dequantized in memory, by gguf-py."""
+    NATIVE_QTYPES (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4) stay GGUF blocks,
+    the rest fp32; otherwise (the torch reference) everything is dequantized in memory, by gguf-py."""
     from ...kernels.quant import NATIVE_QTYPES
 
     reader = GGUFFile(path)
