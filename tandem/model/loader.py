@@ -136,9 +136,13 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
             return sd
         return {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
 
+    from ..kernels.quant import QuantWeight
+    from .mxfp4_checkpoint import PendingMxfp4
+
     shapes = expected_weight_shapes(source.config)
     out: dict[str, torch.Tensor] = {}
     unexpected = []
+    mxfp4 = PendingMxfp4()              # gpt-oss's MXFP4 experts: blocks and scales, paired as they come
     for wf in source.weight_files:
         for name, tensor in load_file(wf, device="cpu").items():
             name = hf_weight_name(name)
@@ -146,13 +150,18 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
                 continue
             if name == "lm_head.weight" and source.config.tie_word_embeddings:
                 continue
-            for k, t in split_fused(name, tensor, source.config):
+            experts = mxfp4.take(name, tensor)
+            for k, t in split_fused(name, tensor, source.config) if experts is None else experts:
                 if k not in shapes:
                     unexpected.append(k)
                     continue
                 if tuple(t.shape) != shapes[k]:
                     raise ValueError(f"{wf}: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")
+                if isinstance(t, QuantWeight):          # MXFP4 blocks: kept for the native kernels
+                    out[k] = t if quantized else t.dequantize().to(device=device, dtype=dtype)
+                    continue
                 out[k] = t.to(device=device, dtype=dtype) if (t.dtype != dtype or str(device) != "cpu") else t
+    unexpected += mxfp4.missing()
     if unexpected:
         raise ValueError(f"unexpected weights in {source.name}: {name_list(sorted(unexpected))}")
     missing = sorted(set(shapes) - set(out))

@@ -106,3 +106,34 @@ def _converted(name: str, t):
     if rest == "mlp.experts.down_proj":
         return [(prefix + "ffn_down_exps.weight", t.transpose(0, 2, 1))]
     return [(prefix + _NAMES[rest], t)]
+
+
+def save_mxfp4_checkpoint(hf_dir: str, out_dir) -> str:
+    """The tiny model's checkpoint as openai/gpt-oss ships it: every expert tensor as `*_blocks` (uint8 [E, out,
+    in / 32, 16], the even element in a byte's low nibble) and `*_scales` (its E8M0 exponents), quantized by gguf-py's
+    MXFP4; config.json with its quantization_config; the rest as it is."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(hf_dir):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(hf_dir, f), os.path.join(out_dir, f))
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = np.ascontiguousarray(sd.pop(name).transpose(0, 2, 1))            # [E, out, in]
+        q = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4)         # [E, out, in / 32 * 17]
+        q = q.reshape(*rows.shape[:2], -1, 17)
+        e, qs = q[..., 0], q[..., 1:]
+        nib = np.concatenate([qs & 15, qs >> 4], axis=-1)                       # element order
+        sd[name + "_blocks"] = np.ascontiguousarray(nib[..., 0::2] | (nib[..., 1::2] << 4))
+        sd[name + "_scales"] = np.ascontiguousarray(e)
+    save_file(sd, os.path.join(out_dir, "model.safetensors"))
+    return str(out_dir)

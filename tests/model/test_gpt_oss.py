@@ -85,8 +85,8 @@ def _mxfp4_round_trip(w: torch.Tensor) -> torch.Tensor:
 
 
 def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
-    """The file as llama.cpp's converter writes it, experts in MXFP4, a tokenizer in its metadata: the tokens of
-    transformers' model holding the same MXFP4 values, both kernel sets."""
+    """The file as llama.cpp's converter writes it, experts in MXFP4 (blocks on the native path), a tokenizer in its
+    metadata: the tokens of transformers' model holding the same MXFP4 values, both kernel sets, the exact mode."""
     import copy
 
     from tests.helpers.tiny_gpt_oss import write_gpt_oss_gguf
@@ -100,7 +100,8 @@ def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
     ps = prompts_for(ref.config.vocab_size, n=4, seed=9)
     refs = [hf_greedy(ref, p, MAX_NEW) for p in ps]
     for kernels in ("torch", "native"):
-        llm = make_llm(path, kernels=kernels, max_prefill_tokens=16, cache_dir=str(tmp_path / "cache"))
+        llm = make_llm(path, kernels=kernels, kernels_act="fp32", max_prefill_tokens=16,     # the exact mode
+                       cache_dir=str(tmp_path / "cache"))
         c = llm.engine.model_config
         assert c.architecture == "gpt_oss" and c.rope_scaling["truncate"] is False and c.layer_types[:2] == (
             "sliding_attention", "full_attention")
@@ -130,3 +131,30 @@ def test_tp2_and_speculation_change_no_token(tmp_path_factory, monkeypatch, make
             assert 0 < llm.stats()["spec_accepted_tokens"] < llm.stats()["spec_draft_tokens"]
         llm.shutdown()
     assert outs["tp2"] == outs["tp1"] and outs["spec"] == outs["tp1"]
+
+
+def test_mxfp4_checkpoint_as_openai_ships_it(tmp_path_factory, tmp_path, make_llm):
+    """`*_blocks` / `*_scales` experts load as MXFP4 blocks (never a dense copy on the native path): the tokens of
+    transformers' model holding the same values, both kernel sets."""
+    import copy
+
+    from tandem.kernels.quant import MXFP4
+    from tests.helpers.tiny_gpt_oss import save_mxfp4_checkpoint
+    m = tiny(tmp_path_factory)
+    path = save_mxfp4_checkpoint(m["hf"], tmp_path / "mxfp4")
+    ref = copy.deepcopy(m["ref"])
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                w.copy_(_mxfp4_round_trip(w))
+    ps = prompts_for(ref.config.vocab_size, n=4, seed=21)
+    refs = [hf_greedy(ref, p, MAX_NEW) for p in ps]
+    for kernels in ("torch", "native"):
+        llm = make_llm(path, kernels=kernels, kernels_act="fp32", max_prefill_tokens=16, device_backend="inline")
+        if kernels == "native":
+            gate = llm.engine.executor.model_runner.model.layers[0]["moe"].experts[0][0]
+            assert {p.qtype for p in gate.parts} == {MXFP4}
+        for o, (ref_ids, scores) in zip(run_with(llm, "serial", ps, SamplingParams(
+                temperature=0, max_tokens=MAX_NEW, ignore_eos=True)), refs):
+            assert_parity(o.token_ids, ref_ids, scores)
+        llm.shutdown()
