@@ -132,7 +132,7 @@ DeltaRows delta_rows(const char* op, const at::Tensor& q_in, const at::Tensor& k
 }
 
 float* DeltaRows::open_state(int64_t b, int64_t h) const {
-  float* S = ps + (sl[b] * Hv + h) * Dk * Dv;
+  float* S = state(b, h);
   if (pf[b]) std::fill(S, S + Dk * Dv, 0.f);
   return S;
 }

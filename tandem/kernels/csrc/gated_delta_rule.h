@@ -21,7 +21,8 @@ struct DeltaRows {
   const uint8_t* pf;
   float *ps, *po;
 
-  // Row b's value head h: its state S [Dk, Dv] in the pool, zeroed first where the row is fresh.
+  // Row b's value head h: its state S [Dk, Dv] in the pool; open_state zeroes it first where the row is fresh.
+  float* state(int64_t b, int64_t h) const { return ps + (sl[b] * Hv + h) * Dk * Dv; }
   float* open_state(int64_t b, int64_t h) const;
   const float* q_at(int64_t t, int64_t h) const { return pq + (t * Hk + h / (Hv / Hk)) * Dk; }
   const float* k_at(int64_t t, int64_t h) const { return pk + (t * Hk + h / (Hv / Hk)) * Dk; }

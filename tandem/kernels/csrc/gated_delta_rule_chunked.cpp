@@ -151,17 +151,22 @@ void chunk_form(const Body& f, Scratch& w, const ChunkIo& x, float* S, int64_t D
   f.mm({S, Dv, kt, Cp, 1, d, Dv, Dk, C, Dv, true}, kFull);                        // S += (decayed k)^T d
 }
 
-// Row b's value head h: its full chunks in the matrix form, then its tail token by token.
-void row_head(const DeltaRows& r, Isa isa, const Body& f, Scratch& w, int64_t b, int64_t h) {
-  float* S = r.open_state(b, h);
+// Row b's value heads [h0, h1): chunk by chunk, each chunk for every head in turn, then each head's tail token by
+// token. Chunk-major: a chunk's tokens hold the heads' q, k, v and o rows side by side, so the pages a chunk
+// touches serve all its heads at once; head by head, each head's rows lay a page or more apart and the op spent a
+// third of its time fetching them (the heads' states, 64 KB each at Dk = Dv = 128, stay in L2 meanwhile).
+void row_heads(const DeltaRows& r, Isa isa, const Body& f, Scratch& w, int64_t b, int64_t h0, int64_t h1) {
+  const int64_t end = r.st[b + 1];
+  for (int64_t h = h0; h < h1; ++h) r.open_state(b, h);
   int64_t t = r.st[b];
-  for (; t + w.C <= r.st[b + 1]; t += w.C) {
-    const int64_t th = t * r.Hv + h;
-    const ChunkIo x{r.q_at(t, h), r.k_at(t, h), r.pv + th * r.Dv, r.pg + th, r.pb + th, r.po + th * r.Dv,
-                    r.Hk * r.Dk, r.Hv * r.Dv, r.Hv};
-    chunk_form(f, w, x, S, r.Dk, r.Dv);
-  }
-  recurrent_tokens(r, isa, S, h, t, r.st[b + 1], w.tok.data());
+  for (; t + w.C <= end; t += w.C)
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t th = t * r.Hv + h;
+      const ChunkIo x{r.q_at(t, h), r.k_at(t, h), r.pv + th * r.Dv, r.pg + th, r.pb + th, r.po + th * r.Dv,
+                      r.Hk * r.Dk, r.Hv * r.Dv, r.Hv};
+      chunk_form(f, w, x, r.state(b, h), r.Dk, r.Dv);
+    }
+  for (int64_t h = h0; h < h1; ++h) recurrent_tokens(r, isa, r.state(b, h), h, t, end, w.tok.data());
 }
 
 }  // namespace
@@ -177,7 +182,11 @@ at::Tensor gated_delta_rule_chunked_(const at::Tensor& q, const at::Tensor& k, c
   const Body f = body(isa);
   at::parallel_for(0, r.B * r.Hv, 1, [&](int64_t p0, int64_t p1) {
     Scratch w(chunk, r.Dk, r.Dv);
-    for (int64_t p = p0; p < p1; ++p) row_head(r, isa, f, w, p / r.Hv, p % r.Hv);
+    for (int64_t p = p0, next; p < p1; p = next) {          // the thread's pairs row by row
+      const int64_t b = p / r.Hv;
+      next = std::min(p1, (b + 1) * r.Hv);
+      row_heads(r, isa, f, w, b, p - b * r.Hv, next - b * r.Hv);
+    }
   });
   return r.out;
 }
