@@ -32,8 +32,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 AUTO_KV_DTYPE = torch.bfloat16      # kv_cache_dtype "auto" where the linears round (resolve)
 ISAS = ("torch", *kernels.ISA_NAMES)   # the native ops' bodies, lowest first ("torch": no library loaded)
 # Numerics.linear_chunk where the native ops run without batch invariance: the faster of 32 and 64 on
-# Qwen3.6-35B-A3B's heads (benchmarks/results/delta_rule_chunked.md)
-LINEAR_CHUNK = 64
+# Qwen3.6-35B-A3B's heads (~2x the recurrent op at 512 tokens, 64 a little less: results/delta_rule_chunked.md)
+LINEAR_CHUNK = 32
 
 
 def every_rank(group: Any, *values: int) -> tuple[int, ...]:

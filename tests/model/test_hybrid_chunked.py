@@ -8,6 +8,7 @@ import torch
 
 from tandem import SamplingParams
 from tandem.kernels import available
+from tandem.model.numerics import LINEAR_CHUNK
 from tests.helpers.engine_checks import run_with
 from tests.model.test_hybrid import tiny_hybrid
 
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.skipif(not available(), reason="native kernels not buil
 
 
 def test_chunked_prefill_logprobs_match_recurrent(tmp_path_factory, tmp_path, monkeypatch, make_llm):
-    """A 100-token prompt in one step (a full chunk of 64 and a tail of 36 per row), the exact mode (fp32
-    linears and attention) so that only the paths' sums differ: each prompt token's top logprobs alike."""
+    """A 100-token prompt in one step (full chunks and a tail per row), the exact mode (fp32 linears and
+    attention) so that only the paths' sums differ: each prompt token's top logprobs alike."""
+    assert 100 > LINEAR_CHUNK and 100 % LINEAR_CHUNK
     m = tiny_hybrid("qwen3_5", tmp_path_factory)
     prompt = [(7 * i + 3) % m["ref"].config.vocab_size for i in range(100)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=4, logprobs=4)
@@ -26,7 +28,7 @@ def test_chunked_prefill_logprobs_match_recurrent(tmp_path_factory, tmp_path, mo
                        max_prefill_tokens=512, prefix_cache=False, device_backend="inline",
                        cache_dir=str(tmp_path / "cache"))
         chunk = llm.engine.executor.model_runner.numerics.linear_chunk
-        assert chunk == (0 if invariant else 64)
+        assert chunk == (0 if invariant else LINEAR_CHUNK)
         calls = []
         op = torch.ops.tandem.gated_delta_rule_chunked_
         monkeypatch.setattr(torch.ops.tandem, "gated_delta_rule_chunked_",

@@ -11,7 +11,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.fingerprint import ARITHMETIC_FIELDS
 from tandem.kernels import kv_quant
-from tandem.model.numerics import ISAS, LINEAR_CHUNK, Cpu, NumericOptions, Numerics, every_rank, native_kernels, resolve
+from tandem.model.numerics import (ISAS, LINEAR_CHUNK, Cpu, NumericOptions, Numerics, every_rank, native_kernels,
+                                   resolve)
 
 CPU = torch.device("cpu")
 AMX = Cpu("avx512", avx512_bf16=True, amx=True)          # a CPU with AMX-BF16 tiles (Sapphire Rapids on)

@@ -7,8 +7,11 @@
 //
 // Why: the recurrent form reads and writes a head's [Dk, Dv] state twice a token and waits on the cache. A chunk
 // of C tokens is instead a few products of [C, D] x [D, D] and [C, C] x [C, D] matrices, run by register tiles
-// near the FMA rate, and the state is read and written once a chunk. Its bits depend on where chunks start, so
-// the model takes this op only without batch invariance (model/numerics.py, linear_chunk).
+// near the FMA rate, and the state is read and written once a chunk. The work is about the same (a token: 3 Dk Dv
+// FMAs for the products with the state and ~2 C D for the triangles, against 3 Dk Dv FMAs and Dk Dv products),
+// so the gain is the rate, and shorter chunks cost fewer FMAs: chunks of 32 ran ~2x the recurrent op at 512
+// tokens on Qwen3.6-35B-A3B's heads (benchmarks/results/delta_rule_chunked.md), 64 a little less. Its bits depend
+// on where chunks start, so the model takes this op only without batch invariance (model/numerics.py).
 //
 // Per (row, value head) and chunk (gam the cumulative sum of g over the chunk; every exponent <= 0):
 //   d = K S0, o = Q S0; kk = K K^T, qk = Q K^T (lower triangles)           products with the state before the chunk
@@ -16,8 +19,9 @@
 //   kk[t, s<t] = -beta_t exp(gam_t - gam_s) kk[t, s]; qk[t, s<=t] *= exp(gam_t - gam_s), 0 above
 //   d <- (I - kk)^-1 d (forward substitution: d is the chunk's delta); o += qk d
 //   S <- exp(gam_last) S + (exp(gam_last - gam_s) k_s)^T d
-// Thread split: at::parallel_for over the (row, value head) pairs, each thread with its own chunk matrices
-// (Scratch, ~100 KB at C = 64, Dk = Dv = 128: they stay in L2). Bodies: AVX-512 and AVX2 register tiles
+// Thread split: at::parallel_for over the (row, value head) pairs, a thread's heads of a row chunk by chunk
+// (row_heads), each thread with its own chunk matrices (Scratch, ~40 KB at C = 32 and Dk = Dv = 128, ~100 KB at
+// C = 64: they stay in L2). Bodies: AVX-512 and AVX2 register tiles
 // (gated_delta_rule_chunked_simd.inc), plain loops without AVX2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
