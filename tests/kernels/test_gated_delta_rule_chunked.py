@@ -62,7 +62,7 @@ def mixed_rows(dk: int, dv: int, chunk: int, seed: int):
 
 @native
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("chunk", [8, 16, 64])
+@pytest.mark.parametrize("chunk", [8, 16, 32, 64])
 @pytest.mark.parametrize("dk,dv", [(128, 128), (32, 88)])    # 88: whole register tiles, a register, plain columns
 def test_op_matches_references(isa, chunk, dk, dv):
     """Several rows in one call: the op against the torch chunked reference (tight) and the recurrent op (close),
@@ -89,6 +89,21 @@ def test_short_rows_keep_the_recurrent_bits(isa):
     got = chunked_op(q, k, v, g, beta, a, slots, starts_of(lens), fresh, 64, isa)
     want = op(q, k, v, g, beta, b, slots, starts_of(lens), fresh, isa)
     assert torch.equal(got, want) and torch.equal(a, b)
+
+
+@native
+@pytest.mark.parametrize("isa", isas())
+def test_strong_decays(isa):
+    """Decays whose sum over a chunk passes ln FLT_MIN (~-87: the op's exps give 0 there, not subnormals): the
+    same values as the references."""
+    x, state, slots, starts, fresh = mixed_rows(32, 88, 32, seed=8)
+    x = (*x[:3], x[3] * 2 - 2, x[4])                 # g in about (-6, -2) a token: a chunk of 32 sums to ~-90
+    ref_state, rec_state = state.clone(), state.clone()
+    want = chunked_reference(*x, ref_state, slots, starts, fresh, 32)
+    got = chunked_op(*x, state, slots, starts, fresh, 32, isa)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got, op(*x, rec_state, slots, starts, fresh, isa), atol=1e-4, rtol=1e-4)
 
 
 @native

@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +52,13 @@ struct Product {
 // Which part of a product is needed: all; C's lower triangle (columns past a row strip's last row may be left
 // unwritten); A lower triangular (row r reads k <= r only, the rest of its strip's k being zeros).
 enum Tri { kFull, kLowerOut, kLowerA };
+
+// exp(x), 0 where it would be subnormal (x < ln FLT_MIN), as the SIMD bodies' exp (vec_math.inc) gives: a chunk whose
+// decays sum below -87 would otherwise scale the whole state into subnormals, each a slow microcode assist.
+inline float exp_normal(float x) {
+  const float e = std::exp(x);
+  return e < FLT_MIN ? 0.f : e;
+}
 
 namespace scalar {
 // Columns [c0, N) of p in plain loops: the scalar body's products, and the SIMD ones' columns past the last register.
@@ -82,7 +90,7 @@ void solve(float* d, int64_t ldd, const float* a, int64_t lda, int64_t C, int64_
 
 // out[s] = exp(x - y[s]) for s < n
 void exp_diff(float* out, float x, const float* y, int64_t n) {
-  for (int64_t s = 0; s < n; ++s) out[s] = std::exp(x - y[s]);
+  for (int64_t s = 0; s < n; ++s) out[s] = exp_normal(x - y[s]);
 }
 }  // namespace scalar
 
@@ -117,7 +125,7 @@ struct ChunkIo {
 void decays(const Body& f, Scratch& w, const ChunkIo& x, int64_t Dv) {
   const int64_t C = w.C, Cp = w.Cp;
   for (int64_t t = 0; t < C; ++t) {
-    const float bt = x.beta[t * x.Hv], et = std::exp(w.gam[t]);
+    const float bt = x.beta[t * x.Hv], et = exp_normal(w.gam[t]);
     float *kk = w.kk.data() + t * Cp, *qk = w.qk.data() + t * Cp, *e = w.e.data();
     f.exp_diff(e, w.gam[t], w.gam.data(), t + 1);
     for (int64_t s = 0; s < t; ++s) kk[s] *= -bt * e[s];
@@ -147,7 +155,7 @@ void chunk_form(const Body& f, Scratch& w, const ChunkIo& x, float* S, int64_t D
   decays(f, w, x, Dv);
   f.solve(d, Dv, w.kk.data(), Cp, C, Dv);                                         // d: the chunk's delta
   f.mm({x.o, x.ldv, w.qk.data(), Cp, 1, d, Dv, C, C, Dv, true}, kLowerA);         // o += qk d
-  const float last = gam[C - 1], decay = std::exp(last);
+  const float last = gam[C - 1], decay = exp_normal(last);
   f.exp_diff(e, last, gam, C);
   for (int64_t i = 0; i < Dk; ++i)
     for (int64_t s = 0; s < C; ++s) kt[i * Cp + s] *= e[s];
