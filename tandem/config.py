@@ -53,7 +53,7 @@ class EngineConfig:
     seed: int = 0                       # base seed for requests that give none
     kernels: str = "native"             # "native": tandem's C++ CPU ops on GGUF blocks (torch path where unbuilt); "torch"
     kernels_act: str = "int8"           # "int8": quantized linears round x to int8 (16-element halves; decode kernels, int8 GEMM on prefill); "fp32": exact mode
-    batch_invariant: bool = True        # a request's tokens and logprobs do not depend on its batch mates, chunking or load: every token attends with the decode op's arithmetic, a chunk's by the causal op (off: a chunk's size picks its path, long ones the extend op; bf16 prefill on AMX)
+    batch_invariant: bool = True        # a request's tokens and logprobs do not depend on its batch mates, chunking or load: every token attends with the decode op's arithmetic, a chunk's by the causal op (off: a chunk's size picks its path, long ones the extend op; bf16 prefill on AMX; prefill rows' delta rule in chunks)
     prefill_act: str = "auto"           # long prefill chunks' linears and attention: "auto" (bf16 on CPUs with AMX-BF16 without batch_invariant, else int8), "bf16", "int8" (with kernels_act="int8")
     prefill_attention: str = "auto"     # the native extend attention (long prefill chunks without batch_invariant): "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"
     decode_attention: str = "auto"      # the native decode attention and its causal form (decode steps, verify rows; every chunk under batch_invariant, else short ones): "auto" (bf16 products on a bf16 KV cache where the CPU has AVX512-BF16, with kernels_act="int8"), "bf16", "fp32"

@@ -7,13 +7,19 @@ decay g = -exp(A_log) * softplus(a + dt_bias). Per value head, with q and k L2-n
     S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q          (S: [Dk, Dv], the delta rule)
 then o is RMS-normed per head, times w and silu(z), and projected out.
 
-The rule runs token by token (its recurrent form) at decode and at prefill alike. So a token's arithmetic depends
-only on its request's earlier tokens: a prompt in one chunk or many, a state restored from a checkpoint, a row alone
-or among others give the same bits (the batch invariance attention_paths.py states). On a CPU the recurrent form is
-cheap beside the layer's projections: ~4 Dk Dv flops a head a token on a state that stays in L2 (Qwen3.6-35B-A3B:
-32 heads x 64 K flops x 30 layers ~ 63 MFLOP a token, about 1 % of its 3 B active weights' 6 GFLOP).
+Under batch_invariant (EngineConfig's default) the rule runs token by token (its recurrent form) at decode and at
+prefill alike. So a token's arithmetic depends only on its request's earlier tokens: a prompt in one chunk or many,
+a state restored from a checkpoint, a row alone or among others give the same bits (the batch invariance
+attention_paths.py states). The recurrent form costs ~4 Dk Dv flops a head a token on a state that stays in L2
+(Qwen3.6-35B-A3B: 32 heads x 64 K flops x 30 layers ~ 63 MFLOP a token, about 1 % of its 3 B active weights'
+6 GFLOP), but it reads and writes that state twice a token, so it runs at the cache's pace, not the FMA units'.
 
-The native op (csrc/gated_delta_rule.cpp) and the torch reference here compute the same rule; tests compare them.
+Without batch invariance (Numerics.linear_chunk > 0, native ops) a prefill step's rows take the chunked (matrix)
+form for each full chunk of linear_chunk tokens from the row's start (delta_chunked.py), the tail token by token:
+faster prefill, but a token's bits then depend on where its chunks start. Decode steps stay recurrent.
+
+The native ops (csrc/gated_delta_rule.cpp, csrc/gated_delta_rule_chunked.cpp) and the torch references here and in
+delta_chunked.py compute the same rule; tests compare them. The torch path runs the recurrent reference.
 """
 from __future__ import annotations
 
@@ -105,9 +111,10 @@ class GatedDeltaNet:
     """Layer i's weights: q / k / v / z / b / a in one projection (rows in that order), the conv, the decay's
     A and dt_bias, the gated norm's weight (as it is: not a (1 + w) norm) and the output projection."""
 
-    def __init__(self, ws, c: ModelConfig, i: int, j: int, native: bool) -> None:
+    def __init__(self, ws, c: ModelConfig, i: int, j: int, native: bool, chunk: int = 0) -> None:
         p = f"model.layers.{i}.linear_attn."
         self.j, self.native = j, native           # j: the layer's index among the linear layers (its state)
+        self.chunk = chunk                        # Numerics.linear_chunk: rows' full chunks in matrix form; 0: off
         self.tiled = c.linear_value_heads_tiled
         self.heads_k, self.heads_v = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv, self.eps = c.linear_key_head_dim, c.linear_value_head_dim, c.rms_norm_eps
@@ -155,13 +162,17 @@ class GatedDeltaNet:
     def _delta_rule(self, q, k, v, g, beta, ssm: torch.Tensor, rec: RecurrentRows, slots: list[int]) -> torch.Tensor:
         """The step's rows through the delta rule, their states in ssm [slots, Hv, Dk, Dv] advanced: the native op
         in one call (q, k [T, Hk, Dk], value head h reading key head h div (Hv / Hk): a file's tiled value heads get
-        their key heads repeated first), else the reference row by row."""
+        their key heads repeated first; a prefill step's rows in the chunked form where self.chunk > 0), else the
+        recurrent reference row by row."""
         if self.native:
             if self.tiled and self.heads_v != self.heads_k:
                 q, k = self._to_value_heads(q), self._to_value_heads(k)
             q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
             if rec.runs is not None:
                 rec.runs.before_rule(self.j, ssm, k, v, g, beta)
+            if self.chunk > 0 and not rec.decode_only:      # a verify run (< a chunk) keeps the recurrent bits
+                return torch.ops.tandem.gated_delta_rule_chunked_(q, k, v, g, beta, ssm, rec.slots, rec.starts_t,
+                                                                  rec.fresh_t, self.chunk)
             return torch.ops.tandem.gated_delta_rule_(q, k, v, g, beta, ssm, rec.slots, rec.starts_t, rec.fresh_t)
         q, k = self._to_value_heads(q), self._to_value_heads(k)
         if rec.runs is not None:

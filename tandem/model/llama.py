@@ -136,7 +136,7 @@ class LlamaModel:
         layer = dict(attn_norm=ws.norm(p + "input_layernorm.weight"), window=c.window(i))     # window 0: global
         if c.is_linear(i):
             layer["mixer"] = GatedDeltaNet(ws, lay.local(c), i, sum(1 for l in self.layers if "mixer" in l),
-                                           self.native)      # a tp rank's: its heads (shard.py)
+                                           self.native, self.numerics.linear_chunk)    # a tp rank's heads (shard.py)
         else:
             layer.update(self._attention_weights(ws, p), kv=sum(1 for l in self.layers if "mixer" not in l))
         if c.is_moe(i):                     # a router and its experts in place of the dense MLP

@@ -1,6 +1,7 @@
 """The numeric path, decided once: Numerics, the record of every choice that picks an arithmetic (the kernels,
 the activation type, how a long prefill chunk and a decode row attend, the bf16 choices, the KV cache's element
-type, batch invariance, tp reduction chunks), made by one function, resolve(), from three inputs:
+type, batch invariance, tp reduction chunks, the linear layers' delta rule in chunks), made by one function,
+resolve(), from three inputs:
 
 - the engine options that pick an arithmetic (NumericOptions: the same fields on EngineConfig and RunnerSpec;
   it rejects a value or combination no machine could run as the engine is configured: EngineConfig builds one),
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_KV_DTYPE = torch.bfloat16      # kv_cache_dtype "auto" where the linears round (resolve)
 ISAS = ("torch", *kernels.ISA_NAMES)   # the native ops' bodies, lowest first ("torch": no library loaded)
+# Numerics.linear_chunk where the native ops run without batch invariance: the faster of 32 and 64 on
+# Qwen3.6-35B-A3B's heads (~2x the recurrent op at 512 tokens, 64 a little less: results/delta_rule_chunked.md)
+LINEAR_CHUNK = 32
 
 
 def every_rank(group: Any, *values: int) -> tuple[int, ...]:
@@ -121,6 +125,8 @@ class Numerics:
     extend_bf16: bool = False       # the native extend op takes bf16 products (queries, probabilities; fp32 sums)
     decode_bf16: bool = False       # the native decode and causal ops take bf16 products
     reduce_chunks: int = 0          # tp_reduce_chunks: o and down in this many chunks over all tp ranks; 0: off
+    linear_chunk: int = 0           # prefill rows' delta rule in chunks of this many tokens (the native chunked
+                                    # op: faster, bits follow where chunks start); 0: token by token everywhere
 
     @property
     def extend_native(self) -> bool:
@@ -151,10 +157,13 @@ def resolve(options: NumericOptions, cpu: Cpu, device: torch.device, dtype: torc
     bf16_sdpa = native and not batch_invariant and prefill_bf16 and cpu.amx
     extend_bf16 = _bf16_products(o, "prefill_attention", cpu, rounds, device, kv_dtype, head_dim, 16)
     decode_bf16 = _bf16_products(o, "decode_attention", cpu, rounds, device, kv_dtype, head_dim, 32)
+    # The delta rule's chunked form gives a token bits that follow where its row's chunks start: not under
+    # batch_invariant; a native op only (the torch path runs the recurrent reference)
+    linear_chunk = LINEAR_CHUNK if native and not batch_invariant else 0
     return Numerics(native=native, int8_act=o.kernels_act == "int8", dtype=dtype, kv_dtype=kv_dtype,
                     batch_invariant=batch_invariant, prefill_bf16=prefill_bf16, bf16_sdpa=bf16_sdpa,
                     extend_bf16=extend_bf16 and native and not bf16_sdpa, decode_bf16=decode_bf16 and native,
-                    reduce_chunks=o.tp_reduce_chunks)
+                    reduce_chunks=o.tp_reduce_chunks, linear_chunk=linear_chunk)
 
 
 def wants_native(o: NumericOptions, device: torch.device, dtype: torch.dtype) -> bool:

@@ -11,7 +11,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.fingerprint import ARITHMETIC_FIELDS
 from tandem.kernels import kv_quant
-from tandem.model.numerics import ISAS, Cpu, NumericOptions, Numerics, every_rank, native_kernels, resolve
+from tandem.model.numerics import (ISAS, LINEAR_CHUNK, Cpu, NumericOptions, Numerics, every_rank, native_kernels,
+                                   resolve)
 
 CPU = torch.device("cpu")
 AMX = Cpu("avx512", avx512_bf16=True, amx=True)          # a CPU with AMX-BF16 tiles (Sapphire Rapids on)
@@ -52,6 +53,17 @@ def test_without_batch_invariance_amx_prefills_in_bf16():
     assert not n.prefill_bf16 and n.extend_native and n.extend_bf16
     n = numerics(EPYC, batch_invariant=False, prefill_act="bf16")   # asked: bf16 linears, the extend op attends
     assert n.prefill_bf16 and not n.bf16_sdpa and n.extend_native and n.extend_bf16
+
+
+def test_the_delta_rule_takes_chunks_only_without_batch_invariance_on_the_native_ops():
+    """linear_chunk: the chunked op's bits follow where chunks start, so never under batch_invariant; the torch
+    path has no chunked op."""
+    assert numerics(AMX).linear_chunk == 0
+    for cpu in (AMX, EPYC, AVX2):
+        assert numerics(cpu, batch_invariant=False).linear_chunk == LINEAR_CHUNK > 0
+        assert numerics(cpu, batch_invariant=False, kernels_act="fp32").linear_chunk == LINEAR_CHUNK
+    assert numerics(NO_LIBRARY, batch_invariant=False).linear_chunk == 0
+    assert numerics(kernels="torch", batch_invariant=False).linear_chunk == 0
 
 
 def test_the_exact_mode_and_the_torch_path_take_no_bf16():

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <vector>
 
+#include "gated_delta_rule.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -75,74 +76,89 @@ void head_token(float* S, const Tok& tk, int64_t Dk, int64_t Dv, float* d) { col
 
 using HeadFn = void (*)(float*, const Tok&, int64_t, int64_t, float*);
 
-at::Tensor checked(const at::Tensor& x, at::ScalarType dtype, int64_t dim, const char* what) {
-  TORCH_CHECK(x.scalar_type() == dtype && x.dim() == dim, "tandem.gated_delta_rule_: ", what);
+at::Tensor checked(const at::Tensor& x, at::ScalarType dtype, int64_t dim, const char* op, const char* what) {
+  TORCH_CHECK(x.scalar_type() == dtype && x.dim() == dim, op, ": ", what);
   return x.contiguous();
 }
 
 // The rows' token ranges and slots, checked: starts nondecreasing within [0, T], slots within [0, S).
-void check_rows(const int64_t* st, const int64_t* sl, int64_t B, int64_t T, int64_t S) {
-  TORCH_CHECK(st[0] >= 0 && st[B] <= T, "tandem.gated_delta_rule_: starts must lie within [0, tokens]");
+void check_rows(const char* op, const int64_t* st, const int64_t* sl, int64_t B, int64_t T, int64_t S) {
+  TORCH_CHECK(st[0] >= 0 && st[B] <= T, op, ": starts must lie within [0, tokens]");
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(st[b] <= st[b + 1], "tandem.gated_delta_rule_: starts must be nondecreasing");
-    TORCH_CHECK(sl[b] >= 0 && sl[b] < S, "tandem.gated_delta_rule_: slot out of range");
+    TORCH_CHECK(st[b] <= st[b + 1], op, ": starts must be nondecreasing");
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < S, op, ": slot out of range");
   }
 }
 
 }  // namespace
 
-at::Tensor gated_delta_rule_(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                             const at::Tensor& g_in, const at::Tensor& beta_in, const at::Tensor& state,
-                             const at::Tensor& slots_in, const at::Tensor& starts_in, const at::Tensor& fresh_in,
-                             int64_t isa_req) {
-  const at::Tensor q = checked(q_in, at::kFloat, 3, "q must be fp32 [T, Hk, Dk]");
-  const at::Tensor k = checked(k_in, at::kFloat, 3, "k must be fp32 [T, Hk, Dk]");
-  const at::Tensor v = checked(v_in, at::kFloat, 3, "v must be fp32 [T, Hv, Dv]");
-  const at::Tensor g = checked(g_in, at::kFloat, 2, "g must be fp32 [T, Hv]");
-  const at::Tensor beta = checked(beta_in, at::kFloat, 2, "beta must be fp32 [T, Hv]");
-  const at::Tensor slots = checked(slots_in, at::kLong, 1, "slots must be int64 [B]");
-  const at::Tensor starts = checked(starts_in, at::kLong, 1, "starts must be int64 [B + 1]");
+DeltaRows delta_rows(const char* op, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                     const at::Tensor& g_in, const at::Tensor& beta_in, const at::Tensor& state,
+                     const at::Tensor& slots_in, const at::Tensor& starts_in, const at::Tensor& fresh_in) {
+  DeltaRows r;
+  r.q = checked(q_in, at::kFloat, 3, op, "q must be fp32 [T, Hk, Dk]");
+  r.k = checked(k_in, at::kFloat, 3, op, "k must be fp32 [T, Hk, Dk]");
+  r.v = checked(v_in, at::kFloat, 3, op, "v must be fp32 [T, Hv, Dv]");
+  r.g = checked(g_in, at::kFloat, 2, op, "g must be fp32 [T, Hv]");
+  r.beta = checked(beta_in, at::kFloat, 2, op, "beta must be fp32 [T, Hv]");
+  r.slots = checked(slots_in, at::kLong, 1, op, "slots must be int64 [B]");
+  r.starts = checked(starts_in, at::kLong, 1, op, "starts must be int64 [B + 1]");
   TORCH_CHECK(fresh_in.scalar_type() == at::kBool || fresh_in.scalar_type() == at::kByte,
-              "tandem.gated_delta_rule_: fresh must be bool or uint8 [B]");
-  const at::Tensor fresh = fresh_in.contiguous();
+              op, ": fresh must be bool or uint8 [B]");
+  r.fresh = fresh_in.contiguous();
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.dim() == 4 && state.is_contiguous(),
-              "tandem.gated_delta_rule_: state must be contiguous fp32 [slots, Hv, Dk, Dv]");
-  const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
-  const int64_t B = slots.size(0), S = state.size(0);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == T && Hk > 0 && Hv % Hk == 0,
-              "tandem.gated_delta_rule_: q, k [T, Hk, Dk] and v [T, Hv, Dv] with Hv a multiple of Hk");
-  TORCH_CHECK(g.size(0) == T && g.size(1) == Hv && beta.sizes() == g.sizes(),
-              "tandem.gated_delta_rule_: g and beta must be [T, Hv]");
-  TORCH_CHECK(state.size(1) == Hv && state.size(2) == Dk && state.size(3) == Dv,
-              "tandem.gated_delta_rule_: state must be [slots, Hv, Dk, Dv]");
-  TORCH_CHECK(starts.size(0) == B + 1 && fresh.dim() == 1 && fresh.size(0) == B,
-              "tandem.gated_delta_rule_: starts [B + 1] and fresh [B] for slots [B]");
-  const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  check_rows(st, sl, B, T, S);
+              op, ": state must be contiguous fp32 [slots, Hv, Dk, Dv]");
+  r.T = r.q.size(0), r.Hk = r.q.size(1), r.Dk = r.q.size(2), r.Hv = r.v.size(1), r.Dv = r.v.size(2);
+  r.B = r.slots.size(0);
+  TORCH_CHECK(r.k.sizes() == r.q.sizes() && r.v.size(0) == r.T && r.Hk > 0 && r.Hv % r.Hk == 0,
+              op, ": q, k [T, Hk, Dk] and v [T, Hv, Dv] with Hv a multiple of Hk");
+  TORCH_CHECK(r.g.size(0) == r.T && r.g.size(1) == r.Hv && r.beta.sizes() == r.g.sizes(),
+              op, ": g and beta must be [T, Hv]");
+  TORCH_CHECK(state.size(1) == r.Hv && state.size(2) == r.Dk && state.size(3) == r.Dv,
+              op, ": state must be [slots, Hv, Dk, Dv]");
+  TORCH_CHECK(r.starts.size(0) == r.B + 1 && r.fresh.dim() == 1 && r.fresh.size(0) == r.B,
+              op, ": starts [B + 1] and fresh [B] for slots [B]");
+  r.st = r.starts.data_ptr<int64_t>();
+  r.sl = r.slots.data_ptr<int64_t>();
+  check_rows(op, r.st, r.sl, r.B, r.T, state.size(0));
   // tokens outside every row (none, as the layer calls it) read as zeros
-  at::Tensor out = st[0] == 0 && st[B] == T ? at::empty({T, Hv, Dv}, v.options()) : at::zeros({T, Hv, Dv}, v.options());
-  const float *pq = q.data_ptr<float>(), *pk = k.data_ptr<float>(), *pv = v.data_ptr<float>();
-  const float *pg = g.data_ptr<float>(), *pb = beta.data_ptr<float>();
-  const uint8_t* pf = (const uint8_t*)fresh.data_ptr();
-  float *ps = state.data_ptr<float>(), *po = out.data_ptr<float>();
-  const int64_t rep = Hv / Hk;
-  const HeadFn fn = TANDEM_BODY(resolve_isa(isa_req), head_token);
-  at::parallel_for(0, B * Hv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scratch(Dv);
+  const bool covered = r.st[0] == 0 && r.st[r.B] == r.T;
+  r.out = covered ? at::empty({r.T, r.Hv, r.Dv}, r.v.options()) : at::zeros({r.T, r.Hv, r.Dv}, r.v.options());
+  r.pq = r.q.data_ptr<float>(), r.pk = r.k.data_ptr<float>(), r.pv = r.v.data_ptr<float>();
+  r.pg = r.g.data_ptr<float>(), r.pb = r.beta.data_ptr<float>();
+  r.pf = (const uint8_t*)r.fresh.data_ptr();
+  r.ps = state.data_ptr<float>(), r.po = r.out.data_ptr<float>();
+  return r;
+}
+
+float* DeltaRows::open_state(int64_t b, int64_t h) const {
+  float* S = state(b, h);
+  if (pf[b]) std::fill(S, S + Dk * Dv, 0.f);
+  return S;
+}
+
+void recurrent_tokens(const DeltaRows& r, Isa isa, float* S, int64_t h, int64_t t0, int64_t t1, float* scratch) {
+  const HeadFn fn = TANDEM_BODY(isa, head_token);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t th = t * r.Hv + h;
+    const Tok tk{r.q_at(t, h), r.k_at(t, h), r.pv + th * r.Dv, r.po + th * r.Dv, std::exp(r.pg[th]), r.pb[th]};
+    fn(S, tk, r.Dk, r.Dv, scratch);
+  }
+}
+
+at::Tensor gated_delta_rule_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                             const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots,
+                             const at::Tensor& starts, const at::Tensor& fresh, int64_t isa_req) {
+  const DeltaRows r = delta_rows("tandem.gated_delta_rule_", q, k, v, g, beta, state, slots, starts, fresh);
+  const Isa isa = resolve_isa(isa_req);
+  at::parallel_for(0, r.B * r.Hv, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> scratch(r.Dv);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / Hv, h = p % Hv, kh = h / rep;
-      float* S_bh = ps + (sl[b] * Hv + h) * Dk * Dv;
-      if (pf[b]) std::fill(S_bh, S_bh + Dk * Dv, 0.f);
-      for (int64_t t = st[b]; t < st[b + 1]; ++t) {
-        const int64_t th = t * Hv + h;
-        const Tok tk{pq + (t * Hk + kh) * Dk, pk + (t * Hk + kh) * Dk, pv + th * Dv, po + th * Dv,
-                     std::exp(pg[th]), pb[th]};
-        fn(S_bh, tk, Dk, Dv, scratch.data());
-      }
+      const int64_t b = p / r.Hv, h = p % r.Hv;
+      recurrent_tokens(r, isa, r.open_state(b, h), h, r.st[b], r.st[b + 1], scratch.data());
     }
   });
-  return out;
+  return r.out;
 }
 
 }  // namespace tandem

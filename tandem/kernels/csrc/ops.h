@@ -138,6 +138,10 @@ at::Tensor race_noise(const at::Tensor& seeds, int64_t vocab, int64_t isa);
 at::Tensor gated_delta_rule_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                              const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots,
                              const at::Tensor& starts, const at::Tensor& fresh, int64_t isa);
+at::Tensor gated_delta_rule_chunked_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                     const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& fresh,
+                                     int64_t chunk, int64_t isa);
 
 at::Tensor decode_layer_(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& attn_norm,
                          const at::Tensor& mlp_norm, double eps, at::TensorList w, at::IntArrayRef qtypes,

@@ -54,6 +54,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("race_noise(Tensor seeds, int vocab, int isa=-1) -> Tensor");
   m.def("gated_delta_rule_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor slots, "
         "Tensor starts, Tensor fresh, int isa=-1) -> Tensor");
+  m.def("gated_delta_rule_chunked_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
+        "Tensor slots, Tensor starts, Tensor fresh, int chunk, int isa=-1) -> Tensor");
   m.def("decode_layer_(Tensor(a!) x, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] w, "
         "int[] qtypes, Tensor[] packed, Tensor? qkv_bias, bool int8, Tensor cos, Tensor sin, Tensor positions, int heads, "
         "int kv_heads, int head_dim, Tensor(b!) cache, int layer, Tensor out_cache_loc, Tensor kv_index, "
@@ -89,6 +91,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("race_argmax", &tandem::race_argmax);
   m.impl("race_noise", &tandem::race_noise);
   m.impl("gated_delta_rule_", &tandem::gated_delta_rule_);
+  m.impl("gated_delta_rule_chunked_", &tandem::gated_delta_rule_chunked_);
   m.impl("decode_layer_", &tandem::decode_layer_);
   m.impl("moe_route", &tandem::moe_route);
   m.impl("moe_experts", &tandem::moe_experts);
