@@ -35,16 +35,24 @@ def _run(llm, prompts, params):
     return [(o.token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("source, kernels", [("q8", "native"), ("hf", "torch")])
-def test_speculation_changes_no_output(source, kernels, tmp_path_factory, tmp_path, monkeypatch, make_llm):
+@pytest.mark.parametrize("source, kernels, invariant", [("q8", "native", True), ("hf", "torch", True),
+                                                       ("q8", "native", False)])
+def test_speculation_changes_no_output(source, kernels, invariant, tmp_path_factory, tmp_path, monkeypatch,
+                                       make_llm):
     """Q8_0 on the native kernels: the same tokens and logprobs, bit for bit (their rows do not depend on the row
-    count); the torch path: the same tokens (its linears round the last bit by row count)."""
+    count); the torch path: the same tokens (its linears round the last bit by row count). Without batch
+    invariance prompts take the chunked delta rule, and a verify run, shorter than any chunk, the recurrent bits
+    the replay gives back."""
+    from tandem.model.numerics import LINEAR_CHUNK
+    from tandem.speculative.config import MAX_SPECULATIVE_TOKENS
+    assert MAX_SPECULATIVE_TOKENS + 1 < LINEAR_CHUNK
     m = tiny_hybrid("qwen3_5_moe", tmp_path_factory)
     skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
-    llm = make_llm(m[source], kv_cache_tokens=4096, max_running_requests=8, kernels=kernels, max_prefill_tokens=32,
-                   poison_future_map=True, cache_dir=str(tmp_path / "cache"), speculative_config=SPEC)
+    llm = make_llm(m[source], kv_cache_tokens=4096, max_running_requests=8, kernels=kernels, max_prefill_tokens=48,
+                   poison_future_map=True, cache_dir=str(tmp_path / "cache"), speculative_config=SPEC,
+                   batch_invariant=invariant)
     pin_row_cost(llm, monkeypatch)
-    prompts = prompts_for(m["ref"].config.vocab_size, n=6, seed=11)
+    prompts = prompts_for(m["ref"].config.vocab_size, n=6, seed=11) + [list(range(5, 80))]   # 75: chunks of 32
     params = _params(len(prompts))
     for loop in ("serial", "overlap"):
         configure(llm, loop, False)
