@@ -47,14 +47,14 @@ def device_rss() -> dict:
     return out
 
 
-def tandem_run(path: str, threads: int, gen: int, prompt: int, probe=None, rounds: int = 3) -> dict:
+def tandem_run(path: str, threads: int, gen: int, prompt: int, probe=None, rounds: int = 3, **engine) -> dict:
     """probe(): the read bandwidth now, measured before and after each TPOT round (rounds[i] = (bandwidth before,
     TPOT s, bandwidth after)), so that a round's bound sees the machine its TPOT saw."""
     from tandem.device.heap import IDLE_TRIM_S
     from tandem.llm import LLM
     from tandem.sampling_params import SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(model=path, max_model_len=2048, device_threads=threads)
+    llm = LLM(model=path, max_model_len=2048, device_threads=threads, **engine)
     load_s = time.perf_counter() - t0
     try:
         def run(ids, n):
@@ -101,7 +101,8 @@ def measure_shape(shape: str, args, bin_dir: str | None, bw: float) -> tuple[dic
     # the bound takes the best seen, so that a slow phase never flatters a ratio
     bws, starts, llama = [bw], [], []
     for _ in range(args.starts):
-        starts.append(tandem_run(path, args.threads, args.gen, args.prompt, read_bandwidth, args.rounds))
+        starts.append(tandem_run(path, args.threads, args.gen, args.prompt, read_bandwidth, args.rounds,
+                                 batch_invariant=not args.no_batch_invariant))
         bws.append(read_bandwidth())
         if bin_dir:
             run = llama_bench(bin_dir, path, args.threads, args.prompt, 64, 3)
@@ -146,6 +147,8 @@ def main() -> int:
     p.add_argument("--starts", type=int, default=1,
                    help="starts of tandem per file, each followed by a llama-bench run; TPOTs as the median start")
     p.add_argument("--skip-llamacpp", action="store_true", help="tandem only")
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="tandem with batch_invariant off (long prefill chunks take the faster, size-dependent paths)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -162,7 +165,8 @@ def main() -> int:
         row, bw = measure_shape(shape, args, bin_dir, bw)
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
-    out = {"threads": args.threads, "rows": rows, "machine": machine_info(args.threads)}
+    out = {"threads": args.threads, "batch_invariant": not args.no_batch_invariant, "rows": rows,
+           "machine": machine_info(args.threads)}
     print(f"read bandwidth ({args.threads} threads, the best around each file's runs): "
           + ", ".join(f"{max(r['read_bandwidth_gb_s']):.1f}" for r in rows) + " GB/s")
     print(f"{'shape':14s} {'file MB':>8s} {'TPOT ms':>8s} {'bound':>6s} {'xbound':>6s} {'x llama':>7s} "
