@@ -48,3 +48,24 @@ def count_attention_calls(monkeypatch, name: str) -> dict:
         return real(*a, **kw)
     monkeypatch.setattr(attention_paths, name, counted)
     return calls
+
+
+def assert_grammar_row_and_trace(llm, prompts: list) -> None:
+    """A regex-constrained request beside two free ones (prompts: three), through both loops: the free rows' tokens
+    those they get alone, the constrained one matching; the trace recorder's device spans one a step, prefill and
+    decode, every kept token counted."""
+    import re
+
+    from tandem import SamplingParams
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = run_with(llm, "serial", prompts[:2], free)
+    regex = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs={"regex": r"[0-9]{3}-[a-c]{2}"})
+    for loop in ("serial", "overlap"):
+        llm.engine.recorder.clear()
+        outs = run_with(llm, loop, prompts, [free, free, regex])
+        assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone], loop
+        assert outs[2].finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-c]{2}", outs[2].text), outs[2].text
+        summary = llm.engine.recorder.summary()
+        spans = list(llm.engine.recorder.devices)
+        assert summary["steps"] == len(spans) > 0 and any(d.is_prefill for d in spans)
+        assert summary["output_tokens"] == sum(len(o.token_ids) for o in outs)

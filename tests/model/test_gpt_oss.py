@@ -75,6 +75,17 @@ def test_refusals():
         ModelConfig.from_hf_dict({k: v for k, v in d.items() if k != "num_local_experts"})
 
 
+def _mxfp4_reference(model):
+    """A copy of transformers' model whose experts hold the values MXFP4 gives them."""
+    import copy
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                w.copy_(_mxfp4_round_trip(w))
+    return ref
+
+
 def _mxfp4_round_trip(w: torch.Tensor) -> torch.Tensor:
     """An expert weight [E, in, out] as MXFP4 holds it (blocks of 32 along `in`), back in fp32."""
     import gguf
@@ -87,16 +98,10 @@ def _mxfp4_round_trip(w: torch.Tensor) -> torch.Tensor:
 def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
     """The file as llama.cpp's converter writes it, experts in MXFP4 (blocks on the native path), a tokenizer in its
     metadata: the tokens of transformers' model holding the same MXFP4 values, both kernel sets, the exact mode."""
-    import copy
-
     from tests.helpers.tiny_gpt_oss import write_gpt_oss_gguf
     m = tiny(tmp_path_factory)
     path = write_gpt_oss_gguf(tmp_path / "tiny-gpt-oss.gguf", m["hf"], mxfp4=True, with_tokenizer=True)
-    ref = copy.deepcopy(m["ref"])
-    with torch.no_grad():
-        for layer in ref.model.layers:
-            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                w.copy_(_mxfp4_round_trip(w))
+    ref = _mxfp4_reference(m["ref"])
     ps = prompts_for(ref.config.vocab_size, n=4, seed=9)
     refs = [hf_greedy(ref, p, MAX_NEW) for p in ps]
     for kernels in ("torch", "native"):
@@ -136,17 +141,11 @@ def test_tp2_and_speculation_change_no_token(tmp_path_factory, monkeypatch, make
 def test_mxfp4_checkpoint_as_openai_ships_it(tmp_path_factory, tmp_path, make_llm):
     """`*_blocks` / `*_scales` experts load as MXFP4 blocks (never a dense copy on the native path): the tokens of
     transformers' model holding the same values, both kernel sets."""
-    import copy
-
     from tandem.kernels.quant import MXFP4
     from tests.helpers.tiny_gpt_oss import save_mxfp4_checkpoint
     m = tiny(tmp_path_factory)
     path = save_mxfp4_checkpoint(m["hf"], tmp_path / "mxfp4")
-    ref = copy.deepcopy(m["ref"])
-    with torch.no_grad():
-        for layer in ref.model.layers:
-            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                w.copy_(_mxfp4_round_trip(w))
+    ref = _mxfp4_reference(m["ref"])
     ps = prompts_for(ref.config.vocab_size, n=4, seed=21)
     refs = [hf_greedy(ref, p, MAX_NEW) for p in ps]
     for kernels in ("torch", "native"):

@@ -6,13 +6,12 @@ followed yet are refused by name. A grammar row beside free rows, and the trace 
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 
 import tandem.scheduler.speculative as spec_mod
 from tandem import LLM, SamplingParams
-from tests.helpers.engine_checks import assert_no_leaks, run_with
+from tests.helpers.engine_checks import assert_grammar_row_and_trace, assert_no_leaks
 from tests.helpers.tiny_models import skip_gguf_tokenizer_build
 from tests.model.test_hybrid import tiny_hybrid
 from tests.model.test_parity import prompts_for
@@ -119,16 +118,4 @@ def test_grammar_rows_and_the_trace(tmp_path_factory, tmp_path, monkeypatch, mak
     m = tiny_hybrid("qwen3_5", tmp_path_factory)
     skip_gguf_tokenizer_build(monkeypatch, str(tmp_path / "cache"))
     llm = make_llm(m["q8"], device_threads=1, max_prefill_tokens=16, cache_dir=str(tmp_path / "cache"))
-    prompts = prompts_for(m["ref"].config.vocab_size, n=3, seed=4)
-    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    alone = run_with(llm, "serial", prompts[:2], free)
-    regex = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs={"regex": r"[0-9]{3}-[a-c]{2}"})
-    for loop in ("serial", "overlap"):
-        llm.engine.recorder.clear()
-        outs = run_with(llm, loop, prompts, [free, free, regex])
-        assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone], loop
-        assert outs[2].finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-c]{2}", outs[2].text), outs[2].text
-        summary = llm.engine.recorder.summary()
-        spans = list(llm.engine.recorder.devices)
-        assert summary["steps"] == len(spans) > 0 and any(d.is_prefill for d in spans)
-        assert summary["output_tokens"] == sum(len(o.token_ids) for o in outs)
+    assert_grammar_row_and_trace(llm, prompts_for(m["ref"].config.vocab_size, n=3, seed=4))

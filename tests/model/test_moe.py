@@ -14,7 +14,7 @@ import torch
 from tandem import SamplingParams
 from tandem.kernels import available
 from tandem.model.numerics import Numerics
-from tests.helpers.engine_checks import run_with
+from tests.helpers.engine_checks import assert_grammar_row_and_trace, run_with
 from tests.helpers.isa import runnable
 from tests.helpers.tiny_models import make_tiny_model, skip_gguf_tokenizer_build, write_tiny_gguf
 from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
@@ -359,22 +359,8 @@ def test_grammar_and_trace_on_an_moe_model(tmp_path_factory, make_llm):
     """A regex-constrained request on the tiny Qwen3-MoE through both loops (the grammar's masks on the logits
     of a model whose MLPs are expert layers), the free rows beside it unchanged, and the trace recorder's device
     spans: one per step, prefill and decode, with every kept token counted."""
-    import re
     m = tiny_moe("qwen3_moe", tmp_path_factory)
-    llm = make_llm(m["hf"], device_threads=1)
-    prompts = prompts_for(1000, n=3, seed=4)
-    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    alone = run_with(llm, "serial", prompts[:2], free)
-    regex = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs={"regex": r"[0-9]{3}-[a-c]{2}"})
-    for loop in ("serial", "overlap"):
-        llm.engine.recorder.clear()
-        outs = run_with(llm, loop, prompts, [free, free, regex])
-        assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone], loop
-        assert outs[2].finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-c]{2}", outs[2].text), outs[2].text
-        summary = llm.engine.recorder.summary()
-        spans = list(llm.engine.recorder.devices)
-        assert summary["steps"] == len(spans) > 0 and any(d.is_prefill for d in spans)
-        assert summary["output_tokens"] == sum(len(o.token_ids) for o in outs)
+    assert_grammar_row_and_trace(make_llm(m["hf"], device_threads=1), prompts_for(1000, n=3, seed=4))
 
 
 @pytest.mark.skipif(not available(), reason="native kernels not built")
