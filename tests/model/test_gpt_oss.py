@@ -116,16 +116,17 @@ def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
         llm.shutdown()
 
 
-def test_tp2_and_speculation_change_no_token(tmp_path_factory, monkeypatch, make_llm):
-    """tp 2 (whole experts a rank; sinks, q / k / v biases by heads; o's and the experts' biases added once) gives
-    tp 1's tokens; speculation (drafts that are mostly right, some not: verify rows through the sinks) changes none."""
+def test_tp2_pp2_and_speculation_change_no_token(tmp_path_factory, monkeypatch, make_llm):
+    """tp 2 (whole experts a rank; sinks, q / k / v biases by heads; o's and the experts' biases added once) and pp 2
+    (each stage its layers' sinks and windows) give one device's tokens; speculation (drafts that are mostly right,
+    some not: verify rows through the sinks) changes none."""
     import tandem.scheduler.speculative as spec_mod
     from tests.scheduler.test_speculative import Oracle, pin_row_cost
     m = tiny(tmp_path_factory)
     ps = prompts_for(m["ref"].config.vocab_size, n=4, seed=13)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
-    for name, kw in (("tp1", {}), ("tp2", dict(tp_size=2)),
+    for name, kw in (("tp1", {}), ("tp2", dict(tp_size=2)), ("pp2", dict(pp_size=2)),
                      ("spec", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}))):
         llm = make_llm(m["hf"], device_threads=1, max_prefill_tokens=16, **kw)
         if name == "spec":
@@ -135,7 +136,7 @@ def test_tp2_and_speculation_change_no_token(tmp_path_factory, monkeypatch, make
         if name == "spec":
             assert 0 < llm.stats()["spec_accepted_tokens"] < llm.stats()["spec_draft_tokens"]
         llm.shutdown()
-    assert outs["tp2"] == outs["tp1"] and outs["spec"] == outs["tp1"]
+    assert outs["tp2"] == outs["tp1"] and outs["pp2"] == outs["tp1"] and outs["spec"] == outs["tp1"]
 
 
 def test_mxfp4_checkpoint_as_openai_ships_it(tmp_path_factory, tmp_path, make_llm):
