@@ -30,15 +30,16 @@ def inputs(n: int, dk: int, dv: int, seed: int = 0):
     return l2norm(q) * dk ** -0.5, l2norm(k), v, g, beta
 
 
-def reference(q, k, v, g, beta, state, slots, starts, fresh):
-    """The torch reference row by row, as the layer's torch path runs it; state updated in place."""
+def reference(q, k, v, g, beta, state, slots, starts, fresh, rule=delta_rule_reference):
+    """The torch reference row by row, as the layer's torch path runs it; state updated in place. rule: one row's
+    (q, k, v, g, beta, state) -> o (the recurrent reference, or the chunked one at a chunk size)."""
     r = v.shape[1] // q.shape[1]
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
     o = torch.zeros_like(v)
     for slot, s, e, f in zip(slots, starts, starts[1:], fresh):
         if f:
             state[slot].zero_()
-        o[s:e] = delta_rule_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state[slot])
+        o[s:e] = rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state[slot])
     return o
 
 

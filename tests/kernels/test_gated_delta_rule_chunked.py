@@ -15,16 +15,9 @@ HK, HV = 2, 4
 
 
 def chunked_reference(q, k, v, g, beta, state, slots, starts, fresh, chunk):
-    """The torch chunked reference row by row, as tests/kernels/test_gated_delta_rule.py's reference runs the
-    recurrent one; state updated in place."""
-    r = v.shape[1] // q.shape[1]
-    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
-    o = torch.zeros_like(v)
-    for slot, s, e, f in zip(slots, starts, starts[1:], fresh):
-        if f:
-            state[slot].zero_()
-        o[s:e] = delta_rule_chunked_reference(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state[slot], chunk)
-    return o
+    """The torch chunked reference row by row (test_gated_delta_rule.py's reference with the chunked rule)."""
+    return reference(q, k, v, g, beta, state, slots, starts, fresh,
+                     rule=lambda *row: delta_rule_chunked_reference(*row, chunk))
 
 
 def chunked_op(q, k, v, g, beta, state, slots, starts, fresh, chunk, isa):

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tests.helpers.engine_checks import run_with
 from tests.helpers.tiny_gpt_oss import make_tiny_gpt_oss
-from tests.model.test_parity import assert_parity, hf_greedy, prompts_for
+from tests.model.test_parity import assert_greedy_parity, hf_greedy, prompts_for
 
 MAX_NEW = 10
 _MODELS: dict = {}
@@ -35,10 +34,7 @@ def test_parity_with_transformers_both_loops(kernels, tmp_path_factory, make_llm
     assert [c.window(i) for i in range(c.num_layers)] == [8, 0, 8, 0]
     ps = prompts_for(m["ref"].config.vocab_size, n=6, seed=7)
     refs = [hf_greedy(m["ref"], p, MAX_NEW) for p in ps]
-    for scheduler in ("serial", "overlap"):
-        outs = run_with(llm, scheduler, ps, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-        for o, (ref_ids, scores) in zip(outs, refs):
-            assert_parity(o.token_ids, ref_ids, scores)
+    assert_greedy_parity(llm, ps, refs, MAX_NEW)
 
 
 def test_yarn_and_the_clamped_swiglu_as_transformers():
@@ -110,9 +106,7 @@ def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
         c = llm.engine.model_config
         assert c.architecture == "gpt_oss" and c.rope_scaling["truncate"] is False and c.layer_types[:2] == (
             "sliding_attention", "full_attention")
-        for o, (ref_ids, scores) in zip(run_with(llm, "overlap", ps, SamplingParams(
-                temperature=0, max_tokens=MAX_NEW, ignore_eos=True)), refs):
-            assert_parity(o.token_ids, ref_ids, scores)
+        assert_greedy_parity(llm, ps, refs, MAX_NEW, loops=("overlap",))
         llm.shutdown()
 
 
@@ -154,7 +148,5 @@ def test_mxfp4_checkpoint_as_openai_ships_it(tmp_path_factory, tmp_path, make_ll
         if kernels == "native":
             gate = llm.engine.executor.model_runner.model.layers[0]["moe"].experts[0][0]
             assert {p.qtype for p in gate.parts} == {MXFP4}
-        for o, (ref_ids, scores) in zip(run_with(llm, "serial", ps, SamplingParams(
-                temperature=0, max_tokens=MAX_NEW, ignore_eos=True)), refs):
-            assert_parity(o.token_ids, ref_ids, scores)
+        assert_greedy_parity(llm, ps, refs, MAX_NEW, loops=("serial",))
         llm.shutdown()

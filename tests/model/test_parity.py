@@ -32,6 +32,16 @@ def assert_parity(ours: list[int], ref: list[int], scores: list[torch.Tensor]) -
     assert len(ours) == len(ref)
 
 
+def assert_greedy_parity(llm, prompts: list[list[int]], refs: list, max_new: int,
+                         loops: tuple[str, ...] = ("serial", "overlap")) -> None:
+    """The engine's greedy outputs of `prompts` through each loop against transformers' (refs: hf_greedy's, one a
+    prompt), by assert_parity."""
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    for scheduler in loops:
+        for o, (ref_ids, scores) in zip(run_with(llm, scheduler, prompts, params), refs):
+            assert_parity(o.token_ids, ref_ids, scores)
+
+
 def prompts_for(vocab: int, n: int = 9, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
