@@ -52,7 +52,8 @@ class PendingMxfp4:
         """None where `name` is not an MXFP4 expert tensor; [] while its pair is missing; else the experts."""
         if not name.endswith(SUFFIXES) or ".mlp.experts." not in name:
             return None
-        base, suffix = name[:-7], name[-7:]
+        suffix = "_blocks" if name.endswith("_blocks") else "_scales"
+        base = name[:-len(suffix)]
         other = self.half.pop(base + ("_scales" if suffix == "_blocks" else "_blocks"), None)
         if other is None:
             self.half[name] = t

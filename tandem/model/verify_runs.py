@@ -48,6 +48,8 @@ class VerifyRuns:
     def __post_init__(self) -> None:
         self.tokens = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.lens)]))
         self.offsets = [0, *np.cumsum(self.lens).tolist()]           # run i's tokens in a record: offsets[i:i + 2]
+        self.slots_t = torch.tensor(self.slots, dtype=torch.int64, device=self.saved[0].device) if self.saved \
+            else torch.tensor(self.slots, dtype=torch.int64)           # once a step, read by every layer
 
     @classmethod
     def of(cls, rows: np.ndarray, draft_lens: np.ndarray, extend_lens: np.ndarray,
@@ -61,20 +63,17 @@ class VerifyRuns:
         return cls([int(r) for r in rows[heads]], [int(s) for s in first[heads]],
                    [int(k) + 1 for k in draft_lens[heads]], scratch(len(heads)))
 
-    def slot_tensor(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.slots, dtype=torch.int64, device=device)
-
     def before_conv(self, j: int, conv: torch.Tensor, x: torch.Tensor) -> None:
         """Layer j, before its conv: the runs' conv states (conv: the layer's pool) and inputs (x [T, C])."""
         out = self.saved[0][j, :len(self.slots)]
-        torch.index_select(conv, 0, self.slot_tensor(conv.device), out=out)
+        torch.index_select(conv, 0, self.slots_t, out=out)
         self.layers[j] = LayerRecord(out, x[self.tokens.to(x.device)])
 
     def before_rule(self, j: int, ssm: torch.Tensor, k, v, g, beta) -> None:
         """Layer j, before its delta rule: the runs' states (ssm: the layer's pool) and inputs ([T, ...] each)."""
         rec, tok = self.layers[j], self.tokens.to(v.device)
         rec.ssm = self.saved[1][j, :len(self.slots)]
-        torch.index_select(ssm, 0, self.slot_tensor(ssm.device), out=rec.ssm)
+        torch.index_select(ssm, 0, self.slots_t, out=rec.ssm)
         rec.rule = tuple(t[tok] for t in (k, v, g, beta))
 
     def kept_back(self, kept: list[int]) -> list[int]:
