@@ -71,6 +71,19 @@ class ModelConfig:
     moe_routing: str = "softmax_topk"    # "softmax_topk": softmax over all experts, then top-k; "topk_softmax": top-k logits, then their softmax (gpt-oss)
     swiglu_alpha: float = 1.702      # hidden_act "swiglu_oai": (clamp(up) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=limit)
     swiglu_limit: float = 7.0
+    # gemma4 (model/gemma4.py): full layers with their own head shape, V as K's projection, per-layer inputs
+    global_head_dim: int = 0         # full_attention layers' head dim; 0: head_dim
+    global_kv_heads: int = 0         # full_attention layers' KV heads; 0: num_kv_heads
+    attention_k_eq_v: bool = False   # full layers have no v_proj: V is k_proj's output (normed by v_norm, not turned)
+    v_norm: bool = False             # V RMS-normed over its head dim, no weight
+    rope_proportion: float = 1.0     # full layers' "proportional" RoPE: the first share of frequency pairs turn (exponent over the whole head dim), the rest stay
+    final_logit_softcapping: float | None = None     # logits = c * tanh(logits / c)
+    layer_scalar: bool = False       # a layer's output, residual stream included, times its layer_scalar [1]
+    moe_beside_mlp: bool = False     # the experts run beside the dense MLP (gemma4), routed on the layer's input
+    per_layer_input_size: int = 0    # per-layer input embeddings (gemma4 E2B / E4B): each layer's width; 0: none
+    per_layer_vocab_size: int = 0    # rows of their table (embed_tokens_per_layer)
+    num_kv_shared_layers: int = 0    # the last layers read the KV of the last earlier layer of their type
+    double_wide_mlp: bool = False    # those KV-shared layers' dense MLP is twice intermediate_size wide
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -100,6 +113,45 @@ class ModelConfig:
             raise ValueError(f"moe_routing {self.moe_routing!r} is not supported (softmax_topk, topk_softmax)")
         self._check_experts()
         self._check_linear_attention()
+        self._check_layer_shapes()
+
+    def _check_layer_shapes(self) -> None:
+        for f in ("global_head_dim", "global_kv_heads", "per_layer_input_size", "num_kv_shared_layers"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"ModelConfig.{f} must be an int >= 0, got {v!r}")
+        if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of global_kv_heads "
+                             f"({self.global_kv_heads})")
+        if not 0.0 < self.rope_proportion <= 1.0:
+            raise ValueError(f"rope_proportion must be in (0, 1], got {self.rope_proportion!r}")
+        if self.num_kv_shared_layers:
+            first = self.num_layers - self.num_kv_shared_layers
+            if first <= 0 or any(self.kv_source(i) >= first for i in range(first, self.num_layers)):
+                raise ValueError(f"num_kv_shared_layers {self.num_kv_shared_layers}: every shared layer needs an "
+                                 f"earlier layer of its type among the first {max(first, 0)}")
+
+    def mlp_width(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width: intermediate_size, doubled in a KV-shared layer under double_wide_mlp."""
+        shared = layer >= self.num_layers - self.num_kv_shared_layers and self.num_kv_shared_layers
+        return self.intermediate_size * (2 if self.double_wide_mlp and shared else 1)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s attention head dim: a full layer's global_head_dim where the config sets one."""
+        return self.global_head_dim if self.global_head_dim and not self.is_sliding(layer) else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Layer `layer`'s KV heads: a full layer's global_kv_heads where the config sets one."""
+        return self.global_kv_heads if self.global_kv_heads and not self.is_sliding(layer) else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends: itself, or for one of the last num_kv_shared_layers the
+        last layer before them of the same type (it has no k / v projections and writes no KV)."""
+        first = self.num_layers - self.num_kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.is_sliding(layer)
+        return next((j for j in range(first - 1, -1, -1) if self.is_sliding(j) == kind), layer)
 
     def _check_linear_attention(self) -> None:
         if not self.linear_layers:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .gemma4_config import GEMMA4_DEFAULTS, hf_gemma4
+
 log = logging.getLogger(__name__)
 
 # HF "architectures" entry -> our architecture name. A ...ForConditionalGeneration checkpoint (Qwen3.5 with its
@@ -23,18 +25,21 @@ SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 # HF model_type -> our architecture name (a config.json without "architectures").
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                    "gemma3_text": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
                    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
                    "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
-                   "gpt_oss": "gpt_oss"}
+                   "gpt_oss": "gpt_oss", "gemma4_text": "gemma4", "gemma4": "gemma4"}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(SUPPORTED_HF_ARCHITECTURES.values()))
 # Hybrids: Gated DeltaNet layers (layer_types "linear_attention") between gated full-attention layers.
 HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-_VISION_WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+_VISION_WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                    "Gemma4ForConditionalGeneration")
 
 _QWEN = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
 # Defaults of the HF config classes for keys a config.json may leave out.
@@ -46,6 +51,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                "rope_local_theta": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "sliding_window_pattern": 6},
     "mixtral": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "gemma4": GEMMA4_DEFAULTS,
     "gpt_oss": {"rope_theta": 150_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                 "sliding_window": 128},
 }
@@ -70,7 +76,7 @@ def hf_config_kwargs(d: dict) -> dict[str, Any]:
             raise ValueError(f"config.json is missing required key {key!r} (architecture {arch})")
         return d[key]
 
-    _reject_unsupported_hf_options(d)
+    _reject_unsupported_hf_options(d, arch)
     defaults = _HF_DEFAULTS[arch]
     hidden = int(req("hidden_size"))
     num_heads = int(req("num_attention_heads"))
@@ -78,7 +84,7 @@ def hf_config_kwargs(d: dict) -> dict[str, Any]:
     rope_theta, scaling, local_params = _hf_rope(d, defaults)
     bos = d.get("bos_token_id")
     window, layer_types = _sliding(arch, d, num_layers, defaults)
-    return dict(
+    out = dict(
         architecture=arch,
         vocab_size=int(req("vocab_size")),
         hidden_size=hidden,
@@ -97,8 +103,9 @@ def hf_config_kwargs(d: dict) -> dict[str, Any]:
         eos_token_ids=_hf_eos_ids(d),
         sliding_window=window,
         layer_types=layer_types,
-        **_hf_arch_switches(arch, d, defaults, local_params),
     )
+    out.update(_hf_arch_switches(arch, d, defaults, local_params))     # gemma4's own RoPE, window and layer types
+    return out
 
 
 def _text_config(d: dict) -> dict:
@@ -127,12 +134,12 @@ def _hf_architecture(d: dict) -> str:
     raise unsupported(f"(no 'architectures'; model_type={d.get('model_type')!r})")
 
 
-def _reject_unsupported_hf_options(d: dict) -> None:
+def _reject_unsupported_hf_options(d: dict, arch: str) -> None:
     """HF options the one decoder does not implement: an error rather than a silently different model."""
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if d.get(key) is not None:
+        if d.get(key) is not None and not (arch == "gemma4" and key == "final_logit_softcapping"):
             raise ValueError(f"{key}={d[key]} is not supported (gemma2-style soft-capping)")
     if d.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported (a causal LM only)")
@@ -174,6 +181,9 @@ def _hf_arch_switches(arch: str, d: dict, defaults: dict, local_params: dict | N
         extra.update(_hf_linear_attention(d))
     if arch == "gpt_oss":
         extra.update(_hf_gpt_oss(d))
+        return extra
+    if arch == "gemma4":
+        extra.update(hf_gemma4(d, int(d["num_hidden_layers"])))
         return extra
     if arch == "gemma3":
         local_theta = d.get("rope_local_base_freq", (local_params or {}).get("rope_theta"))
