@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.quant import INT8_ACT_QTYPES
-from ..model.kv_cache import AttentionMeta, PagedKVCache, kv_row_bytes
+from ..model.kv_cache import AttentionMeta, GroupedKVCache, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
 from ..model.recurrent_state import RecurrentState, state_bytes_per_row
@@ -103,15 +103,18 @@ class ModelRunner:
         if tp is not None:
             state = shard_state(state, c, layout)
         stage = range(c.num_layers) if pp is None else pp.layers
-        num_layers = sum(1 for i in stage if not c.is_linear(i))       # the KV cache's: the attention layers
-        linear_layers = len(stage) - num_layers                         # a hybrid's: a state slot a row
+        # The KV cache's layers: the attention layers (but gemma4's KV-shared ones), with their KV heads and head dim
+        kv_shapes = [(layout.kv_heads if c.layer_kv_heads(i) == c.num_kv_heads else c.layer_kv_heads(i),
+                      c.layer_head_dim(i)) for i in stage if not c.is_linear(i) and c.kv_source(i) == i]
+        num_layers = len(kv_shapes)
+        linear_layers = sum(1 for i in stage if c.is_linear(i))         # a hybrid's: a state slot a row
         rows = spec.max_running + spec.spare_rows + 1
         if pp is not None:                  # a stage keeps its own layers' weights only
             state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
         bf16_fits, = every_rank(group, 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
         self.numerics = n = resolve(options, cpu, self.device, dtype, c.head_dim, int8_blocks, bool(bf16_fits))
         kv_dtype = n.kv_dtype
-        bytes_per_slot = 2 * num_layers * layout.kv_heads * kv_row_bytes(kv_dtype, c.head_dim)
+        bytes_per_slot = max(1, sum(2 * kvh * kv_row_bytes(kv_dtype, d) for kvh, d in kv_shapes))
         if spec.kv_cache_tokens is not None:
             num_slots = spec.kv_cache_tokens
         else:
@@ -132,7 +135,9 @@ class ModelRunner:
         # step's view must keep the prefix's columns.
         cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not n.extend_native
                    and not any(layer["window"] for layer in self.model.layers))
-        self.kv_cache = PagedKVCache(num_slots, num_layers, layout.kv_heads, c.head_dim, kv_dtype, self.device)
+        assert self.model.kv_shapes == kv_shapes, (self.model.kv_shapes, kv_shapes)
+        kvh, d = kv_shapes[0] if kv_shapes else (layout.kv_heads, c.head_dim)
+        self.kv_cache = (PagedKVCache(num_slots, num_layers, kvh, d, kv_dtype, self.device) if len(set(kv_shapes)) <= 1 else GroupedKVCache(num_slots, kv_shapes, kv_dtype, self.device))
         # A hybrid's linear layers keep a state per request-table row (model/recurrent_state.py)
         self.recurrent = (RecurrentState(layout.local(c), linear_layers, rows, self.device, spec.state_checkpoints)
                           if linear_layers else None)

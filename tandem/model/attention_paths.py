@@ -62,11 +62,12 @@ class Attention:
         if self.extend_native:          # a long chunk: the native op reads every key in place
             return self._extend_attention(i, q, k, v, meta)
         out_dtype = q.dtype             # a long chunk under prefill_bf16 attends in bf16 (2-2.3x fp32 SDPA's rate)
-        keys, values = meta.kv.store(i, k, v, self.extend_dtype)        # [B, KVH, Lk, D]
+        kv, j = meta.kv.at(i)
+        keys, values = kv.store(j, k, v, self.extend_dtype)            # [B, KVH, Lk, D]
         q = q.to(self.extend_dtype)
         if meta.shared is not None:     # rows on one cached prefix: it once, their own keys after it
             queries = q[meta.q_index].transpose(1, 2)
-            return cascade_attention(q, meta.shared.keys_values(meta.kv.cache.data, i, q.dtype), queries, keys,
+            return cascade_attention(q, meta.shared.keys_values(kv.cache.data, j, q.dtype), queries, keys,
                                      values, meta.mask, meta.token_rc, self.scale, self.sinks[i]).to(out_dtype)
         if meta.q_index is None:
             queries = q.unsqueeze(2)                                    # [B, H, 1, D]
@@ -97,9 +98,9 @@ class Attention:
         between rows. Measured on an AMD EPYC (AVX-512, no AMX), 2 threads, bf16 cache: 2.3-5x less time than the
         gather + SDPA it replaces (benchmarks/extend_attention.py); extend_bf16: bf16 products, 1.5-1.6x more.
         prefill_bf16 (CPUs with AMX) keeps its bf16 SDPA."""
-        kv = meta.kv
-        kv.write(i, k, v)
-        return extend_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
+        kv, j = meta.kv.at(i)
+        kv.write(j, k, v)
+        return extend_attention(q, kv.cache.data, j, kv.kv_index, kv.tok_row, kv.positions, self.scale,
                                 self.windows[i], bf16_products=self.extend_bf16, sinks=self.sinks[i])
 
     def _causal_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -107,9 +108,9 @@ class Attention:
         """A chunk's tokens under batch_invariant (a prompt's, or a retracted request's outputs), q [T, H, D]:
         the step's K/V written to the cache, then every token attends its row's keys up to its position with
         the decode op's arithmetic (csrc/causal_attention.cpp): the bits it gets as a decode row."""
-        kv = meta.kv
-        kv.write(i, k, v)
-        return causal_attention(q, kv.cache.data, i, kv.kv_index, kv.tok_row, kv.positions, self.scale,
+        kv, j = meta.kv.at(i)
+        kv.write(j, k, v)
+        return causal_attention(q, kv.cache.data, j, kv.kv_index, kv.tok_row, kv.positions, self.scale,
                                 self.windows[i], bf16_products=self.decode_bf16, sinks=self.sinks[i])
 
     def _causal_rows(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -134,10 +135,10 @@ class Attention:
         a decode step computes for it (the op's split depends on a row's length only), and at these sizes
         the quantized linears treat every row alone, so a step's output per token is the same whether its
         prompt was prefilled fresh, partly served by the prefix cache, chunked, or scored in a verify step."""
-        kv = meta.kv
+        kv, j = meta.kv.at(i)
         if kv.tok_kv_index is None:                     # once a step, not once a layer
             kv.tok_kv_index = kv.kv_index[kv.tok_row]                   # [T, Lk]
-        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
+        return decode_attention_qkv_(qkv, kv.cache.data, j, kv.out_cache_loc, kv.tok_kv_index, kv.seq_lens,
                                      self.scale, self.num_heads, self.windows[i], self.decode_bf16,
                                      self.sinks[i])                                                 # [T, H*D]
 
@@ -145,7 +146,7 @@ class Attention:
         """Pure decode (one new token a row, T == B), qkv [B, (H + 2 KVH) D]: the native op writes the step's
         K/V at out_cache_loc, then reads every key in place through kv_index (no gathered copy). A row's token
         sits at position seq_len - 1."""
-        kv = meta.kv
-        return decode_attention_qkv_(qkv, kv.cache.data, i, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
+        kv, j = meta.kv.at(i)
+        return decode_attention_qkv_(qkv, kv.cache.data, j, kv.out_cache_loc, kv.kv_index, kv.seq_lens,
                                      self.scale, self.num_heads, self.windows[i], self.decode_bf16,
                                      self.sinks[i])                                                 # [B, H*D]

@@ -180,7 +180,7 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         """Whether `layer` runs experts (a router and num_experts gated MLPs) in place of the dense MLP."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+        return (self.num_experts > 0 and not self.moe_beside_mlp and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     def is_linear(self, layer: int) -> bool:

@@ -70,7 +70,7 @@ def hf_gemma4(d: dict, num_layers: int) -> dict[str, Any]:
                                  else float(d["final_logit_softcapping"])),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         per_layer_input_size=int(d.get("hidden_size_per_layer_input") or 0),
-        per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or 0),
+        per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or 0) if d.get("hidden_size_per_layer_input") else 0,
         num_kv_shared_layers=int(d.get("num_kv_shared_layers") or 0),
         double_wide_mlp=bool(d.get("use_double_wide_mlp", False)))
     if out["per_layer_input_size"] and not out["per_layer_vocab_size"]:

@@ -98,6 +98,10 @@ class StepKV:
         self._first = -1
         self._view: torch.Tensor | None = None   # [B, Lk, group, 2, KVH, D]
 
+    def at(self, layer: int) -> tuple["StepKV", int]:
+        """The view holding attention layer `layer`'s keys, and its index there (GroupedStepKV: its shape's)."""
+        return self, layer
+
     @property
     def seq_lens(self) -> torch.Tensor:
         """[T] keys each new token attends: its position + 1 (a decode row's sequence length), once a step."""
@@ -150,13 +154,56 @@ class StepKV:
         return keys.transpose(1, 2), values.transpose(1, 2)   # [B, KVH, Lk, D], strided: SDPA reads it as is
 
 
+class GroupedKVCache:
+    """Attention layers of more than one KV shape (gemma4: full layers with their own head dim and KV heads) as one
+    PagedKVCache a shape, every one over the same slot ids: a token's slot holds its K/V in each. where[i]: attention
+    layer i's (cache, index in it). One cache of the widest shape would hold the narrower layers padded (Gemma 4
+    26B-A4B: full layers' 2 x 512 in sliding layers' 8 x 256, 1.9x their bytes; E2B: sliding layers' 256 in 512)."""
+
+    def __init__(self, num_slots: int, shapes: list[tuple[int, int]], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        kinds = list(dict.fromkeys(shapes))                     # (KV heads, head dim), in first-layer order
+        counts = [shapes.count(k) for k in kinds]
+        self.caches = [PagedKVCache(num_slots, n, kvh, d, dtype, device) for n, (kvh, d) in zip(counts, kinds)]
+        self.where = [(kinds.index(k), shapes[:i].count(k)) for i, k in enumerate(shapes)]
+        self.num_slots, self.pad_slot, self.num_layers = num_slots, num_slots, len(shapes)
+        self.data = self.caches[0].data
+
+    @contextlib.contextmanager
+    def nested(self):
+        with contextlib.ExitStack() as stack:
+            for cache in self.caches:
+                stack.enter_context(cache.nested())
+            yield
+
+    def step_view(self, kv_index: torch.Tensor, tok_row: torch.Tensor, positions: torch.Tensor,
+                  out_cache_loc: torch.Tensor, has_prefix: bool, part: int = 0) -> "GroupedStepKV":
+        return GroupedStepKV([c.step_view(kv_index, tok_row, positions, out_cache_loc, has_prefix, part)
+                              for c in self.caches], self.where)
+
+
+class GroupedStepKV:
+    """One step's view of a GroupedKVCache: a StepKV a shape; at(i) picks layer i's. The step's layout (kv_index,
+    positions, ...) is the first view's: every view has the same."""
+
+    def __init__(self, views: list[StepKV], where: list[tuple[int, int]]) -> None:
+        self.views, self.where = views, where
+
+    def at(self, layer: int) -> tuple[StepKV, int]:
+        g, j = self.where[layer]
+        return self.views[g], j
+
+    def __getattr__(self, name: str):
+        return getattr(self.views[0], name)
+
+
 @dataclass
 class AttentionMeta:
     """Per-step attention layout, built once and shared by every layer.
 
     B rows (requests), T new tokens in all, Lq = longest extend, Lk = longest sequence.
     """
-    kv: "StepKV"                  # the step's view of the paged KV cache
+    kv: "StepKV | GroupedStepKV"  # the step's view of the paged KV cache
     mask: torch.Tensor            # [B, 1, Lq, Lk] bool, True = attend
     q_index: torch.Tensor | None  # [B, Lq] flat token of each query slot (None: pure decode, Lq == 1)
     token_rc: tuple[torch.Tensor, torch.Tensor] | None  # (row, col) of each flat token in the [B, Lq] layout

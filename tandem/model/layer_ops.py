@@ -4,6 +4,7 @@ calls the same steps on either (norm, add_norm, heads, qk_norm, rope, split, gat
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -14,12 +15,32 @@ from .rope import apply_rope
 
 
 class Shapes(Protocol):
-    """What the ops read of the model: its config and its heads (LlamaModel)."""
+    """What the ops read of the model: its config (LlamaModel)."""
     config: ModelConfig
-    num_heads: int
-    num_kv_heads: int
-    q_size: int
-    kv_size: int
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """An attention layer's heads on this rank: gemma4's full layers have their own head dim and KV heads, every
+    other model one shape for all layers. kv_rows: the fused projection's K and V heads (0: a KV-shared layer's q
+    only)."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv_rows: bool = True
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def turned(self) -> int:
+        """Heads RoPE turns in the fused rows: q's, and k's where the rows hold them."""
+        return self.heads + (self.kv_heads if self.kv_rows else 0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,11 +51,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def split_heads(m: Shapes, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_heads(s: HeadShape, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused q/k/v projection [T, (H + 2 KVH) D] as views q [T, H, D], k, v [T, KVH, D]."""
-    d = m.config.head_dim
-    q, k, v = qkv.split([m.q_size, m.kv_size, m.kv_size], dim=-1)
-    return q.view(-1, m.num_heads, d), k.view(-1, m.num_kv_heads, d), v.view(-1, m.num_kv_heads, d)
+    d = s.head_dim
+    q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+    return q.view(-1, s.heads, d), k.view(-1, s.kv_heads, d), v.view(-1, s.kv_heads, d)
 
 
 class TorchOps:
@@ -53,21 +74,29 @@ class TorchOps:
         x = x if delta is None else x + delta
         return x, rms_norm(x, weight, self.eps)
 
-    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return split_heads(self.model, qkv)
+    def heads(self, qkv: torch.Tensor, s: HeadShape) -> tuple:
+        if not s.kv_rows:               # a KV-shared layer's rows: q only
+            return qkv.view(-1, s.heads, s.head_dim), None, None
+        return split_heads(s, qkv)
 
-    def qk_norm(self, qkv: tuple, weight: torch.Tensor) -> tuple:
-        """q heads by weight's first H rows (q_norm), k heads by the rest (k_norm)."""
-        (q, k, v), h = qkv, self.model.num_heads
-        return rms_norm(q, weight[:h], self.eps), rms_norm(k, weight[h:], self.eps), v
+    def qk_norm(self, qkv: tuple, weight: torch.Tensor, s: HeadShape) -> tuple:
+        """q heads by weight's first H rows (q_norm), k heads by the next KVH (k_norm), and v heads by the last KVH
+        where weight has them (gemma4's v_norm: ones)."""
+        (q, k, v), h = qkv, s.heads
+        q = rms_norm(q, weight[:h], self.eps)
+        if k is None:
+            return q, k, v
+        if weight.shape[0] > h + s.kv_heads:
+            v = rms_norm(v, weight[h + s.kv_heads:], self.eps)
+        return q, rms_norm(k, weight[h:h + s.kv_heads], self.eps), v
 
-    def rope(self, qkv: tuple, cos_t: torch.Tensor, sin_t: torch.Tensor) -> tuple:
+    def rope(self, qkv: tuple, cos_t: torch.Tensor, sin_t: torch.Tensor, s: HeadShape) -> tuple:
         if id(cos_t) not in self.tables:
             self.tables[id(cos_t)] = (cos_t[self.positions].unsqueeze(1), sin_t[self.positions].unsqueeze(1))
         (q, k, v), (cos, sin) = qkv, self.tables[id(cos_t)]            # [T, 1, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), None if k is None else apply_rope(k, cos, sin), v
 
-    def split(self, qkv: tuple) -> tuple:
+    def split(self, qkv: tuple, s: HeadShape) -> tuple:
         return qkv
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -93,25 +122,27 @@ class NativeOps:
             return x, torch.ops.tandem.rms_norm(x, weight, self.eps)
         return x, torch.ops.tandem.add_rms_norm_(x, delta, weight, self.eps)     # x += delta in place
 
-    def heads(self, qkv: torch.Tensor) -> torch.Tensor:
+    def heads(self, qkv: torch.Tensor, s: HeadShape) -> torch.Tensor:
         return qkv                      # fused until the attention: a pure decode step's op takes it so
 
-    def qk_norm(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def qk_norm(self, qkv: torch.Tensor, weight: torch.Tensor, s: HeadShape) -> torch.Tensor:
+        """The op norms the first weight.shape[0] heads: q's, k's, and v's where weight holds v_norm's ones."""
         torch.ops.tandem.head_rms_norm_(qkv, weight, self.eps)
         return qkv
 
-    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        if cos.shape[-1] < m.config.head_dim:     # a partial rotary share (the op turns whole heads): torch's
-            heads = qkv.view(qkv.shape[0], -1, m.config.head_dim)[:, :m.num_heads + m.num_kv_heads]
-            c, s = cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1)
-            heads.copy_(apply_rope(heads, c, s))
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s: HeadShape) -> torch.Tensor:
+        if cos.shape[-1] < s.head_dim:  # a partial rotary share (the op turns whole heads): torch's
+            heads = qkv.view(qkv.shape[0], -1, s.head_dim)[:, :s.turned]
+            c, sn = cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1)
+            heads.copy_(apply_rope(heads, c, sn))
             return qkv
-        torch.ops.tandem.rope_(qkv, cos, sin, self.positions, m.num_heads + m.num_kv_heads, m.config.head_dim)
+        torch.ops.tandem.rope_(qkv, cos, sin, self.positions, s.turned, s.head_dim)
         return qkv
 
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return split_heads(self.model, qkv)
+    def split(self, qkv: torch.Tensor, s: HeadShape) -> tuple:
+        if not s.kv_rows:
+            return qkv.view(-1, s.heads, s.head_dim), None, None
+        return split_heads(s, qkv)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.model.config.hidden_act == "gelu_tanh":

@@ -15,15 +15,16 @@ from typing import Callable
 import torch
 
 from ..kernels.quant import QuantWeight, small_m
+from . import gemma4
 from .attention_paths import Attention
 from .config import ModelConfig
 from .kv_cache import AttentionMeta
-from .layer_ops import NativeOps, TorchOps
+from .layer_ops import HeadShape, NativeOps, TorchOps
 from .linear import Linear, QLinear, Weight, cat_rows, embedding_rows, hold_once, linear, run_rows, take_rows, tied_table
 from .linear_attention import GatedDeltaNet, RecurrentRows
 from .moe import build_moe
 from .numerics import Numerics
-from .rope import rope_attention_factor, rope_inv_freq
+from .rope import rope_tables
 from .row_parallel import ChunkedRows, add_in_order, chunked_rows
 from .shard import TPLayout, cols
 
@@ -94,6 +95,11 @@ class LlamaModel:
         self.final_norm = ws.norm("model.norm.weight") if last else None
         # gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers does
         self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype).item() if c.embed_scale else None)
+        if c.per_layer_input_size and pp is not None:
+            raise ValueError("gemma4's per-layer inputs are not split over pipeline stages yet (run it without --pp)")
+        if c.num_kv_shared_layers and pp is not None:
+            raise ValueError("gemma4's KV-shared layers read an earlier layer's KV: not split over pipeline stages yet")
+        self.per_layer = gemma4.PerLayerInputs(ws, c) if c.per_layer_input_size else None
         self.scale = c.attn_scale
         # self.layers[j]: KV cache layer j. Each layer's row layouts go as soon as it is built (consume_state: the
         # state dict lets go of them too), so that loading never holds every matrix twice.
@@ -102,22 +108,24 @@ class LlamaModel:
             self.layers.append(layer := self._layer(ws, i))
             hold_once([lin for k in ("qkv", "o", "gate_up", "down") if k in layer
                        for lin in getattr(layer[k], "lins", [layer[k]])]
-                      + (layer["mixer"].linears() if "mixer" in layer else []), self.prefill_bf16)
-            if "moe" in layer:              # experts keep the int8 kernels at every row count (no bf16 copy)
-                hold_once(layer["moe"].linears(), False)
+                      + (layer["mixer"].linears() if "mixer" in layer else []) + gemma4.layer_linears(layer),
+                      self.prefill_bf16)
+            for k in ("moe", "experts"):    # experts keep the int8 kernels at every row count (no bf16 copy)
+                if k in layer:
+                    hold_once(layer[k].linears(), False)
+        if self.per_layer is not None:
+            hold_once(self.per_layer.linears(), self.prefill_bf16)
         hold_once([self.lm_head], False)
         if c.tie_word_embeddings and first and last:    # one stage (rank) holds both: the head's copy serves both
             self.embed = tied_table(self.embed, self.lm_head)
-        self.cos, self.sin = self._rope_table(rope_inv_freq(c), max_context, rope_attention_factor(c))
-        self.cos_local, self.sin_local = self.cos, self.sin
-        if c.rope_local_theta and c.sliding_window:
-            self.cos_local, self.sin_local = self._rope_table(rope_inv_freq(c, local=True), max_context,
-                                                              rope_attention_factor(c, local=True))
+        self.cos, self.sin, self.cos_local, self.sin_local = rope_tables(c, max_context, self.device, self.dtype)
         self.q_size = lay.heads * c.head_dim
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        attending = [layer for layer in self.layers if "mixer" not in layer]
+        # The layers holding KV (attention layers but gemma4's KV-shared ones): their window, sinks, KV shape
+        attending = [layer for layer in self.layers if "mixer" not in layer and "kv_from" not in layer]
+        self.kv_shapes = [(layer["shape"].kv_heads, layer["shape"].head_dim) for layer in attending]
         self.attention = Attention(numerics, self.scale, self.num_heads, [layer["window"] for layer in attending],
                                    [layer.get("sinks") for layer in attending])
 
@@ -138,7 +146,12 @@ class LlamaModel:
             layer["mixer"] = GatedDeltaNet(ws, lay.local(c), i, sum(1 for l in self.layers if "mixer" in l),
                                            self.native, self.numerics.linear_chunk)    # a tp rank's heads (shard.py)
         else:
-            layer.update(self._attention_weights(ws, p), kv=sum(1 for l in self.layers if "mixer" not in l))
+            layer.update(self._attention_weights(ws, p, i))
+            if (src := c.kv_source(i)) != i:     # gemma4's KV-shared layer: attends layer src's KV (no pp: index src)
+                layer["kv_from"] = self.layers[src]["kv"]
+                self.layers[src]["kv_stash"] = True
+            else:
+                layer["kv"] = sum(1 for l in self.layers if "mixer" not in l and "kv_from" not in l)
         if c.is_moe(i):                     # a router and its experts in place of the dense MLP
             layer["moe"] = build_moe(ws, c, i, self.native, lay.held_experts)     # expert parallelism: a range
         else:
@@ -150,25 +163,44 @@ class LlamaModel:
                          post_mlp_norm=ws.norm(p + "post_feedforward_layernorm.weight"))
         else:
             layer.update(mlp_norm=ws.norm(p + "post_attention_layernorm.weight"))
-        if c.qk_norm and "mixer" not in layer:    # [H + KVH, D]: q heads by q_norm, then k heads by k_norm
-            layer["qk_norm"] = torch.cat([ws.norm(p + "self_attn.q_norm.weight").expand(lay.heads, -1),
-                                          ws.norm(p + "self_attn.k_norm.weight").expand(lay.kv_heads, -1)])
+        if c.qk_norm and "mixer" not in layer:
+            layer["qk_norm"] = self._head_norms(ws, p, layer["shape"])
+        if c.layer_scalar or c.per_layer_input_size or c.moe_beside_mlp:
+            layer.update(gemma4.layer_weights(ws, c, i, self.native, lay.held_experts))
         return layer
 
-    def _attention_weights(self, ws: "_StateReader", p: str) -> dict:
+    def _head_norms(self, ws: "_StateReader", p: str, s: HeadShape) -> torch.Tensor:
+        """[H + KVH, D]: q heads by q_norm, then k heads by k_norm; gemma4's v heads after them by ones (v_norm); a
+        KV-shared layer's q heads only."""
+        rows = [ws.norm(p + "self_attn.q_norm.weight").expand(s.heads, -1)]
+        if s.kv_rows:
+            rows.append(ws.norm(p + "self_attn.k_norm.weight").expand(s.kv_heads, -1))
+            if self.config.v_norm:
+                rows.append(torch.ones(s.kv_heads, s.head_dim, dtype=ws.dtype, device=ws.device))
+        return torch.cat(rows)
+
+    def _attention_weights(self, ws: "_StateReader", p: str, i: int) -> dict:
         """An attention layer's q/k/v rows [(H + 2 KVH) D, hidden] (a gated one's q_proj gives each head its q,
-        then its gate: the gates' rows go after v, [(2 H + 2 KVH) D]) and o."""
-        c, h, d = self.config, self.layout.heads, self.config.head_dim
+        then its gate: the gates' rows go after v, [(2 H + 2 KVH) D]) and o. gemma4: a full layer's own head
+        shape; where attention_k_eq_v, k_proj's rows twice (V is K's projection, normed apart); a KV-shared
+        layer's q rows only. shape: the layer's HeadShape on this rank."""
+        c, h = self.config, self.layout.heads
+        shared, d = c.kv_source(i) != i, c.layer_head_dim(i)
+        kvh = self.layout.kv_heads if c.layer_kv_heads(i) == c.num_kv_heads else c.layer_kv_heads(i)  # no tp: shard.py
         q = ws.w(p + "self_attn.q_proj.weight")
         gate = None
         if c.attn_output_gate:
             rows = torch.arange(2 * h * d).view(h, 2, d)
             q, gate = take_rows(q, rows[:, 0].reshape(-1)), take_rows(q, rows[:, 1].reshape(-1))
-        qkv = cat_rows([q] + [ws.w(p + f"self_attn.{n}_proj.weight") for n in "kv"] + ([gate] if gate is not None else []))
+        kv = [] if shared else [ws.w(p + "self_attn.k_proj.weight")]
+        if kv:
+            kv.append(kv[0] if c.attention_k_eq_v and not c.is_sliding(i) else ws.w(p + "self_attn.v_proj.weight"))
+        qkv = cat_rows([q] + kv + ([gate] if gate is not None else []))
         qkv_bias = (torch.cat([ws.w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                     if c.attention_bias else None)
         out = dict(qkv=ws.lin(qkv, qkv_bias), o=self._row_parallel_lin(ws, p + "self_attn.o_proj.weight",
-                                                                        c.attention_out_bias))
+                                                                        c.attention_out_bias),
+                   shape=HeadShape(h, kvh, d, not shared))
         if c.attention_sinks:               # gpt-oss: each head's sink logit (this rank's heads), fp32
             out["sinks"] = ws.w(p + "self_attn.sinks").float().contiguous()
         return out
@@ -213,14 +245,6 @@ class LlamaModel:
             return rows.start if m.q_index is not None and rows.stop - rows.start > small_m() else t
         return 0 if meta.q_index is not None and t > small_m() else t
 
-    def _rope_table(self, inv_freq: torch.Tensor, max_context: int, factor: float = 1.0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin [max_context, D], times YaRN's attention factor where the scaling has one."""
-        freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
-        cos, sin = (emb.cos(), emb.sin()) if factor == 1.0 else (emb.cos() * factor, emb.sin() * factor)
-        return cos.to(device=self.device, dtype=self.dtype), sin.to(device=self.device, dtype=self.dtype)
-
     def _rope(self, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's cos/sin tables [max_context, D]: a sliding layer's own base where it has one."""
         return (self.cos_local, self.sin_local) if layer["window"] else (self.cos, self.sin)
@@ -255,11 +279,11 @@ class LlamaModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: final hidden states [N, hidden] -> [N, V] fp32; under tp the vocab shards gathered on rank 0
         (None on the others: every rank calls it, the gather is a collective)."""
-        logits = self.lm_head(x).float()
+        logits, cap = self.lm_head(x).float(), self.config.final_logit_softcapping
         if self.tp is None:
-            return logits
+            return gemma4.soft_cap(logits, cap)
         full = self.tp.gather(logits.contiguous())
-        return None if full is None else full[:, :self.config.vocab_size]
+        return None if full is None else gemma4.soft_cap(full[:, :self.config.vocab_size], cap)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
@@ -275,24 +299,27 @@ class LlamaModel:
         but the last (it sent its hidden states on). `between(i)` is called before each layer i > 0, when
         nothing of the step is in flight but its residual stream (the urgent-step branch: process/main.py)."""
         ops = (NativeOps if self.native else TorchOps)(self, positions)
+        ple = None
         if self.pp is None or self.pp.first:
             x, delta = self._embed(input_ids), None                     # [T, hidden]
+            if self.per_layer is not None:                             # gemma4's per-layer inputs [T, layers, P]
+                ple = self.per_layer(ops, input_ids, x, self._bulk_from(x.shape[0], meta))
         else:
             x, delta = self.pp.recv_hidden((2, input_ids.shape[0], self.config.hidden_size), self.dtype).unbind(0)
-        x, delta = self._layers(ops, x, delta, positions, meta, between)
+        x, delta = self._layers(ops, x, delta, positions, meta, between, ple)
         if self.pp is not None and not self.pp.last:
             # To the next stage: the hidden states, and the last layer's residual still to be added.
-            self.pp.send_hidden(torch.stack([x, delta]))
+            self.pp.send_hidden(torch.stack([x, torch.zeros_like(x) if delta is None else delta]))
             return None
         x = x if delta is None else x + delta
         return ops.norm(x[index], self.final_norm)                     # [N, hidden]
 
     def _layers(self, ops: "NativeOps | TorchOps", x: torch.Tensor, delta: torch.Tensor | None,
-                positions: torch.Tensor, meta: AttentionMeta, between: Callable[[int], None] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                positions: torch.Tensor, meta: AttentionMeta, between: Callable[[int], None] | None = None,
+                ple: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers, one body for both kernel sets (`ops`: tandem's fused ops or torch's, each step the
-        same on both): x [T, hidden] the residual stream, delta the residual still to add to it (None only
-        before a first layer). Returns (x, delta): the last layer's add is left to the caller (final_hidden,
+        same on both): x [T, hidden] the residual stream, delta the residual still to add to it (None before a
+        first layer, and after a gemma4 layer: its scalar scales the stream itself; ple: its per-layer inputs). Returns (x, delta): the last layer's add is left to the caller (final_hidden,
         or the next pipeline stage). The native set adds and norms in one pass (x updated in place), keeps
         q/k/v fused (QK-norm and RoPE in place), attends a pure decode step with one op (K/V write and
         attention) and runs a small one's layers with "blocks" as one decode_layer_ op each: a batch-1 decode
@@ -300,6 +327,7 @@ class LlamaModel:
         c = self.config
         fused = self.native and meta.decode_only and x.shape[0] <= small_m()    # layers with "blocks": one op each
         b0 = self._bulk_from(x.shape[0], meta)                          # rows from b0 on: bf16 linears
+        shared_kv: dict = {}            # gemma4: this step's K, V of the layers KV-shared layers read (_attend)
         for i, layer in enumerate(self.layers):
             if between is not None and i:
                 between(i)
@@ -310,7 +338,7 @@ class LlamaModel:
             if "mixer" in layer:                    # out_proj's partial sums over a tp rank's value heads, reduced
                 o = self._reduce(layer["mixer"](h, meta.recurrent))
             else:
-                o = self._attend(ops, layer, h, meta, b0)
+                o = self._attend(ops, layer, h, meta, b0, shared_kv)
             if c.sandwich_norm:         # gemma3: norm the attention output, add it, norm before the MLP
                 o = ops.norm(o, layer["post_attn_norm"])
             x, h = ops.add_norm(x, o, layer["mlp_norm"])
@@ -318,8 +346,12 @@ class LlamaModel:
                 delta = self._reduce(layer["moe"](h))
             else:
                 delta = self._row_parallel(layer["down"], ops.gated(run_rows(layer["gate_up"], h, b0)), b0)
+            if "experts" in layer:      # gemma4: experts beside the dense MLP
+                delta = gemma4.beside_mlp(ops, layer, x, delta)
             if c.sandwich_norm:
                 delta = ops.norm(delta, layer["post_mlp_norm"])
+            if "scalar" in layer or ple is not None:
+                x, delta = gemma4.layer_end(ops, layer, x, delta, None if ple is None else ple[:, i], b0), None
         return x, delta
 
     def roll_back(self, rec: "RecurrentRows", kept: list[int]) -> None:
@@ -330,20 +362,34 @@ class LlamaModel:
                 layer["mixer"].roll_back(rec, kept)
 
     def _attend(self, ops: "NativeOps | TorchOps", layer: dict, h: torch.Tensor, meta: AttentionMeta,
-                b0: int) -> torch.Tensor:
+                b0: int, shared_kv: dict) -> torch.Tensor:
         """An attention layer's o projection of the normed input h [T, hidden]: q/k/v (QK-normed, turned), attention
-        over the KV cache at its layer, a gated layer's output times sigmoid(gate)."""
-        c, j = self.config, layer["kv"]
+        over the KV cache at its layer, a gated layer's output times sigmoid(gate). gemma4's KV-shared layer has
+        q only: it attends its source layer's KV with that layer's K, V of this step (shared_kv, a dict of the
+        step: the urgent-step branch runs other steps between layers), which it writes again (the same bits)."""
+        c, s = self.config, layer["shape"]
         out = run_rows(layer["qkv"], h, b0)
         gate = None
         if c.attn_output_gate:                      # the gates' rows come after v's (_attention_weights)
             out, gate = out[:, :-self.q_size], out[:, -self.q_size:]
-        qkv = ops.heads(out.contiguous())           # [T, (H + 2 KVH) D]
+        qkv = ops.heads(out.contiguous(), s)        # [T, (H + 2 KVH) D]
         if c.qk_norm:
-            qkv = ops.qk_norm(qkv, layer["qk_norm"])
-        qkv = ops.rope(qkv, *self._rope(layer))
+            qkv = ops.qk_norm(qkv, layer["qk_norm"], s)
+        qkv = ops.rope(qkv, *self._rope(layer), s)
         decode = self.native and meta.decode_only
-        attn = self.attention.decode(j, qkv, meta) if decode else self.attention(j, *ops.split(qkv), meta)
+        if "kv_from" in layer:
+            j = layer["kv_from"]
+            k, v = shared_kv[j]                                         # [T, KVH D] each
+            if decode:
+                attn = self.attention.decode(j, torch.cat([qkv, k, v], dim=1), meta)
+            else:
+                q, d = ops.split(qkv, s)[0], s.head_dim
+                attn = self.attention(j, q, k.view(k.shape[0], -1, d), v.view(v.shape[0], -1, d), meta)
+            return self._row_parallel(layer["o"], attn, b0)
+        j = layer["kv"]
+        if layer.get("kv_stash"):
+            shared_kv[j] = gemma4.kv_rows(qkv, s)
+        attn = self.attention.decode(j, qkv, meta) if decode else self.attention(j, *ops.split(qkv, s), meta)
         if gate is not None:
             attn = attn * torch.sigmoid(gate.float()).to(attn.dtype)
         return self._row_parallel(layer["o"], attn, b0)
@@ -362,3 +408,4 @@ class LlamaModel:
             kv.cache.data, layer["kv"], kv.out_cache_loc, kv.kv_index, kv.seq_lens, self.scale, self.decode_bf16,
             layer.get("qk_norm"), not moe)
         return layer["moe"](out) if moe else out      # an MoE layer's op returns its experts' input
+

@@ -70,8 +70,9 @@ class MoE:
     def __init__(self, router: torch.Tensor, experts: list, top_k: int, renormalize: bool, native: bool,
                  act: str = "silu", held: range | None = None, shared: tuple | None = None,
                  router_bias: torch.Tensor | None = None, routing: str = "softmax_topk",
-                 swiglu: tuple[float, float] = (1.702, 7.0)) -> None:
+                 swiglu: tuple[float, float] = (1.702, 7.0), expert_scale: torch.Tensor | None = None) -> None:
         self.experts = experts
+        self.expert_scale = expert_scale     # gemma4: each expert's weight times its scale, after the renormalization
         # gpt-oss: the router's bias, the softmax over the top-k, the clamped SwiGLU's (alpha, limit); they route
         # and activate in torch (tandem.moe_route has neither), per row as the rest
         self.router_bias, self.routing, self.swiglu = router_bias, routing, swiglu
@@ -107,10 +108,11 @@ class MoE:
     def linears(self) -> list:
         return [lin for pair in self.experts if pair is not None for lin in pair] + list(self.shared or ())[:2]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, route_x: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] (the normed residual) -> [T, hidden]: the routed experts' weighted sum per row, plus the
-        gated shared expert's output where the layer has one."""
-        out = self._routed(x)
+        gated shared expert's output where the layer has one. route_x: what the router reads, where it is not x
+        (gemma4's router norms the residual its own way)."""
+        out = self._routed(x, x if route_x is None else route_x)
         if self.shared is not None:
             gate_up, down, gate = self.shared
             weight = elementwise(torch.sigmoid, router_logits(x, gate)).to(x.dtype)     # [T, 1], per row
@@ -132,16 +134,18 @@ class MoE:
         act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return down(act * up)
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, route_x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum per row [T, hidden]."""
         t, k = x.shape[0], self.top_k
         if self.router_t is not None:
-            weights, ids = torch.ops.tandem.moe_route(x, self.router_t, len(self.experts), k, self.renormalize)
+            weights, ids = torch.ops.tandem.moe_route(route_x, self.router_t, len(self.experts), k, self.renormalize)
         else:
-            logits = router_logits(x, self.router)
+            logits = router_logits(route_x, self.router)
             if self.router_bias is not None:
                 logits = logits + self.router_bias
             weights, ids = route(logits, k, self.renormalize, self.routing)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[ids]
         if t == 1 and self._one_op is not None:      # a decode row: one op, the bits of the path below
             gus, gu_type, downs, down_type, inter, act = self._one_op
             held, w = self.held, weights.to(x.dtype)
@@ -184,12 +188,18 @@ def stack_packed(lins: list) -> torch.Tensor:
     return stacked
 
 
-def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = None) -> MoE:
+def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = None, prefix: str = "mlp.") -> MoE:
     """Layer i's MoE from the state reader ws (llama._StateReader): gate and up fused per expert; of the experts
-    only `held` (a tp rank's whole experts; None: all), the others None."""
-    p = f"model.layers.{i}.mlp."
+    only `held` (a tp rank's whole experts; None: all), the others None. prefix: the block's names in the layer
+    (gemma4's experts beside the MLP: "moe.", with its router's scale over hidden, folded into the router's
+    columns with hidden^-1/2, and a scale per expert)."""
+    p = f"model.layers.{i}.{prefix}"
     router = ws.w(p + "gate.weight")
     router = (router.dequantize() if not isinstance(router, torch.Tensor) else router).float().contiguous()
+    expert_scale = None
+    if c.moe_beside_mlp:
+        router = router * (ws.w(p + "router_scale").float() * c.hidden_size ** -0.5)[None, :]
+        expert_scale = ws.w(p + "per_expert_scale").float()
     experts: list = []
     for e in range(c.num_experts):
         q = f"{p}experts.{e}."
@@ -208,5 +218,5 @@ def build_moe(ws, c: ModelConfig, i: int, native: bool, held: range | None = Non
                   ws.lin(ws.w(q + "down_proj.weight")), gate)
     bias = ws.w(p + "gate.bias").float() if c.moe_bias else None
     return MoE(router, experts, c.num_experts_per_tok, c.norm_topk_prob, native, c.hidden_act, held, shared,
-               bias, c.moe_routing, (c.swiglu_alpha, c.swiglu_limit))
+               bias, c.moe_routing, (c.swiglu_alpha, c.swiglu_limit), expert_scale)
 

@@ -14,6 +14,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     (rope_local_theta, gemma3) and no scaling."""
     dim = config.rotary_dim                     # a partial rotary share turns only the first dims
     theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    if not local and (config.global_head_dim or config.rope_proportion < 1.0):
+        return proportional_inv_freq(theta, config.global_head_dim or config.head_dim, config.rope_proportion)
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = None if local and config.rope_local_theta else config.rope_scaling
     if not scaling:
@@ -37,6 +39,15 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     if kind == "yarn":
         return _yarn_inv_freq(scaling, theta, dim)
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def proportional_inv_freq(theta: float, dim: int, proportion: float) -> torch.Tensor:
+    """gemma4's full layers ("proportional" RoPE): the first proportion of a head's dim / 2 frequency pairs turn at
+    theta^(-2i / dim), the exponent over the whole head dim, and the rest get frequency 0 (cos 1, sin 0: they pass
+    unchanged, bit for bit, through the same rotate-half form)."""
+    turned = int(proportion * dim // 2)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * turned, 2, dtype=torch.int64).float() / dim))
+    return torch.cat([inv_freq, torch.zeros(dim // 2 - turned)])
 
 
 def _yarn_inv_freq(scaling: dict, theta: float, dim: int) -> torch.Tensor:
@@ -75,6 +86,21 @@ def rope_attention_factor(config: ModelConfig, local: bool = False) -> float:
 
     m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
     return mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale()
+
+
+def rope_tables(c: ModelConfig, max_context: int, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(cos, sin, cos_local, sin_local): [max_context, D] tables of the global layers and of the sliding ones (the
+    same tensors unless those have their own base), times YaRN's attention factor where the scaling has one."""
+    def table(inv_freq: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)                         # [max_context, D]
+        cos, sin = (emb.cos(), emb.sin()) if factor == 1.0 else (emb.cos() * factor, emb.sin() * factor)
+        return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    cos, sin = table(rope_inv_freq(c), rope_attention_factor(c))
+    if c.rope_local_theta and c.sliding_window:
+        return (cos, sin, *table(rope_inv_freq(c, local=True), rope_attention_factor(c, local=True)))
+    return cos, sin, cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

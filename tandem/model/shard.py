@@ -45,6 +45,8 @@ def _fits(c: ModelConfig, n: int) -> list[str]:
         why.append(f"its shared expert's width {c.shared_expert_intermediate_size} is not divisible by {n}")
     if c.linear_layers and c.linear_num_key_heads % n:
         why.append(f"its {c.linear_num_key_heads} linear-attention key heads are not divisible by {n}")
+    if n > 1 and (c.global_head_dim or c.global_kv_heads or c.per_layer_input_size or c.moe_beside_mlp):
+        why.append("gemma4's per-layer head shapes, per-layer inputs and experts beside the MLP are not sharded yet")
     return why
 
 

@@ -8,12 +8,13 @@ import re
 import torch
 
 from .config import ModelConfig
+from .gemma4_weights import GEMMA4_TOWERS, gemma4_layer_shapes, gemma4_model_shapes, split_gemma4_experts
 
 # Keys some checkpoints carry that are not weights.
 IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 # Keys of parts tandem does not serve: a vision-language checkpoint's vision tower, the multi-token-prediction
 # head Qwen3.5 / Qwen3-Next ship for speculative decoding.
-IGNORABLE_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+IGNORABLE_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.", *GEMMA4_TOWERS)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -32,6 +33,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.is_linear(i):
             shapes.update(linear_attention_shapes(c, i))
             continue
+        if c.architecture == "gemma4":
+            shapes.update(gemma4_layer_shapes(c, i))
+            continue
         shapes.update({
             p + "self_attn.q_proj.weight": (q * (2 if c.attn_output_gate else 1), h),   # gated: each head's q, gate
             p + "self_attn.k_proj.weight": (kv, h),
@@ -49,6 +53,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if c.attention_sinks:
             shapes[p + "self_attn.sinks"] = (c.num_heads,)
+    shapes.update(gemma4_model_shapes(c))
     shapes["model.norm.weight"] = (h,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
@@ -56,7 +61,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _mlp_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    p, h, n = f"model.layers.{i}.mlp.", c.hidden_size, c.intermediate_size
+    p, h, n = f"model.layers.{i}.mlp.", c.hidden_size, c.mlp_width(i)
     return {p + "gate_proj.weight": (n, h), p + "up_proj.weight": (n, h), p + "down_proj.weight": (h, n)}
 
 
@@ -77,6 +82,8 @@ def split_fused(name: str, t, c: ModelConfig) -> list:
     Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, the rows regrouped (q heads, k heads, v heads).
     GGUF blocks stay blocks (whole rows move). gpt-oss's stacked experts and router: split_gpt_oss_experts."""
     if (experts := split_gpt_oss_experts(name, t)) is not None:
+        return experts
+    if c.architecture == "gemma4" and (experts := split_gemma4_experts(name, t)) is not None:
         return experts
     if not name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
         return [(name, t)]
