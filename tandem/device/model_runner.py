@@ -104,8 +104,8 @@ class ModelRunner:
             state = shard_state(state, c, layout)
         stage = range(c.num_layers) if pp is None else pp.layers
         # The KV cache's layers: the attention layers (but gemma4's KV-shared ones), with their KV heads and head dim
-        kv_shapes = [(layout.kv_heads if c.layer_kv_heads(i) == c.num_kv_heads else c.layer_kv_heads(i),
-                      c.layer_head_dim(i)) for i in stage if not c.is_linear(i) and c.kv_source(i) == i]
+        kv_shapes = [(layout.layer_kv(c, i)[0], c.layer_head_dim(i)) for i in stage
+                     if not c.is_linear(i) and c.kv_source(i) == i]
         num_layers = len(kv_shapes)
         linear_layers = sum(1 for i in stage if c.is_linear(i))         # a hybrid's: a state slot a row
         rows = spec.max_running + spec.spare_rows + 1

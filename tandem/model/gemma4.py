@@ -66,12 +66,12 @@ def layer_linears(layer: dict) -> list:
     return [layer[k] for k in ("ple_gate", "ple_proj") if k in layer]
 
 
-def beside_mlp(ops, layer: dict, x: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+def beside_mlp(ops, layer: dict, x: torch.Tensor, mlp_out: torch.Tensor, reduce) -> torch.Tensor:
     """The dense MLP's output and the experts' beside it, each normed, summed: the experts route on the residual
     stream x normed without weight (the router's scale folded into its rows: build_moe) and run on x normed by
-    pre_feedforward_layernorm_2."""
+    pre_feedforward_layernorm_2. mlp_out: the ranks' sum already; reduce: sums the experts' over the ranks (tp)."""
     dense = ops.norm(mlp_out, layer["post_mlp_norm_1"])
-    routed = layer["experts"](ops.norm(x, layer["moe_norm"]), route_x=ops.norm(x, layer["router_norm"]))
+    routed = reduce(layer["experts"](ops.norm(x, layer["moe_norm"]), route_x=ops.norm(x, layer["router_norm"])))
     return dense + ops.norm(routed, layer["post_moe_norm"])
 
 

@@ -186,7 +186,7 @@ class LlamaModel:
         layer's q rows only. shape: the layer's HeadShape on this rank."""
         c, h = self.config, self.layout.heads
         shared, d = c.kv_source(i) != i, c.layer_head_dim(i)
-        kvh = self.layout.kv_heads if c.layer_kv_heads(i) == c.num_kv_heads else c.layer_kv_heads(i)  # no tp: shard.py
+        kvh = self.layout.layer_kv(c, i)[0]        # this rank's: gemma4's full layers split their own count
         q = ws.w(p + "self_attn.q_proj.weight")
         gate = None
         if c.attn_output_gate:
@@ -347,7 +347,7 @@ class LlamaModel:
             else:
                 delta = self._row_parallel(layer["down"], ops.gated(run_rows(layer["gate_up"], h, b0)), b0)
             if "experts" in layer:      # gemma4: experts beside the dense MLP
-                delta = gemma4.beside_mlp(ops, layer, x, delta)
+                delta = gemma4.beside_mlp(ops, layer, x, delta, self._reduce)
             if c.sandwich_norm:
                 delta = ops.norm(delta, layer["post_mlp_norm"])
             if "scalar" in layer or ple is not None:

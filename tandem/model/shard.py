@@ -45,8 +45,10 @@ def _fits(c: ModelConfig, n: int) -> list[str]:
         why.append(f"its shared expert's width {c.shared_expert_intermediate_size} is not divisible by {n}")
     if c.linear_layers and c.linear_num_key_heads % n:
         why.append(f"its {c.linear_num_key_heads} linear-attention key heads are not divisible by {n}")
-    if n > 1 and (c.global_head_dim or c.global_kv_heads or c.per_layer_input_size or c.moe_beside_mlp):
-        why.append("gemma4's per-layer head shapes, per-layer inputs and experts beside the MLP are not sharded yet")
+    if c.global_kv_heads and c.global_kv_heads % n and n % c.global_kv_heads:
+        why.append(f"its full layers' {c.global_kv_heads} KV heads neither divide nor are divisible by {n}")
+    if c.num_kv_shared_layers and c.double_wide_mlp and (2 * c.intermediate_size) % n:
+        why.append(f"its KV-shared layers' MLP width {2 * c.intermediate_size} is not divisible by {n}")
     return why
 
 
@@ -89,6 +91,10 @@ class TPLayout:
         return dataclasses.replace(c, linear_num_key_heads=self.linear_k_heads,
                                    linear_num_value_heads=self.linear_k_heads * r)
 
+    def layer_kv(self, c: ModelConfig, layer: int) -> tuple[int, int]:
+        """(KV heads, first KV head) of `layer` on this rank: gemma4's full layers split their own count."""
+        return _kv_split(c.layer_kv_heads(layer), self.size, self.rank)
+
     @property
     def held_experts(self) -> range | None:
         """This rank's whole experts under expert parallelism; None: it holds (a slice of) every expert."""
@@ -98,10 +104,7 @@ class TPLayout:
     def of(c: ModelConfig, size: int, rank: int) -> "TPLayout":
         check_tp_size(c, size)
         heads = c.num_heads // size
-        if c.num_kv_heads % size == 0:
-            kv, kv_start = c.num_kv_heads // size, rank * (c.num_kv_heads // size)
-        else:                                  # replicated: size / KVH ranks share each KV head
-            kv, kv_start = 1, rank // (size // c.num_kv_heads)
+        kv, kv_start = _kv_split(c.num_kv_heads, size, rank)
         inter = c.intermediate_size // size
         vocab = -(-c.vocab_size // size)
         if c.num_experts % size == 0:          # expert parallelism: whole experts, blocks as the file has them
@@ -114,6 +117,21 @@ class TPLayout:
         return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab,
                         moe, moe_start, experts, expert_start, experts < c.num_experts,
                         c.shared_expert_intermediate_size // size, lk, rank * lk)
+
+
+def _kv_split(kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """(KV heads, first KV head) a rank holds: a share of them, or (fewer heads than ranks) one, replicated on
+    size / KVH ranks."""
+    if kv_heads % size == 0:
+        return kv_heads // size, rank * (kv_heads // size)
+    return 1, rank // (size // kv_heads)
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a state-dict name belongs to, or None."""
+    if ".layers." not in name:
+        return None
+    return int(name.split(".layers.")[1].split(".")[0])
 
 
 def _rows(t, a: int, b: int, pad_to: int | None = None):
@@ -177,21 +195,42 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         elif name.endswith(".self_attn.sinks"):     # gpt-oss: one a query head
             out[name] = _rows(t, lay.head_start, lay.head_start + lay.heads)
         elif ".q_proj." in name:
-            out[name] = _rows(t, *q_rows)
+            out[name] = _rows(t, *_per_layer(q_rows, c, name))
         elif ".k_proj." in name or ".v_proj." in name:
-            out[name] = _rows(t, *kv)
+            out[name] = _rows(t, *_layer_kv_rows(kv, c, lay, name))
         elif ".gate_proj." in name or ".up_proj." in name:
-            out[name] = _rows(t, *mlp)
+            out[name] = _rows(t, *_mlp_part(mlp, c, lay, name))
         elif ".o_proj." in name:
-            out[name] = cols(t, *q, cut, name)
+            out[name] = cols(t, *_per_layer(q, c, name), cut, name)
         elif ".down_proj." in name:
-            out[name] = cols(t, *mlp, cut, name)
+            out[name] = cols(t, *_mlp_part(mlp, c, lay, name), cut, name)
         else:                                  # norms: every rank keeps them whole
             out[name] = t
     if cut and lay.rank == 0:
         log.warning("tp_size %d cuts the GGUF blocks (32 weights along K) of %d row-parallel weights (%s ...): "
                     "their slices are dequantized to fp32 (more memory, the fp32 GEMM)", lay.size, len(set(cut)), cut[0])
     return out
+
+
+def _per_layer(rows: tuple[int, int], c: ModelConfig, name: str) -> tuple[int, int]:
+    """q / o's range in a layer of its own head dim (gemma4's full layers): the same heads, D rows each."""
+    d = c.layer_head_dim(_layer_of(name))
+    return (rows[0] // c.head_dim * d, rows[1] // c.head_dim * d) if d != c.head_dim else rows
+
+
+def _layer_kv_rows(rows: tuple[int, int], c: ModelConfig, lay: TPLayout, name: str) -> tuple[int, int]:
+    """k / v's rows of this rank in its layer: gemma4's full layers split their own KV heads of their own dim."""
+    i = _layer_of(name)
+    if c.layer_head_dim(i) == c.head_dim and c.layer_kv_heads(i) == c.num_kv_heads:
+        return rows
+    kv, start, d = *lay.layer_kv(c, i), c.layer_head_dim(i)
+    return start * d, (start + kv) * d
+
+
+def _mlp_part(rows: tuple[int, int], c: ModelConfig, lay: TPLayout, name: str) -> tuple[int, int]:
+    """The dense MLP's rows (columns of down) of this rank in its layer: twice as many in gemma4's double-wide ones."""
+    w = c.mlp_width(_layer_of(name))
+    return rows if w == c.intermediate_size else (lay.rank * w // lay.size, (lay.rank + 1) * w // lay.size)
 
 
 def _once(bias: torch.Tensor, lay: TPLayout) -> torch.Tensor:

@@ -117,3 +117,22 @@ def test_config_forms_rope_and_refusals():
                                   ["full_attention"] * 2})
     with pytest.raises(ValueError, match="bidirectional"):
         ModelConfig.from_hf_dict({**release, "use_bidirectional_attention": "all"})
+
+
+@pytest.mark.parametrize("variant, splits", [("moe", ("tp_size", "pp_size")), ("ple", ("tp_size",))])
+def test_tp2_and_pp2_give_one_devices_tokens(variant, splits, tmp_path_factory, make_llm):
+    """tp 2: each rank its heads of each layer's own shape (the full layers' one KV head replicated), whole experts
+    beside a split dense MLP, the double-wide MLP split as wide, the per-layer inputs whole on every rank; pp 2 where
+    no layer reads another stage's KV. The per-layer inputs and KV-shared layers under pp are refused by name."""
+    m = tiny(variant, tmp_path_factory)
+    ps = prompts_for(m["ref"].config.vocab_size, n=3, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for name, kw in [("one", {})] + [(s, {s: 2}) for s in splits]:
+        llm = make_llm(m["hf"], device_threads=1, max_prefill_tokens=16, **kw)
+        outs[name] = [o.token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        llm.shutdown()
+    assert all(outs[s] == outs["one"] for s in splits)
+    if variant == "ple":
+        with pytest.raises(Exception, match="pipeline stages"):
+            make_llm(m["hf"], pp_size=2)
