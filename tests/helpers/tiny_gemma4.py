@@ -73,8 +73,10 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 _BLOCK = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
           "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-          "self_attn.k_norm.weight": "attn_k_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-          "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+          "self_attn.k_norm.weight": "attn_k_norm.weight",
+          "post_attention_layernorm.weight": "post_attention_norm.weight",
+          "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+          "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
           "mlp.down_proj.weight": "ffn_down.weight", "layer_scalar": "layer_output_scale.weight",
           "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
@@ -175,3 +177,45 @@ def _metadata(w, cfg: dict) -> None:
     w.add_head_count_kv(kv if kv_full is None else [kv if t == "sliding_attention" else kv_full for t in types])
     w.add_rope_dimension_count(dim)
     w.add_rope_dimension_count_swa(int(cfg["head_dim"] * rope["sliding_attention"].get("partial_rotary_factor", 1.0)))
+
+
+def contract_state_dict(hf_sd: dict) -> dict:
+    """transformers' Gemma4ForCausalLM state dict under tandem's contract names (model/gemma4_config.py): the router
+    and the experts under moe., the fused gate_up_proj split per expert (gate: the first I rows), lm_head dropped
+    (tied)."""
+    out = {}
+    for name, t in hf_sd.items():
+        if name == "lm_head.weight":
+            continue
+        prefix, _, rest = name.partition(".router.") if ".router." in name else name.partition(".experts.")
+        if not rest:
+            out[name] = t
+        elif ".router." in name:
+            out[f"{prefix}.moe." + {"proj.weight": "gate.weight", "scale": "router_scale",
+                                    "per_expert_scale": "per_expert_scale"}[rest]] = t
+        elif rest == "gate_up_proj":
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.moe.experts.{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}.moe.experts.{e}.up_proj.weight"] = t[e, half:]
+        else:
+            out.update({f"{prefix}.moe.experts.{e}.down_proj.weight": t[e] for e in range(t.shape[0])})
+    return out
+
+
+LLAMA_CPP = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+# Gemma4Model.set_vocab wants Gemma's own tokenizer (a Llama-style BPE); the tiny models carry SmolLM2's, which
+# the gemma3 path (a GPT-2 BPE) reads. Nothing else of the converter is changed.
+_CONVERT = ("import sys; sys.path.insert(0, {root!r}); sys.argv = ['convert_hf_to_gguf.py'] + sys.argv[1:]\n"
+            "import convert_hf_to_gguf as c\nfrom conversion import gemma\n"
+            "gemma.Gemma4Model.set_vocab = lambda self: self._set_vocab_gpt2()\nc.main()\n")
+
+
+def convert_with_llama_cpp(hf_dir: str, out: str, outtype: str = "f32", root: str = LLAMA_CPP) -> str:
+    """Run llama.cpp's own convert_hf_to_gguf.py on hf_dir (offline; its gguf-py), as the reference file."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _CONVERT.format(root=root), hf_dir, "--outfile", out,
+                    "--outtype", outtype], check=True, capture_output=True, cwd=root)
+    return out
