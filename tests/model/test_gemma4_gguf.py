@@ -127,3 +127,44 @@ def test_unsupported_features_are_named():
         switches(**{"rope.dimension_count": 16})
     with pytest.raises(ValueError, match="feed_forward_length"):
         switches(feed_forward_length=[96, 128])
+
+
+def test_synthetic_26b_a4b_table():
+    """The full shape's table: Gemma-4-26B-A4B's dims, V only on the 25 sliding layers, llama.cpp's fallbacks for
+    rows of 2112 and 704 (not whole super-blocks)."""
+    from tandem.model.gguf.synthetic import Q5_0, Q6_K, Q8_0, SHAPES, tensor_types
+
+    t = tensor_types(SHAPES["gemma-4-26b-a4b"])
+    assert t["token_embd.weight"] == ((262144, 2816), Q6_K) and "output.weight" not in t
+    assert sum(n.endswith("attn_v.weight") for n in t) == 25 and "blk.5.attn_v.weight" not in t
+    assert t["blk.5.attn_k.weight"][0] == (2 * 512, 2816) and t["blk.0.attn_q.weight"][0] == (16 * 256, 2816)
+    assert t["blk.0.ffn_gate_up_exps.weight"][0] == (128, 2 * 704, 2816)
+    assert t["blk.0.ffn_down_exps.weight"] == ((128, 2816, 704), Q8_0)          # use_more_bits: Q6_K -> Q8_0
+    assert t["blk.4.ffn_down.weight"] == ((2816, 2112), Q5_0)                    # Q4_K -> Q5_0
+    assert t["rope_freqs.weight"][0] == (256,)
+
+
+def test_synthetic_gemma4_reads_into_the_contract(tmp_path):
+    """A shrunk synthetic Gemma 4 file: tandem reads its config and every contract tensor as GGUF blocks."""
+    from tandem.kernels.quant import QuantWeight
+    from tandem.model.gguf.config import read_gguf_config
+    from tandem.model.gguf.file import GGUFFile
+    from tandem.model.gguf.gemma4 import gemma4_weight_shapes
+    from tandem.model.gguf.synthetic import SHAPES, write_synthetic_gguf
+    from tandem.model.gguf.weights import gguf_weights
+
+    shape = dataclasses.replace(SHAPES["gemma-4-26b-a4b"], layers=6, hidden=256, intermediate=320, heads=4,
+                                kv_heads=2, head_dim=64, full_attention=(128, 1), experts=4, experts_used=2,
+                                expert_width=96, vocab=49152)
+    path = write_synthetic_gguf(str(tmp_path / "g4.gguf"), shape)
+    c = read_gguf_config(GGUFFile(path))
+    assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert (c.head_dim, c.num_kv_heads, c.global_head_dim, c.global_kv_heads) == (64, 2, 128, 1)
+    assert c.attention_k_eq_v and c.moe_beside_mlp and c.rope_proportion == 0.25
+    assert (c.rope_theta, c.rope_local_theta, c.final_logit_softcapping, c.sliding_window) == (1e6, 1e4, 30.0, 1024)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size) == (4, 2, 96, 320)
+    w = gguf_weights(path, c, quantized=True)
+    shapes = gemma4_weight_shapes(c)
+    assert sorted(w) == sorted(shapes)
+    assert all(tuple(w[n].shape) == s for n, s in shapes.items())
+    assert isinstance(w["model.layers.5.moe.experts.3.up_proj.weight"], QuantWeight)
