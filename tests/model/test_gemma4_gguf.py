@@ -168,3 +168,17 @@ def test_synthetic_gemma4_reads_into_the_contract(tmp_path):
     assert sorted(w) == sorted(shapes)
     assert all(tuple(w[n].shape) == s for n, s in shapes.items())
     assert isinstance(w["model.layers.5.moe.experts.3.up_proj.weight"], QuantWeight)
+
+
+def test_resolve_model_reads_config_and_tokenizer(models, tmp_path):
+    """The loader's path (resolve_model, load_tokenizer): the tokenizer is built from the file without transformers
+    parsing gemma4's per-layer keys as its config."""
+    from transformers import AutoTokenizer
+
+    from tandem.model.loader import load_tokenizer, resolve_model
+
+    path = write_gemma4_gguf(tmp_path / "m.gguf", models["dense"])
+    src = resolve_model(str(path), cache_dir=str(tmp_path / "cache"))
+    assert src.config == _hf(models["dense"])[0]
+    text = "Gemma 4 reads GGUF, twice."
+    assert load_tokenizer(src)(text).input_ids == AutoTokenizer.from_pretrained(models["dense"])(text).input_ids

@@ -165,9 +165,10 @@ def build_gguf_tokenizer(path: str, out_dir: str, reader, config: ModelConfig) -
     """Build the HF tokenizer (with chat template) from the GGUF metadata and save it."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    # gpt-oss: AutoTokenizer first parses the file's whole config, and transformers (5.2x) fails on gpt-oss's
-    # rope.scaling keys there (it reads a key's length for its value); the tokenizer itself needs none of it
-    cls = PreTrainedTokenizerFast if config.architecture == "gpt_oss" else AutoTokenizer
+    # gpt-oss, gemma4: AutoTokenizer first parses the file's whole config, and transformers (5.2x) fails on
+    # gpt-oss's rope.scaling keys there (it reads a key's length for its value) and on gemma4's head_count_kv one a
+    # layer (a list where its config wants an int); the tokenizer itself needs none of it
+    cls = PreTrainedTokenizerFast if config.architecture in ("gpt_oss", "gemma4") else AutoTokenizer
     tok = cls.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True)
     template = get_field(reader, "tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
