@@ -52,8 +52,7 @@ GEMMA4_BLOCK_NAMES = {
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
 }
-_UNSUPPORTED = {"attn_qkv.weight": "a fused attn_qkv", "ffn_gate_up_exps.scale": "NVFP4 expert scales",
-                "ffn_down_exps.input_scale": "NVFP4 expert scales"}
+_UNSUPPORTED = {"attn_qkv.weight": "a fused attn_qkv (q, k and v in one matrix)"}
 
 
 def unsupported_tensor(block_name: str) -> str | None:
@@ -150,7 +149,7 @@ def gemma4_switches(get, tensors: dict, num_layers: int, freqs: np.ndarray | Non
         qk_norm=True, sandwich_norm=True, norm_offset=0.0, hidden_act="gelu_tanh", embed_scale=True,
         query_pre_attn_scalar=1.0, layer_scalar=True,
         final_logit_softcapping=None if not softcap else _f32(softcap),
-        per_layer_input_size=ple, per_layer_vocab_size=int(ple_table.shape[0]) if ple and ple_table else 0,
+        per_layer_input_size=ple, per_layer_vocab_size=int(ple_table.shape[0]) if ple else 0,
         num_kv_shared_layers=shared, double_wide_mlp=double)
 
 
