@@ -1,8 +1,8 @@
 """A llama.cpp GGUF file's metadata as tandem's ModelConfig, and its tensor names as Hugging Face's.
 
 What each architecture's keys mean (llama, mistral, qwen2, qwen3, gemma3) and what llama.cpp leaves out of
-the file (gemma3's layer pattern and local RoPE base) live here; weights.py reads the weights and the tokenizer,
-cache.py caches the config and tokenizer.
+the file (gemma3's layer pattern and local RoPE base) live here, gemma4's in gemma4.py; weights.py reads the
+weights and the tokenizer, cache.py caches the config and tokenizer.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import re
 import numpy as np
 
 from ..config import SUPPORTED_HF_ARCHITECTURES, ModelConfig
+from .gemma4 import GEMMA4_BLOCK_NAMES, GEMMA4_GLOBAL_NAMES, gemma4_switches, unsupported_tensor
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe",
-                                "qwen3next", "gpt-oss")
+                                "qwen3next", "gpt-oss", "gemma4")
 _ARCHITECTURE = {"mistral": "llama", "qwen3moe": "qwen3_moe",     # GGUF general.architecture -> ModelConfig's
                  "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next", "gpt-oss": "gpt_oss"}
 HYBRID_GGUF = ("qwen35", "qwen35moe", "qwen3next")
@@ -92,11 +93,15 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """HF state-dict key for a GGUF tensor name of architecture `arch` (None for tensors we drop)."""
     if name in _IGNORED or re.match(r"^blk\.\d+\.attn_rot_embd$", name):
         return None
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    glob = {**_GLOBAL_NAMES, **GEMMA4_GLOBAL_NAMES} if arch == "gemma4" else _GLOBAL_NAMES
+    if name in glob:
+        return glob[name]
     m = _BLK_RE.match(name)
     names = {"gemma3": _GEMMA3_BLOCK_NAMES, "qwen3_5": _HYBRID_BLOCK_NAMES, "qwen3_5_moe": _HYBRID_BLOCK_NAMES,
-             "qwen3_next": _HYBRID_BLOCK_NAMES, "gpt_oss": _GPT_OSS_BLOCK_NAMES}.get(arch, _BLOCK_NAMES)
+             "qwen3_next": _HYBRID_BLOCK_NAMES, "gpt_oss": _GPT_OSS_BLOCK_NAMES,
+             "gemma4": GEMMA4_BLOCK_NAMES}.get(arch, _BLOCK_NAMES)
+    if m and arch == "gemma4" and unsupported_tensor(m.group(2)):
+        raise ValueError(f"gemma4: {unsupported_tensor(m.group(2))} ({name!r}) is not supported")
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     e = _EXPERT_RE.match(m.group(2)) if m else None
@@ -166,7 +171,8 @@ def read_gguf_config(reader) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(req("embedding_length"))
     n_head = int(req("attention.head_count"))
-    n_kv = int(get_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_kv = get_field(reader, f"{arch}.attention.head_count_kv", n_head)
+    n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)       # gemma4: one a layer (its switches say which)
     head_dim = int(get_field(reader, f"{arch}.attention.key_length", 0)
                    or get_field(reader, f"{arch}.rope.dimension_count", 0) or hidden // n_head)
     vocab = get_field(reader, f"{arch}.vocab_size")
@@ -187,7 +193,7 @@ def read_gguf_config(reader) -> ModelConfig:
         raise ValueError(f"unsupported GGUF rope scaling type {stype!r}")
     elif get_field(reader, f"{arch}.rope.scale_linear") not in (None, 1.0):
         scaling = {"rope_type": "linear", "factor": _f32(get_field(reader, f"{arch}.rope.scale_linear"))}
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in tensors and arch != "gemma4":     # gemma4's: its full layers' proportional RoPE
         t = tensors["rope_freqs.weight"]
         freqs = np.asarray(dequantize_f32(t), dtype=np.float64).reshape(-1)
         scaling = _llama3_rope_scaling(freqs, rope_theta, head_dim)
@@ -202,12 +208,14 @@ def read_gguf_config(reader) -> ModelConfig:
             eos_ids.append(int(v))
     bos = get_field(reader, "tokenizer.ggml.bos_token_id")
 
-    return ModelConfig(
+    ff = get_field(reader, f"{arch}.feed_forward_length", 0)
+    kw = dict(
         architecture=_ARCHITECTURE.get(arch, arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get_field(reader, f"{arch}.feed_forward_length", 0)
-                              or get_field(reader, f"{arch}.expert_feed_forward_length", 0) or req("feed_forward_length")),
+        intermediate_size=int((ff[0] if isinstance(ff, list) else ff)       # gemma4: one a layer
+                              or get_field(reader, f"{arch}.expert_feed_forward_length", 0)
+                              or req("feed_forward_length")),
         num_layers=num_layers,
         num_heads=n_head,
         num_kv_heads=n_kv,
@@ -220,8 +228,9 @@ def read_gguf_config(reader) -> ModelConfig:
         rope_scaling=scaling,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
-        **extra,
     )
+    kw.update(extra)                    # gemma4's head_dim / num_kv_heads / intermediate_size are its sliding layers'
+    return ModelConfig(**kw)
 
 
 def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: int) -> dict:
@@ -246,6 +255,10 @@ def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: 
         out["sliding_window"] = int(window)
     elif arch in HYBRID_GGUF:
         out.update(_linear_attention(reader, arch, tensors, num_layers, head_dim))
+    elif arch == "gemma4":
+        t = tensors.get("rope_freqs.weight")
+        freqs = None if t is None else np.asarray(dequantize_f32(t), dtype=np.float64).reshape(-1)
+        out.update(gemma4_switches(lambda k, d=None: get_field(reader, f"{arch}.{k}", d), tensors, num_layers, freqs))
     elif arch == "gpt-oss":
         # llama.cpp: sliding layers first, then every other one (its swa pattern 2); the rest as HF's config
         out.update(sliding_window=int(window or 128), attention_sinks=True, attention_out_bias=True, moe_bias=True,
@@ -255,6 +268,8 @@ def _arch_switches(reader, arch: str, tensors: dict, num_layers: int, head_dim: 
     out.update(_experts(reader, arch, tensors, num_layers))
     if arch == "gpt-oss":
         out["norm_topk_prob"] = False           # the softmax over the top-k already sums to 1
+    if arch == "gemma4" and out.get("num_experts"):      # beside the dense MLP; the top-k renormalized (as HF's)
+        out.update(moe_beside_mlp=True, norm_topk_prob=True)
     return out
 
 

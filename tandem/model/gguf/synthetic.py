@@ -14,6 +14,7 @@ embedding and the head have the real model's size.
 
     python -m tandem.model.gguf.synthetic --shape qwen2.5-1.5b --out qwen1.5b-q4km.gguf
     python -m tandem.model.gguf.synthetic --shape qwen3-30b-a3b --layers 6 --out a3b-6l-q4km.gguf
+    python -m tandem.model.gguf.synthetic --shape gemma-4-26b-a4b --layers 6 --out g4-6l-q4km.gguf
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Q4_K, Q5_K, Q6_K, F32, Q8_0, MXFP4 = 12, 13, 14, 0, 8, 39
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, MXFP4: 17}     # a 256-weight super-block; Q8_0, MXFP4: 32
-BLOCK_WEIGHTS = {Q4_K: 256, Q5_K: 256, Q6_K: 256, Q8_0: 32, MXFP4: 32}
+from .synthetic_gemma4 import gemma4_f32, gemma4_metadata, gemma4_types
+
+Q4_K, Q5_K, Q6_K, F32, Q8_0, MXFP4, Q5_0 = 12, 13, 14, 0, 8, 39, 6
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q8_0: 34, MXFP4: 17, Q5_0: 22}   # a 256-weight super-block; Q8_0,
+BLOCK_WEIGHTS = {Q4_K: 256, Q5_K: 256, Q6_K: 256, Q8_0: 32, MXFP4: 32, Q5_0: 32}  # MXFP4, Q5_0: a 32-weight block
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Shape:
     rotary_dim: int = 0
     sliding: int = 0            # gpt-oss: sliding layers (every other one, the first sliding) see this many keys
     yarn: tuple = ()            # (factor, original context): YaRN RoPE scaling
+    full_attention: tuple = ()  # gemma4: full layers' (head dim, KV heads), every 6th (synthetic_gemma4.py)
 
 
 SHAPES = {
@@ -73,6 +77,12 @@ SHAPES = {
     "gpt-oss-20b": Shape("gpt-oss", 24, 2880, 2880, 64, 8, 201088, False, 150000.0, qkv_bias=True, head_dim=64,
                          context=131072, experts=32, experts_used=4, expert_width=2880, sliding=128,
                          yarn=(32.0, 4096)),
+    # Gemma-4-26B-A4B: 30 layers, 25 sliding (window 1024, 16 heads / 8 KV heads of 256, RoPE base 10k) and every
+    # 6th full (16 heads of 512 over 2 KV heads, V as K, a quarter of the pairs turned at 1M); 128 experts of 704, 8
+    # a token, beside a dense GeGLU of 2112; tied embedding of 262144, logits soft-capped at 30
+    "gemma-4-26b-a4b": Shape("gemma4", 30, 2816, 2112, 16, 8, 262144, True, 1e6, head_dim=256, context=262144,
+                             experts=128, experts_used=8, expert_width=704, qk_norm=True, sliding=1024,
+                             full_attention=(512, 2)),
 }
 
 
@@ -89,6 +99,8 @@ def tensor_types(shape: Shape) -> dict[str, tuple[tuple[int, int], int]]:
         return _hybrid_types(shape, out)
     if shape.arch == "gpt-oss":
         return _gpt_oss_types(shape)
+    if shape.arch == "gemma4":
+        return gemma4_types(shape, use_more_bits)
     for i in range(n):
         more = use_more_bits(i, n)
         b = f"blk.{i}."
@@ -193,6 +205,8 @@ def _hybrid_metadata(w, s: Shape) -> None:
 def _f32_data(name: str, dims: tuple, rng: np.random.Generator) -> np.ndarray:
     """An F32 tensor's values: norms 1 (llama.cpp's files hold (1 + w) where the model has w = 0), a decay rate A
     < 0 and dt_bias 1 as Qwen's initialization, the rest small normal values."""
+    if (g := gemma4_f32(name, dims)) is not None:
+        return g
     if name.endswith("norm.weight") or name.endswith("ssm_dt.bias"):
         return np.ones(dims, np.float32)
     if name.endswith("ssm_a"):
@@ -206,11 +220,13 @@ def _half(v: float) -> np.ndarray:
 
 def random_blocks(rows: int, k: int, qtype: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, K / block weights * block bytes] of valid random Q4_K / Q5_K / Q6_K super-blocks or Q8_0 /
-    MXFP4 blocks, weights of spread ~0.02."""
-    if qtype in (Q8_0, MXFP4):
+    MXFP4 / Q5_0 blocks, weights of spread ~0.02."""
+    if qtype in (Q8_0, MXFP4, Q5_0):
         b = rng.integers(0, 256, size=(rows, k // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
         if qtype == Q8_0:
             b[..., 0:2] = _half(3e-4)          # d x q (int8, sd ~74) ~ 0.02
+        elif qtype == Q5_0:
+            b[..., 0:2] = _half(2.2e-3)        # d x (q - 16) (5 bits, sd ~9) ~ 0.02
         else:
             b[..., 0] = rng.integers(119, 122, size=(rows, k // 32), dtype=np.uint8)   # 2^(e - 128) x (sd ~5)
         return b.reshape(rows, -1)
@@ -255,19 +271,9 @@ def _tokenizer(writer, vocab: int) -> None:
     writer.add_chat_template(field("tokenizer.chat_template"))
 
 
-def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: int | None = None) -> str:
-    """Write `shape` (a Shape or a SHAPES key) as a Q4_K_M-typed GGUF with random weights at `path`; layers: fewer
-    (or more) layers than the shape's, each of the real shape."""
+def _metadata(w, s: Shape) -> None:
+    """The model keys of every shape but gemma4's (synthetic_gemma4.py)."""
     import gguf
-    s = SHAPES[shape] if isinstance(shape, str) else shape
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
-        s = dataclasses.replace(s, layers=layers)
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, s.arch)
-    w.add_name(f"synthetic {s.arch} {s.layers}x{s.hidden}")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if s.arch == "gpt-oss" else gguf.LlamaFileType.MOSTLY_Q4_K_M))
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -292,6 +298,25 @@ def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: i
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(s.yarn[0])
         w.add_rope_scaling_orig_ctx_len(s.yarn[1])
+
+
+def write_synthetic_gguf(path: str, shape: Shape | str, seed: int = 0, layers: int | None = None) -> str:
+    """Write `shape` (a Shape or a SHAPES key) as a Q4_K_M-typed GGUF with random weights at `path`; layers: fewer
+    (or more) layers than the shape's, each of the real shape."""
+    import gguf
+    s = SHAPES[shape] if isinstance(shape, str) else shape
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        s = dataclasses.replace(s, layers=layers)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, s.arch)
+    w.add_name(f"synthetic {s.arch} {s.layers}x{s.hidden}")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if s.arch == "gpt-oss" else gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    if s.arch == "gemma4":
+        gemma4_metadata(w, s)
+    else:
+        _metadata(w, s)
     _tokenizer(w, s.vocab)
     types = tensor_types(s)
     for name, (dims, qt) in types.items():               # the table first: the data is streamed after it

@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..weights import expected_weight_shapes, name_list, split_fused
 from .config import STACKED, STACKED_BIAS, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
 from .file import GGUFFile
+from .gemma4 import FUSED_EXPERTS, gemma4_weight_shapes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     map the file: dp replicas, tp ranks)."""
     from ...kernels.quant import QuantWeight
 
-    shapes = expected_weight_shapes(config)
+    # gemma4: the names its decoder reads (gemma4.py) until model/weights.py's contract lists them
+    shapes = gemma4_weight_shapes(config) if config.architecture == "gemma4" else expected_weight_shapes(config)
     out: dict = {}
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
@@ -57,7 +59,7 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
             if name is None or _layer(name) >= config.num_layers:     # a hybrid's MTP layers: not served
                 bar.update(t.nbytes)
                 continue
-            if name.endswith(STACKED):                  # a 3-D block of every expert: one entry per expert
+            if name.endswith(STACKED + (FUSED_EXPERTS,)):    # a 3-D block of every expert: one entry per expert
                 out.update(_experts(t, name, shapes, t.qtype in keep))
                 bar.update(t.nbytes)
                 continue
@@ -120,21 +122,27 @@ def _tensor(t, quantized: bool):
 
 
 def _experts(t, name: str, shapes: dict, quantized: bool) -> dict:
-    """A 3-D expert block [E, rows, K] (ffn_gate_exps / ffn_up_exps / ffn_down_exps) as one matrix per expert,
-    under the per-expert names: GGUF blocks keep expert e's rows (contiguous bytes of the file: a view where
-    QuantWeight keeps the GGUF's bytes), other types are dequantized."""
+    """A 3-D expert block [E, rows, K] (ffn_gate_exps / ffn_up_exps / ffn_down_exps, or gemma4's ffn_gate_up_exps
+    whose rows are an expert's gate then its up) as one matrix per expert and projection, under the per-expert
+    names: GGUF blocks keep expert e's rows (contiguous bytes of the file: a view where QuantWeight keeps the
+    GGUF's bytes), other types are dequantized."""
     from ...kernels.quant import QuantWeight
 
     n_exp, rows, k = t.shape if len(t.shape) == 3 else (0, 0, 0)
     prefix, proj = name[:name.index(".experts.")], name.split(".")[-2]      # model.layers.N.mlp, gate_proj
-    names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(n_exp + 1)]
-    if len(t.shape) != 3 or any(shapes.get(n) != (rows, k) for n in names[:-1]) or names.pop() in shapes:
+    projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
+    part = rows // len(projs)                                               # an expert's rows of one projection
+    names = {(e, j): f"{prefix}.experts.{e}.{p}.weight" for e in range(n_exp + 1) for j, p in enumerate(projs)}
+    beyond = [names.pop((n_exp, j)) for j in range(len(projs))]
+    if len(t.shape) != 3 or rows % len(projs) or any(shapes.get(n) != (part, k) for n in names.values()) \
+            or any(n in shapes for n in beyond):
         raise ValueError(f"GGUF tensor {t.name!r}: shape {t.shape} does not fit the model config's experts")
     if quantized:                                           # t.data: [E rows, row bytes]
-        return {n: QuantWeight.from_gguf(torch.from_numpy(t.data[e * rows:(e + 1) * rows]), t.qtype, k)
-                for e, n in enumerate(names)}
+        return {n: QuantWeight.from_gguf(torch.from_numpy(t.data[e * rows + j * part:e * rows + (j + 1) * part]),
+                                         t.qtype, k) for (e, j), n in names.items()}
     a = dequantize_f32(t)
-    return {n: torch.from_numpy(np.array(a[e], dtype=np.float32, order="C")) for e, n in enumerate(names)}
+    return {n: torch.from_numpy(np.array(a[e, j * part:(j + 1) * part], dtype=np.float32, order="C"))
+            for (e, j), n in names.items()}
 
 
 def gguf_weights(path: str, config: ModelConfig, quantized: bool = False) -> dict:
@@ -157,9 +165,10 @@ def build_gguf_tokenizer(path: str, out_dir: str, reader, config: ModelConfig) -
     """Build the HF tokenizer (with chat template) from the GGUF metadata and save it."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    # gpt-oss: AutoTokenizer first parses the file's whole config, and transformers (5.2x) fails on gpt-oss's
-    # rope.scaling keys there (it reads a key's length for its value); the tokenizer itself needs none of it
-    cls = PreTrainedTokenizerFast if config.architecture == "gpt_oss" else AutoTokenizer
+    # gpt-oss, gemma4: AutoTokenizer first parses the file's whole config, and transformers (5.2x) fails on
+    # gpt-oss's rope.scaling keys there (it reads a key's length for its value) and on gemma4's head_count_kv one a
+    # layer (a list where its config wants an int); the tokenizer itself needs none of it
+    cls = PreTrainedTokenizerFast if config.architecture in ("gpt_oss", "gemma4") else AutoTokenizer
     tok = cls.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True)
     template = get_field(reader, "tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
