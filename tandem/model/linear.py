@@ -84,9 +84,15 @@ class QLinear:
         """Whether the row layout is still held (release_rows() drops it where the packed copy serves all)."""
         return all(p.data.shape[1] > 0 for p in self.parts)
 
-    def release_rows(self) -> None:
+    def release_rows(self, packed_only: bool = False) -> None:
         """Drop the row layout where the packed copy serves every row count (K-quants): the parts keep their
-        type and shape over empty rows. Call it after make_bf16(), which dequantizes the rows."""
+        type and shape over empty rows. Call it after make_bf16(), which dequantizes the rows. packed_only (an
+        expert's linears): the packed copy takes every row count wherever its bits are the GEMM's at every count
+        (gemv_is_gemm: MXFP4 / Q4_0 / Q8_0 ... on VNNI), so a 32-weight type is held once too. An expert sees a
+        chunk's tokens routed to it, rarely past the 256 rows where AMX's GEMM on the rows would have taken over:
+        gpt-oss-20b's MXFP4 experts are 92 % of its bytes, held twice before."""
+        if packed_only and self.packed_parts[0] is not None and all(gemv_is_gemm(p) for p in self.parts):
+            self.packed_rows = ALL_ROWS
         if self.packed_rows < ALL_ROWS:
             return
         self.parts = [QuantWeight(torch.empty((p.data.shape[0], 0), dtype=torch.uint8), p.qtype, p.k)
@@ -134,13 +140,14 @@ class QLinear:
         return y if self.bias is None else y + self.bias
 
 
-def hold_once(lins: list, bf16: bool) -> None:
-    """The bf16 copies prefill_bf16 asks for, then release_rows(): each weight held once (packed K-quants)."""
+def hold_once(lins: list, bf16: bool, experts: bool = False) -> None:
+    """The bf16 copies prefill_bf16 asks for, then release_rows(): each weight held once (packed K-quants; with
+    experts, every type whose packed copy gives the GEMM's bits)."""
     for lin in lins:
         if isinstance(lin, QLinear):
             if bf16:
                 lin.make_bf16()
-            lin.release_rows()
+            lin.release_rows(packed_only=experts)
 
 
 Table = "torch.Tensor | QuantWeight | QLinear"     # an embedding's lookup table (embedding_rows)

@@ -112,7 +112,7 @@ class LlamaModel:
                       self.prefill_bf16)
             for k in ("moe", "experts"):    # experts keep the int8 kernels at every row count (no bf16 copy)
                 if k in layer:
-                    hold_once(layer[k].linears(), False)
+                    hold_once(layer[k].linears(), False, experts=True)
         if self.per_layer is not None:
             hold_once(self.per_layer.linears(), self.prefill_bf16)
         hold_once([self.lm_head], False)

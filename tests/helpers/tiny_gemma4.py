@@ -19,7 +19,7 @@ import torch
 
 # Each model exercises its switches: sliding layers of 4 heads of 16 with 2 KV heads, full layers of 32 with their
 # own KV heads (k_eq_v) or the sliding ones', a window of 8, a local RoPE base and a quarter-turned full RoPE.
-_BASE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+BASE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              global_head_dim=32, sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-6,
              final_logit_softcapping=30.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
@@ -47,7 +47,7 @@ def make_tiny_gemma4(tmp_dir, moe: bool = False, *, seed: int = 0, cache_dir: st
     from tests.helpers.tiny_models import smollm2_tokenizer
 
     tok = smollm2_tokenizer(cache_dir)
-    kw = dict(_BASE, vocab_size=len(tok), vocab_size_per_layer_input=len(tok), bos_token_id=tok.bos_token_id,
+    kw = dict(BASE, vocab_size=len(tok), vocab_size_per_layer_input=len(tok), bos_token_id=tok.bos_token_id,
               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     kw.update(MOE if moe else DENSE)
     kw.update(overrides)
@@ -203,7 +203,11 @@ def contract_state_dict(hf_sd: dict) -> dict:
     return out
 
 
-LLAMA_CPP = "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+# llama.cpp's source as tandem.bench builds its tools from (or $TANDEM_LLAMA_CPP_SRC): the converter test skips
+# where it is absent
+LLAMA_CPP = os.environ.get("TANDEM_LLAMA_CPP_SRC") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem", "llamacpp", "llama_cpp_python-0.3.36",
+    "vendor", "llama.cpp")
 # Gemma4Model.set_vocab wants Gemma's own tokenizer (a Llama-style BPE); the tiny models carry SmolLM2's, which
 # the gemma3 path (a GPT-2 BPE) reads. Nothing else of the converter is changed.
 _CONVERT = ("import sys; sys.path.insert(0, {root!r}); sys.argv = ['convert_hf_to_gguf.py'] + sys.argv[1:]\n"

@@ -34,7 +34,7 @@ def _as_decode_rows(q, cache, kv_index, tok_row, pos, window, isa, bf16=False):
 @native
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (3, 3, 20)])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (3, 3, 20), (4, 1, 512)])
 @pytest.mark.parametrize("window", [0, 37])
 def test_each_token_is_its_decode_row(isa, dtype, h, kvh, d, window):
     if dtype == "q8_0" and d % 32:
@@ -91,7 +91,7 @@ def test_thread_count_and_slices_change_no_bit(bf16):
 
 
 @native
-@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (8, 2, 64)])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 1, 256), (14, 2, 128), (8, 8, 32), (8, 2, 64), (4, 1, 512)])
 @pytest.mark.parametrize("window", [0, 37])
 def test_bf16_products_are_the_decode_ops(h, kvh, d, window):
     """bf16 products (where the CPU has AVX512-BF16: the decode task's bf16 body for the prompt's tokens; elsewhere

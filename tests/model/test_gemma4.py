@@ -5,24 +5,32 @@ in the exact mode on both loops and both kernel sets; the branches (speculation,
 prefix cache); the configuration's two written forms; what is not served yet refused by name."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import tandem.scheduler.speculative as spec_mod
 from tandem import SamplingParams
 from tests.helpers.engine_checks import assert_grammar_row_and_trace
-from tests.helpers.tiny_gemma4_hf import GEMMA4, VARIANTS, make_tiny_gemma4
+from tests.helpers.tiny_gemma4 import BASE, MOE, make_tiny_gemma4
 from tests.model.test_parity import assert_greedy_parity, hf_greedy, prompts_for, run_with
 from tests.scheduler.test_speculative import Oracle, configure, pin_row_cost
 
 MAX_NEW = 8
 _MODELS: dict = {}
+_PLAIN = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False)
+# (moe, overrides) of tests/helpers/tiny_gemma4.py's models. dense: full layers of their own head dim; kv: V as K's
+# projection with one global KV head; moe: that and experts beside the MLP; ple: per-layer inputs, KV-shared layers.
+VARIANTS = {"dense": (False, _PLAIN), "kv": (False, dict(_PLAIN, attention_k_eq_v=True, num_global_key_value_heads=1)),
+            "moe": (True, {}), "ple": (False, {})}
 
 
 def tiny(variant: str, tmp_path_factory) -> dict:
     if variant not in _MODELS:
         from transformers import AutoModelForCausalLM
-        hf = make_tiny_gemma4(tmp_path_factory.mktemp(f"tiny-gemma4-{variant}") / "hf", variant, seed=3)
+        moe, overrides = VARIANTS[variant]
+        hf = make_tiny_gemma4(tmp_path_factory.mktemp(f"tiny-gemma4-{variant}") / "hf", moe, seed=3, **overrides)
         _MODELS[variant] = dict(hf=hf, ref=AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval())
     return _MODELS[variant]
 
@@ -45,15 +53,15 @@ def test_parity_with_transformers_both_loops(variant, kernels, tmp_path_factory,
 
 def test_kv_cache_of_two_shapes_and_shared_layers(tmp_path_factory, make_llm):
     """The "ple" model: sliding layers' 2 x 16 and full layers' 2 x 32 in two caches over the same slots; its two
-    KV-shared layers hold no KV; each layer's head shape as the checkpoint's."""
+    KV-shared layers (one sliding, one full) hold no KV."""
     from tandem.model.kv_cache import GroupedKVCache
     m = tiny("ple", tmp_path_factory)
     llm = make_llm(m["hf"], kv_cache_tokens=512, max_running_requests=4, device_backend="inline")
     c, runner = llm.engine.model_config, llm.engine.executor.model_runner
-    assert [c.kv_source(i) for i in range(c.num_layers)] == [0, 1, 2, 3, 2, 3]
+    assert [c.kv_source(i) for i in range(c.num_layers)] == [0, 1, 2, 2, 1]
     cache = runner.kv_cache
-    assert isinstance(cache, GroupedKVCache) and cache.where == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    assert [tuple(k.data.shape[1:4]) for k in cache.caches] == [(2, 2, 2), (2, 2, 2)]
+    assert isinstance(cache, GroupedKVCache) and cache.where == [(0, 0), (1, 0), (0, 1)]
+    assert [tuple(k.data.shape[1:4]) for k in cache.caches] == [(2, 2, 2), (1, 2, 2)]
     assert [k.data.shape[-1] for k in cache.caches] in ([16, 32], [18, 36])       # elements, or q8_0 bytes a row
     assert cache.caches[0].num_slots == cache.caches[1].num_slots == 512
 
@@ -89,14 +97,15 @@ def test_the_branches_keep_working(tmp_path_factory, make_llm, monkeypatch):
 def test_config_forms_rope_and_refusals():
     """transformers' per_layer_config (what it writes back) and the release's global_head_dim /
     num_global_key_value_heads give one config; full layers' proportional RoPE as transformers computes it; tensor
-    parallelism and a KV-shared layer without a producer refused by name."""
+    parallelism where a full layer's own KV heads do not split, and a KV-shared layer without a producer, refused by
+    name."""
     from transformers import Gemma4TextConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from tandem.model.config import ModelConfig
     from tandem.model.rope import rope_inv_freq
     from tandem.model.shard import check_tp_size
-    hf = Gemma4TextConfig(**{**GEMMA4, **VARIANTS["moe"], "vocab_size": 300})
+    hf = Gemma4TextConfig(**{**BASE, **MOE, "vocab_size": 300})
     written = {**hf.to_dict(), "architectures": ["Gemma4ForCausalLM"]}
     assert "per_layer_config" in written and "global_head_dim" not in written
     release = {k: v for k, v in written.items() if k != "per_layer_config"}
@@ -104,17 +113,19 @@ def test_config_forms_rope_and_refusals():
     ours = ModelConfig.from_hf_dict(written)
     assert ours == ModelConfig.from_hf_dict(release)
     assert (ours.global_head_dim, ours.global_kv_heads, ours.attention_k_eq_v, ours.moe_beside_mlp) == (32, 1, True, True)
+    assert (ours.rope_theta, ours.rope_local_theta, ours.rope_proportion) == (10000.0, 100.0, 0.25)
     wrapped = {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": written, "tie_word_embeddings": True}
     assert ModelConfig.from_hf_dict(wrapped) == ours
     inv, _ = ROPE_INIT_FUNCTIONS["proportional"](hf, layer_type="full_attention")
     assert torch.equal(rope_inv_freq(ours), inv.float())
     assert torch.equal(rope_inv_freq(ours, local=True)[:4],
-                       1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))[:4])
-    with pytest.raises(ValueError, match="gemma4"):
-        check_tp_size(ours, 2)
+                       1.0 / (100.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))[:4])
+    check_tp_size(ours, 2)                               # the full layers' one KV head replicated
+    with pytest.raises(ValueError, match="full layers' 3 KV heads"):
+        check_tp_size(dataclasses.replace(ours, num_heads=12, global_kv_heads=3), 2)
     with pytest.raises(ValueError, match="num_kv_shared_layers"):
-        ModelConfig.from_hf_dict({**release, "num_kv_shared_layers": 4, "layer_types": ["sliding_attention"] * 4 +
-                                  ["full_attention"] * 2})
+        ModelConfig.from_hf_dict({**release, "num_hidden_layers": 5, "num_kv_shared_layers": 3,
+                                  "layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 3})
     with pytest.raises(ValueError, match="bidirectional"):
         ModelConfig.from_hf_dict({**release, "use_bidirectional_attention": "all"})
 

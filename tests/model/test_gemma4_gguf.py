@@ -56,6 +56,7 @@ def test_weights_match_hf(models, kind, quant, tmp_path):
     from tandem.model.gguf.config import read_gguf_config
     from tandem.model.gguf.file import GGUFFile
     from tandem.model.gguf.weights import gguf_weights
+    from tandem.model.weights import expected_weight_shapes
 
     path = str(write_gemma4_gguf(tmp_path / "m.gguf", models[kind], quant=quant, with_tokenizer=False))
     config, want = _hf(models[kind])
@@ -73,6 +74,7 @@ def test_quantized_experts_stay_blocks(models, tmp_path):
     from tandem.model.gguf.config import read_gguf_config
     from tandem.model.gguf.file import GGUFFile
     from tandem.model.gguf.weights import gguf_weights
+    from tandem.model.weights import expected_weight_shapes
 
     path = str(write_gemma4_gguf(tmp_path / "m.gguf", models["moe"], quant="Q8_0", with_tokenizer=False))
     _, want = _hf(models["moe"])
@@ -149,9 +151,9 @@ def test_synthetic_gemma4_reads_into_the_contract(tmp_path):
     from tandem.kernels.quant import QuantWeight
     from tandem.model.gguf.config import read_gguf_config
     from tandem.model.gguf.file import GGUFFile
-    from tandem.model.gguf.gemma4 import gemma4_weight_shapes
     from tandem.model.gguf.synthetic import SHAPES, write_synthetic_gguf
     from tandem.model.gguf.weights import gguf_weights
+    from tandem.model.weights import expected_weight_shapes
 
     shape = dataclasses.replace(SHAPES["gemma-4-26b-a4b"], layers=6, hidden=256, intermediate=320, heads=4,
                                 kv_heads=2, head_dim=64, full_attention=(128, 1), experts=4, experts_used=2,
@@ -164,7 +166,7 @@ def test_synthetic_gemma4_reads_into_the_contract(tmp_path):
     assert (c.rope_theta, c.rope_local_theta, c.final_logit_softcapping, c.sliding_window) == (1e6, 1e4, 30.0, 1024)
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size) == (4, 2, 96, 320)
     w = gguf_weights(path, c, quantized=True)
-    shapes = gemma4_weight_shapes(c)
+    shapes = expected_weight_shapes(c)
     assert sorted(w) == sorted(shapes)
     assert all(tuple(w[n].shape) == s for n, s in shapes.items())
     assert isinstance(w["model.layers.5.moe.experts.3.up_proj.weight"], QuantWeight)

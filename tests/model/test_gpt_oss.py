@@ -110,6 +110,31 @@ def test_gguf_with_mxfp4_experts(tmp_path_factory, tmp_path, make_llm):
         llm.shutdown()
 
 
+def test_mxfp4_experts_are_held_once(tmp_path_factory, tmp_path, make_llm, monkeypatch):
+    """The default (int8) mode: every MXFP4 expert keeps only its packed copy, which takes every row count (its
+    bits are the GEMM's at any count), so a file's experts are held once; the same tokens and logprobs as with the
+    row layout kept beside it (a prompt of 300 tokens: chunks past the packed copy's usual 256 rows on AMX)."""
+    from tandem.model.linear import QLinear
+    from tests.helpers.tiny_gpt_oss import write_gpt_oss_gguf
+    m = tiny(tmp_path_factory)
+    path = write_gpt_oss_gguf(tmp_path / "tiny-gpt-oss.gguf", m["hf"], mxfp4=True, with_tokenizer=True)
+    ps = prompts_for(m["ref"].config.vocab_size, n=3, seed=4) + [list(range(3, 303))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for keep_rows in (False, True):
+        if keep_rows:
+            monkeypatch.setattr(QLinear, "release_rows", lambda self, packed_only=False: None)
+        llm = make_llm(path, max_prefill_tokens=512, device_backend="inline", cache_dir=str(tmp_path / "cache"))
+        lins = [lin for layer in llm.engine.executor.model_runner.model.layers for pair in layer["moe"].experts
+                for lin in pair]
+        if lins[0].packed is None:
+            pytest.skip("no packed MXFP4 body on this CPU")
+        assert all(lin.holds_rows == keep_rows for lin in lins)
+        runs.append([(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(ps, params, use_tqdm=False)])
+        llm.shutdown()
+    assert runs[0] == runs[1]
+
+
 def test_tp2_pp2_and_speculation_change_no_token(tmp_path_factory, monkeypatch, make_llm):
     """tp 2 (whole experts a rank; sinks, q / k / v biases by heads; o's and the experts' biases added once) and pp 2
     (each stage its layers' sinks and windows) give one device's tokens; speculation (drafts that are mostly right,

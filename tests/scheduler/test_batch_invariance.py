@@ -28,7 +28,9 @@ VOCAB = 1000
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     """A tiny Llama (hidden 256: K-quant rows; 4 layers, 256 positions of RoPE) as Q8_0, K_MIX and Q5_1 files; a
-    tiny hybrid (Qwen3.5-MoE: linear-attention layers, a shared expert) as Q8_0."""
+    tiny hybrid (Qwen3.5-MoE: linear-attention layers, a shared expert) as Q8_0; a tiny Gemma 4 (a KV cache of two
+    shapes, V as K, per-layer inputs, KV-shared layers) as Q8_0."""
+    from tests.helpers.tiny_gemma4 import make_tiny_gemma4, write_gemma4_gguf
     from tests.helpers.tiny_hybrid import write_hybrid_gguf
     d = tmp_path_factory.mktemp("inv")
     hf = make_tiny_model(d / "hf", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -36,6 +38,9 @@ def ggufs(tmp_path_factory):
     files = {q: str(write_tiny_gguf(d / f"{q}.gguf", hf, quant=q)) for q in ("Q8_0", "K_MIX", "Q5_1")}
     hybrid = make_tiny_model(d / "hybrid", "qwen3_5_moe", seed=5, max_position_embeddings=1024)
     files["hybrid_Q8_0"] = write_hybrid_gguf(d / "hybrid.gguf", hybrid, quant="Q8_0", with_tokenizer=True)
+    gemma4 = make_tiny_gemma4(d / "gemma4", seed=5, max_position_embeddings=1024, attention_k_eq_v=True,
+                              num_global_key_value_heads=1)
+    files["gemma4_Q8_0"] = write_gemma4_gguf(d / "gemma4.gguf", gemma4, quant="Q8_0")
     return files
 
 
@@ -131,6 +136,9 @@ def assert_same(alone: dict, loaded: dict, tgts: list) -> None:
     ("hybrid_Q8_0", dict(device_threads=1, scheduler="serial"),     # states resumed from checkpoints, retracted
      dict(device_threads=2, scheduler="overlap", max_prefill_tokens=48, kv_cache_tokens=400,
           hybrid_checkpoint_tokens=16, speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+    ("gemma4_Q8_0", dict(device_threads=1, scheduler="serial"),
+     dict(device_threads=2, scheduler="overlap", max_prefill_tokens=48, kv_cache_tokens=900,
+          speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
 ])
 def test_targets_alone_and_in_random_traffic(ggufs, make_llm, quant, alone_kw, load_kw):
     rng = random.Random(quant)

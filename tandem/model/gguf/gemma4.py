@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ModelConfig
 
 FUSED_EXPERTS = ".experts.gate_up_proj.weight"      # [E, 2I, h]: split per expert (gate, up) at load
 GEMMA4_GLOBAL_NAMES = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
@@ -151,46 +150,3 @@ def gemma4_switches(get, tensors: dict, num_layers: int, freqs: np.ndarray | Non
         final_logit_softcapping=None if not softcap else _f32(softcap),
         per_layer_input_size=ple, per_layer_vocab_size=int(ple_table.shape[0]) if ple else 0,
         num_kv_shared_layers=shared, double_wide_mlp=double)
-
-
-def gemma4_weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every contract name a gemma4 GGUF must give (the decoder's names: model/gemma4_config.py), with its shape."""
-    h, p = c.hidden_size, c.per_layer_input_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    if p:
-        shapes.update({"model.embed_tokens_per_layer.weight": (c.per_layer_vocab_size, c.num_layers * p),
-                       "model.per_layer_model_projection.weight": (c.num_layers * p, h),
-                       "model.per_layer_projection_norm.weight": (p,)})
-    for i in range(c.num_layers):
-        b = f"model.layers.{i}."
-        shapes.update({b + n: v for n, v in _layer_shapes(c, i).items()})
-        if p:
-            shapes.update({b + "per_layer_input_gate.weight": (p, h), b + "per_layer_projection.weight": (h, p),
-                           b + "post_per_layer_input_norm.weight": (h,)})
-    return shapes
-
-
-def _layer_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """Layer i's attention, dense MLP, experts, norms and scalar (names under model.layers.i.)."""
-    h, d, kv, w = c.hidden_size, c.layer_head_dim(i), c.layer_kv_heads(i), c.mlp_width(i)
-    out: dict[str, tuple[int, ...]] = {n: (h,) for n in (
-        "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
-        "post_feedforward_layernorm.weight")}
-    out.update({"self_attn.q_proj.weight": (c.num_heads * d, h), "self_attn.o_proj.weight": (h, c.num_heads * d),
-                "self_attn.q_norm.weight": (d,), "layer_scalar": (1,), "mlp.gate_proj.weight": (w, h),
-                "mlp.up_proj.weight": (w, h), "mlp.down_proj.weight": (h, w)})
-    if c.kv_source(i) == i:                                 # KV-shared layers have no k / v of their own
-        out.update({"self_attn.k_proj.weight": (kv * d, h), "self_attn.k_norm.weight": (d,)})
-        if not (c.attention_k_eq_v and not c.is_sliding(i)):
-            out["self_attn.v_proj.weight"] = (kv * d, h)
-    if c.is_moe(i):
-        e, m = c.num_experts, c.moe_intermediate_size
-        out.update({"moe.gate.weight": (e, h), "moe.router_scale": (h,), "moe.per_expert_scale": (e,)})
-        out.update({n: (h,) for n in ("post_feedforward_layernorm_1.weight", "pre_feedforward_layernorm_2.weight",
-                                      "post_feedforward_layernorm_2.weight")})
-        for x in range(e):
-            out.update({f"moe.experts.{x}.gate_proj.weight": (m, h), f"moe.experts.{x}.up_proj.weight": (m, h),
-                        f"moe.experts.{x}.down_proj.weight": (h, m)})
-    return out

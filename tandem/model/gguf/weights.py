@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..weights import expected_weight_shapes, name_list, split_fused
 from .config import STACKED, STACKED_BIAS, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
 from .file import GGUFFile
-from .gemma4 import FUSED_EXPERTS, gemma4_weight_shapes
+from .gemma4 import FUSED_EXPERTS
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     from ...kernels.quant import QuantWeight
 
     # gemma4: the names its decoder reads (gemma4.py) until model/weights.py's contract lists them
-    shapes = gemma4_weight_shapes(config) if config.architecture == "gemma4" else expected_weight_shapes(config)
+    shapes = expected_weight_shapes(config)
     out: dict = {}
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
