@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...lifeline import die_with_parent
+from ..denormals import flush_denormals
 from ...sampler import MAX_LOGPROBS
 from . import step_wire
 from .pp import PPGroup
@@ -109,6 +110,7 @@ def recv_masks(pp: PPGroup, rows: int, width: int) -> np.ndarray:
 def stage_main() -> int:
     """A stage on a node R > 0: join the pipeline, load its layers, then run every step passed to it."""
     die_with_parent()
+    flush_denormals()                  # before the first parallel region: its threads inherit it
     spec, info = pickle.loads(sys.stdin.buffer.read())
     torch.set_num_threads(info.threads)
     pp = PPGroup(info, rank_device(spec.device, info), spec.source.config.num_layers)

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from ...lifeline import die_with_parent
+from ..denormals import flush_denormals
 from ..ranks import runner_spec, rank_device, rank_infos, rank_threads, spawn_rank
 from .tp import TPGroup
 
@@ -23,6 +24,7 @@ def rank_main() -> int:
     """A rank other than 0: join the group, load its shard, then run every step rank 0 broadcasts."""
     die_with_parent()
     import torch
+    flush_denormals()                  # before the first parallel region: its threads inherit it
     spec, info = pickle.loads(sys.stdin.buffer.read())
     torch.set_num_threads(info.threads)
     tp = TPGroup(info, rank_device(spec.device, info))

@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ...lifeline import die_with_parent
+from ..denormals import flush_denormals
 from ..heap import IDLE_TRIM_S, give_back_heap
 from ..profile import DeviceProfile
 from ..parallel import step_wire
@@ -197,6 +198,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     connection ends the process quietly; any other failure goes to the executor as "error" first."""
     die_with_parent()
     import torch
+    flush_denormals()                  # before the first parallel region: its threads inherit it
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
