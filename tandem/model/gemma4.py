@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .elementwise import elementwise
 from .layer_ops import HeadShape
 from .linear import embedding_rows, run_rows
 from .moe import build_moe
@@ -87,8 +88,9 @@ def layer_end(ops, layer: dict, x: torch.Tensor, delta: torch.Tensor, ple: torch
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap) (fp32 logits, per element), or the logits as they are."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+    """cap * tanh(logits / cap) (fp32 logits), or the logits as they are. tanh by elementwise(): torch's loop takes
+    a tensor's tail by a scalar form of other bits, so a row's logits would follow the step's row count."""
+    return logits if cap is None else elementwise(torch.tanh, logits / cap) * cap
 
 
 def kv_rows(qkv, s: HeadShape) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ def ggufs(tmp_path_factory):
     hybrid = make_tiny_model(d / "hybrid", "qwen3_5_moe", seed=5, max_position_embeddings=1024)
     files["hybrid_Q8_0"] = write_hybrid_gguf(d / "hybrid.gguf", hybrid, quant="Q8_0", with_tokenizer=True)
     gemma4 = make_tiny_gemma4(d / "gemma4", seed=5, max_position_embeddings=1024, attention_k_eq_v=True,
-                              num_global_key_value_heads=1)
+                              num_global_key_value_heads=1, hidden_size_per_layer_input=32)   # Q8_0 rows: 32 wide
     files["gemma4_Q8_0"] = write_gemma4_gguf(d / "gemma4.gguf", gemma4, quant="Q8_0")
     return files
 
