@@ -137,7 +137,8 @@ class ModelRunner:
                    and not any(layer["window"] for layer in self.model.layers))
         assert self.model.kv_shapes == kv_shapes, (self.model.kv_shapes, kv_shapes)
         kvh, d = kv_shapes[0] if kv_shapes else (layout.kv_heads, c.head_dim)
-        self.kv_cache = (PagedKVCache(num_slots, num_layers, kvh, d, kv_dtype, self.device) if len(set(kv_shapes)) <= 1 else GroupedKVCache(num_slots, kv_shapes, kv_dtype, self.device))
+        self.kv_cache = (PagedKVCache(num_slots, num_layers, kvh, d, kv_dtype, self.device) if len(set(kv_shapes)) <= 1
+                         else GroupedKVCache(num_slots, kv_shapes, kv_dtype, self.device))
         # A hybrid's linear layers keep a state per request-table row (model/recurrent_state.py)
         self.recurrent = (RecurrentState(layout.local(c), linear_layers, rows, self.device, spec.state_checkpoints)
                           if linear_layers else None)

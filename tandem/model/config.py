@@ -76,7 +76,8 @@ class ModelConfig:
     global_kv_heads: int = 0         # full_attention layers' KV heads; 0: num_kv_heads
     attention_k_eq_v: bool = False   # full layers have no v_proj: V is k_proj's output (normed by v_norm, not turned)
     v_norm: bool = False             # V RMS-normed over its head dim, no weight
-    rope_proportion: float = 1.0     # full layers' "proportional" RoPE: the first share of frequency pairs turn (exponent over the whole head dim), the rest stay
+    # full layers' "proportional" RoPE: the first share of frequency pairs turn (exponent over the whole head dim)
+    rope_proportion: float = 1.0
     final_logit_softcapping: float | None = None     # logits = c * tanh(logits / c)
     layer_scalar: bool = False       # a layer's output, residual stream included, times its layer_scalar [1]
     moe_beside_mlp: bool = False     # the experts run beside the dense MLP (gemma4), routed on the layer's input

@@ -32,8 +32,8 @@ def _global_shape(d: dict, types: tuple[str, ...]) -> tuple[int, int]:
         kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v", False) else None
         return int(d.get("global_head_dim") or GEMMA4_DEFAULTS["global_head_dim"]), int(kv or 0)
     per = {int(k): v for k, v in (d.get("per_layer_config") or {}).items() if str(k).isdigit()}
-    shapes = {(int(per.get(i, {}).get("head_dim") or d["head_dim"]), int(per.get(i, {}).get("num_key_value_heads") or 0))
-              for i, t in enumerate(types) if t == "full_attention"}
+    full = [per.get(i, {}) for i, t in enumerate(types) if t == "full_attention"]
+    shapes = {(int(o.get("head_dim") or d["head_dim"]), int(o.get("num_key_value_heads") or 0)) for o in full}
     if len(shapes) != 1:
         raise ValueError(f"gemma4: per_layer_config gives full layers different shapes {sorted(shapes)}")
     return shapes.pop()
@@ -70,7 +70,8 @@ def hf_gemma4(d: dict, num_layers: int) -> dict[str, Any]:
                                  else float(d["final_logit_softcapping"])),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         per_layer_input_size=int(d.get("hidden_size_per_layer_input") or 0),
-        per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or 0) if d.get("hidden_size_per_layer_input") else 0,
+        per_layer_vocab_size=(int(d.get("vocab_size_per_layer_input") or 0)
+                              if d.get("hidden_size_per_layer_input") else 0),
         num_kv_shared_layers=int(d.get("num_kv_shared_layers") or 0),
         double_wide_mlp=bool(d.get("use_double_wide_mlp", False)))
     if out["per_layer_input_size"] and not out["per_layer_vocab_size"]:

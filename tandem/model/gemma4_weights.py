@@ -45,7 +45,8 @@ def gemma4_model_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             "model.per_layer_projection_norm.weight": (n,)}
 
 
-_STACKED = re.compile(r"\.layers\.(\d+)\.(experts\.(gate_up_proj|down_proj)|router\.(proj\.weight|scale|per_expert_scale))$")
+_STACKED = re.compile(r"\.layers\.(\d+)\.(experts\.(gate_up_proj|down_proj)|"
+                      r"router\.(proj\.weight|scale|per_expert_scale))$")
 _ROUTER = {"proj.weight": "gate.weight", "scale": "router_scale", "per_expert_scale": "per_expert_scale"}
 
 
