@@ -21,6 +21,7 @@ from ..model.recurrent_state import RecurrentState, state_bytes_per_row
 from ..model.numerics import DTYPES, Cpu, NumericOptions, every_rank, native_kernels, resolve, wants_native
 from .heap import release_load_memory
 from ..model.shard import TPLayout, shard_state
+from ..model.weights import layer_index
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .verify import accepted_counts, kept_rows, stash_values
 from .future_map import FutureMap
@@ -34,15 +35,9 @@ from .embed import mean_index, pooled
 PROMPT_LOGPROB_ROWS = 256    # prompt positions whose logits exist at once (256 x 49,152 fp32: 50 MB)
 
 
-def _stage_layer(name: str) -> int | None:
-    """The layer index of a weight named model.layers.<i>. ..., None for the others (embedding, norm, head)."""
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
-
-
 def _layer_weights(state: dict) -> int:
     """Weights of the layers' matrices (the linears prefill_act="bf16" copies)."""
-    return sum(t.numel() for k, t in state.items() if _stage_layer(k) is not None and len(t.shape) == 2)
+    return sum(t.numel() for k, t in state.items() if layer_index(k) is not None and len(t.shape) == 2)
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -104,13 +99,12 @@ class ModelRunner:
             state = shard_state(state, c, layout)
         stage = range(c.num_layers) if pp is None else pp.layers
         # The KV cache's layers: the attention layers (but gemma4's KV-shared ones), with their KV heads and head dim
-        kv_shapes = [(layout.layer_kv(c, i)[0], c.layer_head_dim(i)) for i in stage
-                     if not c.is_linear(i) and c.kv_source(i) == i]
+        kv_shapes = layout.kv_shapes(c, stage)
         num_layers = len(kv_shapes)
         linear_layers = sum(1 for i in stage if c.is_linear(i))         # a hybrid's: a state slot a row
         rows = spec.max_running + spec.spare_rows + 1
         if pp is not None:                  # a stage keeps its own layers' weights only
-            state = {k: t for k, t in state.items() if _stage_layer(k) in (None, *pp.layers)}
+            state = {k: t for k, t in state.items() if layer_index(k) in (None, *pp.layers)}
         bf16_fits, = every_rank(group, 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
         self.numerics = n = resolve(options, cpu, self.device, dtype, c.head_dim, int8_blocks, bool(bf16_fits))
         kv_dtype = n.kv_dtype
@@ -135,7 +129,6 @@ class ModelRunner:
         # step's view must keep the prefix's columns.
         cascade = (spec.shared_prefix_attention and self.device.type == "cpu" and not n.extend_native
                    and not any(layer["window"] for layer in self.model.layers))
-        assert self.model.kv_shapes == kv_shapes, (self.model.kv_shapes, kv_shapes)
         kvh, d = kv_shapes[0] if kv_shapes else (layout.kv_heads, c.head_dim)
         self.kv_cache = (PagedKVCache(num_slots, num_layers, kvh, d, kv_dtype, self.device) if len(set(kv_shapes)) <= 1
                          else GroupedKVCache(num_slots, kv_shapes, kv_dtype, self.device))

@@ -123,9 +123,8 @@ class LlamaModel:
         self.kv_size = lay.kv_heads * c.head_dim
         if native and tp is None:
             self._plan_decode_layer_ops()       # after release_rows: it holds the rows it passes
-        # The layers holding KV (attention layers but gemma4's KV-shared ones): their window, sinks, KV shape
+        # The layers holding KV (attention layers but gemma4's KV-shared ones: TPLayout.kv_shapes' order)
         attending = [layer for layer in self.layers if "mixer" not in layer and "kv_from" not in layer]
-        self.kv_shapes = [(layer["shape"].kv_heads, layer["shape"].head_dim) for layer in attending]
         self.attention = Attention(numerics, self.scale, self.num_heads, [layer["window"] for layer in attending],
                                    [layer.get("sinks") for layer in attending])
 

@@ -25,6 +25,7 @@ import torch
 
 from ..kernels.quant import BLOCK_WEIGHTS, QuantWeight
 from .config import ModelConfig
+from .weights import layer_index
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,14 @@ def check_tp_size(c: ModelConfig, n: int, name: str = "the model") -> None:
 
 @dataclass(frozen=True)
 class TPLayout:
-    """What rank `rank` of `size` holds: its heads, KV heads, MLP rows and vocab rows."""
+    """What rank `rank` of `size` holds: its heads, KV heads, vocab rows and experts (a layer's share of its own
+    MLP width and head shapes: shard_state)."""
     size: int
     rank: int
     heads: int
     head_start: int
     kv_heads: int
     kv_head_start: int
-    inter: int
-    inter_start: int
     vocab: int               # rows of this rank's vocab shard (padded: the same on every rank)
     vocab_start: int
     moe_inter: int = 0       # rows of each expert's gate / up (columns of its down) on this rank
@@ -95,6 +95,12 @@ class TPLayout:
         """(KV heads, first KV head) of `layer` on this rank: gemma4's full layers split their own count."""
         return _kv_split(c.layer_kv_heads(layer), self.size, self.rank)
 
+    def kv_shapes(self, c: ModelConfig, layers) -> list[tuple[int, int]]:
+        """(KV heads on this rank, head dim) of each of `layers` that holds KV, in order: the attention layers but
+        gemma4's KV-shared ones. The KV cache (one cache a shape) and the model's layer["kv"] indices follow it."""
+        return [(self.layer_kv(c, i)[0], c.layer_head_dim(i)) for i in layers
+                if not c.is_linear(i) and c.kv_source(i) == i]
+
     @property
     def held_experts(self) -> range | None:
         """This rank's whole experts under expert parallelism; None: it holds (a slice of) every expert."""
@@ -105,7 +111,6 @@ class TPLayout:
         check_tp_size(c, size)
         heads = c.num_heads // size
         kv, kv_start = _kv_split(c.num_kv_heads, size, rank)
-        inter = c.intermediate_size // size
         vocab = -(-c.vocab_size // size)
         if c.num_experts % size == 0:          # expert parallelism: whole experts, blocks as the file has them
             moe, moe_start = c.moe_intermediate_size, 0
@@ -114,7 +119,7 @@ class TPLayout:
             moe, moe_start = c.moe_intermediate_size // size, rank * (c.moe_intermediate_size // size)
             experts, expert_start = c.num_experts, 0
         lk = c.linear_num_key_heads // size
-        return TPLayout(size, rank, heads, rank * heads, kv, kv_start, inter, rank * inter, vocab, rank * vocab,
+        return TPLayout(size, rank, heads, rank * heads, kv, kv_start, vocab, rank * vocab,
                         moe, moe_start, experts, expert_start, experts < c.num_experts,
                         c.shared_expert_intermediate_size // size, lk, rank * lk)
 
@@ -125,13 +130,6 @@ def _kv_split(kv_heads: int, size: int, rank: int) -> tuple[int, int]:
     if kv_heads % size == 0:
         return kv_heads // size, rank * (kv_heads // size)
     return 1, rank // (size // kv_heads)
-
-
-def _layer_of(name: str) -> int | None:
-    """The decoder layer a state-dict name belongs to, or None."""
-    if ".layers." not in name:
-        return None
-    return int(name.split(".layers.")[1].split(".")[0])
 
 
 def _rows(t, a: int, b: int, pad_to: int | None = None):
@@ -163,14 +161,9 @@ def cols(t, a: int, b: int, cut: list[str], name: str):
 
 def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
     """This rank's slice of an HF-named state dict (tensors or QuantWeight); the input is consumed."""
-    d = c.head_dim
     g = 2 if c.attn_output_gate else 1              # a gated q_proj: each head's q and gate rows together
-    q_rows = (lay.head_start * d * g, (lay.head_start + lay.heads) * d * g)
-    q = (lay.head_start * d, (lay.head_start + lay.heads) * d)
     shared = (lay.rank * lay.shared_inter, (lay.rank + 1) * lay.shared_inter)
     linear = _linear_index(c, lay) if c.linear_layers and lay.size > 1 else None
-    kv = (lay.kv_head_start * d, (lay.kv_head_start + lay.kv_heads) * d)
-    mlp = (lay.inter_start, lay.inter_start + lay.inter)
     experts = (lay.moe_inter_start, lay.moe_inter_start + lay.moe_inter)
     vocab = (lay.vocab_start, min(lay.vocab_start + lay.vocab, c.vocab_size))
     out, cut = {}, []
@@ -195,15 +188,15 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
         elif name.endswith(".self_attn.sinks"):     # gpt-oss: one a query head
             out[name] = _rows(t, lay.head_start, lay.head_start + lay.heads)
         elif ".q_proj." in name:
-            out[name] = _rows(t, *_per_layer(q_rows, c, name))
+            out[name] = _rows(t, *_q_part(c, lay, name, g))
         elif ".k_proj." in name or ".v_proj." in name:
-            out[name] = _rows(t, *_layer_kv_rows(kv, c, lay, name))
+            out[name] = _rows(t, *_kv_part(c, lay, name))
         elif ".gate_proj." in name or ".up_proj." in name:
-            out[name] = _rows(t, *_mlp_part(mlp, c, lay, name))
+            out[name] = _rows(t, *_mlp_part(c, lay, name))
         elif ".o_proj." in name:
-            out[name] = cols(t, *_per_layer(q, c, name), cut, name)
+            out[name] = cols(t, *_q_part(c, lay, name), cut, name)
         elif ".down_proj." in name:
-            out[name] = cols(t, *_mlp_part(mlp, c, lay, name), cut, name)
+            out[name] = cols(t, *_mlp_part(c, lay, name), cut, name)
         else:                                  # norms: every rank keeps them whole
             out[name] = t
     if cut and lay.rank == 0:
@@ -212,25 +205,26 @@ def shard_state(state: dict, c: ModelConfig, lay: TPLayout) -> dict:
     return out
 
 
-def _per_layer(rows: tuple[int, int], c: ModelConfig, name: str) -> tuple[int, int]:
-    """q / o's range in a layer of its own head dim (gemma4's full layers): the same heads, D rows each."""
-    d = c.layer_head_dim(_layer_of(name))
-    return (rows[0] // c.head_dim * d, rows[1] // c.head_dim * d) if d != c.head_dim else rows
+def _q_part(c: ModelConfig, lay: TPLayout, name: str, g: int = 1) -> tuple[int, int]:
+    """q's rows (o's columns) of this rank's heads in its layer, at the layer's head dim (gemma4's full layers have
+    their own); g: rows a head holds per dim (2: a gated q_proj's q and gate)."""
+    d = c.layer_head_dim(layer_index(name)) * g
+    return lay.head_start * d, (lay.head_start + lay.heads) * d
 
 
-def _layer_kv_rows(rows: tuple[int, int], c: ModelConfig, lay: TPLayout, name: str) -> tuple[int, int]:
-    """k / v's rows of this rank in its layer: gemma4's full layers split their own KV heads of their own dim."""
-    i = _layer_of(name)
-    if c.layer_head_dim(i) == c.head_dim and c.layer_kv_heads(i) == c.num_kv_heads:
-        return rows
-    kv, start, d = *lay.layer_kv(c, i), c.layer_head_dim(i)
+def _kv_part(c: ModelConfig, lay: TPLayout, name: str) -> tuple[int, int]:
+    """k / v's rows of this rank in its layer: its KV heads (gemma4's full layers split their own count) at the
+    layer's head dim."""
+    i = layer_index(name)
+    kv, start = lay.layer_kv(c, i)
+    d = c.layer_head_dim(i)
     return start * d, (start + kv) * d
 
 
-def _mlp_part(rows: tuple[int, int], c: ModelConfig, lay: TPLayout, name: str) -> tuple[int, int]:
+def _mlp_part(c: ModelConfig, lay: TPLayout, name: str) -> tuple[int, int]:
     """The dense MLP's rows (columns of down) of this rank in its layer: twice as many in gemma4's double-wide ones."""
-    w = c.mlp_width(_layer_of(name))
-    return rows if w == c.intermediate_size else (lay.rank * w // lay.size, (lay.rank + 1) * w // lay.size)
+    w = c.mlp_width(layer_index(name))
+    return lay.rank * w // lay.size, (lay.rank + 1) * w // lay.size
 
 
 def _once(bias: torch.Tensor, lay: TPLayout) -> torch.Tensor:

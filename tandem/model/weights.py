@@ -162,6 +162,12 @@ def hf_weight_name(name: str) -> str:
     return name[:m.start()] + ".mlp." + rest
 
 
+def layer_index(name: str) -> int | None:
+    """The decoder layer of a contract name (model.layers.<i>. ...); None for the others (embedding, norm, head)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+
+
 def name_list(names: list[str], limit: int = 8) -> str:
     """The first `limit` names for an error message, and " ..." when there are more."""
     return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
