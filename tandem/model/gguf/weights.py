@@ -50,7 +50,6 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     map the file: dp replicas, tp ranks)."""
     from ...kernels.quant import QuantWeight
 
-    # gemma4: the names its decoder reads (gemma4.py) until model/weights.py's contract lists them
     shapes = expected_weight_shapes(config)
     out: dict = {}
     with _progress(reader, "loading") as bar:
