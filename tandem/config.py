@@ -66,6 +66,7 @@ class EngineConfig:
     tp_comm: str = "auto"               # tp collectives: "auto" (shared memory when all ranks share a host, else gloo), "gloo"
     # ---- pipeline parallelism (tandem/device/parallel/pp.py, the PP loop in tandem/scheduler/loops.py) ----
     pp_size: int = 1                    # pipeline stages (--pp): the layers split into contiguous stages, one device process each
+    pp_layer_partition: str = "auto"    # how the layers are cut into stages: "auto" (balanced by a measured decode step of each layer kind and the LM head), "even", or each stage's layer count, e.g. "19,11"
     # ---- speculative decoding (tandem/speculative, tandem/scheduler/speculative.py) ----
     speculative_config: Any = None      # speculative decoding as JSON/dict in vLLM's names, e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -118,10 +119,14 @@ class EngineConfig:
     def _check_pp(self) -> None:
         """What pipeline stages cannot serve yet is refused here, before anything starts (the layer count is
         checked once the model is known: device/parallel/pp.py check_pp_size)."""
+        from .device.parallel.pp_split import check_partition_text
         if self.pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {self.pp_size}")
         if self.pp_size == 1:
+            if self.pp_layer_partition not in ("auto", "even"):
+                raise ValueError(f"pp_layer_partition {self.pp_layer_partition!r} needs pp_size > 1")
             return
+        check_partition_text(self.pp_layer_partition, self.pp_size)
         if self.tp_size > 1:
             raise ValueError(f"pp_size {self.pp_size} with tp_size {self.tp_size}: pipeline stages of several "
                              f"tensor-parallel ranks are not supported yet (use one of the two)")

@@ -45,7 +45,7 @@ class Engine:
         self.model_name = self.source.name
         check_tp_size(self.model_config, config.tp_size, self.model_name)
         check_chunks(self.model_config, config.tp_reduce_chunks, self.model_name)
-        check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name)
+        check_pp_size(self.model_config.num_layers, config.pp_size, self.model_name, config.pp_layer_partition)
         check_hybrid(self.model_config, config, self.model_name)
         config = self.config = fit_hybrid_state(self.model_config, config)
         spec = runner_spec(config, self.source)

@@ -91,7 +91,7 @@ class ModelRunner:
         native = native_kernels(options, cpu, self.device, dtype)
         owned = state is None                 # loaded here: the model may take its entries out as it builds
         if owned:
-            state = load_weights(spec.source, quantized=native)
+            state = load_weights(spec.source, quantized=native, layers=None if pp is None else pp.layers)
         # Before sharding, so that every tp rank sees the same: do the linears round x to int8?
         int8_blocks = any(getattr(t, "qtype", None) in INT8_ACT_QTYPES for t in state.values())
         layout = TPLayout.of(c, 1 if tp is None else tp.size, 0 if tp is None else tp.rank)

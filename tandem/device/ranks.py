@@ -92,6 +92,7 @@ def runner_spec(config: EngineConfig, source) -> RunnerSpec:
         batch_invariant=config.batch_invariant,
         decode_attention=config.decode_attention,
         tp_size=config.tp_size, tp_comm=config.tp_comm, tp_reduce_chunks=config.tp_reduce_chunks, pp_size=config.pp_size,
+        pp_layer_partition=config.pp_layer_partition,
         max_draft_rows=config.speculative_config.extra_rows if config.speculative_config is not None else 0,
         state_checkpoints=config.checkpoints() if source.config.linear_layers else 0)
 

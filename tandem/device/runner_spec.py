@@ -32,6 +32,7 @@ class RunnerSpec:
     tp_comm: str = "auto"         # "auto": tp ranks on one host reduce through shared memory; "gloo"
     max_draft_rows: int = 0       # speculative decoding: batch rows a step may carry beyond max_running
     pp_size: int = 1              # pipeline stages (device/parallel/pp.py); each model runner holds one stage's layers
+    pp_layer_partition: str = "auto"  # how the layers are cut into stages (device/parallel/pp_split.py)
     spare_rows: int = 0           # request-table rows past max_running, for urgent steps (scheduler/urgent.py)
     state_checkpoints: int = 0    # a hybrid model's saved states the prefix cache may hold (model/recurrent_state.py)
 

@@ -10,12 +10,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import Container
 
 import torch
 
 from .hub import hub_path, is_hub_id
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
-from .weights import IGNORABLE_PREFIXES, IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, name_list, split_fused
+from .weights import (IGNORABLE_PREFIXES, IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, layer_index,
+                      name_list, split_fused)
 
 log = logging.getLogger(__name__)
 
@@ -119,19 +121,20 @@ def _resolve_hf_dir(path: str) -> ModelSource:
     return ModelSource(name=name, config=config, weight_files=weight_files, tokenizer_dir=path)
 
 
-def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", quantized: bool = False) -> dict[str, torch.Tensor]:
+def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 quantized: bool = False, layers: Container[int] | None = None) -> dict[str, torch.Tensor]:
     """HF-named state dict; no lm_head.weight when embeddings are tied. Shapes are checked.
 
     A GGUF source is read from the file's memory map. quantized: matrices whose block type the native
     kernels read stay as their GGUF blocks (tandem.kernels.QuantWeight values); everything else, and
-    everything when not quantized, is dequantized in memory.
+    everything when not quantized, is dequantized in memory. layers: only these decoder layers' weights (a
+    pipeline stage's), besides those outside the layers (None: every layer).
     """
     from safetensors.torch import load_file
 
     if source.gguf_file is not None:
         from .gguf.weights import gguf_weights
-        sd = gguf_weights(source.gguf_file, source.config, quantized=quantized)
+        sd = gguf_weights(source.gguf_file, source.config, quantized=quantized, layers=layers)
         if quantized or (dtype == torch.float32 and str(device) == "cpu"):
             return sd
         return {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
@@ -139,7 +142,8 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
     from ..kernels.quant import QuantWeight
     from .mxfp4_checkpoint import PendingMxfp4
 
-    shapes = expected_weight_shapes(source.config)
+    shapes = {k: v for k, v in expected_weight_shapes(source.config).items()
+              if layers is None or layer_index(k) in (None, *layers)}
     out: dict[str, torch.Tensor] = {}
     unexpected = []
     mxfp4 = PendingMxfp4()              # gpt-oss's MXFP4 experts: blocks and scales, paired as they come
@@ -153,7 +157,8 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32,
             experts = mxfp4.take(name, tensor)
             for k, t in split_fused(name, tensor, source.config) if experts is None else experts:
                 if k not in shapes:
-                    unexpected.append(k)
+                    if layers is None or layer_index(k) in (None, *layers):   # other layers: not read
+                        unexpected.append(k)
                     continue
                 if tuple(t.shape) != shapes[k]:
                     raise ValueError(f"{wf}: {k} has shape {tuple(t.shape)}, expected {shapes[k]}")

@@ -27,7 +27,7 @@ import tandem.scheduler.loops as loops
 import tandem.scheduler.results as results
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
-from tandem.device.parallel.pp import stage_layers
+from tandem.device.parallel.pp_split import even_sizes, ranges
 from tests.scheduler.test_overlap import run_script
 
 ENGINE = dict(kv_cache_tokens=4096, max_running_requests=16, device_threads=1, poison_future_map=True)
@@ -87,15 +87,6 @@ def three_layers(tmp_path_factory):
     return {"llama": llama, "qwen2": qwen2, "llama-q8_0": q8, "qwen3_moe-q8_0": moe_q8}
 
 
-def test_stages_split_layers_contiguously_and_evenly():
-    assert [list(stage_layers(30, 4, s)) for s in range(4)] == \
-        [list(range(0, 8)), list(range(8, 16)), list(range(16, 23)), list(range(23, 30))]
-    for n, p in ((3, 3), (3, 2), (30, 2), (7, 5)):
-        got = [list(stage_layers(n, p, s)) for s in range(p)]
-        assert sum(got, []) == list(range(n))
-        assert max(map(len, got)) - min(map(len, got)) <= 1 and min(map(len, got)) >= 1
-
-
 def test_a_stage_holds_only_its_layers(three_layers):
     """Built in this process with a stand-in for its PPGroup: each stage's weights, KV cache and the ends it
     owns (the embedding on the first stage, the final norm, LM head and sampler on the last)."""
@@ -109,7 +100,7 @@ def test_a_stage_holds_only_its_layers(three_layers):
     config = EngineConfig(model=three_layers["llama"], kv_cache_tokens=64, max_running_requests=2, device="cpu")
     spec = runner_spec(config, resolve_model(config.model))
     for stage in (0, 1):
-        pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=stage_layers(3, 2, stage),
+        pp = SimpleNamespace(first=stage == 0, last=stage == 1, layers=ranges(even_sizes(3, 2))[stage],
                              device=torch.device("cpu"), spans_nodes=False, min_int=lambda v: v)   # alone
         ex = ModelRunner(spec, pp=pp)
         assert len(ex.model.layers) == ex.kv_cache.num_layers == ex.kv_cache.data.shape[1] == 2 - stage

@@ -31,38 +31,38 @@ relay sends the grammar masks the other way over a second such group.
 from __future__ import annotations
 
 
+import logging
+
 import torch
 import torch.distributed as dist
 
-from . import step_wire
+from . import pp_split, step_wire
 from ..ranks import DistInfo, init_group
 from ..streams import now
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0          # rendezvous of all stages, and any single send or recv
 
 
-def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
-    """Layers of `stage`: contiguous, as even as possible, the first stages one longer where they do not
-    split evenly (30 layers over 4 stages: 8, 8, 7, 7)."""
-    base, extra = divmod(num_layers, pp_size)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
-
-
-def check_pp_size(num_layers: int, pp_size: int, name: str = "the model") -> None:
-    """A clear ValueError before anything starts when the layers do not give every stage one."""
+def check_pp_size(num_layers: int, pp_size: int, name: str = "the model", partition: str = "auto") -> None:
+    """A clear ValueError before anything starts when the layers do not give every stage one, or when
+    pp_layer_partition's layers do not add up to the model's."""
     if pp_size > num_layers:
         raise ValueError(f"pp_size {pp_size} does not fit {name}: it has {num_layers} layers, and every "
                          f"pipeline stage needs at least one (pp sizes that fit it: 1..{num_layers})")
+    sizes = pp_split.check_partition_text(partition, pp_size) if pp_size > 1 else None
+    if sizes is not None:
+        pp_split.check_sizes(sizes, num_layers, name)
 
 
 class PPGroup(step_wire.WireControl):
     """One stage's place in the pipeline and its point-to-point sends of hidden states."""
 
-    def __init__(self, info: DistInfo, device: torch.device, num_layers: int) -> None:
+    def __init__(self, info: DistInfo, device: torch.device, spec) -> None:
         init_group(info, device, TIMEOUT_S)
         self.rank, self.size, self.device = info.rank, info.size, device
-        self.layers = stage_layers(num_layers, info.size, info.rank)
+        self.layers, self.cut = self._cut(spec)
         self.first, self.last = info.rank == 0, info.rank == info.size - 1
         per_node = info.size // info.nnodes
         self.spans_nodes = info.nnodes > 1
@@ -77,6 +77,18 @@ class PPGroup(step_wire.WireControl):
         self._fresh = False               # sends of this step already posted (its step words): keep them
         self.comm_s = 0.0                 # seconds blocked in sends since the step began (the trace's comm)
         self.recv_done = 0.0              # when this step's hidden states arrived (its busy span starts)
+
+    def _cut(self, spec) -> tuple[range, list[int]]:
+        """This stage's layers, and every stage's count: rank 0 decides (pp_split.decide: measured, even or
+        given) and broadcasts, so every stage holds one cut whatever it would decide itself."""
+        sizes = torch.zeros(self.size, dtype=torch.int64)
+        if self.rank == 0:
+            cut, how = pp_split.decide(spec, self.device)
+            log.info("pipeline stages hold %s layers: %s", " + ".join(map(str, cut)), how)
+            sizes = torch.tensor(cut, dtype=torch.int64)
+        dist.broadcast(sizes, 0)
+        cut = sizes.tolist()
+        return pp_split.ranges(cut)[self.rank], cut
 
     def _post(self, x: torch.Tensor) -> None:
         x = x.contiguous()

@@ -113,7 +113,7 @@ def stage_main() -> int:
     flush_denormals()                  # before the first parallel region: its threads inherit it
     spec, info = pickle.loads(sys.stdin.buffer.read())
     torch.set_num_threads(info.threads)
-    pp = PPGroup(info, rank_device(spec.device, info), spec.source.config.num_layers)
+    pp = PPGroup(info, rank_device(spec.device, info), spec)
     from ...grammar.compiler import mask_words
     from ..model_runner import ModelRunner
     width = mask_words(spec.source.config.vocab_size)

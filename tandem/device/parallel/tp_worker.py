@@ -52,7 +52,7 @@ def run_node(config) -> int:
     source = resolve_model(config.model, config.cache_dir)
     check_tp_size(source.config, config.tp_size, source.name)
     check_chunks(source.config, config.tp_reduce_chunks, source.name)
-    check_pp_size(source.config.num_layers, config.pp_size, source.name)
+    check_pp_size(source.config.num_layers, config.pp_size, source.name, config.pp_layer_partition)
     spec = runner_spec(config, source)
     pp = config.pp_size > 1
     infos = rank_infos(config.pp_size if pp else config.tp_size, config.nnodes, config.node_rank,

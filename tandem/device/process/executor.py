@@ -149,6 +149,7 @@ class ProcessExecutor:
         self._listener, self._shm_path, self._spec, self._timeout = listener, shm_path, spec, start_timeout
         self.num_slots = self.max_context = 0
         self.tp_transport: str | None = None     # "shm", "gloo" or "nccl": how the tp ranks reduce (after start)
+        self.pp_cut: list[int] | None = None      # pipeline stages: each stage's layer count (device/parallel/pp_split.py)
 
     def wait_ready(self) -> None:
         """Finish the start: hand over the spec and wait until the weights and KV cache are in place.
@@ -182,7 +183,7 @@ class ProcessExecutor:
                 os.unlink(shm_path)   # both sides hold the mapping; nothing is left behind on a crash
             except FileNotFoundError:
                 pass
-        self.num_slots, self.max_context, self.tp_transport = info[1], info[2], info[3]
+        self.num_slots, self.max_context, self.tp_transport, self.pp_cut = info[1], info[2], info[3], info[4]
 
     def _accept(self, listener: Listener, timeout: float):
         """Accept the device process's connection, failing fast if it dies before connecting."""

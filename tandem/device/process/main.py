@@ -73,7 +73,7 @@ def _join_group(spec, dist) -> tuple:
     step to the group) or neither (alone)."""
     if dist is not None and spec.pp_size > 1:
         from ..parallel.pp import PPGroup
-        return None, PPGroup(dist, rank_device(spec.device, dist), spec.source.config.num_layers)
+        return None, PPGroup(dist, rank_device(spec.device, dist), spec)
     if dist is not None:
         from ..parallel.tp import TPGroup
         return TPGroup(dist, rank_device(spec.device, dist)), None
@@ -212,7 +212,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         model_runner = ModelRunner(spec, tp=tp, pp=pp)
         profile = DeviceProfile.from_env()         # benchmarks only (device/profile.py)
         send(pickle.dumps(("ready", (model_runner.num_slots, model_runner.max_context,
-                                     tp.transport if tp is not None else None))))
+                                     tp.transport if tp is not None else None, pp.cut if pp is not None else None))))
         if pp is not None and pp.relay:    # the last stage is on another node: its results come through here
             from ..parallel.pp_stage import ResultRelay
             relay = ResultRelay(pp, buffers, lambda sid, t0: send(_DONE.pack(b"D", sid, t0, now(), 0.0)),

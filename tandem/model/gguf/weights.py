@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Container
 
 import numpy as np
 import torch
@@ -36,7 +37,8 @@ def _progress(reader, what: str):
                 leave=False)
 
 
-def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozenset()) -> dict:
+def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozenset(),
+                    layers: Container[int] | None = None) -> dict:
     """Every tensor under its HF name (q/k un-permuted for llama), read from the file's memory map: fp32, or,
     for 2-D tensors whose ggml type is in `keep`, the GGUF blocks as a tandem.kernels.QuantWeight (rows are
     whole blocks along K, so the q/k row permutation applies to the bytes unchanged). Blocks are not copied
@@ -47,15 +49,15 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     copy-on-write: a write to one stays private, the file is never written. Measured on SmolLM2 as F16 (258 MB):
     views against copies, 2.39 s against 2.93 s warm to ready, device RSS 517 MB (290 anonymous) against 540 (452),
     peak 541 MB against 756; the mapped pages are clean and shared with the page cache (and other processes that
-    map the file: dp replicas, tp ranks)."""
+    map the file: dp replicas, tp ranks). layers: gguf_weights'."""
     from ...kernels.quant import QuantWeight
 
-    shapes = expected_weight_shapes(config)
+    shapes = {k: v for k, v in expected_weight_shapes(config).items() if _wanted(k, layers)}
     out: dict = {}
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
             name = gguf_to_hf_name(t.name, config.architecture)
-            if name is None or _layer(name) >= config.num_layers:     # a hybrid's MTP layers: not served
+            if name is None or _layer(name) >= config.num_layers or not _wanted(name, layers):   # (MTP layers)
                 bar.update(t.nbytes)
                 continue
             if name.endswith(STACKED + (FUSED_EXPERTS,)):    # a 3-D block of every expert: one entry per expert
@@ -112,6 +114,11 @@ def _layer(name: str) -> int:
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else -1
 
 
+def _wanted(name: str, layers: Container[int] | None) -> bool:
+    """Whether a load limited to `layers` (None: all) reads this tensor: every one outside the decoder layers."""
+    return layers is None or _layer(name) < 0 or _layer(name) in layers
+
+
 def _tensor(t, quantized: bool):
     """One GGUF tensor as GGUF blocks (a QuantWeight) or fp32 of its own."""
     from ...kernels.quant import QuantWeight
@@ -144,20 +151,21 @@ def _experts(t, name: str, shapes: dict, quantized: bool) -> dict:
             for (e, j), n in names.items()}
 
 
-def gguf_weights(path: str, config: ModelConfig, quantized: bool = False) -> dict:
+def gguf_weights(path: str, config: ModelConfig, quantized: bool = False, layers: Container[int] | None = None) -> dict:
     """The state dict, straight from the GGUF file. quantized (the native kernels): matrices of a type in
     NATIVE_QTYPES (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4) stay GGUF blocks,
-    the rest fp32; otherwise (the torch reference) everything is dequantized in memory, by gguf-py."""
+    the rest fp32; otherwise (the torch reference) everything is dequantized in memory, by gguf-py. layers: only
+    these decoder layers' tensors (a pipeline stage's), besides the others (embedding, norm, head)."""
     from ...kernels.quant import NATIVE_QTYPES
 
     reader = GGUFFile(path)
     if not quantized:
-        return gguf_state_dict(reader, config)
+        return gguf_state_dict(reader, config, layers=layers)
     other = sorted({GGMLQuantizationType(t.qtype).name for t in reader.tensors if len(t.shape) == 2
                     and t.qtype not in NATIVE_QTYPES})
     if other:
         log.info("GGUF matrices of type %s have no native kernel: dequantized to fp32 at load", ", ".join(other))
-    return gguf_state_dict(reader, config, keep=NATIVE_QTYPES)
+    return gguf_state_dict(reader, config, keep=NATIVE_QTYPES, layers=layers)
 
 
 def build_gguf_tokenizer(path: str, out_dir: str, reader, config: ModelConfig) -> None:
