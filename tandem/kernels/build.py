@@ -26,7 +26,7 @@ SOURCES = ("isa.cpp", "linear_rows.cpp", "dequantize.cpp", "linear_rows_q8act.cp
            "packed_gather.cpp", "decode_attention.cpp", "shared_prefix_attention.cpp", "causal_attention.cpp",
            "extend_attention.cpp", "rms_norm.cpp", "rope.cpp", "act_mul.cpp", "race_argmax.cpp", "race_noise.cpp",
            "gated_delta_rule.cpp", "gated_delta_rule_chunked.cpp",
-           "decode_layer.cpp", "moe_experts.cpp", "moe_route.cpp", "registration.cpp")
+           "decode_layer.cpp", "moe_experts.cpp", "moe_route.cpp", "int8_peak.cpp", "registration.cpp")
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-psabi",
          "-Wno-maybe-uninitialized")
 

@@ -101,6 +101,8 @@ void split_jobs(int64_t J, int64_t NG, int64_t per, const F& fn) {
 }
 // The SIMD body gemm_rows_q8act runs for a type here: 2 AVX-512 VNNI, 1 AVX2, 0 none (the scalar specification).
 int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa);
+// The int8 multiply-adds per second of the body `isa` picks over every thread (int8_peak.cpp), for the benchmarks.
+double int8_peak(int64_t iters, int64_t isa);
 // The int8 ops' argument checks (a supported type, K whole blocks, shapes, dtypes, bias [N]): TORCH_CHECKs
 // naming `op`.
 void check_int8_args(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,

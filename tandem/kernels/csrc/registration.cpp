@@ -12,7 +12,8 @@
 //   gemm_rows_q8act     many M (GEMM)            rows                           int8
 //   gemv_packed_q8act   GEMV (any M on AVX2)     packed at load (pack_gemv)     int8, the GEMM's bits
 // Helpers: <op>_max_rows, the rows of x up to which that GEMV runs here (0: not this type or CPU);
-// gemm_rows_q8act_body, the GEMM's body here; gemv_packed_k_q8act (C++ only), the packed GEMV's K-quant half.
+// gemm_rows_q8act_body, the GEMM's body here; gemv_packed_k_q8act (C++ only), the packed GEMV's K-quant half;
+// int8_peak, the int8 multiply-adds per second the CPU's own instructions reach (the tiles' yardstick).
 #include <torch/library.h>
 
 #include "ops.h"
@@ -33,6 +34,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("gemv_packed_q8act_max_rows(int qtype) -> int", &tandem::gemv_packed_q8act_max_rows);
   m.def("packed_gather(Tensor packed, int qtype, int k, int n, Tensor index, int isa=-1) -> Tensor");
   m.def("gemm_rows_q8act_body(int qtype, int isa=-1) -> int", &tandem::gemm_rows_q8act_body);
+  m.def("int8_peak(int iters, int isa=-1) -> float", &tandem::int8_peak);
   m.def("dequantize(Tensor w, int qtype, int k, int isa=-1) -> Tensor");
   m.def("dequantize_out(Tensor w, int qtype, int k, Tensor(a!) out, int isa=-1) -> ()");
   m.def("decode_attention(Tensor q, Tensor cache, int layer, Tensor kv_index, Tensor seq_lens, float scale, "
