@@ -106,6 +106,25 @@ def test_the_probe_times_every_layer_and_the_head(three_layers):
     assert all(t > 0 for t in costs.layers) and costs.head > 0 and costs.embed > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe", "gemma3"])
+def test_the_probe_builds_one_layer_of_each_kind(arch, tmp_path):
+    """Linear-attention and attention layers, experts and dense MLPs, sliding and global layers: one of each is
+    built and timed, every layer gets its kind's cost."""
+    from tests.helpers.tiny_models import make_tiny_model
+    from tandem.device.ranks import runner_spec
+    from tandem.model.loader import resolve_model
+    path = make_tiny_model(tmp_path, arch)
+    source = resolve_model(path)
+    c = source.config
+    kinds, _ = pp_probe.layer_kinds(c, pp_probe.weight_index(source))
+    reps = pp_probe.representatives(kinds)
+    assert len(reps) == len(set(kinds)) > 1 and [kinds[i] for i in reps] == sorted(set(kinds), key=kinds.index)
+    costs = pp_probe.measure(runner_spec(EngineConfig(model=path, pp_size=2, device="cpu"), source),
+                             torch.device("cpu"), 3)
+    assert len(costs.layers) == c.num_layers and min(costs.layers) > 0 and costs.head > 0
+    assert all(costs.layers[i] == costs.layers[reps[[kinds[r] for r in reps].index(k)]] for i, k in enumerate(kinds))
+
+
 def test_a_stage_loads_only_its_layers(three_layers):
     from tandem.model.loader import load_weights, resolve_model
     from tandem.model.weights import layer_index
