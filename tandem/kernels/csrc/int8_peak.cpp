@@ -2,7 +2,7 @@
 // rate as a share of it). Independent chains of the instruction each body makes its int8 dot products of, enough of
 // them that only the execution ports bound the loop:
 //   body 2, AVX-512 VNNI: vpdpbusd zmm (64 multiply-adds), 12 chains (its latency 5 x 2 ports);
-//   body 1, AVX2: vpmaddubsw + vpmaddwd + vpaddd ymm (32 multiply-adds in 3 operations), 8 chains.
+//   body 1, AVX2: vpmaddubsw + vpmaddwd + vpaddd ymm (32 multiply-adds in 3 operations), 5 chains.
 // The operands are made opaque to the compiler every iteration, so nothing is hoisted out of the loop.
 #include <ATen/Parallel.h>
 
@@ -33,17 +33,19 @@ TANDEM_KERNEL_VNNI int64_t peak_vnni(int64_t iters) {
 }
 
 TANDEM_KERNEL_AVX2 int64_t peak_avx2(int64_t iters) {
-  __m256i a[8];
-  for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi32(i);
+  // Each chain its own weight operand, made opaque apart (one shared operand let the compiler make the
+  // identical vpmaddubsw / vpmaddwd once an iteration); 5 chains, so sums, operands, x and ones stay in 16 ymm.
+  __m256i a[5], w[5];
+  for (int i = 0; i < 5; ++i) a[i] = _mm256_set1_epi32(i), w[i] = _mm256_set1_epi8((char)(3 + i));
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(-5);
+  __m256i x = _mm256_set1_epi8(-5);
   for (int64_t it = 0; it < iters; ++it) {
-    asm volatile("" : "+x"(w), "+x"(x));
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+    asm volatile("" : "+x"(w[0]), "+x"(w[1]), "+x"(w[2]), "+x"(w[3]), "+x"(w[4]), "+x"(x));
+#pragma GCC unroll 5
+    for (int i = 0; i < 5; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], x), ones));
   }
   __m256i s = a[0];
-  for (int i = 1; i < 8; ++i) s = _mm256_add_epi32(s, a[i]);
+  for (int i = 1; i < 5; ++i) s = _mm256_add_epi32(s, a[i]);
   alignas(32) int32_t v[8];
   _mm256_store_si256((__m256i*)v, s);
   return v[0];
@@ -57,7 +59,7 @@ double int8_peak(int64_t iters, int64_t isa) {
   const Isa level = resolve_isa(isa);
   const bool vnni = level == kAvx512 && cpu_has_vnni();
   if (!vnni && level < kAvx2) return 0.0;
-  const int64_t per_iter = vnni ? 12 * 64 : 8 * 32, threads = at::get_num_threads();
+  const int64_t per_iter = vnni ? 12 * 64 : 5 * 32, threads = at::get_num_threads();
   std::atomic<int64_t> sink{0};
   const auto t0 = std::chrono::steady_clock::now();
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
