@@ -21,7 +21,7 @@ from ..model.recurrent_state import RecurrentState, state_bytes_per_row
 from ..model.numerics import DTYPES, Cpu, NumericOptions, every_rank, native_kernels, resolve, wants_native
 from .heap import release_load_memory
 from ..model.shard import TPLayout, shard_state
-from ..model.weights import layer_index
+from ..model.weights import in_layers, layer_index
 from ..sampler import Logprobs, SamplingBatch, apply_token_bitmask, logprobs, prompt_logprobs, sample
 from .verify import accepted_counts, kept_rows, stash_values
 from .future_map import FutureMap
@@ -104,7 +104,7 @@ class ModelRunner:
         linear_layers = sum(1 for i in stage if c.is_linear(i))         # a hybrid's: a state slot a row
         rows = spec.max_running + spec.spare_rows + 1
         if pp is not None:                  # a stage keeps its own layers' weights only
-            state = {k: t for k, t in state.items() if layer_index(k) in (None, *pp.layers)}
+            state = {k: t for k, t in state.items() if in_layers(k, pp.layers)}
         bf16_fits, = every_rank(group, 2 * _layer_weights(state) <= _free_memory_bytes(self.device) // 4)
         self.numerics = n = resolve(options, cpu, self.device, dtype, c.head_dim, int8_blocks, bool(bf16_fits))
         kv_dtype = n.kv_dtype

@@ -16,7 +16,7 @@ import torch
 
 from .hub import hub_path, is_hub_id
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_HF_ARCHITECTURES, ModelConfig
-from .weights import (IGNORABLE_PREFIXES, IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, layer_index,
+from .weights import (IGNORABLE_PREFIXES, IGNORABLE_SUFFIXES, expected_weight_shapes, hf_weight_name, in_layers,
                       name_list, split_fused)
 
 log = logging.getLogger(__name__)
@@ -142,8 +142,7 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32, device
     from ..kernels.quant import QuantWeight
     from .mxfp4_checkpoint import PendingMxfp4
 
-    shapes = {k: v for k, v in expected_weight_shapes(source.config).items()
-              if layers is None or layer_index(k) in (None, *layers)}
+    shapes = {k: v for k, v in expected_weight_shapes(source.config).items() if in_layers(k, layers)}
     out: dict[str, torch.Tensor] = {}
     unexpected = []
     mxfp4 = PendingMxfp4()              # gpt-oss's MXFP4 experts: blocks and scales, paired as they come
@@ -157,7 +156,7 @@ def load_weights(source: ModelSource, dtype: torch.dtype = torch.float32, device
             experts = mxfp4.take(name, tensor)
             for k, t in split_fused(name, tensor, source.config) if experts is None else experts:
                 if k not in shapes:
-                    if layers is None or layer_index(k) in (None, *layers):   # other layers: not read
+                    if in_layers(k, layers):            # other layers' weights: not read
                         unexpected.append(k)
                     continue
                 if tuple(t.shape) != shapes[k]:

@@ -4,6 +4,7 @@ loaders (safetensors in loader.py, GGUF in gguf/weights.py) check what they read
 from __future__ import annotations
 
 import re
+from typing import Container
 
 import torch
 
@@ -166,6 +167,13 @@ def layer_index(name: str) -> int | None:
     """The decoder layer of a contract name (model.layers.<i>. ...); None for the others (embedding, norm, head)."""
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+
+
+def in_layers(name: str, layers: Container[int] | None) -> bool:
+    """Whether a load (or a pipeline stage) limited to `layers` (None: every layer) keeps this weight: every one
+    outside the decoder layers, and those of its layers."""
+    i = layer_index(name)
+    return layers is None or i is None or i in layers
 
 
 def name_list(names: list[str], limit: int = 8) -> str:

@@ -18,7 +18,6 @@ cache where a stage's many would not: on models whose layers fit the cache the p
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import Sequence
 
@@ -124,7 +123,9 @@ def weight_index(source) -> dict[str, tuple[str, int]]:
         with safe_open(f, "pt") as st:
             for k in st.keys():
                 part = st.get_slice(k)
-                out[hf_weight_name(k)] = (str(part.get_dtype()), int(np.prod(part.get_shape())))
+                kind = part.get_dtype()                  # "F32", "BF16", "F8_E4M3", "BOOL": bits before the "_"
+                bits = int("".join(ch for ch in kind.split("_")[0] if ch.isdigit()) or 8)
+                out[hf_weight_name(k)] = (kind, int(np.prod(part.get_shape())) * bits // 8)
     return out
 
 

@@ -22,6 +22,7 @@ from typing import Sequence
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "even")
+PROBE_ROWS = 32             # the probe's decode rows at most (micro_batch)
 
 
 def even_sizes(num_layers: int, pp_size: int) -> list[int]:
@@ -100,9 +101,6 @@ def micro_batch(max_running: int, pp_size: int) -> int:
     """The rows of a decode micro-batch at full load (the PP loop picks at most 1 / pp_size of the decoding
     requests a micro-batch: scheduler/pick.py), capped at PROBE_ROWS so the probe stays short."""
     return max(1, min(PROBE_ROWS, -(-max_running // pp_size)))
-
-
-PROBE_ROWS = 32
 
 
 def decide(spec, device) -> tuple[list[int], str]:

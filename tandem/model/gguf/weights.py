@@ -17,7 +17,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from ..config import ModelConfig
-from ..weights import expected_weight_shapes, name_list, split_fused
+from ..weights import expected_weight_shapes, in_layers, name_list, split_fused
 from .config import STACKED, STACKED_BIAS, dequantize_f32, get_field, gguf_to_hf_name, unpermute_qk
 from .file import GGUFFile
 from .gemma4 import FUSED_EXPERTS
@@ -52,12 +52,12 @@ def gguf_state_dict(reader, config: ModelConfig, keep: frozenset[int] = frozense
     map the file: dp replicas, tp ranks). layers: gguf_weights'."""
     from ...kernels.quant import QuantWeight
 
-    shapes = {k: v for k, v in expected_weight_shapes(config).items() if _wanted(k, layers)}
+    shapes = {k: v for k, v in expected_weight_shapes(config).items() if in_layers(k, layers)}
     out: dict = {}
     with _progress(reader, "loading") as bar:
         for t in reader.tensors:
             name = gguf_to_hf_name(t.name, config.architecture)
-            if name is None or _layer(name) >= config.num_layers or not _wanted(name, layers):   # (MTP layers)
+            if name is None or _layer(name) >= config.num_layers or not in_layers(name, layers):   # (MTP layers)
                 bar.update(t.nbytes)
                 continue
             if name.endswith(STACKED + (FUSED_EXPERTS,)):    # a 3-D block of every expert: one entry per expert
@@ -112,11 +112,6 @@ def _layer(name: str) -> int:
     """The layer of a model.layers.<i>. ... name (-1 for the others)."""
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else -1
-
-
-def _wanted(name: str, layers: Container[int] | None) -> bool:
-    """Whether a load limited to `layers` (None: all) reads this tensor: every one outside the decoder layers."""
-    return layers is None or _layer(name) < 0 or _layer(name) in layers
 
 
 def _tensor(t, quantized: bool):
