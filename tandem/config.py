@@ -28,6 +28,8 @@ class EngineConfig:
     # (a 12 x 924-token burst took 2.1x longer at 256 than prefill-first). 256 is the throughput-side default.
     mixed_prefill_tokens: int = 256     # prefill tokens of a step with decode rows (lower: smoother streams)
     prefix_cache: bool = True           # radix prefix cache: reuse the KV of prompt prefixes seen before
+    kv_disk_dir: str | None = None      # the prefix cache's disk tier: KV of cached prefixes written to this folder (64-token chunks, keyed by the model's fingerprint) and read back after RAM evicts them or after a restart; None: off
+    kv_disk_size: str = "20GiB"         # the disk tier's size cap (e.g. 20GiB, 500MB): least recently used entries go past it
     state_checkpoints: int | None = None    # hybrid linear-attention models: saved states the prefix cache may hold (each one request's state); None: 4 x max_running_requests; 0: no prefix-cache hits for them
     state_memory_fraction: float = 0.25     # hybrid models: the most of free memory their linear-attention states may take (a running request's and each checkpoint's); fewer running requests and checkpoints where max_running_requests' would not fit
     hybrid_checkpoint_tokens: int = 0   # hybrid models: checkpoint a prompt's state at the first prefill chunk end past each multiple of this many tokens (and where a request's tokens end); 0: at every chunk end
@@ -160,6 +162,19 @@ class EngineConfig:
         if self.tp_size > 1 and self.device_backend == "inline":
             raise ValueError("tp_size > 1 runs its ranks in device processes: device_backend must be 'process' "
                              "or 'auto', not 'inline'")
+        self._check_disk_tier()
+
+    def _check_disk_tier(self) -> None:
+        """The disk tier (memory/disk_tier.py) lies under the prefix cache, on one device process or the inline one."""
+        if self.kv_disk_dir is None:
+            return
+        from .memory.disk_tier import parse_size
+        parse_size(self.kv_disk_size)
+        if not self.prefix_cache:
+            raise ValueError("kv_disk_dir is the prefix cache's disk tier: it needs prefix_cache on")
+        if self.tp_size > 1 or self.pp_size > 1 or self.nnodes > 1:
+            raise ValueError("kv_disk_dir with tp_size or pp_size > 1 is not supported yet: each rank or stage holds "
+                             "a part of a token's KV, and the disk tier writes one device's")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

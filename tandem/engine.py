@@ -15,6 +15,7 @@ from typing import Callable
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .device.ranks import runner_spec, rank_threads
+from .memory.disk_tier import open_disk_tier
 from .request import Req, StepOutput
 from .model.recurrent_state import state_bytes_per_row
 from .sampling_params import SamplingParams
@@ -49,6 +50,9 @@ class Engine:
         check_hybrid(self.model_config, config, self.model_name)
         config = self.config = fit_hybrid_state(self.model_config, config)
         spec = runner_spec(config, self.source)
+        self.disk = open_disk_tier(config, self.source, self.model_config, self.model_name)
+        if self.disk is not None:
+            spec = spec.with_disk_tier(self.disk.folder, self.disk.fingerprint)
         self.device_threads: int | None = None
         if config.resolved_backend() == "process":
             from .device.process.executor import ProcessExecutor
@@ -59,6 +63,8 @@ class Engine:
             step_tokens = max(config.max_prefill_tokens, cap) + config.max_running_requests + spec.max_draft_rows
             # Prefix-cache hits send their cached slots once; no row's prefix is longer than the context.
             prefix_slots = cap * config.max_running_requests if config.prefix_cache else 0
+            if self.disk is not None:
+                self.disk.max_op_tokens = step_tokens     # the room the step buffers keep for its copies
             self.executor = ProcessExecutor(spec, threads, step_tokens, max_prefix_slots=prefix_slots,
                                         nnodes=config.nnodes, dist_init_addr=config.dist_init_addr,
                                         nests_steps=config.runs_urgent_steps())
@@ -72,7 +78,11 @@ class Engine:
             drafter = self._drafter(config)
         except BaseException:
             self.executor.shutdown()
+            if self.disk is not None:
+                self.disk.close()
             raise
+        if self.disk is not None:
+            self.disk.set_slot_bytes(self.executor.kv_slot_bytes)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -88,7 +98,8 @@ class Engine:
         from .scheduler.policy import make_policy
         self.scheduler = Scheduler(config, self.executor, self._emit, self.recorder, poll, Grammars(self.grammar),
                                    speculation, make_policy(config), UrgentSteps(self.executor.nests_steps),
-                                   recurrent=state_bytes_per_row(mc := self.model_config, len(mc.linear_layers)))
+                                   recurrent=state_bytes_per_row(mc := self.model_config, len(mc.linear_layers)),
+                                   disk=self.disk)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -232,6 +243,8 @@ class Engine:
                 if self.scheduler.grammars is not None:
                     self.scheduler.grammars.shutdown()
                 self.executor.shutdown()
+                if self.disk is not None:
+                    self.disk.close()
 
     def __del__(self) -> None:
         try:

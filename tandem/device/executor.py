@@ -45,6 +45,7 @@ class ResultHandle(Protocol):
 class Executor(Protocol):
     num_slots: int
     max_context: int
+    kv_slot_bytes: int      # a KV slot's bytes on the device (every layer's K and V of one token)
 
     defers_masks: bool      # the grammar branch: a step's token masks may follow its launch
     nests_steps: bool       # the urgent-step branch: runs a step between two layers of a long one (urgent.py)
@@ -110,6 +111,7 @@ class InlineExecutor:
         self.model_runner = ModelRunner(spec)
         self.num_slots = self.model_runner.num_slots
         self.max_context = self.model_runner.max_context
+        self.kv_slot_bytes = self.model_runner.kv_slot_bytes
         self.streams = DeviceStreams(self.model_runner.device)
 
     def wait_ready(self) -> None:
@@ -134,4 +136,7 @@ class InlineExecutor:
         """Nothing to probe: the device is driven from this process, whose loop the heartbeat already shows."""
 
     def shutdown(self) -> None:
+        if self.model_runner is not None and self.model_runner.kv_disk is not None:
+            self.model_runner.kv_disk.flush()
+            self.model_runner.kv_disk.close()
         self.model_runner = None

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.quant import INT8_ACT_QTYPES
+from .kv_disk import DiskKV
 from ..model.kv_cache import AttentionMeta, GroupedKVCache, PagedKVCache, kv_row_bytes
 from ..model.llama import LlamaModel
 from ..model.loader import load_weights
@@ -132,6 +133,9 @@ class ModelRunner:
         kvh, d = kv_shapes[0] if kv_shapes else (layout.kv_heads, c.head_dim)
         self.kv_cache = (PagedKVCache(num_slots, num_layers, kvh, d, kv_dtype, self.device) if len(set(kv_shapes)) <= 1
                          else GroupedKVCache(num_slots, kv_shapes, kv_dtype, self.device))
+        self.kv_slot_bytes = sum(t[0].numel() * t.element_size() for t in self.kv_cache.tensors())
+        self.kv_disk = (DiskKV(spec.kv_disk_folder, spec.kv_disk_fingerprint, self.kv_cache.tensors())
+                        if spec.kv_disk_folder else None)
         # A hybrid's linear layers keep a state per request-table row (model/recurrent_state.py)
         self.recurrent = (RecurrentState(layout.local(c), linear_layers, rows, self.device, spec.state_checkpoints)
                           if linear_layers else None)
@@ -155,6 +159,11 @@ class ModelRunner:
         called after the forward, so a mask the host computes while the forward runs (overlap loop) costs
         the device only the wait for what is left of it. The urgent-step branch: `between(i)` before each
         layer i > 0 may run other steps there, in nested() (process/main.py)."""
+        if self.kv_disk is not None:       # the disk tier's copies: saves, then loads, then the forward
+            if len(step.kv_saves):
+                self.kv_disk.save(step.kv_saves)
+            if len(step.kv_loads):
+                self.kv_disk.load(step.kv_loads)
         inputs = self._prepare(step)
         if self.recurrent is not None and len(step.state_ops):
             self.recurrent.copy(step.state_ops, after_forward=False)    # released rows saved, resumed rows restored

@@ -35,8 +35,13 @@ class RunnerSpec:
     pp_layer_partition: str = "auto"  # how the layers are cut into stages (device/parallel/pp_split.py)
     spare_rows: int = 0           # request-table rows past max_running, for urgent steps (scheduler/urgent.py)
     state_checkpoints: int = 0    # a hybrid model's saved states the prefix cache may hold (model/recurrent_state.py)
+    kv_disk_folder: str | None = None   # the disk tier's folder of this server (memory/disk_tier.py); None: off
+    kv_disk_fingerprint: str = ""       # what its entries are keyed by (the engine's fingerprint)
+
+    def with_disk_tier(self, folder: str, fingerprint: str) -> "RunnerSpec":
+        return dataclasses.replace(self, kv_disk_folder=folder, kv_disk_fingerprint=fingerprint)
 
     def fingerprint(self) -> dict:
         """What every tp rank must agree on (paths and the device may differ between machines)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device")}
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("source", "device", "kv_disk_folder")}
         return {**d, "model": self.source.config.to_dict()}

@@ -13,7 +13,7 @@ ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed
             "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens", "embed")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
-            "bias_rows", "bias_ids", "stash_rows", "stash_ids", "state_ops")
+            "bias_rows", "bias_ids", "stash_rows", "stash_ids", "state_ops", "kv_saves", "kv_loads")
 VAR_FLOATS = ("bias_vals",)
 HEADER = 2 + len(VAR_INTS) + len(VAR_FLOATS)
 
@@ -80,6 +80,10 @@ class StepInput:
     # A hybrid model's state checkpoints (memory/state_checkpoints.py): (kind, from, to) triples, saves of released
     # rows and restores into rows before the forward, saves of rows whose chunk ends a checkpoint after it.
     state_ops: np.ndarray = None      # [3 S]
+    # The disk tier (memory/disk_tier.py, device/kv_disk.py), before the forward: saves (a chunk's key words and its
+    # CHUNK_TOKENS slots, each) copied out first, then loads (key words, skip, n, n slots) written into their slots.
+    kv_saves: np.ndarray = None
+    kv_loads: np.ndarray = None
 
     def __post_init__(self) -> None:
         b = len(self.rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..request import Req
+from .disk_tier import DiskTier
 from .kv_allocator import KVSlotAllocator
 from .radix_cache import RadixCache
 from .req_table import ReqRowAllocator
@@ -19,8 +20,12 @@ from .state_checkpoints import StateCheckpoints
 
 class KVCacheManager:
     def __init__(self, num_slots: int, max_rows: int, prefix_cache: bool,
-                 checkpoints: StateCheckpoints | None = None, recurrent: int = 0) -> None:
+                 checkpoints: StateCheckpoints | None = None, recurrent: int = 0,
+                 disk: DiskTier | None = None) -> None:
         self.kv = KVSlotAllocator(num_slots)
+        # The prefix cache's disk tier (disk_tier.py): what enters the tree is written through to it, and a prefix
+        # the tree lost is read back at admission (restore_from_disk). Not for hybrids (open_disk_tier refuses them).
+        self.disk = disk if prefix_cache and not recurrent else None
         # A hybrid model's request also carries a linear-attention state, which a cached prefix's KV does not give
         # back: it resumes from a state checkpoint (state_checkpoints.py), or, with none, from position 0.
         # recurrent: the bytes of that state (0: not a hybrid), for the memory the states take (stats)
@@ -52,6 +57,35 @@ class KVCacheManager:
             req.slots, req.cached_len, req.cache_node = slots, len(slots), node
         req.filled = req.cached_len
         return req.cached_len
+
+    def restore_from_disk(self, req: Req) -> int:
+        """Admission, after match_prefix: extend the request's cached prefix with the disk tier's chunks past it.
+        Their KV goes into new slots now in the tree (locked by the request, as its RAM hit is), and the loads ride
+        the step being picked, before its forward: every reader of these slots is that step or a later one (an
+        urgent step reads none: its pick does not come here, and its fence holds the loads of the steps in
+        flight). Returns the tokens restored (they count as cached: usage's cached_tokens)."""
+        if self.disk is None or not self.takes_hits(req):
+            return 0
+        fill = req.fill_ids()
+        entries = self.disk.restorable(fill[:-1], req.cached_len)
+        n = sum(e[2] for e in entries)
+        if not n:
+            return 0
+        slots = self.alloc_slots(n)
+        self.disk.load(entries, slots)
+        ids = fill[:req.cached_len + n]
+        self.cache.insert(ids, req.slots[:req.cached_len] + slots)
+        tree_slots, node = self.cache.match_prefix(ids)
+        self.cache.lock(node)
+        self.cache.unlock(req.cache_node)
+        req.slots, req.cached_len, req.cache_node = tree_slots, len(tree_slots), node
+        req.filled = req.cached_len
+        return n
+
+    def take_disk_ops(self):
+        """The disk tier's saves and loads the ordinary step launched now carries (StepInput.kv_saves, kv_loads),
+        or None without a tier."""
+        return None if self.disk is None else self.disk.take_ops()
 
     def takes_hits(self, req: Req) -> bool:
         """Whether the request may start from a cached prefix: not with prompt logprobs or mean pooling, which
@@ -121,6 +155,8 @@ class KVCacheManager:
         # A hybrid's state covers every launched token: one that rode in a step after finishing has its KV too
         n = max(min(req.filled, len(fill) - (0 if self.checkpoints is not None else 1)), req.cached_len)
         held = self.cache.insert(fill[:n], req.slots[:n])
+        if self.disk is not None:          # written by launched steps: the next launch may copy them
+            self.disk.save(fill[:n], self.cache.match_prefix(fill[:n])[0])
         if self.checkpoints is not None and n == req.filled:
             self._checkpoint(req, fill[:n], after_step=False)
         if req.prompt_state is not None:                   # its prompt's end, now in the tree (n >= it)
@@ -165,6 +201,8 @@ class KVCacheManager:
             return
         self.cache.insert(ids, req.slots[:req.filled])
         slots, node = self.cache.match_prefix(ids)
+        if self.disk is not None:          # the step being picked writes the last chunk: one launch later
+            self.disk.save(ids, slots, written=False)
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
@@ -226,6 +264,7 @@ class KVCacheManager:
             **({} if not self.recurrent else {
                 "state_bytes": self.recurrent * (self.rows.size - self.rows.available()
                                                  + (self.checkpoints.held() if self.checkpoints else 0))}),
+            **({} if self.disk is None else self.disk.as_stats()),
             **({} if self.checkpoints is None else {
                 "state_checkpoints": self.checkpoints.size, "held_state_checkpoints": self.checkpoints.held(),
                 "state_checkpoints_saved": self.checkpoints.saved,

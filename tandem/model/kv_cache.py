@@ -49,6 +49,10 @@ class PagedKVCache:
         self._bufs: dict[int, torch.Tensor] = {}
         self._nested_bufs: dict[int, torch.Tensor] = {}
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors a slot's KV lives in (the disk tier copies a slot's rows of each)."""
+        return [self.data]
+
     @contextlib.contextmanager
     def nested(self):
         """A step run between two layers of another (the urgent-step branch, process/main.py) gathers into
@@ -168,6 +172,9 @@ class GroupedKVCache:
         self.where = [(kinds.index(k), shapes[:i].count(k)) for i, k in enumerate(shapes)]
         self.num_slots, self.pad_slot, self.num_layers = num_slots, num_slots, len(shapes)
         self.data = self.caches[0].data
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [c.data for c in self.caches]
 
     @contextlib.contextmanager
     def nested(self):

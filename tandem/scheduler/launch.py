@@ -25,6 +25,12 @@ def launch_step(s: "Scheduler", batch: Batch) -> ResultHandle:
     masks = launch_masks(s, batch)
     s.recorder.launched(batch)
     batch.yields = s.urgent.yields(batch)
+    if not batch.urgent:
+        # The disk tier's copies ride ordinary steps only: an urgent one runs inside the step in flight, before
+        # that step has written the KV its saves would copy (memory/disk_tier.py)
+        ops = s.memory.take_disk_ops()
+        if ops is not None:
+            batch.step.kv_saves, batch.step.kv_loads = ops
     if batch.yields or batch.urgent:          # only an executor that nests steps (UrgentSteps.on)
         return s.executor.launch_step(batch.step, masks, yields=batch.yields, urgent=batch.urgent)
     return s.executor.launch_step(batch.step, masks)

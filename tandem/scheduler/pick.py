@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 NEW_TOKEN_CLIP = 256        # cap on a request's future tokens counted when reserving KV for admission
 IN_BATCH_SHARE = 32         # uncached tokens a request shares with a batch mate that defer it one step
+# Tokens restored from the disk tier that cost the step's budget one prefill token: reading, checking and copying a
+# token's KV back takes a few tens of microseconds where computing it takes ~1 ms (SmolLM2) to ~7 ms (1.5B) on 2 cores
+RESTORED_PER_TOKEN = 32
 
 
 def pick_batch(s: "Scheduler") -> Batch | None:
@@ -230,6 +233,10 @@ class PrefillAdder:
     # ---- taking it -----------------------------------------------------------------------------------------
     def _admit(self, req: Req, cached: int, n: int, future: int) -> None:
         s = self.s
+        if not self.fence:                        # not an urgent pick (KVCacheManager.restore_from_disk says why)
+            restored = s.memory.restore_from_disk(req)
+            cached, n = cached + restored, n - restored
+            self.tokens += -(-restored // RESTORED_PER_TOKEN)    # prefill work, at its measured cost
         s.memory.admit(req, n, cached)            # its uncached slots; counts the prefix lookup
         self.admitted.append(req)
         self.reserved += future

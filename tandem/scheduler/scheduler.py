@@ -23,6 +23,7 @@ from .. import faults
 from ..config import EngineConfig
 from ..device.streams import now
 from ..device.executor import Executor, ResultHandle
+from ..memory.disk_tier import DiskTier
 from ..memory.kv_manager import KVCacheManager
 from ..memory.state_checkpoints import StateCheckpoints
 from ..request import Req, ReqStatus, StepOutput
@@ -44,7 +45,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, executor: Executor, sink: Callable[[list[StepOutput]], None],
                  recorder: Recorder | None = None, poll: Callable[[], None] | None = None,
                  grammars: Grammars | None = None, spec: Speculation | None = None,
-                 policy: FCFS | None = None, urgent: UrgentSteps | None = None, recurrent: int = 0) -> None:
+                 policy: FCFS | None = None, urgent: UrgentSteps | None = None, recurrent: int = 0,
+                 disk: DiskTier | None = None) -> None:
         self.config = config
         self.policy = policy or FCFS()      # who goes first: admission order, preemption, retraction (policy.py)
         self.grammars = grammars            # the grammar branch (grammar.py); None: no structured outputs
@@ -59,7 +61,7 @@ class Scheduler:
         checkpoints = (StateCheckpoints(config.checkpoints(), config.hybrid_checkpoint_tokens)
                        if recurrent and config.checkpoints() else None)
         self.memory = KVCacheManager(executor.num_slots, config.max_running_requests + config.spare_rows(),
-                                     config.prefix_cache, checkpoints, recurrent)
+                                     config.prefix_cache, checkpoints, recurrent, disk)
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.inbox: collections.deque = collections.deque()        # ("add", Req) | ("abort", rid); thread-safe
@@ -304,5 +306,6 @@ class Scheduler:
             "num_preemptions": self.retractions,
             **{k: mem[k] for k in ("kv_usage", "prefix_cache_queries", "prefix_cache_hits")},
             **{k: v for k, v in mem.items() if k.startswith(("state_", "held_state_"))},     # a hybrid model's
+            **{k: v for k, v in mem.items() if k.startswith("disk_")},                    # the disk tier's
             **self.spec.stats.as_stats(),
         }

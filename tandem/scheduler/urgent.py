@@ -71,7 +71,7 @@ class UrgentSteps:
         """What the steps in flight hold, which an urgent pick leaves alone."""
         steps = list(steps)
         return Fence(frozenset(id(r) for b, _ in steps for r in b.reqs),
-                     frozenset(x for b, _ in steps for x in b.step.out_cache_loc.tolist()))
+                     frozenset(x for b, _ in steps for x in b.step.out_cache_loc.tolist() + loaded(b.step.kv_loads)))
 
     # ---- releases deferred to a yielding step ------------------------------------------------------------
     def defer(self, req: Req, steps: InFlightSteps) -> bool:
@@ -90,3 +90,13 @@ class UrgentSteps:
     def deferred(self) -> list[Req]:
         """Every request whose release waits for a step in flight (Scheduler.audit_kv)."""
         return [r for reqs in self._deferred.values() for r in reqs]
+
+
+def loaded(ops) -> list[int]:
+    """The KV slots a step's disk-tier loads write (StepInput.kv_loads: key words, skip, n, then n slots a chunk)."""
+    out, i = [], 0
+    while i < len(ops):
+        n = int(ops[i + 3])
+        out.extend(ops[i + 4:i + 4 + n].tolist())
+        i += 4 + n
+    return out

@@ -34,6 +34,9 @@ GAUGES = {
                            "requests' and the prefix cache's checkpoints)."),
     "tandem:state_checkpoints_held": ("held_state_checkpoints", "Hybrid models: saved linear-attention states the "
                                       "prefix cache holds (of state_checkpoints, each one request's state)."),
+    "tandem:kv_disk_entries": ("disk_entries", "Disk tier (--kv-disk-dir): entries (64-token chunks) on disk."),
+    "tandem:kv_disk_bytes": ("disk_bytes", "Disk tier: bytes its entries take (queued writes at their expected size)."),
+    "tandem:kv_disk_enabled": ("disk_enabled", "Disk tier: 1 while it writes, 0 once a write error disabled it."),
     "tandem:device_idle_fraction": ("device_idle_fraction",
                                     "Fraction of the last window (device steps of the last 10 s) the device idled."),
 }
@@ -47,6 +50,16 @@ ENGINE_COUNTERS = {
                                        "checkpoints (where requests end and at prefill chunk ends)."),
     "tandem:state_checkpoints_restored": ("state_checkpoints_restored", "Hybrid models: requests resumed from a "
                                           "prefix-cache state checkpoint."),
+    "tandem:kv_disk_hit_tokens": ("disk_hits", "Disk tier: prompt tokens whose KV was read back from disk."),
+    "tandem:kv_disk_misses": ("disk_misses", "Disk tier: admissions that found nothing on disk past the RAM hit."),
+    "tandem:kv_disk_bytes_written": ("disk_bytes_written", "Disk tier: bytes of entries written."),
+    "tandem:kv_disk_bytes_read": ("disk_bytes_read", "Disk tier: bytes of entries read back (checked)."),
+    "tandem:kv_disk_restore_seconds": ("disk_restore_seconds", "Disk tier: seconds spent reading and checking "
+                                       "entries for restores."),
+    "tandem:kv_disk_bad_entries": ("disk_bad_entries", "Disk tier: entries dropped as missing, truncated, corrupt "
+                                   "or another engine's (their prefix recomputed)."),
+    "tandem:kv_disk_evictions": ("disk_evicted", "Disk tier: entries removed to stay within --kv-disk-size."),
+    "tandem:kv_disk_dropped": ("disk_dropped", "Disk tier: chunks not written (no room in a step, a lost write)."),
     "tandem:spec_decode_num_draft_tokens": ("spec_draft_tokens", "Draft tokens verified by speculative decoding."),
     "tandem:spec_decode_num_accepted_tokens": ("spec_accepted_tokens",
                                                "Draft tokens speculative decoding accepted."),

@@ -114,8 +114,11 @@ class ProcessExecutor:
         relay = 2 * (spec.max_running + 1) if spec.pp_size > 1 else 0       # a row and its id, per table row
         # a hybrid's state copies: a save per released row, a restore and a save per batch row at most
         state = 3 * (spec.max_running + spec.spare_rows + 1 + 2 * b) if spec.source.config.linear_layers else 0
+        # the disk tier's saves and loads: max_tokens_per_step tokens of each a step (DiskTier.max_op_tokens), a
+        # chunk's key and lengths besides its slots, a partial first chunk a row
+        disk = 4 * max_tokens_per_step + 8 * b if spec.kv_disk_folder else 0
         int_words = step_mod.HEADER + (len(step_mod.ROW_INTS) + 2) * b + 2 * max_tokens_per_step + \
-            2 * max_prefix_slots + 2 * bias + relay + state
+            2 * max_prefix_slots + 2 * bias + relay + state + disk
         float_words = len(step_mod.ROW_FLOATS) * b + bias
         self._tmp = runtime_files.make_dir("dev", runtime_files.shm_dir())
         shm_path = os.path.join(self._tmp, "steps")
@@ -184,6 +187,7 @@ class ProcessExecutor:
             except FileNotFoundError:
                 pass
         self.num_slots, self.max_context, self.tp_transport, self.pp_cut = info[1], info[2], info[3], info[4]
+        self.kv_slot_bytes = info[5]
 
     def _accept(self, listener: Listener, timeout: float):
         """Accept the device process's connection, failing fast if it dies before connecting."""

@@ -202,7 +202,7 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
     torch.set_num_threads(threads)     # per OS thread: set here, in the thread that runs the forward
     authkey = sys.stdin.buffer.read()
     conn = Client(sock, family="AF_UNIX", authkey=authkey)
-    tp = pp = profile = relay = link = None
+    tp = pp = profile = relay = link = model_runner = None
     send = _sender(conn)
     try:
         spec, sizes, dist = conn.recv()
@@ -212,7 +212,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
         model_runner = ModelRunner(spec, tp=tp, pp=pp)
         profile = DeviceProfile.from_env()         # benchmarks only (device/profile.py)
         send(pickle.dumps(("ready", (model_runner.num_slots, model_runner.max_context,
-                                     tp.transport if tp is not None else None, pp.cut if pp is not None else None))))
+                                     tp.transport if tp is not None else None, pp.cut if pp is not None else None,
+                                     model_runner.kv_slot_bytes))))
         if pp is not None and pp.relay:    # the last stage is on another node: its results come through here
             from ..parallel.pp_stage import ResultRelay
             relay = ResultRelay(pp, buffers, lambda sid, t0: send(_DONE.pack(b"D", sid, t0, now(), 0.0)),
@@ -231,6 +232,8 @@ def device_main(sock: str, shm_path: str, threads: int) -> None:
             pass
         raise
     finally:
+        if model_runner is not None and model_runner.kv_disk is not None:
+            model_runner.kv_disk.flush()    # the disk tier's queued writes land before the exit (a restart hits)
         if profile is not None:
             profile.write()
         if tp is not None:

@@ -1,0 +1,103 @@
+"""The disk tier's device side (memory/disk_tier.py has the index and the rules): a step's KV saves and loads,
+run by the model runner before its forward, saves first (a slot the step's loads or rows write may be one an
+evicted entry still holds), and the files written by a thread of this process, off the step's path.
+
+A save copies its chunk's slots out of every KV tensor (one index_select each) and hands the bytes to the writer;
+a load reads the entry's file (checked by the scheduler a moment before: here its header only) and writes the
+tokens [skip, skip + n) of it into n slots. A write that fails (a full disk, a read-only folder) disables the
+writes with a warning; the server goes on, the index sees the files never came (DiskTier.sweep).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from ..memory.disk_format import CHUNK_TOKENS, BadEntry, entry_path, read_entry, words_key, write_entry
+
+log = logging.getLogger("tandem.disk_tier")
+
+MAX_QUEUED_BYTES = 512 << 20     # copies waiting for the writer; past it a save is dropped (the disk is too slow)
+
+
+class DiskKV:
+    def __init__(self, folder: str, fingerprint: str, tensors: list[torch.Tensor]) -> None:
+        self.folder, self.fingerprint, self.tensors = folder, fingerprint, tensors
+        self.row_bytes = [t[0].numel() * t.element_size() for t in tensors]    # one slot's bytes in each
+        self.failed: str | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- the step's ops ------------------------------------------------------------------------------------
+    def save(self, ops: np.ndarray) -> None:
+        """ops: per chunk, its key's two words and CHUNK_TOKENS slots."""
+        if self.failed is not None:
+            return
+        w = 2 + CHUNK_TOKENS
+        for e in ops.reshape(-1, w):
+            slots = torch.from_numpy(e[2:].copy())
+            payload = b"".join(t.index_select(0, slots).contiguous().view(torch.uint8).numpy().tobytes()
+                               for t in self.tensors)
+            with self._lock:
+                if self._queued + len(payload) > MAX_QUEUED_BYTES:
+                    continue
+                self._queued += len(payload)
+            self._queue.put((words_key(int(e[0]), int(e[1])), payload))
+
+    def load(self, ops: np.ndarray) -> None:
+        """ops: per chunk, its key's two words, skip, n, then n slots."""
+        i = 0
+        while i < len(ops):
+            key, skip, n = words_key(int(ops[i]), int(ops[i + 1])), int(ops[i + 2]), int(ops[i + 3])
+            slots = torch.from_numpy(ops[i + 4:i + 4 + n].copy())
+            i += 4 + n
+            try:
+                payload = read_entry(entry_path(self.folder, key), key, self.fingerprint, check=False)
+            except BadEntry as e:       # the scheduler read it whole a moment ago: only a hand outside can do this
+                raise RuntimeError(f"disk tier entry {key.hex()} changed under the server: {e}") from None
+            self._copy_in(payload, skip, n, slots)
+
+    def _copy_in(self, payload: memoryview, skip: int, n: int, slots: torch.Tensor) -> None:
+        o = 0
+        if len(payload) != CHUNK_TOKENS * sum(self.row_bytes):
+            raise RuntimeError("disk tier entry of another KV layout under this engine's fingerprint")
+        for t, rb in zip(self.tensors, self.row_bytes):
+            part = payload[o + skip * rb:o + (skip + n) * rb]
+            src = torch.frombuffer(bytearray(part), dtype=torch.uint8).view(t.dtype).view(n, *t.shape[1:])
+            t.index_copy_(0, slots, src)
+            o += CHUNK_TOKENS * rb
+
+    # ---- the writer ----------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):       # flush(): every write before it has landed
+                item.set()
+                continue
+            key, payload = item
+            try:
+                if self.failed is None:
+                    write_entry(self.folder, key, self.fingerprint, payload)
+            except OSError as e:
+                self.failed = str(e)
+                log.warning("disk tier: writing %s failed (%s); no more writes, the server goes on", key.hex(), e)
+            finally:
+                with self._lock:
+                    self._queued -= len(payload)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for the queued writes (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def close(self) -> None:
+        self._queue.put(None)

@@ -1,0 +1,114 @@
+"""The prefix cache's disk tier in the engine (memory/disk_tier.py): a prefix evicted from RAM, or lost with a
+restart, is read back with the same bits (tokens and logprobs as computed cold, both loops, chunked prefill, RAM
+hits beside it, churn under a small KV cache), counted as cached tokens; the server reports it in usage and
+/metrics."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem import SamplingParams
+from tests.helpers.engine_checks import assert_no_leaks
+from tests.scheduler.test_overlap import run_script
+
+LOOPS = ("serial", "overlap")
+C = 64
+
+
+def _prompt(n, base=3):
+    return [(base * 131 + 17 * i) % 900 + 5 for i in range(n)]
+
+
+def _params(n=6):
+    return SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True)
+
+
+def _landed(llm, timeout=30.0):
+    """Wait until the device's writer has put every queued entry on disk."""
+    end = time.monotonic() + timeout
+    while llm.stats()["disk_pending"] and time.monotonic() < end:
+        time.sleep(0.05)
+    assert llm.stats()["disk_pending"] == 0
+
+
+def _gen(llm, loop, prompts, params):
+    llm.engine.config = llm.engine.config.replace(scheduler=loop)
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    assert_no_leaks(llm)
+    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs], \
+        [o.num_cached_tokens for o in outs]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_evicted_prefix_comes_back_from_disk_with_the_same_bits(tiny_llama, make_llm, tmp_path, loop):
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path), max_prefill_tokens=96)    # chunks cut the restore's rest
+    p = _prompt(3 * C + 21)
+    cold, cached = _gen(llm, loop, [p], _params())
+    assert cached == [0]
+    _landed(llm)
+    llm.engine.scheduler.memory.reset_prefix_cache()          # RAM forgets it
+    warm, cached = _gen(llm, loop, [p], _params())
+    assert warm == cold and cached == [3 * C]                  # whole chunks of the prompt but its last token
+    s = llm.stats()
+    assert s["disk_hits"] == 3 * C and s["disk_bytes_read"] > 0 and s["disk_bytes_written"] > 0
+    # a RAM hit on the first chunks, the disk past it: a prompt sharing 100 tokens with one in RAM
+    q = p[:100] + _prompt(2 * C, base=9)
+    cold_q, _ = _gen(make_llm(tiny_llama, prefix_cache=False), loop, [q], _params())
+    _gen(llm, loop, [q], _params())
+    _landed(llm)
+    llm.engine.scheduler.memory.reset_prefix_cache()
+    _gen(llm, loop, [p[:100] + [7, 8]], _params(2))            # RAM holds p[:100] again
+    again, cached = _gen(llm, loop, [q], _params())
+    assert again == cold_q and cached == [(len(q) - 1) // C * C]
+
+
+def test_churn_under_a_small_kv_cache_gives_the_cold_outputs(tiny_llama, make_llm, tmp_path):
+    """Many prompts sharing long prefixes through a KV cache that holds a few: RAM evicts all the time, the disk
+    serves, and every output equals the engine's without any cache."""
+    prefixes = [_prompt(2 * C + 5, base=b) for b in range(4)]
+    reqs = [(f"r{i}", prefixes[i % 4] + [50 + i, 60 + i], SamplingParams(temperature=0, max_tokens=5 + i % 3,
+                                                                          ignore_eos=True)) for i in range(12)]
+    plain = make_llm(tiny_llama, prefix_cache=False, kv_cache_tokens=1024)
+    want = run_script(plain, "serial", reqs, {})
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path), kv_cache_tokens=320, max_running_requests=2)
+    for loop in LOOPS:
+        assert run_script(llm, loop, reqs, {}) == want
+        _landed(llm)
+    assert llm.stats()["disk_hits"] > 0
+
+
+def test_a_restart_hits_what_the_last_run_wrote(tiny_llama, make_llm, tmp_path):
+    p = _prompt(2 * C + 9, base=5)
+    first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
+    cold, _ = _gen(first, "overlap", [p], _params())
+    first.shutdown()                                           # its queued writes land before it exits
+    second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
+    warm, cached = _gen(second, "overlap", [p], _params())
+    assert warm == cold and cached == [2 * C]
+    assert second.stats()["disk_entries"] >= 2
+    other = make_llm(tiny_llama, kv_disk_dir=str(tmp_path), kv_cache_dtype="float32")   # another arithmetic
+    _, cached = _gen(other, "overlap", [p], _params())
+    assert cached == [0]
+
+
+def test_server_reports_restored_tokens_in_usage_and_metrics(tiny_llama, tmp_path):
+    from tests.helpers.server_utils import ServerProcess
+    args = ["--model", tiny_llama, "--kv-cache-tokens", "2048", "--device-threads", "1", "--served-model-name",
+            "tiny", "--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-size", "64MiB"]
+    prompt = " ".join(f"w{i}" for i in range(80))
+    for run in range(2):
+        srv = ServerProcess(args, str(tmp_path / f"server{run}.log"))
+        try:
+            client = srv.openai_client(timeout=60)
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+            cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+            if run == 0:
+                assert cached == 0
+            else:
+                assert cached >= C and cached == (r.usage.prompt_tokens - 1) // C * C
+                m = srv.metrics()
+                assert m["tandem:kv_disk_hit_tokens_total"] == cached and m["tandem:kv_disk_bytes_read_total"] > 0
+            client.close()
+        finally:
+            assert srv.stop() == 0, srv.log()
