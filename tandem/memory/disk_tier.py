@@ -275,7 +275,10 @@ def open_disk_tier(config, source, model_config, name: str) -> DiskTier | None:
 
 def _take_folder(base: str) -> tuple[str, int]:
     """The first folder s<N> under base that no live server holds, with its lock held for this process's life."""
-    os.makedirs(base, exist_ok=True)
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_disk_dir: cannot make the disk tier's folder {base}: {e}") from None
     for n in range(MAX_FOLDERS):
         folder = os.path.join(base, f"s{n}")
         fd = os.open(folder + ".lock", os.O_RDWR | os.O_CREAT, 0o644)

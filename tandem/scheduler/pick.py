@@ -233,6 +233,7 @@ class PrefillAdder:
     # ---- taking it -----------------------------------------------------------------------------------------
     def _admit(self, req: Req, cached: int, n: int, future: int) -> None:
         s = self.s
+        room = self.budget - self.tokens          # >= 1: add() asked step_full first
         if not self.fence:                        # not an urgent pick (KVCacheManager.restore_from_disk says why)
             restored = s.memory.restore_from_disk(req)
             cached, n = cached + restored, n - restored
@@ -243,7 +244,7 @@ class PrefillAdder:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
             req.queue_time = s.clock() - req.arrival_time
-        take = min(n, self.budget - self.tokens)
+        take = min(n, max(1, self.budget - self.tokens), room)   # a restore's cost leaves its first chunk a token
         self.chunks.append(Chunk(req, cached, take, take == n))
         self.tokens += take
 
