@@ -14,7 +14,9 @@ Who does what:
 - When a save may ride: only in a step launched after the step that writes its KV (`save(..., written=False)`
   holds it back one launch: cache_prefill shares a chunk's KV when the step that writes it is picked). Never later
   than the next launch: a slot evicted from the tree may be handed out in that pick, and the step that writes it
-  copies the old KV out first (saves before loads before the forward). Saves past a step's room are dropped.
+  copies the old KV out first (saves before loads before the forward); an urgent step, which runs inside the step
+  in flight, could write it first, so an eviction drops the queued saves of its slots (forget_slots). Saves past
+  a step's room are dropped.
 - The size cap: the LRU of whole files within `capacity` bytes; entries queued but not yet seen on disk count with
   their expected size. The folder: ROOT/<fingerprint>/s<N>, N the first one no live server holds (an flock), so two
   servers on one ROOT never write into each other's files, and a restarted one takes its old folder back.
@@ -30,12 +32,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .disk_format import (CHUNK_TOKENS, SUFFIX, BadEntry, chain_keys, entry_path, key_words, read_entry)
+from .disk_format import (CHUNK_TOKENS, SUFFIX, BadEntry, chain_keys, entry_path, key_words, read_entry,
+                          words_key)
 
 log = logging.getLogger("tandem.disk_tier")
 
 PENDING_GRACE_S = 60.0      # a queued write not on disk after this long is taken as lost (a full disk, a drop)
 SWEEP_S = 0.25              # the shortest time between two sweeps of the queued writes
+_EMPTY = np.zeros(0, np.int64)
 MAX_FOLDERS = 64            # servers that may share one root (each takes a folder of its own)
 
 
@@ -149,6 +153,38 @@ class DiskTier:
             self.pending[key] = time.monotonic()
             ops.saves.extend(key_words(key))
             ops.saves.extend(slots[j * CHUNK_TOKENS:(j + 1) * CHUNK_TOKENS])
+
+    def take_idle_saves(self) -> np.ndarray:
+        """Every queued save, for an idle engine (no step in flight: each one's KV is written, none waits for a
+        launch that may not come soon). No loads are queued then: they ride the step their pick makes."""
+        if not (self._now.saves or self._next.saves):
+            return _EMPTY
+        saves = self._now.saves + self._next.saves
+        self._now.saves, self._next.saves = [], []
+        return np.array(saves, np.int64)
+
+    def forget_slots(self, freed: list[int]) -> None:
+        """Slots the RAM cache evicted: a queued save that copies one of them is dropped (and unindexed). Safe to
+        keep where the step that reuses the slot carries the save (it copies before its forward), but not where an
+        urgent step, run inside the step in flight, gets the slot first."""
+        if not freed or not (self._now.saves or self._next.saves):
+            return
+        gone = set(freed)
+        w = 2 + CHUNK_TOKENS
+        for ops in (self._now, self._next):
+            keep = []
+            for i in range(0, len(ops.saves), w):
+                e = ops.saves[i:i + w]
+                if gone.isdisjoint(e[2:]):
+                    keep.extend(e)
+                    continue
+                key = words_key(e[0], e[1])
+                self.stats.dropped += 1
+                size = self.index.pop(key, None)
+                if size is not None:
+                    self.used -= size
+                self.pending.pop(key, None)
+            ops.saves = keep
 
     def take_ops(self) -> tuple[np.ndarray, np.ndarray]:
         """The saves and loads the step launched now carries; the held-back saves become the next launch's."""

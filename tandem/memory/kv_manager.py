@@ -82,6 +82,13 @@ class KVCacheManager:
         req.filled = req.cached_len
         return n
 
+    def flush_disk_saves(self, executor) -> None:
+        """The engine is idle (no step in flight): the saves still queued go to the device now."""
+        if self.disk is not None:
+            saves = self.disk.take_idle_saves()
+            if len(saves):
+                executor.save_kv(saves)
+
     def take_disk_ops(self):
         """The disk tier's saves and loads the ordinary step launched now carries (StepInput.kv_saves, kv_loads),
         or None without a tier."""
@@ -110,7 +117,10 @@ class KVCacheManager:
         """n free KV slots, evicting unlocked prefix-cache leaves (LRU) only when the free list runs short."""
         short = n - self.kv.available()
         if short > 0 and self.cache is not None:
-            self.kv.free(self.cache.evict(short))
+            freed = self.cache.evict(short)
+            if self.disk is not None:
+                self.disk.forget_slots(freed)
+            self.kv.free(freed)
         return self.kv.alloc(n)
 
     def free_slots(self, slots: list[int]) -> None:
@@ -124,7 +134,10 @@ class KVCacheManager:
         """Free every unlocked cached prefix (vLLM's reset_prefix_cache): a benchmark that repeats one workload
         measures each round's prefill cold, not the previous round's cache hits."""
         if self.cache is not None:
-            self.kv.free(self.cache.evict(self.cache.evictable_size))
+            freed = self.cache.evict(self.cache.evictable_size)
+            if self.disk is not None:
+                self.disk.forget_slots(freed)
+            self.kv.free(freed)
 
     # ---- leaving -------------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:

@@ -77,6 +77,7 @@ def event_loop_serial(s: Scheduler, idle: Callable[[], bool]) -> None:
             finish_steps(s)                           # wait, process its results
         else:
             rec.drop_since(mark)
+            s.memory.flush_disk_saves(s.executor)     # nothing in flight: the disk tier's queued saves go now
             if not idle():
                 return
 
@@ -105,6 +106,7 @@ def event_loop_overlap(s: Scheduler, idle: Callable[[], bool]) -> None:
             process_oldest(s)
         elif batch is None:
             rec.drop_since(mark)
+            s.memory.flush_disk_saves(s.executor)     # nothing in flight: the disk tier's queued saves go now
             if not idle():
                 return
 

@@ -82,11 +82,13 @@ def test_a_restart_hits_what_the_last_run_wrote(tiny_llama, make_llm, tmp_path):
     p = _prompt(2 * C + 9, base=5)
     first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
     cold, _ = _gen(first, "overlap", [p], _params())
+    _gen(first, "serial", [_prompt(2 * C + 3, base=6)], _params(1))   # one token: no decode step carries its saves
     first.shutdown()                                           # its queued writes land before it exits
     second = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
     warm, cached = _gen(second, "overlap", [p], _params())
     assert warm == cold and cached == [2 * C]
-    assert second.stats()["disk_entries"] >= 2
+    assert _gen(second, "overlap", [_prompt(2 * C + 3, base=6)], _params(1))[1] == [2 * C]   # the idle flush wrote it
+    assert second.stats()["disk_entries"] >= 4
     other = make_llm(tiny_llama, kv_disk_dir=str(tmp_path), kv_cache_dtype="float32")   # another arithmetic
     _, cached = _gen(other, "overlap", [p], _params())
     assert cached == [0]

@@ -193,3 +193,19 @@ def test_config_refusals():
         EngineConfig(kv_disk_dir="/tmp/x", prefix_cache=False)
     with pytest.raises(ValueError, match="tp_size or pp_size"):
         EngineConfig(kv_disk_dir="/tmp/x", tp_size=2)
+
+
+def test_an_eviction_drops_the_queued_saves_of_its_slots(tmp_path):
+    """A slot the RAM cache evicts may go to an urgent step that runs before the next launch's copies: its queued
+    save is dropped and unindexed, the others stay."""
+    tier = DiskTier(str(tmp_path), 1 << 30, FP)
+    ids = _ids(2 * C)
+    keys = chain_keys(ids, 2, FP)
+    tier.save(ids, list(range(100, 100 + 2 * C)))
+    tier.forget_slots([100 + C + 3])              # a slot of the second chunk
+    saves, _ = tier.take_ops()
+    assert saves.reshape(-1, 2 + C)[:, 2:].tolist() == [list(range(100, 100 + C))]
+    assert keys[0] in tier.index and keys[1] not in tier.index and keys[1] not in tier.pending
+    tier.save(ids, list(range(2 * C)), written=False)
+    assert len(tier.take_idle_saves()) == 2 + C and len(tier.take_idle_saves()) == 0   # an idle engine takes all
+    tier.close()

@@ -264,6 +264,11 @@ class ProcessExecutor:
     def _write_masks(self, buf: int, masks: np.ndarray) -> None:
         self.buffers.masks[buf][:len(masks)] = masks
 
+    def save_kv(self, ops: np.ndarray) -> None:
+        """The disk tier's saves (StepInput.kv_saves' layout) with no step to ride: only with none in flight (the
+        device reads this message in its step loop, never between two layers of a step)."""
+        self._send(b"K" + np.ascontiguousarray(ops, np.int64).tobytes())
+
     def _send(self, msg: bytes, conn=None) -> None:
         """To `conn`, by default the sampling device process (the last stage: grammar masks go there)."""
         try:

@@ -119,6 +119,9 @@ class _StepLoop:
             if self.link is not None:
                 self.link.quit()
             return False
+        if msg[:1] == b"K":            # the disk tier's saves an idle scheduler sends (ProcessExecutor.save_kv)
+            self.model_runner.kv_disk.save(np.frombuffer(msg[1:], np.int64))
+            return True
         kind, step_id, buf = _LAUNCH.unpack(msg)
         if kind == b"M":                # the masks of a step not yet run (it is next)
             self.early.add(step_id)
