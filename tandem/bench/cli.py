@@ -124,6 +124,10 @@ def _serve_parser(sub) -> None:
                         "reported apart: 'priority' (flood priority 10, trickle 0), 'tenants' (flood from tenant-0, "
                         "trickle from tenant-1..3, the user field) or 'backlog' (equal requests, half tenant-0's, "
                         "each tenant's share of tokens while all wait); see tandem/bench/mixed.py")
+    p.add_argument("--agents", type=int, default=0, metavar="TENANTS",
+                   help="agents of this many tenants: each request its tenant's --system-len system prompt (the same "
+                        "every time) + --input-len own tokens, the tenant drawn at random (the user field); 0: off")
+    p.add_argument("--system-len", type=int, default=1000, help="--agents: tokens of each tenant's system prompt")
     _workload_args(p)
     p.set_defaults(func=_runner(_serve))
 

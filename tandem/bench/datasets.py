@@ -68,6 +68,23 @@ def shared_prefix_requests(num_prompts: int, prefix_len: int, input_len: int, ou
                          prefix_len + input_len, output_len) for _ in range(num_prompts)]
 
 
+def agent_requests(num_prompts: int, tenants: int, system_len: int, input_len: int, output_len: int,
+                   vocab_size: int, seed: int = 0) -> list[tuple[BenchRequest, int]]:
+    """Agents of `tenants` tenants, each with a random `system_len`-token system prompt (tools, instructions) sent in
+    front of every request of its, then `input_len` tokens of the request's own; the tenant of each request drawn
+    at random. (request, its tenant). The working set is tenants x system_len tokens of KV: a prefix cache smaller
+    than it keeps evicting the prompts the next requests need (the disk tier's workload, issue 68)."""
+    rng = random.Random(seed)
+    lo = min(LOWEST_ID, vocab_size // 2)
+    systems = [[rng.randrange(lo, vocab_size) for _ in range(system_len)] for _ in range(tenants)]
+    out = []
+    for _ in range(num_prompts):
+        t = rng.randrange(tenants)
+        own = [rng.randrange(lo, vocab_size) for _ in range(input_len)]
+        out.append((BenchRequest(systems[t] + own, system_len + input_len, output_len), t))
+    return out
+
+
 def long_requests(num_prompts: int, output_len: int, vocab_size: int, min_len: int = 1000, max_len: int = 4000,
                   seed: int = 0) -> list[BenchRequest]:
     """Prompts of `min_len` to `max_len` random tokens (chunked prefill's workload)."""

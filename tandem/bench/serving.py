@@ -187,23 +187,39 @@ def print_serving(m: dict) -> None:
     rule()
 
 
-def bench_serve(args) -> dict:
+def _workload(args) -> tuple[list, list | None, list | None]:
+    """The requests of `bench serve`, their classes (--mixed) and extra body fields (--mixed, --agents)."""
     from .datasets import random_requests
+    classes, fields = None, None
+    if args.agents and args.mixed:
+        raise ValueError("--agents and --mixed are two workloads: give one")
+    if args.agents:
+        from .datasets import agent_requests
+        if args.agents < 1 or args.system_len < 1:
+            raise ValueError(f"--agents and --system-len must be >= 1, got {args.agents} and {args.system_len}")
+        if args.prompt_type == "text":
+            raise ValueError("--agents sends token ids: --prompt-type text is not supported with it")
+        pairs = agent_requests(args.num_prompts, args.agents, args.system_len, args.input_len, args.output_len,
+                               args.vocab_size, args.seed)
+        return [r for r, _ in pairs], None, [{"user": f"tenant-{t}"} for _, t in pairs]
+    if args.mixed:
+        from .mixed import mixed_requests
+        reqs, classes, fields = map(list, zip(*mixed_requests(args.mixed, args.num_prompts, args.input_len,
+                                                              args.output_len, args.vocab_size, args.seed,
+                                                              args.prompt_type == "text")))
+        return reqs, classes, fields
+    return (random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, args.range_ratio,
+                            args.seed, text=args.prompt_type == "text"), classes, fields)
+
+
+def bench_serve(args) -> dict:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
-    classes, fields = None, None
-    if args.mixed:
-        from .mixed import mixed_requests
-        reqs, classes, fields = map(list, zip(*mixed_requests(args.mixed, args.num_prompts, args.input_len,
-                                                              args.output_len, args.vocab_size, args.seed,
-                                                              args.prompt_type == "text")))
-    else:
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size,
-                               args.range_ratio, args.seed, text=args.prompt_type == "text")
+    reqs, classes, fields = _workload(args)
     print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
     results, duration, model = asyncio.run(run_requests(args.base_url, args.model, reqs, args.request_rate,
                                                         args.max_concurrency, args.seed, args.warmup_requests,
@@ -213,7 +229,8 @@ def bench_serve(args) -> dict:
          "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
          "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
          "range_ratio": args.range_ratio, "prompt_type": args.prompt_type, "seed": args.seed,
-         "mixed": args.mixed, **compute_metrics(results, duration)}
+         "mixed": args.mixed, "agents": args.agents, "system_len": args.system_len if args.agents else None,
+         **compute_metrics(results, duration)}
     print_serving(m)
     if classes is not None:
         from .mixed import class_metrics, print_classes

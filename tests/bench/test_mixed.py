@@ -51,3 +51,19 @@ def test_backlog_shares_count_tokens_until_the_first_class_is_done():
     assert backlog_shares(["a", "b"], results) == pytest.approx({"a": 3 / 7, "b": 4 / 7})
     failed = RequestResult(success=False)
     assert backlog_shares(["a", "b"], [results[0], failed]) == {}
+
+
+def test_serve_agents_send_each_tenants_system_prompt(tmp_path):
+    """--agents: every request starts with its tenant's system prompt (the same ids each time), then its own."""
+    fake = FakeOpenAI()
+    with fake_server(fake) as url:
+        r = run_json(tmp_path, "serve", "--base-url", url, "--num-prompts", "12", "--input-len", "4",
+                     "--output-len", "3", "--agents", "3", "--system-len", "20", "--warmup-requests", "0")
+    assert r["completed"] == 12 and r["agents"] == 3 and r["system_len"] == 20
+    by_tenant: dict = {}
+    for b in fake.bodies:
+        assert len(b["prompt"]) == 24
+        by_tenant.setdefault(b["user"], set()).add(tuple(b["prompt"][:20]))
+    assert set(by_tenant) <= {"tenant-0", "tenant-1", "tenant-2"} and len(by_tenant) >= 2
+    assert all(len(systems) == 1 for systems in by_tenant.values())       # one system prompt a tenant
+    assert len({next(iter(v)) for v in by_tenant.values()}) == len(by_tenant)

@@ -78,6 +78,50 @@ def test_churn_under_a_small_kv_cache_gives_the_cold_outputs(tiny_llama, make_ll
     assert llm.stats()["disk_hits"] > 0
 
 
+def test_retraction_beside_the_disk_tier_gives_the_cold_outputs(tiny_llama, make_llm, tmp_path):
+    """Requests that outgrow the KV cache are retracted (their KV to the tree and the disk) and re-prefilled."""
+    prefix = _prompt(2 * C + 2, base=31)
+    reqs = [(f"r{i}", prefix + [i + 2] * (3 + i), SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+            for i in range(6)]
+    want = run_script(make_llm(tiny_llama, prefix_cache=False, kv_cache_tokens=1024), "serial", reqs, {})
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path), kv_cache_tokens=300)
+    for loop in LOOPS:
+        before = llm.engine.scheduler.retractions
+        assert run_script(llm, loop, reqs, {}) == want
+        assert llm.engine.scheduler.retractions > before
+        _landed(llm)
+
+
+def test_a_corrupt_entry_costs_a_recompute_not_a_wrong_token(tiny_llama, make_llm, tmp_path):
+    import os
+    from tandem.memory.disk_format import chain_keys, entry_path
+    llm = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
+    p = _prompt(3 * C + 5, base=11)
+    cold, _ = _gen(llm, "overlap", [p], _params())
+    _landed(llm)
+    llm.engine.scheduler.memory.reset_prefix_cache()
+    tier = llm.engine.disk
+    path = entry_path(tier.folder, chain_keys(p, 2, tier.fingerprint)[1])
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10                               # one bit of chunk 1's KV
+    open(path, "wb").write(bytes(data))
+    warm, cached = _gen(llm, "overlap", [p], _params())
+    assert warm == cold and cached == [C]                      # chunk 0 from disk, the rest recomputed
+    assert llm.stats()["disk_bad_entries"] == 1 and not os.path.exists(path)
+
+
+def test_two_engines_on_one_folder_keep_apart(tiny_llama, make_llm, tmp_path):
+    a = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
+    b = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
+    assert a.engine.disk.folder != b.engine.disk.folder
+    for llm, base in ((a, 21), (b, 22)):
+        p = _prompt(2 * C + 3, base=base)
+        cold, _ = _gen(llm, "overlap", [p], _params())
+        _landed(llm)
+        llm.engine.scheduler.memory.reset_prefix_cache()
+        assert _gen(llm, "overlap", [p], _params()) == (cold, [2 * C])
+
+
 def test_a_restart_hits_what_the_last_run_wrote(tiny_llama, make_llm, tmp_path):
     p = _prompt(2 * C + 9, base=5)
     first = make_llm(tiny_llama, kv_disk_dir=str(tmp_path))
