@@ -168,7 +168,7 @@ class EngineConfig:
         """The disk tier (memory/disk_tier.py) lies under the prefix cache, on one device process or the inline one."""
         if self.kv_disk_dir is None:
             return
-        from .memory.disk_tier import parse_size
+        from .memory.disk_folder import parse_size
         parse_size(self.kv_disk_size)
         if not self.prefix_cache:
             raise ValueError("kv_disk_dir is the prefix cache's disk tier: it needs prefix_cache on")

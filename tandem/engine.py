@@ -15,7 +15,7 @@ from typing import Callable
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .device.ranks import runner_spec, rank_threads
-from .memory.disk_tier import open_disk_tier
+from .memory.disk_folder import open_disk_tier
 from .request import Req, StepOutput
 from .model.recurrent_state import state_bytes_per_row
 from .sampling_params import SamplingParams

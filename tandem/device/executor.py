@@ -55,7 +55,7 @@ class Executor(Protocol):
     # With nests_steps: launch_step(step, masks, yields=..., urgent=...), poll_done(timeout), buffer_slots and
     # handle.ready() (process/executor.py)
     def shutdown(self) -> None: ...
-    def save_kv(self, ops: np.ndarray) -> None: ...     # the disk tier's saves, sent while no step is in flight
+    def save_kv(self, saves, state_saves, state_ops) -> None: ...   # the disk tier's saves, while idle
     def probe(self) -> None: ...        # liveness of an idle device: a no-op round trip (blocks while it is stuck)
 
 
@@ -133,9 +133,9 @@ class InlineExecutor:
             return InlineHandle(step, host, copy_done, start, None, (begin, finish), lp, plp, emb)
         return InlineHandle(step, host, copy_done, start, now(), None, lp, plp, emb)
 
-    def save_kv(self, ops: np.ndarray) -> None:
+    def save_kv(self, saves: np.ndarray, state_saves: np.ndarray, state_ops: np.ndarray) -> None:
         """The disk tier's saves with no step to ride (ProcessExecutor.save_kv)."""
-        self.model_runner.kv_disk.save(ops)
+        self.model_runner.save_kv(saves, state_saves, state_ops)
 
     def probe(self) -> None:
         """Nothing to probe: the device is driven from this process, whose loop the heartbeat already shows."""

@@ -133,18 +133,27 @@ class ModelRunner:
         kvh, d = kv_shapes[0] if kv_shapes else (layout.kv_heads, c.head_dim)
         self.kv_cache = (PagedKVCache(num_slots, num_layers, kvh, d, kv_dtype, self.device) if len(set(kv_shapes)) <= 1
                          else GroupedKVCache(num_slots, kv_shapes, kv_dtype, self.device))
-        self.kv_slot_bytes = sum(t[0].numel() * t.element_size() for t in self.kv_cache.tensors())
-        self.kv_disk = (DiskKV(spec.kv_disk_folder, spec.kv_disk_fingerprint, self.kv_cache.tensors())
-                        if spec.kv_disk_folder else None)
         # A hybrid's linear layers keep a state per request-table row (model/recurrent_state.py)
         self.recurrent = (RecurrentState(layout.local(c), linear_layers, rows, self.device, spec.state_checkpoints)
                           if linear_layers else None)
+        self.kv_slot_bytes = sum(t[0].numel() * t.element_size() for t in self.kv_cache.tensors())
+        self.kv_disk = (DiskKV(spec.kv_disk_folder, spec.kv_disk_fingerprint, self.kv_cache.tensors(),
+                               () if self.recurrent is None else (self.recurrent.saved_conv, self.recurrent.saved_ssm))
+                        if spec.kv_disk_folder else None)
         # Request table: req_to_token[row, position] = KV slot. Row 0 is the padding row.
         self.req_to_token = torch.zeros(rows, self.max_context, dtype=torch.int32, device=self.device)
         self.layouts = AttentionLayouts(self.device, self.req_to_token, self.kv_cache, self.model, cascade)
         self.future_map = FutureMap(rows, self.device, poison=spec.poison_future_map)
         self.embed_sums = {}                # mean pooling's sums, across a prompt's chunks (embed.pooled)
         self.penalties = PenaltyState(rows, c.vocab_size, self.device) if self.samples else None
+
+    @torch.inference_mode()
+    def save_kv(self, saves: np.ndarray, state_saves: np.ndarray, state_ops: np.ndarray) -> None:
+        """The disk tier's saves an idle engine sends (no step in flight): the checkpoint copies of released rows
+        still queued first (their state entries copy those checkpoints), then the saves."""
+        if self.recurrent is not None and len(state_ops):
+            self.recurrent.copy(state_ops, after_forward=False)
+        self.kv_disk.run(saves, state_saves)
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -160,10 +169,7 @@ class ModelRunner:
         the device only the wait for what is left of it. The urgent-step branch: `between(i)` before each
         layer i > 0 may run other steps there, in nested() (process/main.py)."""
         if self.kv_disk is not None:       # the disk tier's copies: saves, then loads, then the forward
-            if len(step.kv_saves):
-                self.kv_disk.save(step.kv_saves)
-            if len(step.kv_loads):
-                self.kv_disk.load(step.kv_loads)
+            self.kv_disk.run(step.kv_saves, step.kv_state_saves, step.kv_loads, step.kv_state_loads)
         inputs = self._prepare(step)
         if self.recurrent is not None and len(step.state_ops):
             self.recurrent.copy(step.state_ops, after_forward=False)    # released rows saved, resumed rows restored

@@ -13,7 +13,8 @@ ROW_INTS = ("rows", "extend_lens", "seq_lens", "use_future", "top_k", "draw_seed
             "prompt_lens", "pen_reset", "pen_count", "prompt_logprobs", "next_ids", "draft_lens", "embed")
 ROW_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 VAR_INTS = ("input_ids", "out_cache_loc", "poison_rows", "prefix_slots", "grammar_rows", "pen_prefix_ids",
-            "bias_rows", "bias_ids", "stash_rows", "stash_ids", "state_ops", "kv_saves", "kv_loads")
+            "bias_rows", "bias_ids", "stash_rows", "stash_ids", "state_ops", "kv_saves", "kv_loads",
+            "kv_state_saves", "kv_state_loads")
 VAR_FLOATS = ("bias_vals",)
 HEADER = 2 + len(VAR_INTS) + len(VAR_FLOATS)
 
@@ -84,6 +85,10 @@ class StepInput:
     # CHUNK_TOKENS slots, each) copied out first, then loads (key words, skip, n, n slots) written into their slots.
     kv_saves: np.ndarray = None
     kv_loads: np.ndarray = None
+    # A hybrid's state entries (memory/disk_tier.py): saves (key words, checkpoint id, tail, parent key words, the
+    # tail's slots) copied out with the saves, loads (key words, checkpoint id, tail, its slots) with the loads.
+    kv_state_saves: np.ndarray = None
+    kv_state_loads: np.ndarray = None
 
     def __post_init__(self) -> None:
         b = len(self.rows)

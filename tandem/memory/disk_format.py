@@ -25,12 +25,13 @@ CHUNK_TOKENS = 64           # tokens an entry holds: a prompt's tail past its la
 MAGIC = b"TDMKV\x00\x01\n"
 VERSION = 1
 SUFFIX = ".kv"
+STATE_SUFFIX = ".st"        # a hybrid model's state entry (a linear-attention state and the KV of a chunk's tail)
 _LEN = struct.Struct("<I")
 
 
 def chain_keys(ids: list[int], n_chunks: int, seed: str) -> list[bytes]:
     """The keys of the first n_chunks whole chunks of ids (16 bytes each)."""
-    keys, prev = [], hashlib.blake2b(seed.encode(), digest_size=16).digest()
+    keys, prev = [], root_key(seed)
     for j in range(n_chunks):
         chunk = np.asarray(ids[j * CHUNK_TOKENS:(j + 1) * CHUNK_TOKENS], dtype=np.int64).tobytes()
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
@@ -48,22 +49,34 @@ def words_key(a: int, b: int) -> bytes:
     return struct.pack("<qq", a, b)
 
 
-def entry_path(folder: str, key: bytes) -> str:
-    return os.path.join(folder, key.hex() + SUFFIX)
+def entry_path(folder: str, key: bytes, suffix: str = SUFFIX) -> str:
+    return os.path.join(folder, key.hex() + suffix)
 
 
-def encode(key: bytes, fingerprint: str, payload: bytes | memoryview) -> bytes:
-    """An entry's file bytes: MAGIC, header length, JSON header, payload."""
+def state_key(parent: bytes, tail: list[int]) -> bytes:
+    """A hybrid model's state entry: the state after the chunk `parent` ends and `tail` more tokens (their KV rides in
+    the entry, as the whole chunks' KV rides in theirs)."""
+    return hashlib.blake2b(b"state" + parent + np.asarray(tail, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def root_key(seed: str) -> bytes:
+    """The chain's start: the parent of chunk 0 (and of a state entry shorter than a chunk)."""
+    return hashlib.blake2b(seed.encode(), digest_size=16).digest()
+
+
+def encode(key: bytes, fingerprint: str, payload: bytes | memoryview, **extra) -> bytes:
+    """An entry's file bytes: MAGIC, header length, JSON header (`extra` fields besides), payload."""
     header = json.dumps({"v": VERSION, "key": key.hex(), "tokens": CHUNK_TOKENS, "fp": fingerprint,
-                         "bytes": len(payload), "crc": zlib.crc32(payload)}).encode()
+                         "bytes": len(payload), "crc": zlib.crc32(payload), **extra}).encode()
     return MAGIC + _LEN.pack(len(header)) + header + bytes(payload)
 
 
-def write_entry(folder: str, key: bytes, fingerprint: str, payload: bytes | memoryview) -> int:
+def write_entry(folder: str, key: bytes, fingerprint: str, payload: bytes | memoryview, suffix: str = SUFFIX,
+                **extra) -> int:
     """Write an entry atomically (a temporary name, then a rename). Returns the file's bytes; OSError as raised."""
-    path = entry_path(folder, key)
+    path = entry_path(folder, key, suffix)
     tmp = f"{path}.{os.getpid()}.tmp"
-    data = encode(key, fingerprint, payload)
+    data = encode(key, fingerprint, payload, **extra)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -81,9 +94,10 @@ class BadEntry(Exception):
     """An entry file that cannot be used: missing, truncated, corrupt or another engine's."""
 
 
-def read_entry(path: str, key: bytes, fingerprint: str, check: bool = True) -> memoryview:
-    """The payload of a valid entry for `key` under `fingerprint`; BadEntry saying why otherwise. check=False skips
-    the payload's crc32 (the device's re-read of a file the scheduler checked a moment ago)."""
+def read_entry(path: str, key: bytes, fingerprint: str, check: bool = True, header: bool = False):
+    """The payload of a valid entry for `key` under `fingerprint` (with header: and its header dict); BadEntry saying
+    why otherwise. check=False skips the payload's crc32 (the device's re-read of a file the scheduler checked a
+    moment ago)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -108,4 +122,17 @@ def read_entry(path: str, key: bytes, fingerprint: str, check: bool = True) -> m
         raise BadEntry(f"truncated ({len(payload)} of {h.get('bytes')} payload bytes)")
     if check and h.get("crc") != zlib.crc32(payload):
         raise BadEntry("checksum mismatch")
-    return payload
+    return (payload, h) if header else payload
+
+
+def read_header(path: str) -> dict | None:
+    """An entry's JSON header alone (a restart's scan of state entries), None where unreadable."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + _LEN.size)
+            if len(head) < len(MAGIC) + _LEN.size or head[:len(MAGIC)] != MAGIC:
+                return None
+            (n,) = _LEN.unpack_from(head, len(MAGIC))
+            return json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None

@@ -17,6 +17,9 @@ Who does what:
   copies the old KV out first (saves before loads before the forward); an urgent step, which runs inside the step
   in flight, could write it first, so an eviction drops the queued saves of its slots (forget_slots). Saves past
   a step's room are dropped.
+- A hybrid's state entries: each state checkpoint the prefix cache saves is written with the KV of its tail past
+  the last whole chunk (`save_state`), and a request resumes from the deepest one past its RAM checkpoint
+  (`restorable_state`), its KV chunks read with it.
 - The size cap: the LRU of whole files within `capacity` bytes; entries queued but not yet seen on disk count with
   their expected size. The folder: ROOT/<fingerprint>/s<N>, N the first one no live server holds (an flock), so two
   servers on one ROOT never write into each other's files, and a restarted one takes its old folder back.
@@ -24,7 +27,6 @@ Who does what:
 from __future__ import annotations
 
 import collections
-import fcntl
 import logging
 import os
 import time
@@ -32,15 +34,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .disk_format import (CHUNK_TOKENS, SUFFIX, BadEntry, chain_keys, entry_path, key_words, read_entry,
-                          words_key)
+from .disk_folder import take_folder, unlink
+from .disk_format import (CHUNK_TOKENS, STATE_SUFFIX, SUFFIX, BadEntry, chain_keys, entry_path, key_words,
+                          read_entry, read_header, root_key, state_key, words_key)
 
 log = logging.getLogger("tandem.disk_tier")
 
 PENDING_GRACE_S = 60.0      # a queued write not on disk after this long is taken as lost (a full disk, a drop)
 SWEEP_S = 0.25              # the shortest time between two sweeps of the queued writes
 _EMPTY = np.zeros(0, np.int64)
-MAX_FOLDERS = 64            # servers that may share one root (each takes a folder of its own)
 
 
 @dataclass
@@ -59,6 +61,11 @@ class DiskStats:
 class _Ops:
     saves: list[int] = field(default_factory=list)      # per chunk: key words (2), then CHUNK_TOKENS slots
     loads: list[int] = field(default_factory=list)      # per chunk: key words (2), skip, n, then n slots
+    # a hybrid's state entries: key words, checkpoint id, tail, parent key words, then the tail's slots (saves);
+    # key words, checkpoint id, tail, then the tail's slots (loads)
+    state_saves: list[int] = field(default_factory=list)
+    state_loads: list[int] = field(default_factory=list)
+    copying: list[int] = field(default_factory=list)    # state saves whose checkpoint copy is not yet launched
 
 
 class DiskTier:
@@ -67,7 +74,7 @@ class DiskTier:
         self.fingerprint, self.capacity = fingerprint, capacity
         self.entry_bytes = 4096 + CHUNK_TOKENS * slot_bytes     # a file's expected size (header room included)
         self.max_op_tokens = max_op_tokens       # tokens of saves (and of loads) one step may carry
-        self.folder, self._lock_fd = _take_folder(os.path.join(root, fingerprint))
+        self.folder, self._lock_fd = take_folder(os.path.join(root, fingerprint))
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()   # key -> bytes, LRU first
         self.pending: dict[bytes, float] = {}   # queued, not yet seen on disk: key -> when
         self.used = 0
@@ -78,6 +85,9 @@ class DiskTier:
         self._launches = 0
         self._pins: dict[bytes, int] = {}       # key -> the launch after which its load has surely run
         self._swept = -SWEEP_S
+        self.state_bytes = 0                    # a hybrid's state of one request (KVCacheManager sets it)
+        self.states: dict[bytes, dict[int, bytes]] = {}  # parent chunk key -> tail -> state entry key
+        self.state_of: dict[bytes, tuple[bytes, int]] = {}   # state entry key -> (parent, tail)
         self._scan()
 
     def set_slot_bytes(self, slot_bytes: int) -> None:
@@ -90,13 +100,20 @@ class DiskTier:
         for name in os.listdir(self.folder):
             path = os.path.join(self.folder, name)
             if name.endswith(".tmp"):
-                _unlink(path)
-            elif name.endswith(SUFFIX) and len(name) == 32 + len(SUFFIX):
+                unlink(path)
+            elif name.endswith((SUFFIX, STATE_SUFFIX)) and len(name) == 35:
                 try:
                     st = os.stat(path)
-                    found.append((st.st_mtime, bytes.fromhex(name[:32]), st.st_size))
+                    key = bytes.fromhex(name[:32])
                 except (OSError, ValueError):
                     continue
+                if name.endswith(STATE_SUFFIX):
+                    h = read_header(path)
+                    if not h or not isinstance(h.get("parent"), str) or not isinstance(h.get("tail"), int):
+                        unlink(path)
+                        continue
+                    self._index_state(key, bytes.fromhex(h["parent"]), h["tail"])
+                found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
             self.index[key] = size
             self.used += size
@@ -124,12 +141,23 @@ class DiskTier:
             self._drop(key)
             self.stats.evicted += 1
 
-    def _drop(self, key: bytes) -> None:
+    def _path(self, key: bytes) -> str:
+        return entry_path(self.folder, key, STATE_SUFFIX if key in self.state_of else SUFFIX)
+
+    def _index_state(self, key: bytes, parent: bytes, tail: int) -> None:
+        self.states.setdefault(parent, {})[tail] = key
+        self.state_of[key] = (parent, tail)
+
+    def _drop(self, key: bytes, remove: bool = True) -> None:
         size = self.index.pop(key, None)
         if size is not None:
             self.used -= size
             self.pending.pop(key, None)
-            _unlink(entry_path(self.folder, key))
+            if remove:
+                unlink(self._path(key))
+        if key in self.state_of:
+            parent, tail = self.state_of.pop(key)
+            self.states.get(parent, {}).pop(tail, None)
 
     # ---- writes --------------------------------------------------------------------------------------------
     def save(self, ids: list[int], slots: list[int], written: bool = True) -> None:
@@ -154,46 +182,115 @@ class DiskTier:
             ops.saves.extend(key_words(key))
             ops.saves.extend(slots[j * CHUNK_TOKENS:(j + 1) * CHUNK_TOKENS])
 
-    def take_idle_saves(self) -> np.ndarray:
-        """Every queued save, for an idle engine (no step in flight: each one's KV is written, none waits for a
-        launch that may not come soon). No loads are queued then: they ride the step their pick makes."""
-        if not (self._now.saves or self._next.saves):
-            return _EMPTY
+    # ---- a hybrid model's state entries ---------------------------------------------------------------------
+    def save_state(self, ids: list[int], tail_slots: list[int], cid: int, after_step: bool) -> None:
+        """Queue the entry of the state after ids (checkpoint cid) and the KV of ids' tail past its last whole chunk
+        (tail_slots). The checkpoint copy rides the step being picked (after_step: after its forward) or the next
+        launch: this rides the launch after either."""
+        n = len(ids) // CHUNK_TOKENS
+        parent = chain_keys(ids, n, self.fingerprint)[-1] if n else root_key(self.fingerprint)
+        tail = ids[n * CHUNK_TOKENS:]
+        key = state_key(parent, tail)
+        size = 4096 + len(tail) * self.entry_bytes // CHUNK_TOKENS + self.state_bytes
+        if key in self.index:
+            self.index.move_to_end(key)
+            return
+        if not self.enabled or size > self.capacity:
+            self.stats.dropped += 1
+            return
+        self._fit(size)
+        self.index[key], self.used, self.pending[key] = size, self.used + size, time.monotonic()
+        self._index_state(key, parent, len(tail))
+        op = [*key_words(key), cid, len(tail), *key_words(parent), *tail_slots]
+        (self._next.state_saves if after_step else self._next.copying).extend(op)
+
+    def restorable_state(self, ids: list[int], start: int):
+        """The deepest state entry past `start` on ids' path whose KV the disk holds from `start` on: (the KV
+        entries, as restorable's, to the state's chunk; (key, tail, depth)), or None."""
+        n_chunks = len(ids) // CHUNK_TOKENS
+        if not self.states:
+            return None
+        keys = chain_keys(ids, n_chunks, self.fingerprint)
+        t0 = time.perf_counter()
+        try:
+            for j in range(n_chunks, start // CHUNK_TOKENS - 1, -1):
+                parent = keys[j - 1] if j else root_key(self.fingerprint)
+                for tail, key in sorted(self.states.get(parent, {}).items(), reverse=True):
+                    depth = j * CHUNK_TOKENS + tail
+                    if depth <= start or depth > len(ids) or key != state_key(parent, ids[j * CHUNK_TOKENS:depth]):
+                        continue
+                    kv = self._run(ids, keys, start, j) if j * CHUNK_TOKENS > start else []
+                    if kv is not None and self._check(key):
+                        self.stats.hits += depth - start
+                        return kv, (key, tail, depth)
+            self.stats.misses += 1
+            return None
+        finally:
+            self.stats.restore_s += time.perf_counter() - t0
+
+    def _run(self, ids: list[int], keys: list[bytes], start: int, end_chunk: int):
+        """The KV entries of [start, end_chunk chunks) when every one is on disk and valid, else None."""
+        out, pos = [], start
+        for j in range(start // CHUNK_TOKENS, end_chunk):
+            if keys[j] not in self.index or not self._check(keys[j]):
+                return None
+            out.append((keys[j], pos - j * CHUNK_TOKENS, (j + 1) * CHUNK_TOKENS - pos))
+            pos = (j + 1) * CHUNK_TOKENS
+        return out
+
+    def load_state(self, key: bytes, tail: int, cid: int, slots: list[int]) -> None:
+        """Queue the load of a state entry into checkpoint cid and its tail's KV into slots, for the next launch."""
+        self._now.state_loads.extend((*key_words(key), cid, tail, *slots))
+        self._pins[key] = self._launches + 2
+
+    def take_idle_saves(self) -> tuple[np.ndarray, np.ndarray]:
+        """The queued saves an idle engine sends at once (no step in flight: their KV is written, and the checkpoint
+        copies still queued go first in the same message), as (saves, state saves). No loads are queued then:
+        they ride the step their pick makes."""
         saves = self._now.saves + self._next.saves
-        self._now.saves, self._next.saves = [], []
-        return np.array(saves, np.int64)
+        states = self._now.state_saves + self._next.state_saves + self._now.copying + self._next.copying
+        for ops in (self._now, self._next):
+            ops.saves, ops.state_saves, ops.copying = [], [], []
+        return np.array(saves, np.int64), np.array(states, np.int64)
 
     def forget_slots(self, freed: list[int]) -> None:
         """Slots the RAM cache evicted: a queued save that copies one of them is dropped (and unindexed). Safe to
         keep where the step that reuses the slot carries the save (it copies before its forward), but not where an
         urgent step, run inside the step in flight, gets the slot first."""
-        if not freed or not (self._now.saves or self._next.saves):
-            return
-        gone = set(freed)
-        w = 2 + CHUNK_TOKENS
-        for ops in (self._now, self._next):
-            keep = []
-            for i in range(0, len(ops.saves), w):
-                e = ops.saves[i:i + w]
-                if gone.isdisjoint(e[2:]):
-                    keep.extend(e)
-                    continue
-                key = words_key(e[0], e[1])
-                self.stats.dropped += 1
-                size = self.index.pop(key, None)
-                if size is not None:
-                    self.used -= size
-                self.pending.pop(key, None)
-            ops.saves = keep
+        if freed:
+            gone = set(freed)
+            self._forget(lambda kind, e: not gone.isdisjoint(e[2:] if kind == "saves" else e[6:]))
 
-    def take_ops(self) -> tuple[np.ndarray, np.ndarray]:
-        """The saves and loads the step launched now carries; the held-back saves become the next launch's."""
+    def forget_cid(self, cid: int) -> None:
+        """A checkpoint id handed out again: the queued state saves that copy it are dropped (as forget_slots)."""
+        self._forget(lambda kind, e: kind != "saves" and e[2] == cid)
+
+    def _forget(self, hit) -> None:
+        for ops in (self._now, self._next):
+            for kind in ("saves", "state_saves", "copying"):
+                queued, keep, i = getattr(ops, kind), [], 0
+                while i < len(queued):
+                    w = 2 + CHUNK_TOKENS if kind == "saves" else 6 + queued[i + 3]
+                    e = queued[i:i + w]
+                    i += w
+                    if not hit(kind, e):
+                        keep.extend(e)
+                        continue
+                    self.stats.dropped += 1
+                    self._drop(words_key(e[0], e[1]), remove=False)
+                setattr(ops, kind, keep)
+
+    def take_ops(self) -> tuple[np.ndarray, ...]:
+        """The saves, loads, state saves and state loads the step launched now carries; the held-back ones become
+        the next launch's."""
         now, self._now, self._next = self._now, self._next, _Ops()
+        self._now.state_saves += self._now.copying      # their checkpoint copies ride this launch: safe after it
+        self._now.copying = []
         self._loading = 0
         self._launches += 1
         if self._pins:
             self._pins = {k: v for k, v in self._pins.items() if v >= self._launches}
-        return np.array(now.saves, np.int64), np.array(now.loads, np.int64)
+        return tuple(np.array(getattr(now, f), np.int64) for f in ("saves", "loads", "state_saves", "state_loads"))
 
     def disable(self, why: str) -> None:
         if self.enabled:
@@ -213,7 +310,7 @@ class DiskTier:
         out, pos, t0 = [], start, time.perf_counter()
         for j in range(first, n_chunks):
             key = keys[j]
-            room = self.max_op_tokens - self._loading - (pos - start)
+            room = self.max_op_tokens - self._loading - (pos - start)   # the step's room for copies
             if key not in self.index or room < CHUNK_TOKENS or not self._check(key):
                 break
             end = (j + 1) * CHUNK_TOKENS
@@ -228,7 +325,7 @@ class DiskTier:
 
     def _check(self, key: bytes) -> bool:
         """Is key's file on disk and valid? A queued write not there yet is only a miss for now."""
-        path = entry_path(self.folder, key)
+        path = self._path(key)
         try:
             payload = read_entry(path, key, self.fingerprint)
         except BadEntry as e:
@@ -275,12 +372,14 @@ class DiskTier:
             return
         self._swept = t
         for key, queued in list(self.pending.items()):
-            path = entry_path(self.folder, key)
+            path = self._path(key)
             if os.path.exists(path):
                 self._confirm(key, path)
             elif t - queued > PENDING_GRACE_S:
                 self.stats.dropped += 1
                 self._drop(key)
+                self.disable(f"a queued write did not land in {PENDING_GRACE_S:.0f} s (a full disk or a write error: "
+                             f"the log says which)")
 
     def as_stats(self) -> dict:
         self.sweep()
@@ -294,58 +393,3 @@ class DiskTier:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def open_disk_tier(config, source, model_config, name: str) -> DiskTier | None:
-    """The engine's disk tier (config.kv_disk_dir), keyed by its fingerprint; None where it is off."""
-    if config.kv_disk_dir is None:
-        return None
-    if model_config.linear_layers:
-        raise ValueError(f"kv_disk_dir: {name} is a hybrid linear-attention model ({model_config.architecture}); "
-                         f"the disk tier does not write its state checkpoints yet, so it would never restore a "
-                         f"prefix of it: serve it without kv_disk_dir")
-    from ..fingerprint import system_fingerprint
-    return DiskTier(config.kv_disk_dir, parse_size(config.kv_disk_size),
-                    system_fingerprint(config, source.weight_files))
-
-
-def _take_folder(base: str) -> tuple[str, int]:
-    """The first folder s<N> under base that no live server holds, with its lock held for this process's life."""
-    try:
-        os.makedirs(base, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"kv_disk_dir: cannot make the disk tier's folder {base}: {e}") from None
-    for n in range(MAX_FOLDERS):
-        folder = os.path.join(base, f"s{n}")
-        fd = os.open(folder + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue
-        os.makedirs(folder, exist_ok=True)
-        return folder, fd
-    raise RuntimeError(f"kv_disk_dir: {MAX_FOLDERS} servers already hold folders under {base}")
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def parse_size(text: str) -> int:
-    """'20GiB', '500MB', '1.5G', '4096' (bytes) -> bytes."""
-    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-    s = str(text).strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ValueError(f"kv_disk_size must be a size such as 20GiB, 500MB or 1073741824, got {text!r}")
-    return int(value * units[unit])

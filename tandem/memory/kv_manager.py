@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 from ..request import Req
+from .disk_format import CHUNK_TOKENS
 from .disk_tier import DiskTier
 from .kv_allocator import KVSlotAllocator
 from .radix_cache import RadixCache
@@ -24,8 +27,10 @@ class KVCacheManager:
                  disk: DiskTier | None = None) -> None:
         self.kv = KVSlotAllocator(num_slots)
         # The prefix cache's disk tier (disk_tier.py): what enters the tree is written through to it, and a prefix
-        # the tree lost is read back at admission (restore_from_disk). Not for hybrids (open_disk_tier refuses them).
-        self.disk = disk if prefix_cache and not recurrent else None
+        # the tree lost is read back at admission (restore_from_disk); a hybrid's with its checkpoints' states.
+        self.disk = disk if prefix_cache and (not recurrent or checkpoints is not None) else None
+        if self.disk is not None:
+            self.disk.state_bytes = recurrent
         # A hybrid model's request also carries a linear-attention state, which a cached prefix's KV does not give
         # back: it resumes from a state checkpoint (state_checkpoints.py), or, with none, from position 0.
         # recurrent: the bytes of that state (0: not a hybrid), for the memory the states take (stats)
@@ -67,27 +72,61 @@ class KVCacheManager:
         if self.disk is None or not self.takes_hits(req):
             return 0
         fill = req.fill_ids()
+        if self.checkpoints is not None:
+            return self._restore_state(req, fill)
         entries = self.disk.restorable(fill[:-1], req.cached_len)
         n = sum(e[2] for e in entries)
         if not n:
             return 0
         slots = self.alloc_slots(n)
         self.disk.load(entries, slots)
-        ids = fill[:req.cached_len + n]
-        self.cache.insert(ids, req.slots[:req.cached_len] + slots)
+        return self._take_restored(req, fill[:req.cached_len + n], slots)
+
+    def _restore_state(self, req: Req, fill: list[int]) -> int:
+        """A hybrid's restore: to the deepest state entry past its RAM checkpoint, the KV to it and the state, which
+        goes into a checkpoint id of the restored node (the request resumes from it as from a RAM checkpoint)."""
+        found = self.disk.restorable_state(fill[:-1], req.cached_len)
+        if found is None:
+            return 0
+        entries, (key, tail, depth) = found
+        cid = self.checkpoints.take(self.cache, None)
+        if cid is None:
+            return 0
+        self.disk.forget_cid(cid)
+        n = depth - req.cached_len
+        slots = self.alloc_slots(n)
+        self.disk.load(entries, slots[:n - tail])
+        self.disk.load_state(key, tail, cid, slots[n - tail:])
+        restored = self._take_restored(req, fill[:depth], slots)
+        self.checkpoints.attach(self.cache, req.cache_node, cid)
+        if req.cache_node.checkpoint != cid:        # the tree had a state there after all (attach gave cid back)
+            cid = req.cache_node.checkpoint
+        req.state_from = cid
+        return restored
+
+    def _take_restored(self, req: Req, ids: list[int], slots: list[int]) -> int:
+        """Put restored KV (slots for ids[cached_len:]) into the tree and move the request's lock to its end; slots
+        of tokens the tree already held are freed (their load is wasted, harmless: no reader). Returns the tokens
+        restored past the request's old cached prefix."""
+        start = req.cached_len
+        held = self.cache.insert(ids, req.slots[:start] + slots)
+        if held > start:
+            self.kv.free(slots[:held - start])
         tree_slots, node = self.cache.match_prefix(ids)
         self.cache.lock(node)
         self.cache.unlock(req.cache_node)
         req.slots, req.cached_len, req.cache_node = tree_slots, len(tree_slots), node
         req.filled = req.cached_len
-        return n
+        return len(ids) - start
 
     def flush_disk_saves(self, executor) -> None:
         """The engine is idle (no step in flight): the saves still queued go to the device now."""
         if self.disk is not None:
-            saves = self.disk.take_idle_saves()
-            if len(saves):
-                executor.save_kv(saves)
+            saves, states = self.disk.take_idle_saves()
+            if len(saves) or len(states):
+                # a hybrid's checkpoint copies of released rows go first: their state entries copy those
+                ops = self.take_state_ops()
+                executor.save_kv(saves, states, ops if ops is not None else np.zeros(0, np.int64))
 
     def take_disk_ops(self):
         """The disk tier's saves and loads the ordinary step launched now carries (StepInput.kv_saves, kv_loads),
@@ -209,6 +248,8 @@ class KVCacheManager:
                 # its prompt's end, which the tree lacks until it leaves: saved now, attached then (_cache_kv)
                 cid = self.checkpoints.take(self.cache, None)
                 if cid is not None:
+                    if self.disk is not None:
+                        self.disk.forget_cid(cid)
                     self.checkpoints.save(req.row, cid, after_step=True)
                     req.prompt_state = (req.filled, cid)
             return
@@ -225,11 +266,14 @@ class KVCacheManager:
 
     def _checkpoint(self, req: Req, ids: list[int], after_step: bool) -> None:
         """Save the request row's state as the checkpoint of the node `ids` ends at (unless it has one)."""
-        _, node = self.cache.match_prefix(ids)
+        slots, node = self.cache.match_prefix(ids)
         if node is not self.cache.root and node.checkpoint is None:
             cid = self.checkpoints.take(self.cache, node)
             if cid is not None:
                 self.checkpoints.save(req.row, cid, after_step)
+                if self.disk is not None:              # the state entry, once the checkpoint copy has run
+                    self.disk.forget_cid(cid)
+                    self.disk.save_state(ids, slots[len(ids) // CHUNK_TOKENS * CHUNK_TOKENS:], cid, after_step)
 
     def restore_state(self, req: Req) -> None:
         """A hybrid request's first chunk: its row's state from the checkpoint its match stopped at."""

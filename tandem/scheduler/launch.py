@@ -30,7 +30,8 @@ def launch_step(s: "Scheduler", batch: Batch) -> ResultHandle:
         # that step has written the KV its saves would copy (memory/disk_tier.py)
         ops = s.memory.take_disk_ops()
         if ops is not None:
-            batch.step.kv_saves, batch.step.kv_loads = ops
+            step = batch.step
+            step.kv_saves, step.kv_loads, step.kv_state_saves, step.kv_state_loads = ops
     if batch.yields or batch.urgent:          # only an executor that nests steps (UrgentSteps.on)
         return s.executor.launch_step(batch.step, masks, yields=batch.yields, urgent=batch.urgent)
     return s.executor.launch_step(batch.step, masks)

@@ -71,7 +71,8 @@ class UrgentSteps:
         """What the steps in flight hold, which an urgent pick leaves alone."""
         steps = list(steps)
         return Fence(frozenset(id(r) for b, _ in steps for r in b.reqs),
-                     frozenset(x for b, _ in steps for x in b.step.out_cache_loc.tolist() + loaded(b.step.kv_loads)))
+                     frozenset(x for b, _ in steps for x in b.step.out_cache_loc.tolist() + loaded(b.step.kv_loads)
+                               + loaded(b.step.kv_state_loads)))
 
     # ---- releases deferred to a yielding step ------------------------------------------------------------
     def defer(self, req: Req, steps: InFlightSteps) -> bool:
@@ -93,7 +94,8 @@ class UrgentSteps:
 
 
 def loaded(ops) -> list[int]:
-    """The KV slots a step's disk-tier loads write (StepInput.kv_loads: key words, skip, n, then n slots a chunk)."""
+    """The KV slots a step's disk-tier loads write (StepInput.kv_loads, kv_state_loads: key words, a word, n, then n
+    slots an entry)."""
     out, i = [], 0
     while i < len(ops):
         n = int(ops[i + 3])

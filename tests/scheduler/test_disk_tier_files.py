@@ -16,7 +16,8 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.memory.disk_format import (CHUNK_TOKENS, BadEntry, chain_keys, entry_path, read_entry, words_key,
                                        key_words, write_entry)
-from tandem.memory.disk_tier import DiskTier, parse_size
+from tandem.memory.disk_folder import parse_size
+from tandem.memory.disk_tier import DiskTier
 
 FP = "fp_test"
 C = CHUNK_TOKENS
@@ -30,7 +31,7 @@ def _write_chain(tier: DiskTier, ids: list[int], payload_bytes: int = 256) -> li
     """Entries for ids' whole chunks as the device writer makes them, then seen by the index."""
     keys = chain_keys(ids, len(ids) // C, FP)
     tier.save(ids, list(range(len(ids))))
-    saves, loads = tier.take_ops()
+    saves, loads, *_ = tier.take_ops()
     assert len(loads) == 0 and len(saves) == len(keys) * (2 + C)
     for e in saves.reshape(-1, 2 + C):
         key = words_key(int(e[0]), int(e[1]))
@@ -79,7 +80,7 @@ def test_restore_reads_the_chain_past_the_ram_hit_and_drops_bad_entries(tmp_path
     got = tier.restorable(ids, 70)                # the RAM hit ends inside chunk 1: its tokens 6.. are read
     assert [(k, skip, n) for k, skip, n in got] == [(keys[1], 6, C - 6), (keys[2], 0, C), (keys[3], 0, C)]
     tier.load(got, list(range(sum(n for _, _, n in got))))
-    saves, loads = tier.take_ops()
+    saves, loads, *_ = tier.take_ops()
     assert len(saves) == 0 and loads[:4].tolist() == [*key_words(keys[1]), 6, C - 6]
     assert tier.stats.hits == 4 * C - 70
     # chunk 2 corrupted: the chain stops before it, the file is dropped, a warning and no error
@@ -203,9 +204,40 @@ def test_an_eviction_drops_the_queued_saves_of_its_slots(tmp_path):
     keys = chain_keys(ids, 2, FP)
     tier.save(ids, list(range(100, 100 + 2 * C)))
     tier.forget_slots([100 + C + 3])              # a slot of the second chunk
-    saves, _ = tier.take_ops()
+    saves, *_ = tier.take_ops()
     assert saves.reshape(-1, 2 + C)[:, 2:].tolist() == [list(range(100, 100 + C))]
     assert keys[0] in tier.index and keys[1] not in tier.index and keys[1] not in tier.pending
     tier.save(ids, list(range(2 * C)), written=False)
-    assert len(tier.take_idle_saves()) == 2 + C and len(tier.take_idle_saves()) == 0   # an idle engine takes all
+    assert len(tier.take_idle_saves()[0]) == 2 + C and len(tier.take_idle_saves()[0]) == 0   # an idle engine: all
     tier.close()
+
+
+def test_state_entries_index_survive_a_restart_and_the_deepest_valid_one_is_found(tmp_path):
+    """A hybrid's state entries: keyed by their parent chunk and tail, found deepest first past the RAM state,
+    with their KV chunks; a restart re-indexes them from their headers; a checkpoint id handed out again drops the
+    save still queued for it."""
+    tier = DiskTier(str(tmp_path), 1 << 30, FP, slot_bytes=4)
+    tier.state_bytes = 100
+    ids = _ids(2 * C + 30)
+    _write_chain(tier, ids[:2 * C])
+    for depth, cid in ((C + 5, 1), (2 * C + 20, 2)):
+        tier.save_state(ids[:depth], list(range(depth % C)), cid, after_step=True)
+    tier.take_ops()                               # the launch that runs the checkpoint copies
+    *_, states, _ = tier.take_ops()               # the next one carries the state saves
+    i = 0
+    while i < len(states):                        # what the device writes for each
+        key, tail = words_key(int(states[i]), int(states[i + 1])), int(states[i + 3])
+        parent = words_key(int(states[i + 4]), int(states[i + 5]))
+        write_entry(tier.folder, key, FP, b"s" * (tail + 100), ".st", parent=parent.hex(), tail=tail)
+        i += 6 + tail
+    kv, (key, tail, depth) = tier.restorable_state(ids, 10)
+    assert (tail, depth) == (20, 2 * C + 20) and sum(n for _, _, n in kv) == 2 * C - 10
+    assert tier.restorable_state(ids[:2 * C + 10], 10)[1][2] == C + 5     # too short for the deeper one
+    folder = tier.folder
+    tier.close()
+    again = DiskTier(str(tmp_path), 1 << 30, FP)
+    assert again.folder == folder and again.restorable_state(ids, 0)[1][2] == 2 * C + 20
+    again.save_state(_ids(C + 3, base=9), [0, 1, 2], 7, after_step=False)
+    again.forget_cid(7)
+    assert len(again.take_idle_saves()[1]) == 0
+    again.close()

@@ -36,6 +36,7 @@ from ... import runtime_files
 from ...grammar.compiler import mask_words
 from ...sampler import MAX_BIASES, MAX_LOGPROBS
 from .. import step as step_mod
+from ..kv_disk import join_words
 from ..runner_spec import RunnerSpec
 from ..ranks import rank_infos, spawn_device, spawn_rank
 from .buffers import SharedBuffers, read_logprobs
@@ -117,6 +118,8 @@ class ProcessExecutor:
         # the disk tier's saves and loads: max_tokens_per_step tokens of each a step (DiskTier.max_op_tokens), a
         # chunk's key and lengths besides its slots, a partial first chunk a row
         disk = 4 * max_tokens_per_step + 8 * b if spec.kv_disk_folder else 0
+        if disk and spec.source.config.linear_layers:      # a state entry a checkpoint at most, each way
+            disk += 2 * (spec.max_running + spec.spare_rows + 1 + spec.state_checkpoints) * (6 + 64)
         int_words = step_mod.HEADER + (len(step_mod.ROW_INTS) + 2) * b + 2 * max_tokens_per_step + \
             2 * max_prefix_slots + 2 * bias + relay + state + disk
         float_words = len(step_mod.ROW_FLOATS) * b + bias
@@ -264,10 +267,11 @@ class ProcessExecutor:
     def _write_masks(self, buf: int, masks: np.ndarray) -> None:
         self.buffers.masks[buf][:len(masks)] = masks
 
-    def save_kv(self, ops: np.ndarray) -> None:
-        """The disk tier's saves (StepInput.kv_saves' layout) with no step to ride: only with none in flight (the
-        device reads this message in its step loop, never between two layers of a step)."""
-        self._send(b"K" + np.ascontiguousarray(ops, np.int64).tobytes())
+    def save_kv(self, saves: np.ndarray, state_saves: np.ndarray, state_ops: np.ndarray) -> None:
+        """The disk tier's saves (StepInput.kv_saves' and kv_state_saves' layouts), after a hybrid's queued
+        checkpoint copies, with no step to ride: only with none in flight (the device reads this message in its step
+        loop, never between two layers of a step)."""
+        self._send(b"K" + join_words(saves, state_saves, state_ops).tobytes())
 
     def _send(self, msg: bytes, conn=None) -> None:
         """To `conn`, by default the sampling device process (the last stage: grammar masks go there)."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...lifeline import die_with_parent
 from ..denormals import flush_denormals
+from ..kv_disk import split_words
 from ..heap import IDLE_TRIM_S, give_back_heap
 from ..profile import DeviceProfile
 from ..parallel import step_wire
@@ -120,7 +121,7 @@ class _StepLoop:
                 self.link.quit()
             return False
         if msg[:1] == b"K":            # the disk tier's saves an idle scheduler sends (ProcessExecutor.save_kv)
-            self.model_runner.kv_disk.save(np.frombuffer(msg[1:], np.int64))
+            self.model_runner.save_kv(*split_words(np.frombuffer(msg[1:], np.int64), 3))
             return True
         kind, step_id, buf = _LAUNCH.unpack(msg)
         if kind == b"M":                # the masks of a step not yet run (it is next)
