@@ -88,11 +88,7 @@ class DiskKV:
 
     def load_states(self, ops: np.ndarray) -> None:
         """ops: per entry, its key's words, checkpoint id, tail, then the tail's slots."""
-        i = 0
-        while i < len(ops):
-            key, cid, tail = words_key(int(ops[i]), int(ops[i + 1])), int(ops[i + 2]), int(ops[i + 3])
-            slots = torch.from_numpy(ops[i + 4:i + 4 + tail].copy())
-            i += 4 + tail
+        for key, cid, tail, slots in _entries(ops):
             payload = self._read(key, STATE_SUFFIX)
             o = self._rows_in(payload, 0, tail, tail, slots)
             for st in self.states:
@@ -118,11 +114,7 @@ class DiskKV:
 
     def load(self, ops: np.ndarray) -> None:
         """ops: per chunk, its key's two words, skip, n, then n slots."""
-        i = 0
-        while i < len(ops):
-            key, skip, n = words_key(int(ops[i]), int(ops[i + 1])), int(ops[i + 2]), int(ops[i + 3])
-            slots = torch.from_numpy(ops[i + 4:i + 4 + n].copy())
-            i += 4 + n
+        for key, skip, n, slots in _entries(ops):
             payload = self._read(key, ".kv")
             if len(payload) != CHUNK_TOKENS * sum(self.row_bytes):
                 raise RuntimeError("disk tier entry of another KV layout under this engine's fingerprint")
@@ -168,3 +160,13 @@ class DiskKV:
 
     def close(self) -> None:
         self._queue.put(None)
+
+
+def _entries(ops: np.ndarray):
+    """A load list's entries (StepInput.kv_loads and kv_state_loads share the layout): key, its third word, n, and
+    its n slots."""
+    i = 0
+    while i < len(ops):
+        n = int(ops[i + 3])
+        yield words_key(int(ops[i]), int(ops[i + 1])), int(ops[i + 2]), n, torch.from_numpy(ops[i + 4:i + 4 + n].copy())
+        i += 4 + n

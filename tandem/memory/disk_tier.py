@@ -217,7 +217,8 @@ class DiskTier:
                 parent = keys[j - 1] if j else root_key(self.fingerprint)
                 for tail, key in sorted(self.states.get(parent, {}).items(), reverse=True):
                     depth = j * CHUNK_TOKENS + tail
-                    if depth <= start or depth > len(ids) or key != state_key(parent, ids[j * CHUNK_TOKENS:depth]):
+                    if depth <= start or depth > len(ids) or depth - start > self.max_op_tokens - self._loading \
+                            or key != state_key(parent, ids[j * CHUNK_TOKENS:depth]):
                         continue
                     kv = self._run(ids, keys, start, j) if j * CHUNK_TOKENS > start else []
                     if kv is not None and self._check(key):
@@ -242,6 +243,7 @@ class DiskTier:
         """Queue the load of a state entry into checkpoint cid and its tail's KV into slots, for the next launch."""
         self._now.state_loads.extend((*key_words(key), cid, tail, *slots))
         self._pins[key] = self._launches + 2
+        self._loading += tail
 
     def take_idle_saves(self) -> tuple[np.ndarray, np.ndarray]:
         """The queued saves an idle engine sends at once (no step in flight: their KV is written, and the checkpoint
@@ -386,7 +388,8 @@ class DiskTier:
         s = self.stats
         return {"disk_hits": s.hits, "disk_misses": s.misses, "disk_bytes_written": s.bytes_written,
                 "disk_bytes_read": s.bytes_read, "disk_restore_seconds": s.restore_s, "disk_entries": len(self.index),
-                "disk_bytes": self.used, "disk_pending": len(self.pending), "disk_dropped": s.dropped, "disk_bad_entries": s.bad,
+                "disk_bytes": self.used, "disk_pending": len(self.pending), "disk_dropped": s.dropped,
+                "disk_bad_entries": s.bad,
                 "disk_evicted": s.evicted, "disk_enabled": int(self.enabled)}
 
     def close(self) -> None:
