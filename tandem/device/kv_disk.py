@@ -48,6 +48,7 @@ class DiskKV:
         self.failed: str | None = None
         self._queue: queue.Queue = queue.Queue()
         self._queued = 0
+        self._full_said = False             # the writer's queue was full and the log said so
         self._lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -102,8 +103,13 @@ class DiskKV:
     def _put(self, key: bytes, payload: bytes, extra: dict) -> None:
         with self._lock:
             if self._queued + len(payload) > MAX_QUEUED_BYTES:
+                if not self._full_said:
+                    log.warning("disk tier: the writer is %d MiB behind; saves are dropped until it catches up",
+                                MAX_QUEUED_BYTES >> 20)
+                    self._full_said = True
                 return
             self._queued += len(payload)
+            self._full_said = False
         self._queue.put((key, payload, extra))
 
     def _read(self, key: bytes, suffix: str) -> memoryview:

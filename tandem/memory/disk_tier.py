@@ -85,6 +85,7 @@ class DiskTier:
         self._launches = 0
         self._pins: dict[bytes, int] = {}       # key -> the launch after which its load has surely run
         self._swept = -SWEEP_S
+        self._last_landed = time.monotonic()    # when a queued write was last seen on disk
         self.state_bytes = 0                    # a hybrid's state of one request (KVCacheManager sets it)
         self.states: dict[bytes, dict[int, bytes]] = {}  # parent chunk key -> tail -> state entry key
         self.state_of: dict[bytes, tuple[bytes, int]] = {}   # state entry key -> (parent, tail)
@@ -355,6 +356,7 @@ class DiskTier:
         self.used += size - self.index[key]
         self.index[key] = size
         self.stats.bytes_written += size
+        self._last_landed = time.monotonic()
 
     def load(self, entries: list[tuple[bytes, int, int]], slots: list[int]) -> None:
         """Queue the loads of entries (restorable's) into slots (one a token, in order), for the next launch."""
@@ -380,8 +382,9 @@ class DiskTier:
             elif t - queued > PENDING_GRACE_S:
                 self.stats.dropped += 1
                 self._drop(key)
-                self.disable(f"a queued write did not land in {PENDING_GRACE_S:.0f} s (a full disk or a write error: "
-                             f"the log says which)")
+                if t - self._last_landed > PENDING_GRACE_S:       # not a save the writer's full queue dropped
+                    self.disable(f"no queued write has landed for {PENDING_GRACE_S:.0f} s (a full disk or a write "
+                                 f"error: the log says which)")
 
     def as_stats(self) -> dict:
         self.sweep()
