@@ -16,8 +16,8 @@ import threading
 import numpy as np
 import torch
 
-from ..memory.disk_format import (CHUNK_TOKENS, STATE_SUFFIX, BadEntry, entry_path, read_entry, words_key,
-                                  write_entry)
+from ..memory.disk_format import (CHUNK_TOKENS, STATE_SUFFIX, BadEntry, entry_path, load_entries, read_entry,
+                                  words_key, write_entry)
 
 log = logging.getLogger("tandem.disk_tier")
 
@@ -89,7 +89,8 @@ class DiskKV:
 
     def load_states(self, ops: np.ndarray) -> None:
         """ops: per entry, its key's words, checkpoint id, tail, then the tail's slots."""
-        for key, cid, tail, slots in _entries(ops):
+        for key, cid, tail, slots in load_entries(ops):
+            slots = torch.from_numpy(slots.copy())
             payload = self._read(key, STATE_SUFFIX)
             o = self._rows_in(payload, 0, tail, tail, slots)
             for st in self.states:
@@ -120,7 +121,8 @@ class DiskKV:
 
     def load(self, ops: np.ndarray) -> None:
         """ops: per chunk, its key's two words, skip, n, then n slots."""
-        for key, skip, n, slots in _entries(ops):
+        for key, skip, n, slots in load_entries(ops):
+            slots = torch.from_numpy(slots.copy())
             payload = self._read(key, ".kv")
             if len(payload) != CHUNK_TOKENS * sum(self.row_bytes):
                 raise RuntimeError("disk tier entry of another KV layout under this engine's fingerprint")
@@ -166,13 +168,3 @@ class DiskKV:
 
     def close(self) -> None:
         self._queue.put(None)
-
-
-def _entries(ops: np.ndarray):
-    """A load list's entries (StepInput.kv_loads and kv_state_loads share the layout): key, its third word, n, and
-    its n slots."""
-    i = 0
-    while i < len(ops):
-        n = int(ops[i + 3])
-        yield words_key(int(ops[i]), int(ops[i + 1])), int(ops[i + 2]), n, torch.from_numpy(ops[i + 4:i + 4 + n].copy())
-        i += 4 + n

@@ -49,6 +49,16 @@ def words_key(a: int, b: int) -> bytes:
     return struct.pack("<qq", a, b)
 
 
+def load_entries(ops):
+    """A load list's entries (StepInput.kv_loads and kv_state_loads share the layout: key words, a word, n, then n
+    slots): (key, that word, n, its slots) each."""
+    i = 0
+    while i < len(ops):
+        n = int(ops[i + 3])
+        yield words_key(int(ops[i]), int(ops[i + 1])), int(ops[i + 2]), n, ops[i + 4:i + 4 + n]
+        i += 4 + n
+
+
 def entry_path(folder: str, key: bytes, suffix: str = SUFFIX) -> str:
     return os.path.join(folder, key.hex() + suffix)
 

@@ -129,8 +129,8 @@ class KVCacheManager:
                 executor.save_kv(saves, states, ops if ops is not None else np.zeros(0, np.int64))
 
     def take_disk_ops(self):
-        """The disk tier's saves and loads the ordinary step launched now carries (StepInput.kv_saves, kv_loads),
-        or None without a tier."""
+        """The disk tier's saves, loads, state saves and state loads the ordinary step launched now carries
+        (StepInput.kv_saves, kv_loads, kv_state_saves, kv_state_loads), or None without a tier."""
         return None if self.disk is None else self.disk.take_ops()
 
     def takes_hits(self, req: Req) -> bool:

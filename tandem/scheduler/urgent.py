@@ -35,6 +35,7 @@ from typing import Iterable
 
 from ..device.executor import ResultHandle
 from ..request import Req
+from ..memory.disk_format import load_entries
 from .batch import Batch, Fence
 
 URGENT_POLL_S = 0.004    # a wait for a long step looks for arrivals this often (a socket poll each: ~0.5 % of a core)
@@ -71,8 +72,7 @@ class UrgentSteps:
         """What the steps in flight hold, which an urgent pick leaves alone."""
         steps = list(steps)
         return Fence(frozenset(id(r) for b, _ in steps for r in b.reqs),
-                     frozenset(x for b, _ in steps for x in b.step.out_cache_loc.tolist() + loaded(b.step.kv_loads)
-                               + loaded(b.step.kv_state_loads)))
+                     frozenset(x for b, _ in steps for x in b.step.out_cache_loc.tolist() + loaded(b.step)))
 
     # ---- releases deferred to a yielding step ------------------------------------------------------------
     def defer(self, req: Req, steps: InFlightSteps) -> bool:
@@ -93,12 +93,7 @@ class UrgentSteps:
         return [r for reqs in self._deferred.values() for r in reqs]
 
 
-def loaded(ops) -> list[int]:
-    """The KV slots a step's disk-tier loads write (StepInput.kv_loads, kv_state_loads: key words, a word, n, then n
-    slots an entry)."""
-    out, i = [], 0
-    while i < len(ops):
-        n = int(ops[i + 3])
-        out.extend(ops[i + 4:i + 4 + n].tolist())
-        i += 4 + n
-    return out
+def loaded(step) -> list[int]:
+    """The KV slots a step's disk-tier loads write (both load lists; memory/disk_format.load_entries)."""
+    return [x for ops in (step.kv_loads, step.kv_state_loads) for *_, slots in load_entries(ops)
+            for x in slots.tolist()]
