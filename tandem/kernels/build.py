@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("isa.cpp", "linear_rows.cpp", "dequantize.cpp", "linear_rows_q8act.cpp", "gemm_rows_q8act.cpp",
-           "gemv_rows_q8act.cpp", "pack_gemv.cpp", "gemv_packed_q8act.cpp", "gemv_packed_k_q8act.cpp", "packed_x.cpp",
+           "gemv_rows_q8act.cpp", "pack_gemv.cpp", "gemv_packed_q8act.cpp", "gemv_packed_k_q8act.cpp", "k8_spec.cpp", "packed_x.cpp",
            "packed_gather.cpp", "decode_attention.cpp", "shared_prefix_attention.cpp", "causal_attention.cpp",
            "extend_attention.cpp", "rms_norm.cpp", "rope.cpp", "act_mul.cpp", "race_argmax.cpp", "race_noise.cpp",
            "gated_delta_rule.cpp", "gated_delta_rule_chunked.cpp",

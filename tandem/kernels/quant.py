@@ -380,10 +380,19 @@ def _dequantize_k_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return ((d * scales)[..., None] * q.reshape(n, ns, 16, 16).float()).reshape(n, k)
 
 
-def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of x [M, K] as int8 halves of 16 (kernels_act="int8"; llama.cpp's Q8_0 activations use blocks of
-    32): xq int8 [M, K / 16, 16] and dx [M, K / 16, 1], dx = max |x| / 127 of the half."""
-    xb = x.reshape(x.shape[0], -1, 16)
+K8_QTYPES = (Q4_K, Q5_K, Q6_K)   # the K8 contract (csrc/k8_spec.cpp): x rounded per 256-weight super-block
+
+
+def act_block(qtype: int | None) -> int:
+    """Elements of x sharing one int8 scale in front of a weight of this type: a super-block of 256 for Q4_K /
+    Q5_K / Q6_K (llama.cpp's Q8_K: their integer sums span the super-block), else a half of 16."""
+    return 256 if qtype in K8_QTYPES else 16
+
+
+def quantize_act_ref(x: torch.Tensor, qtype: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as int8 blocks of act_block(qtype) (kernels_act="int8"; llama.cpp's Q8_0 activations use
+    blocks of 32): xq int8 [M, K / B, B] and dx [M, K / B, 1], dx = max |x| / 127 of the block."""
+    xb = x.reshape(x.shape[0], -1, act_block(qtype))
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return torch.round(xb * inv).to(torch.int8), d
@@ -391,7 +400,7 @@ def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_rows_q8act_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The int8-activation linear in float64: dequantized weights times the dequantized int8 rows of x."""
-    xq, d = quantize_act_ref(x)
+    xq, d = quantize_act_ref(x, w.qtype)
     xd = (xq.double() * d.double()).reshape(x.shape)
     y = xd @ dequantize_ref(w.data, w.qtype, w.k).double().t()
     return (y if bias is None else y + bias.double()).float()

@@ -39,7 +39,7 @@ def test_gemm_rows_q8act_equals_reference(name, m, n, k):
     q = _weight(n, k, qtype, seed=m + n)
     x, bias = torch.randn(m, k) * 3, torch.randn(n)
     x[0, : k // 2] = 0                                                   # zero halves: dx = 0
-    xq, d = quantize_act_ref(x)
+    xq, d = quantize_act_ref(x, qtype)
     xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
     for b in (None, bias):
         y = torch.ops.tandem.gemm_rows_q8act(x, q.data, qtype, k, b)

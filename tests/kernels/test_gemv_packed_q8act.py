@@ -11,8 +11,8 @@ from tests.kernels.test_gemm_rows_q8act import _weight
 from tests.kernels.test_quant_types import whole
 
 from tandem import kernels
-from tandem.kernels.quant import (MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, packed_rows,
-                                  linear_rows_q8act_ref, small_m)
+from tandem.kernels.quant import (MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, dequantize_ref,
+                                  packed_rows, linear_rows_q8act_ref, small_m)
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.gemv_packed_q8act_max_rows(Q4_1) == 0,
                                 reason="needs the native kernels on a CPU with AVX2")
@@ -121,22 +121,28 @@ def test_k_quants_packed_copy_is_the_files_size_and_close_to_the_specification()
             torch.testing.assert_close(y, linear_rows_q8act_ref(x, q), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype, nbytes, d_at", [(Q5_K, 176, 0), (Q3_K, 110, 108), (Q2_K, 84, 80)])
+@pytest.mark.parametrize("qtype, nbytes, d_at", [(Q5_K, 176, 0), (Q4_K, 144, 0), (Q6_K, 210, 208), (Q3_K, 110, 108),
+                                                  (Q2_K, 84, 80)])
 def test_k_quant_extreme_sums_do_not_overflow(qtype, nbytes, d_at):
-    """Every quant at its top value (Q5_K 31, Q3_K's unsigned 7, Q2_K 3) and every scale and min at its largest
-    against x rounded to +-127 everywhere: AVX2's int16 sum of a half's 4 pmaddubsw is at its largest (Q5_K's
-    4 x 2 x 31 x 127), and still the GEMM's bits."""
+    """Every quant at its top value (Q5_K 31, Q4_K 15, Q6_K's unsigned 63, Q3_K's unsigned 7, Q2_K 3) and every
+    scale and min at its largest (Q6_K's scales -128) against x rounded to +-127 everywhere: AVX2's int16 sum of a
+    half's 4 pmaddubsw is at its largest (Q5_K's 4 x 2 x 31 x 127), the K8 contract's super-block integer too
+    (Q6_K: 16 x 128 x 16 x 63 x 127 before its offset), and still the GEMM's bits."""
     from tandem.kernels.quant import QuantWeight
     b = torch.full((20, 2, nbytes), 0xFF, dtype=torch.uint8)
     d = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)            # d, dmin
-    b[..., d_at:d_at + 4] = d[:2] if qtype == Q3_K else d                               # Q3_K: d alone
+    one_d = qtype in (Q3_K, Q6_K)
+    b[..., d_at:d_at + (2 if one_d else 4)] = d[:2] if one_d else d                     # Q3_K, Q6_K: d alone
+    if qtype == Q6_K:
+        b[..., 192:208] = 0x80
     q = QuantWeight.from_gguf(b.reshape(20, -1), qtype, 512)
     packed = T.pack_gemv(q.data, qtype, 512)
     x = torch.ones(3, 512)
     x[1] = -1
     x[2, 256:] = -1
     gemm = T.gemm_rows_q8act(x, q.data, qtype, 512, None)
-    torch.testing.assert_close(gemm, linear_rows_q8act_ref(x, q), rtol=1e-5, atol=1e-4)
+    scale = float((x.abs() @ dequantize_ref(q.data, qtype, 512).abs().t()).max())     # row 2's halves cancel
+    torch.testing.assert_close(gemm, linear_rows_q8act_ref(x, q), rtol=1e-5, atol=1e-7 * scale)
     for isa in BODIES:
         assert torch.equal(T.gemv_packed_q8act(x, packed, qtype, 512, 20, None, isa), gemm), isa
 

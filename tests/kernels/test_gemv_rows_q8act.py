@@ -1,4 +1,4 @@
-"""The int8 GEMV with the GEMM's arithmetic (tandem.gemv_rows_q8act; Q4_1, Q4_K and Q8_0, an AVX-512 VNNI and an AVX2
+"""The int8 GEMV with the GEMM's arithmetic (tandem.gemv_rows_q8act; Q4_1 and Q8_0, an AVX-512 VNNI and an AVX2
 body; Q5_0, Gemma 3's main type, and MXFP4, gpt-oss's experts, the VNNI body only): its rows equal gemm_rows_q8act's
 bit for bit, so linear_rows_q8act
 (which runs it up to gemv_rows_q8act_max_rows() rows and the GEMM past them, where that is not 0) gives a row the same
@@ -17,7 +17,7 @@ from tandem.kernels.quant import MXFP4, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, linear_row
 
 pytestmark = pytest.mark.skipif(not kernels.available() or torch.ops.tandem.isa(-1) < 1,
                                 reason="needs the native kernels on a CPU with AVX2")
-TYPES = {"Q4_1": Q4_1, "Q4_K": Q4_K, "Q8_0": Q8_0, "Q5_0": Q5_0, "MXFP4": MXFP4}
+TYPES = {"Q4_1": Q4_1, "Q8_0": Q8_0, "Q5_0": Q5_0, "MXFP4": MXFP4}
 BODIES = runnable((1, 2), vnni=True)                                     # AVX2, and VNNI where it is here
 VNNI_ONLY = {Q5_0, MXFP4}                                                       # types the AVX2 body does not have
 
@@ -64,12 +64,12 @@ def test_a_row_has_the_same_bits_at_every_row_count(name):
 
 
 def test_rows_and_refusals():
-    assert torch.ops.tandem.gemv_rows_q8act_max_rows(Q4_K) >= 1         # AVX2 and VNNI
+    assert torch.ops.tandem.gemv_rows_q8act_max_rows(Q4_K) == 0         # the K8 contract: k8_spec.cpp
     assert torch.ops.tandem.gemv_rows_q8act_max_rows(Q6_K) == 0
     if torch.ops.tandem.isa(-1) < 2:                           # AVX2: Q4_1 and Q8_0 keep linear_rows_q8act's faster body
         assert torch.ops.tandem.gemv_rows_q8act_max_rows(Q4_1) == torch.ops.tandem.gemv_rows_q8act_max_rows(Q8_0) == 0
     q = _weight(4, 256, Q6_K, seed=0)
-    with pytest.raises(RuntimeError, match="Q4_1, Q4_K, Q8_0, Q5_0 or MXFP4"):
+    with pytest.raises(RuntimeError, match="Q4_1, Q8_0, Q5_0 or MXFP4"):
         torch.ops.tandem.gemv_rows_q8act(torch.randn(2, 256), q.data, Q6_K, 256)
     q = _weight(4, 256, Q8_0, seed=0)
     with pytest.raises(RuntimeError, match="needs AVX2"):                    # isa 0: the scalar cap

@@ -42,7 +42,7 @@ def test_linear_rows_int8_act_equals_reference(name, isa, m, n, k):
     q = blocks(n, k, qtype, seed=m + n) if qtype in (Q4_K, Q6_K) else weights(n, k, qtype, seed=m + n)
     x, bias = torch.randn(m, k) * 3, torch.randn(n)
     x[0, : k // 2] *= 0                                                    # a zero block: dx = 0
-    xq, d = quantize_act_ref(x)
+    xq, d = quantize_act_ref(x, qtype)
     xd, w = (xq.float() * d).reshape(m, k), dequantize_ref(q.data, q.qtype, k)
     for b in (None, bias):
         y = torch.ops.tandem.linear_rows_q8act(x, q.data, q.qtype, k, b, isa)

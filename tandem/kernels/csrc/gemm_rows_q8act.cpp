@@ -22,7 +22,8 @@
 // (tests/kernels/test_gemm_rows_q8act.py). Measured (one thread, AMD EPYC with AVX-512 VNNI, SmolLM2's shapes):
 // 1.6-2.1x MKL's fp32 GEMM plus the dequantization at 128-512 rows; the AVX2 body 1.1-3x MKL past 16 rows on an
 // AVX2-only Zen 3 (quant.py). End to end, 16 prompts x 1000 tokens prefill in 1.41x less time. The micro-kernels:
-// gemm_rows_q8act_tiles.inc.
+// gemm_rows_q8act_tiles.inc. Q4_K / Q5_K / Q6_K are not computed here: they run the K8 contract (k8_spec.cpp, x
+// rounded per super-block), whose specification this op returns for them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -358,7 +359,7 @@ bool cpu_has_amx();
 int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa_req) {
   switch (qtype) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kMXFP4: break;
+    case kQ2_K: case kQ3_K: case kMXFP4: break;      // Q4_K / Q5_K / Q6_K: k8_spec.cpp, no tiles here
     default: return 0;
   }
   const Isa isa = resolve_isa(isa_req);
@@ -369,6 +370,7 @@ int64_t gemm_rows_q8act_body(int64_t qtype, int64_t isa_req) {
 at::Tensor gemm_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                            const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.gemm_rows_q8act", x_in, w, qtype, K, bias_in);
+  if (k8_type(qtype)) return k8_rows_spec(x_in, w, qtype, K, bias_in);     // Q4_K / Q5_K / Q6_K: the K8 contract
   auto [x, bias, y] = linear_io(x_in, bias_in, w.size(0));
   const int64_t M = x.size(0), N = w.size(0);
   if (M == 0 || N == 0) return y;

@@ -1,10 +1,10 @@
 // gemv_packed_q8act for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): the streaming int8 GEMV on weights interleaved
-// at load for 16 output rows, as gemv_packed_q8act.cpp does for Q4_0 / Q4_1 / Q8_0, with gemm_rows_q8act's arithmetic
-// (its header): per 16-weight half u, f = fma(float(isum_u), dx_u dw_u, f), then for Q2_K / Q4_K / Q5_K f = fma(sxh_u,
-// mh_u, f), dw_u and mh_u made from the super-block's scales exactly as k_scales makes them (d sc_j, m_j (-dmin);
-// Q6_K d scale_u; Q2_K / Q3_K: gemv_packed_q8act_k23.inc). So its rows are bit for bit the GEMM's and
-// gemv_rows_q8act's, at any row count. Here: the op, the pack and the AVX-512 VNNI tiles of Q4_K / Q5_K / Q6_K; their
-// AVX2 tiles in gemv_packed_k_q8act_avx2.inc, both of Q2_K / Q3_K's in gemv_packed_q8act_k23.inc.
+// at load for 16 output rows, as gemv_packed_q8act.cpp does for Q4_0 / Q4_1 / Q8_0. Q4_K / Q5_K / Q6_K compute the
+// K8 contract (k8_spec.cpp: x rounded per super-block, a super-block's sums times their integer scales in int32,
+// one conversion and one or two fma a super-block), so their rows are bit for bit its specification's at any row
+// count; Q2_K / Q3_K keep gemm_rows_q8act's per-half arithmetic (its header; gemv_packed_q8act_k23.inc). Here: the
+// op and the pack; the tiles of Q4_K / Q5_K / Q6_K in gemv_packed_k8_vnni.inc (AVX-512 VNNI) and
+// gemv_packed_k_q8act_avx2.inc, Q2_K / Q3_K's in gemv_packed_q8act_k23.inc.
 //
 // Why: on a 1.5B Q4_K_M file a decode step is the weight stream, and the row layout's GEMV (gemv_rows_q8act) read it
 // at ~32 GB/s where llama.cpp reads ~43 on the same cores (issue 46). The packed layout is the file's size
@@ -51,10 +51,12 @@ constexpr int64_t sb_bytes(int64_t qt) { return kG * row_sb_bytes(qt); }        
 constexpr int64_t sub_bytes(int64_t qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 320 : 384; }   // its quants
 constexpr bool has_min(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }        // Q4_K, Q5_K: d, dmin, scales
 
-struct KX {                 // rows of x rounded as gemm_rows_q8act rounds them, natural order
-  const int8_t* q;              // [M][K]
-  const float *dx, *sxh;        // [M][nh]
-  const int32_t* off;           // [M][nh]: Q6_K 32 sum(x) of the half, Q3_K 4 sum(x); the others unused
+struct KX {                 // rows of x, natural order: Q2_K / Q3_K rounded per half as gemm_rows_q8act rounds
+  const int8_t* q;              // them, Q4_K / Q5_K / Q6_K per super-block (quantize_k8_x); q [M][K]
+  const float *dx, *sxh;        // [M][nh], per half
+  const int32_t* off;           // [M][nh]: Q3_K 4 sum(x) of the half; the others unused
+  const float* d8;              // [M][K / 256], per super-block
+  const int16_t* bs;            // [M][K / 256][16]: quantize_k8_x's sums
   int64_t K, nh;
 };
 
@@ -69,20 +71,6 @@ TANDEM_KERNEL_VNNI inline void widen4(__m512i v, __m512 s, __m512* out, bool sig
   out[1] = widen1(_mm512_extracti32x4_epi32(v, 1), s, sign);
   out[2] = widen1(_mm512_extracti32x4_epi32(v, 2), s, sign);
   out[3] = widen1(_mm512_extracti32x4_epi32(v, 3), s, sign);
-}
-
-// Q4_K: a super-block's 8 sub-block scales (dw = d sc_j) and mins (mh = m_j (-dmin)) of the group's 16 rows from
-// the transposed scale bytes S, with 64-byte operations: 4 sub-blocks' bytes a vector (a quarter of the work of
-// decoding each sub-block's 16 bytes apart, measured as ~30% of the one-row tile's operations).
-TANDEM_KERNEL_VNNI inline void q4k_scales16(const uint8_t* S, __m512 d, __m512 ndmin, __m512* dw, __m512* mh) {
-  const __m512i s0 = _mm512_loadu_si512(S), s1 = _mm512_loadu_si512(S + 64), s2 = _mm512_loadu_si512(S + 128);
-  const __m512i m63 = _mm512_set1_epi8(63), m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
-  const __m512i top0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(s0, 6), m3), 4);
-  const __m512i top1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(s1, 6), m3), 4);
-  widen4(_mm512_and_si512(s0, m63), d, dw);
-  widen4(_mm512_or_si512(_mm512_and_si512(s2, m15), top0), d, dw + 4);
-  widen4(_mm512_and_si512(s1, m63), ndmin, mh);
-  widen4(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(s2, 4), m15), top1), ndmin, mh + 4);
 }
 
 // Q6_K vector p's element quants (q + 32, 0..63) of half h from its nibble vector v and high-bit vector hb.
@@ -161,71 +149,7 @@ TANDEM_KERNEL_AVX2 void store8(const __m256* f, int64_t m0, const float* bias, f
   }
 }
 
-// One group (output rows n0 .. n0 + 15) against rows m0 .. m0 + MT - 1 of x (the AVX-512 VNNI body).
-template <int64_t QT, int MT>
-TANDEM_KERNEL_VNNI void ktile(const uint8_t* gp, int64_t ns, const KX& x, int64_t m0, const float* bias, float* y,
-                              int64_t ldy, int64_t n0, int64_t N) {
-  constexpr int64_t SB = sb_bytes(QT), QB = sub_bytes(QT);
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
-  __m512 f[MT];
-  for (int j = 0; j < MT; ++j) f[j] = _mm512_setzero_ps();
-  const bool first = m0 == 0;                 // the group's first pass requests the stream ahead
-  for (int64_t s = 0; s < ns; ++s) {
-    const uint8_t* sp = gp + s * SB;
-    if (first) prefetch_ahead(sp + kPrefetchAhead, SB);
-    const uint8_t* tail = sp + 8 * QB;                   // Q4_K / Q5_K: d, dmin, scales; Q6_K: scales, d
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(has_min(QT) ? tail : tail + 256)));
-    __m512 kdw[8], kmh[8];
-    if constexpr (has_min(QT))
-      q4k_scales16(tail + 64, d, _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tail + 32))),
-                                               _mm512_set1_ps(-0.0f)), kdw, kmh);
-    for (int sb = 0; sb < 8; ++sb) {
-      const uint8_t* q = sp + sb * QB;
-      __m512i w[8];
-      __m512 dw[2], mh = _mm512_setzero_ps();
-      if constexpr (has_min(QT)) {
-        for (int p = 0; p < 4; ++p) {
-          const __m512i v = _mm512_loadu_si512(q + 64 * p);
-          w[p] = _mm512_and_si512(v, m4);
-          w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        }
-        if constexpr (QT == kQ5_K) {
-          const __m512i hb = _mm512_loadu_si512(q + 256);
-          for (int p = 0; p < 4; ++p) {
-            w[p] = q5_bits512(w[p], hb, p, 0);
-            w[4 + p] = q5_bits512(w[4 + p], hb, p, 1);
-          }
-        }
-        dw[0] = dw[1] = kdw[sb];
-        mh = kmh[sb];
-      } else {
-        const __m512i h0 = _mm512_loadu_si512(q + 256), h1 = _mm512_loadu_si512(q + 320);
-        for (int p = 0; p < 4; ++p) {
-          const __m512i v = _mm512_loadu_si512(q + 64 * p);
-          w[p] = q6k_bits512(v, h0, p, 0);
-          w[4 + p] = q6k_bits512(v, h1, p, 1);
-        }
-        for (int h = 0; h < 2; ++h)
-          dw[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                      _mm_loadu_si128((const __m128i*)(tail + 16 * (2 * sb + h))))), d);
-      }
-      for (int j = 0; j < MT; ++j) {
-        const int64_t m = m0 + j;
-        const int8_t* xb = x.q + m * x.K + 256 * s + 32 * sb;
-        for (int h = 0; h < 2; ++h) {
-          const int64_t u = 16 * s + 2 * sb + h;
-          __m512i acc = MT >= 4 ? half_dot512_chain(w + 4 * h, xb + 16 * h) : half_dot512(w + 4 * h, xb + 16 * h);
-          if constexpr (QT == kQ6_K) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(x.off[m * x.nh + u]));
-          f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(x.dx[m * x.nh + u]), dw[h]),
-                                 f[j]);
-          if constexpr (has_min(QT)) f[j] = _mm512_fmadd_ps(_mm512_set1_ps(x.sxh[m * x.nh + u]), mh, f[j]);
-        }
-      }
-    }
-  }
-  store16<MT>(f, m0, bias, y, ldy, n0, N);
-}
-
+#include "gemv_packed_k8_vnni.inc"
 #include "gemv_packed_k_q8act_avx2.inc"
 #include "gemv_packed_q8act_k23.inc"
 
@@ -332,6 +256,18 @@ void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N,
   }
 }
 
+// Rows of x as the type's tiles read them: Q2_K / Q3_K per half (quantize_packed_x, Q3_K's offset 4), the K8 types
+// per super-block (quantize_k8_x: Q6_K's sums per half, Q4_K / Q5_K's per sub-block).
+KX round_x(const at::Tensor& x, int64_t qtype) {
+  const int64_t K = x.size(1), nh = K / 16;
+  if (k23(qtype)) {
+    const PackedX px = quantize_packed_x(x, qtype == kQ3_K ? 4 : 0);
+    return KX{px.q, px.dx, px.sxh, px.off, nullptr, nullptr, K, nh};
+  }
+  const K8X kx = quantize_k8_x(x, qtype == kQ6_K);
+  return KX{kx.q, nullptr, nullptr, nullptr, kx.d, kx.bs, K, nh};
+}
+
 }  // namespace
 
 bool packable_k(int64_t qtype) { return k23(qtype) || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
@@ -354,14 +290,13 @@ at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K) {
 at::Tensor gemv_packed_k_q8act(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K, int64_t N,
                                const at::Tensor& bias, at::Tensor y, int body) {
   TORCH_CHECK(K > 0 && K % 256 == 0, "tandem.gemv_packed_q8act: K must be a positive multiple of 256 for K-quants");
-  const int64_t ns = K / 256, nh = K / 16, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
+  const int64_t ns = K / 256, NG = (N + kG - 1) / kG, gbytes = ns * sb_bytes(qtype);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(0) == NG && packed.size(1) == gbytes,
               "tandem.gemv_packed_q8act: packed must be pack_gemv's uint8 [", NG, ", ", gbytes, "] for N = ", N);
   const int64_t M = x.size(0);
   if (M == 0) return y;
-  PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);    // the values' offsets
-  const KX xr{px.q, px.dx, px.sxh, px.off, K, nh};
+  const KX xr = round_x(x, qtype);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -387,10 +322,11 @@ void gemv_packed_k_q8act_jobs(const at::Tensor& x, const at::Tensor& stacked, co
   const uint8_t* base = stacked_copies(stacked, ids, NG, gbytes, N);
   const int64_t J = (int64_t)ids.size();
   if (J == 0) return;
-  const PackedX px = quantize_packed_x(x, qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0);
+  const KX x0 = round_x(x, qtype);
   split_jobs(J, NG, body == 1 ? 1 : 4, [&](int64_t j, int64_t g0, int64_t g1) {   // gemv_packed_k_q8act's, one row
     const int64_t m = j / rep;
-    const KX xr{px.q + m * K, px.dx + m * nh, px.sxh + m * nh, px.off + m * nh, K, nh};
+    const KX xr = k23(qtype) ? KX{x0.q + m * K, x0.dx + m * nh, x0.sxh + m * nh, x0.off + m * nh, nullptr, nullptr, K, nh}
+                             : KX{x0.q + m * K, nullptr, nullptr, nullptr, x0.d8 + m * ns, x0.bs + 16 * m * ns, K, nh};
     const uint8_t* wp = base + ids[j] * NG * gbytes;
     float* yj = y + j * N;
     switch (qtype) {

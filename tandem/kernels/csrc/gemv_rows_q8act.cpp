@@ -1,4 +1,4 @@
-// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q4_K, Q8_0 and, VNNI only, Q5_0 and MXFP4; an AVX-512 VNNI body here,
+// The int8 GEMV with the GEMM's arithmetic (Q4_1, Q8_0 and, VNNI only, Q5_0 and MXFP4; an AVX-512 VNNI body here,
 // an AVX2 one in gemv_rows_q8act_avx2.inc): for a few rows of x, each
 // output computed by gemm_rows_q8act's operations in gemm_rows_q8act's order (gemm_rows_q8act.cpp's header), so its
 // rows are bit for bit the GEMM's at any row count. That is what would let one arithmetic serve every row count (the
@@ -288,8 +288,7 @@ int gemv_body(int64_t isa_req) {
 // own body).
 int64_t gemv_rows_q8act_max_rows_isa(int64_t qtype, int64_t isa_req) {
   const int body = gemv_body(isa_req);
-  if (body == 2) return qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ5_0 || qtype == kMXFP4 ? 16 : qtype == kQ8_0 ? 8 : 0;
-  if (body == 1) return qtype == kQ4_K ? 16 : 0;
+  if (body == 2) return qtype == kQ4_1 || qtype == kQ5_0 || qtype == kMXFP4 ? 16 : qtype == kQ8_0 ? 8 : 0;
   return 0;
 }
 
@@ -298,8 +297,9 @@ int64_t gemv_rows_q8act_max_rows(int64_t qtype) { return gemv_rows_q8act_max_row
 at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                            const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.gemv_rows_q8act", x_in, w, qtype, K, bias_in);
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kMXFP4,
-              "tandem.gemv_rows_q8act: Q4_1, Q4_K, Q8_0, Q5_0 or MXFP4 (ggml types 3, 12, 8, 6, 39), got ", qtype);
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_0 || qtype == kMXFP4,
+              "tandem.gemv_rows_q8act: Q4_1, Q8_0, Q5_0 or MXFP4 (ggml types 3, 8, 6, 39; Q4_K / Q5_K / Q6_K run the K8 ",
+              "contract, k8_spec.cpp), got ", qtype);
   const int body = gemv_body(isa_req);
   TORCH_CHECK(body > 0, "tandem.gemv_rows_q8act needs AVX2 (or AVX-512 VNNI)");
   TORCH_CHECK((qtype != kQ5_0 && qtype != kMXFP4) || body == 2,
@@ -342,7 +342,7 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
   const int G = body == 2 ? kG : kG2;                  // weight rows of a group: the fp32 chain's lanes
   at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> zero(row_bytes, 0);
-    std::vector<float> dw(nb * G), mh(nb * G), tmp(qtype == kQ4_K || qtype == kMXFP4 ? G * 4 * nb : 0);
+    std::vector<float> dw(nb * G), mh(nb * G), tmp(qtype == kMXFP4 ? G * 4 * nb : 0);
     // Q5_0 with several rows of x on the VNNI body: its values decoded once a group (predecode). Measured, one
     // thread, Gemma 3's 2048 x 640: 1.2x / 1.4x / 1.5x at 2 / 8 / 16 rows against decoding them for each row of x
     // (Q4_1 / Q4_K, whose decode is two ops, lose at 2 rows and gain nothing at 4-16: they decode inline).
@@ -369,13 +369,11 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
       if (body == 2) {
         if (predecoded) group_all<-kQ5_0>(g, xr, M, bn, yp + n0, N, nr);
         else if (qtype == kQ4_1) group_all<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
-        else if (qtype == kQ4_K) group_all<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
         else if (qtype == kQ5_0) group_all<kQ5_0>(g, xr, M, bn, yp + n0, N, nr);
         else if (qtype == kMXFP4) group_all<kMXFP4>(g, xr, M, bn, yp + n0, N, nr);
         else group_all<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
       } else {
         if (qtype == kQ4_1) group_all_avx2<kQ4_1>(g, xr, M, bn, yp + n0, N, nr);
-        else if (qtype == kQ4_K) group_all_avx2<kQ4_K>(g, xr, M, bn, yp + n0, N, nr);
         else group_all_avx2<kQ8_0>(g, xr, M, bn, yp + n0, N, nr);
       }
     }

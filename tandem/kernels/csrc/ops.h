@@ -60,6 +60,15 @@ at::Tensor packed_gather(const at::Tensor& packed, int64_t qtype, int64_t K, int
 // q [M][K], dx / sxh [M][K / 16], off [M][K / 16] = unit * sum of the half's quants.
 struct PackedX { const int8_t* q; const float *dx, *sxh; const int32_t* off; };
 PackedX quantize_packed_x(const at::Tensor& x, int32_t unit);
+// Q4_K / Q5_K / Q6_K's rows of x (the K8 contract, k8_spec.cpp): int8 per 256-element super-block as llama.cpp's Q8_K,
+// d = max |x| / 127 of the super-block, q = nearbyint(x / d); bs [M][K / 256][16] the super-block's sums of quants:
+// per16 (Q6_K) its 16 halves', else its 8 sub-blocks' of 32 (entries 8-15 zero). In thread-local buffers.
+struct K8X { const int8_t* q; const float* d; const int16_t* bs; int64_t K, ns; };
+K8X quantize_k8_x(const at::Tensor& x, bool per16);
+constexpr bool k8_type(int64_t qtype) { return qtype == 12 || qtype == 13 || qtype == 14; }   // Q4_K, Q5_K, Q6_K
+// The K8 contract's specification on the row layout (k8_spec.cpp): what every body of the three types computes.
+at::Tensor k8_rows_spec(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
+                        const std::optional<at::Tensor>& bias);
 // Its K-quant bodies (gemv_packed_k_q8act.cpp: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); body 2 AVX-512 VNNI, 1 AVX2.
 bool packable_k(int64_t qtype);
 at::Tensor pack_gemv_k(const at::Tensor& w, int64_t qtype, int64_t K);
