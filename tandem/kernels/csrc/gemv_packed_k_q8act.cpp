@@ -200,16 +200,6 @@ void kgroups(int body, const uint8_t* wp, int64_t gbytes, int64_t ns, const KX& 
   }
 }
 
-// Row r's super-block s of a Q6_K row (the GGUF's 210 bytes) as 256 values q + 32 in element order.
-void q6k_values(const uint8_t* blk, uint8_t* v) {
-  for (int e = 0; e < 256; ++e) {
-    const int h = e / 128, t = (e % 128) / 32, l = e % 32;
-    const int lo = (blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15;
-    const int hi = (blk[128 + 32 * h + l] >> (2 * t)) & 3;
-    v[e] = (uint8_t)(lo | hi << 4);
-  }
-}
-
 void pack_group(int64_t qt, const uint8_t* w, int64_t rb, int64_t ns, int64_t N, int64_t g, uint8_t* gp) {
   for (int r = 0; r < kG && g * kG + r < N; ++r) {
     const uint8_t* row = w + (g * kG + r) * rb;
@@ -269,6 +259,16 @@ KX round_x(const at::Tensor& x, int64_t qtype) {
 }
 
 }  // namespace
+
+// A Q6_K super-block (the GGUF's 210 bytes) as 256 values q + 32 in element order.
+void q6k_values(const uint8_t* blk, uint8_t* v) {
+  for (int e = 0; e < 256; ++e) {
+    const int h = e / 128, t = (e % 128) / 32, l = e % 32;
+    const int lo = (blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15;
+    const int hi = (blk[128 + 32 * h + l] >> (2 * t)) & 3;
+    v[e] = (uint8_t)(lo | hi << 4);
+  }
+}
 
 bool packable_k(int64_t qtype) { return k23(qtype) || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 

@@ -40,7 +40,7 @@ constexpr int kMx = 4;      // rows of x per pass over a group's weights
 // The bodies' type tags: a ggml type, or minus a nibble type whose values are read from the group's predecoded
 // copy (predecode; only Q5_0 takes it, see `predecoded` in gemv_rows_q8act).
 constexpr int64_t base_of(int64_t qt) { return qt < 0 ? -qt : qt; }
-constexpr bool gv_min(int64_t qt) { return base_of(qt) == kQ4_1 || base_of(qt) == kQ4_K; }   // a second fma a half
+constexpr bool gv_min(int64_t qt) { return base_of(qt) == kQ4_1; }   // a second fma a half
 // Types whose bytes ride unsigned with an offset taken off each half's exact sum (x.hs_off): Q5_0's 5-bit
 // values (v - 16), MXFP4's looked-up values + 12 (mxfp4.h).
 constexpr bool has_offset(int64_t qt) { return base_of(qt) == kQ5_0 || base_of(qt) == kMXFP4; }
@@ -85,23 +85,20 @@ TANDEM_KERNEL_VNNI inline void transpose16(__m512 m[16]) {
 }
 
 // The group's scales with lanes over its rows, as gemm_rows_q8act unpacks them (both halves of a block share them):
-// dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; Q4_K its sub-blocks'
-// fp32 d sc_j and -(dmin m_j) (k_scales, into tmp [kG][4 nb]); MXFP4 its blocks' 2^(e - 128) (into tmp too).
+// dw [nb][kG], mh [nb][kG]: Q4_1 the fp16 d at the row's start and the fp16 m after them; MXFP4 its blocks'
+// 2^(e - 128) (into tmp [kG][4 nb] first).
 // 16 blocks of the 16 rows at a time, transposed.
 TANDEM_KERNEL_VNNI void group_scales(int64_t qt, const uint8_t* const* rows, int64_t nb, float* dw, float* mh,
                                      float* tmp) {
-  const bool kq = qt == kQ4_K || qt == kMXFP4;
-  for (int r = 0; kq && r < kG; ++r) {
-    if (qt == kMXFP4) e8m0_halves(rows[r], nb, tmp + r * 4 * nb);
-    else k_scales(qt, rows[r], nb, tmp + r * 4 * nb);
-  }
+  const bool mx = qt == kMXFP4;
+  for (int r = 0; mx && r < kG; ++r) e8m0_halves(rows[r], nb, tmp + r * 4 * nb);
   for (int part = 0; part < (gv_min(qt) ? 2 : 1); ++part) {
     float* out = part ? mh : dw;
     for (int64_t b = 0; b < nb; b += 16) {
       const __mmask16 mk = nb - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - b)) - 1);
       __m512 m[16];
       for (int r = 0; r < kG; ++r)
-        m[r] = kq ? _mm512_maskz_loadu_ps(mk, tmp + r * 4 * nb + part * nb + b)
+        m[r] = mx ? _mm512_maskz_loadu_ps(mk, tmp + r * 4 * nb + part * nb + b)
                   : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, rows[r] + 2 * (part * nb + b)));
       transpose16(m);
       for (int i = 0; i < 16 && b + i < nb; ++i) _mm512_storeu_ps(out + (b + i) * kG, m[i]);
@@ -362,7 +359,7 @@ at::Tensor gemv_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_t 
       const char* pf = gi + 1 < g1 ? (const char*)(wp + (n0 + G) * row_bytes) : nullptr;
       const int64_t pf_lines = pf ? (std::min<int64_t>(G, N - n0 - G) * row_bytes + 63) / 64 : 0;
       if (body == 2) group_scales(qtype, rows, nb, dw.data(), mh.data(), tmp.data());
-      else group_scales_avx2(qtype, rows, nb, dw.data(), mh.data(), tmp.data());
+      else group_scales_avx2(qtype, rows, nb, dw.data(), mh.data());
       if (predecoded) predecode<kQ5_0>(rows, nb, pre.data(), pstride);
       const Group g{rows, nb, dw.data(), mh.data(), predecoded ? pre.data() : nullptr, pstride, pf, pf_lines};
       const float* bn = bp ? bp + n0 : nullptr;

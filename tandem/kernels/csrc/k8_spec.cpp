@@ -44,11 +44,7 @@ struct SuperBlock {
 void decode(int64_t qt, const uint8_t* row, int64_t ns, int64_t s, SuperBlock& b) {
   if (qt == kQ6_K) {
     const uint8_t* blk = row + 210 * s;
-    for (int e = 0; e < 256; ++e) {
-      const int h = e / 128, t = (e % 128) / 32, l = e % 32;
-      const int lo = (blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15;
-      b.v[e] = (uint8_t)(lo | ((blk[128 + 32 * h + l] >> (2 * t)) & 3) << 4);
-    }
+    q6k_values(blk, b.v);
     for (int u = 0; u < 16; ++u) b.sc[u] = (int8_t)blk[192 + u];
     b.d = fp16_to_fp32(load_u16(blk + 208));
     b.dmin = 0.f;

@@ -312,7 +312,7 @@ at::Tensor linear_rows_q8act(const at::Tensor& x_in, const at::Tensor& w, int64_
                              const std::optional<at::Tensor>& bias_in, int64_t isa_req) {
   check_int8_args("tandem.linear_rows_q8act", x_in, w, qtype, K, bias_in);
   if (k8_type(qtype)) return k8_rows_spec(x_in, w, qtype, K, bias_in);     // Q4_K / Q5_K / Q6_K: the K8 contract
-  // Q4_1 / Q4_K / Q8_0 with AVX2 or AVX-512 VNNI (and Q5_0, MXFP4 with VNNI): the GEMM's arithmetic at every row count
+  // Q4_1 / Q8_0 / Q5_0 / MXFP4 with AVX-512 VNNI: the GEMM's arithmetic at every row count
   // (gemv_rows_q8act.cpp), so a row's output is the same bits at any M and in any step; the bodies below otherwise.
   if (const int64_t gv = gemv_rows_q8act_max_rows_isa(qtype, isa_req); gv > 0)
     return x_in.size(0) <= gv ? gemv_rows_q8act(x_in, w, qtype, K, bias_in, isa_req)

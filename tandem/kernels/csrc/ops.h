@@ -66,6 +66,8 @@ PackedX quantize_packed_x(const at::Tensor& x, int32_t unit);
 struct K8X { const int8_t* q; const float* d; const int16_t* bs; int64_t K, ns; };
 K8X quantize_k8_x(const at::Tensor& x, bool per16);
 constexpr bool k8_type(int64_t qtype) { return qtype == 12 || qtype == 13 || qtype == 14; }   // Q4_K, Q5_K, Q6_K
+// A Q6_K super-block (the GGUF's 210 bytes) as its 256 values q + 32 in element order (gemv_packed_k_q8act.cpp).
+void q6k_values(const uint8_t* blk, uint8_t* v);
 // The K8 contract's specification on the row layout (k8_spec.cpp): what every body of the three types computes.
 at::Tensor k8_rows_spec(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                         const std::optional<at::Tensor>& bias);

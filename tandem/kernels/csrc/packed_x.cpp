@@ -44,6 +44,11 @@ PackedX quantize_packed_x(const at::Tensor& x, int32_t unit) {
 // The K8 rows of x: one super-block's max, d and 1 / d as scalars (the same in every body), its products x / d
 // rounded to nearest even (vcvtps2dq under the default rounding mode = nearbyint) and saturated to int8 as
 // vpmovsdb does, so every body writes the same bytes and sums.
+// A super-block's sums as quantize_k8_x keeps them (ops.h): its halves' (per16) or its sub-blocks'.
+inline void store_sums(const int* sums, bool per16, int16_t* bs) {
+  for (int u = 0; u < 16; ++u) bs[u] = (int16_t)(per16 ? sums[u] : u < 8 ? sums[2 * u] + sums[2 * u + 1] : 0);
+}
+
 namespace scalar {
 void quantize_k8_block(const float* x, int8_t* q, float* d, int16_t* bs, bool per16) {
   float amax = 0.f;
@@ -56,7 +61,7 @@ void quantize_k8_block(const float* x, int8_t* q, float* d, int16_t* bs, bool pe
     sums[i / 16] += v;
   }
   *d = dd;
-  for (int u = 0; u < 16; ++u) bs[u] = (int16_t)(per16 ? sums[u] : u < 8 ? sums[2 * u] + sums[2 * u + 1] : 0);
+  store_sums(sums, per16, bs);
 }
 }  // namespace scalar
 
@@ -73,7 +78,7 @@ TANDEM_KERNEL_AVX512 void quantize_k8_block(const float* x, int8_t* q, float* d,
     sums[u] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(b));
   }
   *d = dd;
-  for (int u = 0; u < 16; ++u) bs[u] = (int16_t)(per16 ? sums[u] : u < 8 ? sums[2 * u] + sums[2 * u + 1] : 0);
+  store_sums(sums, per16, bs);
 }
 }  // namespace avx512
 
@@ -102,7 +107,7 @@ TANDEM_KERNEL_AVX2 void quantize_k8_block(const float* x, int8_t* q, float* d, i
     sums[u] = _mm_cvtsi128_si32(s4);
   }
   *d = dd;
-  for (int u = 0; u < 16; ++u) bs[u] = (int16_t)(per16 ? sums[u] : u < 8 ? sums[2 * u] + sums[2 * u + 1] : 0);
+  store_sums(sums, per16, bs);
 }
 }  // namespace avx2
 
